@@ -1,0 +1,11 @@
+"""areal-flow: asynchronous RL for language models as a dataflow graph compiled from a Python DSL.
+
+Public API: ``flow`` (decorator), ``Model``, ``ops`` (the node kinds). Configs are in
+``areal_flow.config``; the command line is ``areal_flow.cli`` (``areal-flow``).
+"""
+
+from areal_flow import ops
+from areal_flow.dsl import Flow, Handle, Model, flow
+
+__all__ = ["Flow", "Handle", "Model", "flow", "ops"]
+__version__ = "0.1.0"

@@ -1,0 +1,177 @@
+"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run`` and ``viz``.
+
+Owns argument parsing and the loading of graph files; the work is the compiler's
+(``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
+
+    areal-flow graph graphs/arith_grpo.py                       # nodes, edges, staleness
+    areal-flow compile graphs/gsm8k_grpo.py cluster.n_nodes=4 cluster.n_gpus_per_node=8 --plan
+    areal-flow run graphs/arith_grpo.py async.max_staleness=0   # the synchronous baseline
+    areal-flow viz plan.json -o placement.html
+
+A graph file's config defaults to the YAML file of the same name beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from areal_flow.dsl import Flow
+
+
+class CLIError(Exception):
+    """A user error on the command line; printed without a traceback."""
+
+
+def load_flow(path: str | Path, name: str | None = None) -> Flow:
+    """Import a graph file and return its ``@flow`` (the one named ``name`` if several).
+
+    Raises:
+        CLIError: the file is missing, fails to import (with its error), or holds no
+            (or several, without ``name``) ``@flow`` functions.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CLIError(f"graph file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"areal_flow_graph_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so cloudpickle can find functions defined in the file
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise CLIError(f"{path}: importing the graph file failed: {type(exc).__name__}: {exc}") from exc
+    flows = {obj.name: obj for obj in vars(module).values() if isinstance(obj, Flow)}
+    if name is not None:
+        if name not in flows:
+            raise CLIError(f"{path}: no @flow named {name!r}; found: {', '.join(flows) or 'none'}")
+        return flows[name]
+    if len(flows) != 1:
+        raise CLIError(f"{path}: expected exactly one @flow, found {len(flows)} ({', '.join(flows)}); pass --flow NAME")
+    return next(iter(flows.values()))
+
+
+def default_config_path(flow: Flow, given: str | None) -> str | None:
+    if given is not None:
+        return given
+    candidate = Path(flow.source_file).with_suffix(".yaml")
+    return str(candidate) if candidate.is_file() else None
+
+
+def _config(flow: Flow, args: argparse.Namespace):
+    from areal_flow.config import load_config
+
+    cfg = load_config(default_config_path(flow, args.config), args.overrides)
+    if cfg.name == "experiment":
+        cfg.name = flow.name
+    return cfg
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    flow = load_flow(args.file, args.flow)
+    print(flow(_config(flow, args)).describe())
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from compiler import compile_plan, format_table
+
+    flow = load_flow(args.file, args.flow)
+    cfg = _config(flow, args)
+    if args.allocation:
+        cfg.compile.allocation = args.allocation
+    plan = compile_plan(flow(cfg), cfg.cluster, cfg.compile)
+    print(format_table(plan))
+    if args.plan:
+        Path(args.output).write_text(plan.to_json())
+        print(f"plan written to {args.output} (id {plan.id})")
+    if args.viz:
+        from compiler.viz import render
+
+        render(plan, args.viz)
+        print(f"placement graph written to {args.viz}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    flow = load_flow(args.file, args.flow)
+    return run_flow(flow, _config(flow, args))
+
+
+def run_flow(flow: Flow, cfg) -> int:
+    from runtime.launch import run_experiment
+
+    run_experiment(flow(cfg), cfg)
+    return 0
+
+
+def _cmd_viz(args: argparse.Namespace) -> int:
+    from compiler.plan import Plan
+    from compiler.viz import render
+
+    path = Path(args.plan)
+    if not path.is_file():
+        raise CLIError(f"plan file not found: {path}")
+    render(Plan.from_json(path.read_text()), args.output)
+    print(f"placement graph written to {args.output}")
+    return 0
+
+
+def _add_graph_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="graph file (graphs/*.py) holding one @flow")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
+    p.add_argument("--config", help="YAML config (default: the .yaml beside the graph file)")
+    p.add_argument("--flow", help="which @flow, when the file holds several")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal-flow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("graph", help="trace a graph file and print its nodes and edges")
+    _add_graph_args(p)
+    p.set_defaults(func=_cmd_graph)
+    p = sub.add_parser("compile", help="place every node on device meshes; print the plan")
+    _add_graph_args(p)
+    p.add_argument("--plan", action="store_true", help="write the plan as JSON (see -o)")
+    p.add_argument("-o", "--output", default="plan.json", help="plan JSON path (default plan.json)")
+    p.add_argument("--allocation", help='manual allocation, e.g. "gen:d4t2 + train:d2t2p2"')
+    p.add_argument("--viz", help="also draw the placement graph (.html, .svg, .png or .dot)")
+    p.set_defaults(func=_cmd_compile)
+    p = sub.add_parser("run", help="run a graph (scheduler.type=local or ray)")
+    _add_graph_args(p)
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("viz", help="draw a plan.json as a placement graph")
+    p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
+    p.add_argument("-o", "--output", default="placement.html", help="output .html, .svg, .png or .dot")
+    p.set_defaults(func=_cmd_viz)
+    return parser
+
+
+def _guarded(fn, args) -> int:
+    from areal_flow.config import ConfigError
+    from areal_flow.graph import GraphError
+
+    try:
+        return fn(args)
+    except (CLIError, ConfigError, GraphError) as exc:
+        print(f"areal-flow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _guarded(args.func, args)
+
+
+def run_main(flow: Flow, argv: list[str] | None = None) -> int:
+    """``python graphs/x.py [--config Y] [key=value ...]``: the same as ``areal-flow run``."""
+    parser = argparse.ArgumentParser(prog=Path(flow.source_file).name, description=f"run the '{flow.name}' graph")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
+    parser.add_argument("--config", help="YAML config (default: the .yaml beside this file)")
+    args = parser.parse_args(argv)
+    return _guarded(lambda a: run_flow(flow, _config(flow, a)), args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

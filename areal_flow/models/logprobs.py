@@ -1,0 +1,40 @@
+"""Per-token log-probabilities of a causal LM: the one function both the generation
+engine's tests and the trainer use, so behavior and recomputed log-probs agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability of every token given the tokens before it.
+
+    Args:
+        model: a ``transformers`` causal LM.
+        input_ids: ``[batch, seq]`` int64, right- or left-padded.
+        attention_mask: ``[batch, seq]``, 1 on real tokens, 0 on padding.
+        position_ids: ``[batch, seq]``; default ``cumsum(attention_mask) - 1`` clamped
+            at 0, so left padding does not shift positions.
+        temperature: logits are divided by it before the softmax, matching the
+            distribution the sampler drew from (the behavior policy).
+
+    Returns:
+        ``[batch, seq]`` float32: out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]);
+        out[:, 0] = 0 and padded positions hold meaningless values (mask them).
+    """
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, 1:]
+    # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materialising the full log-softmax.
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    out = picked - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(out, (1, 0), value=0.0)

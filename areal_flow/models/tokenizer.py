@@ -1,0 +1,54 @@
+"""Character-level tokenizer for the toy tasks, built offline (no download).
+
+One token per character of a small fixed alphabet (digits, arithmetic symbols, space,
+lowercase letters) plus four special tokens. Every encoded text starts with ``<bos>``;
+callers append ``<eos>`` to training targets themselves. The result is a
+``transformers.PreTrainedTokenizerFast`` so it saves with ``save_pretrained`` and reloads
+with ``AutoTokenizer.from_pretrained(folder)`` like any Hub tokenizer.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Ordinary symbols, one token each; ids follow the special tokens in this order.
+ALPHABET = string.digits + "+-*/=()., " + string.ascii_lowercase
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the character tokenizer.
+
+    Ids: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3, then one id per
+    character of ``ALPHABET`` (vocabulary size ``4 + len(ALPHABET)`` = 50). Characters
+    outside the alphabet encode to ``<unk>``. ``encode(text)`` returns
+    ``[bos] + one id per character``; ``decode(ids, skip_special_tokens=True)`` joins the
+    characters back without separators, so ``decode(encode(t)[1:]) == t`` for texts over
+    the alphabet. Padding side is left (the generation engine's convention).
+
+    Returns:
+        a ``PreTrainedTokenizerFast`` with ``pad/bos/eos/unk`` tokens set.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in ALPHABET:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every single character becomes its own "word" (spaces included).
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=1024,
+    )

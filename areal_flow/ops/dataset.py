@@ -1,0 +1,50 @@
+"""``ops.dataset``: the source node that yields prompts (one per prompt group).
+
+Port schema: no inputs; output ``prompts``. The worker side, :func:`build_task`, turns
+the node's attributes into a task object with ``train_problems(n, seed)``,
+``test_set()`` and ``reward(output_text, answer)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from areal_flow.dsl import Handle, outputs, record
+from areal_flow.graph import OpSpec, PortSpec
+
+SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
+
+TASKS = ("arithmetic", "gsm8k")
+
+
+def dataset(cfg: Any, *, name: str | None = None) -> Handle:
+    """Declare the prompt source.
+
+    Args:
+        cfg: a :class:`~areal_flow.config.DatasetConfig` (or a dict of its fields).
+        name: node name (default ``"dataset"``).
+
+    Returns:
+        Handle of type ``prompts``.
+    """
+    attrs = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    return outputs(record(SPEC, {}, attrs=attrs, name=name), SPEC)
+
+
+def build_task(attrs: dict, seed: int) -> Any:
+    """The task object of a dataset node (what the generation worker samples prompts from).
+
+    Raises:
+        ValueError: unknown task name, listing the known ones.
+    """
+    kind = attrs.get("name", "arithmetic")
+    if kind == "arithmetic":
+        from areal_flow.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(seed=seed, max_digits=attrs.get("max_digits", 3))
+    if kind == "gsm8k":
+        from areal_flow.tasks.gsm8k import GSM8KTask
+
+        return GSM8KTask(path=attrs.get("path") or None, seed=seed)
+    raise ValueError(f"dataset.name={kind!r}: unknown task; known: {', '.join(TASKS)}")

@@ -1,0 +1,54 @@
+"""``ops.generate``: sample ``n_samples`` responses (a group) for every prompt with a policy.
+
+Port schema: input ``prompts`` (and the optional ``weights`` input that
+``ops.sync_weights`` connects); output ``rollouts`` (a group of
+:class:`~areal_flow.types.Trajectory`). The work itself is done by the generation
+engine (``runtime.engines.generation``) that the runtime builds for this node.
+"""
+
+from __future__ import annotations
+
+from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.graph import GraphError, OpSpec, PortSpec
+
+SPEC = OpSpec(
+    "generate",
+    inputs=(PortSpec("prompts", "prompts"), PortSpec("weights", "weights", required=False)),
+    outputs=(PortSpec("rollouts", "rollouts"),),
+    needs_model=True,
+)
+
+
+def generate(
+    policy: Model,
+    prompts: Handle,
+    *,
+    n_samples: int = 1,
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    name: str | None = None,
+) -> Handle:
+    """Declare rollout generation.
+
+    Args:
+        policy: the model that samples (the behavior policy at its current version).
+        prompts: a ``prompts`` handle (from ``ops.dataset``).
+        n_samples: responses per prompt (the group size of GRPO/RLOO).
+        max_new_tokens: response length limit, tokens.
+        temperature: sampling temperature (0 = greedy).
+        top_p: nucleus sampling mass.
+
+    Raises:
+        GraphError: naming the node and line, when an argument is out of range.
+    """
+    node = record(
+        SPEC,
+        {"prompts": prompts},
+        model=policy,
+        attrs=dict(n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+        name=name,
+    )
+    if n_samples < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise GraphError(f"{node.where()}: need n_samples >= 1, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
+    return outputs(node, SPEC)

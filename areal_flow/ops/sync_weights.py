@@ -1,0 +1,37 @@
+"""``ops.sync_weights``: the weight channel from a model's ``train_step`` to a ``generate``.
+
+Port schema: input ``weights`` (from the ``train_step`` that updates the model), output
+``weights`` (into the ``generate`` node whose rollouts handle is ``to``). Both edges are
+``weights`` edges: they close the RL loop without a deadlock, since the generator keeps
+sampling with the version it has until newer weights arrive.
+"""
+
+from __future__ import annotations
+
+from areal_flow.dsl import Handle, Model, current_graph, record
+from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
+
+SPEC = OpSpec(
+    "sync_weights",
+    inputs=(PortSpec("weights", "weights"),),
+    outputs=(PortSpec("weights", "weights"),),
+    needs_model=True,
+)
+
+
+def sync_weights(model: Model, *, to: Handle, name: str | None = None) -> None:
+    """Declare that ``model``'s new weights go to the generator that produced ``to``.
+
+    Raises:
+        GraphError: no ``train_step`` of ``model`` was declared before this call, or
+            ``to`` is not a handle (naming the node and line).
+    """
+    node = record(SPEC, {}, model=model, name=name)
+    graph = current_graph()
+    if not isinstance(to, Handle):
+        raise GraphError(f"{node.where()}: 'to' must be the rollouts handle of a generate node, got {to!r}")
+    writers = [n for n in graph.nodes_of("train_step") if n.model == model.name]
+    if not writers:
+        raise GraphError(f"{node.where()}: no train_step updates model '{model.name}' (declare it before sync_weights)")
+    graph.add_edge(Edge(writers[0].name, "weights", node.name, "weights", WEIGHTS))
+    graph.add_edge(Edge(node.name, "weights", to.node, "weights", WEIGHTS))

@@ -1,0 +1,55 @@
+"""``ops.train_step``: one optimizer step of a model on a batch of advantaged trajectories.
+
+Port schema: input ``advantages`` (a bounded-staleness data edge: ``max_staleness`` = k);
+outputs ``stats`` (metrics) and ``weights`` (the new parameters, on the weight channel,
+which ``ops.sync_weights`` routes to a generator). Each step increments the model's
+policy version. The update itself is ``areal_flow.algorithms`` (picked by ``algorithm``).
+"""
+
+from __future__ import annotations
+
+from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.graph import GraphError, OpSpec, PortSpec
+
+SPEC = OpSpec(
+    "train_step",
+    inputs=(PortSpec("advantages", "advantages"),),
+    outputs=(PortSpec("stats", "stats"), PortSpec("weights", "weights")),
+    needs_model=True,
+)
+
+
+def train_step(
+    model: Model,
+    advantages: Handle,
+    *,
+    algorithm: str = "grpo",
+    max_staleness: int = 0,
+    name: str | None = None,
+) -> Handle:
+    """Declare the training node of ``model``.
+
+    Args:
+        model: the model it updates (exactly one train_step per model).
+        advantages: ``advantages`` handle from ``ops.advantage``.
+        algorithm: registered algorithm name (``areal_flow.algorithms``).
+        max_staleness: k >= 0; a sample is trained at most k versions after the version
+            that generated its first token. 0 = synchronous (a barrier per step).
+
+    Returns:
+        Handle of type ``stats``.
+
+    Raises:
+        GraphError: negative or non-integer ``max_staleness`` (naming the node and line).
+    """
+    node = record(
+        SPEC,
+        {"advantages": advantages},
+        model=model,
+        attrs={"algorithm": algorithm, "max_staleness": max_staleness},
+        name=name,
+        staleness={"advantages": max_staleness},
+    )
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        raise GraphError(f"{node.where()}: max_staleness must be an int >= 0, got {max_staleness!r}")
+    return outputs(node, SPEC)

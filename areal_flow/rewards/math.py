@@ -1,0 +1,266 @@
+"""Rule reward for math word problems (GSM8K conventions) and the runtime's safe wrapper.
+
+Owns: pulling the final answer out of a model's free text, normalizing it to an exact
+rational number, and comparing it with the reference answer. LaTeX that is more than a
+plain number (``\\frac{1}{2}``, ``1\\frac{1}{2}``, ``2\\sqrt{2}``) is parsed and compared
+with Hugging Face's ``math-verify`` (``math_verify.parse`` / ``math_verify.verify``);
+everything GSM8K-specific (``#### 42``, "The answer is 42.", thousands commas, currency,
+trailing units, percent) is our own code. Must not: tokenize, batch, or know about
+trajectories (the ``reward`` op does that).
+
+Answer extraction, first rule that finds something wins:
+
+1. the last ``#### <answer>`` (GSM8K's reference format);
+2. the last ``\\boxed{...}`` (braces balanced, so ``\\boxed{\\frac{1}{2}}`` works);
+3. the last "answer is / answer: / answer =" phrase, first number after it on its line;
+4. the last number anywhere in the text.
+
+Numbers are compared exactly as ``fractions.Fraction`` (``3.50 == 3.5``, ``1/2 == 0.5``,
+``10**20 + 1 != 10**20``), never through floats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, Callable
+
+import sympy
+from math_verify import parse as _mv_parse
+from math_verify import verify as _mv_verify
+from math_verify.errors import TimeoutException as _MathVerifyTimeout
+
+RewardFn = Callable[[str, str], float]
+
+# A signed decimal number with optional thousands commas and an optional "/denominator".
+# The sign only counts when it does not follow a word character or ")" ("8-5" is 8 and 5,
+# "x = -5" is -5). Unicode minus (U+2212) is accepted.
+_NUMBER_RE = re.compile(
+    r"(?:(?<![\w)])(?P<sign>[-\u2212+])\s?)?"
+    r"(?P<currency>[$\u20ac\u00a3\u00a5]\s?)?"
+    r"(?<![\d.])(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))"
+    r"(?P<frac>\.\d+)?"
+    r"(?:/(?P<den>\d+(?:\.\d+)?))?"
+)
+_HASH_RE = re.compile(r"####[ \t]*(?P<span>[^\n]*)")
+_ANSWER_RE = re.compile(
+    r"answer\s*(?:is|was|would be|will be|should be)?\s*[:=]?(?P<span>[^\n]*)", re.IGNORECASE
+)
+# LaTeX that only decorates a number: \text{ dollars}, \$, \%, {,}, thin spaces, \left/\right.
+_LATEX_DECOR_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{[^{}]*\}|\\[$%,!;: ]|\\(?:left|right)")
+# LaTeX that only math-verify understands.
+_LATEX_MATH_RE = re.compile(r"\\(?:d|t)?frac|\\sqrt|\\pi|\^")
+_MAX_TEXT_CHARS = 100_000  # longer outputs are judged on their last 100k characters
+
+
+def math_reward(output_text: Any, reference: str | int | float | Fraction) -> float:
+    """1.0 if the final answer in ``output_text`` equals ``reference``, else 0.0.
+
+    Args:
+        output_text: the model's decoded response. Anything that is not a ``str`` (None,
+            bytes, numbers) and any text without an answer scores 0.0; this function never
+            raises because of the output.
+        reference: the reference answer, e.g. ``"72"``, ``"1,200"``, ``"-3"``, ``"0.5"``,
+            ``"\\frac{1}{2}"``, or a number.
+
+    Returns:
+        1.0 or 0.0 (float). Comparison is exact on rationals after normalization
+        (commas in thousands, sign, decimals, ``a/b``, currency, trailing units, ``%``
+        dropped) or, for LaTeX expressions, ``math_verify.verify``.
+
+    Raises:
+        ValueError: ``reference`` is not a number or parseable expression (a data bug,
+            not a model error).
+    """
+    gold = _parse_reference(reference)
+    if not isinstance(output_text, str) or not output_text.strip():
+        return 0.0
+    try:
+        predicted = extract_answer(output_text)
+    except (ValueError, ZeroDivisionError, RecursionError, _MathVerifyTimeout):
+        return 0.0
+    if predicted is None:
+        return 0.0
+    if isinstance(predicted, Fraction) and isinstance(gold, Fraction):
+        return 1.0 if predicted == gold else 0.0
+    return 1.0 if _verify(_to_sympy(gold), _to_sympy(predicted)) else 0.0
+
+
+def extract_answer(text: str) -> Fraction | sympy.Basic | None:
+    """The final answer in ``text`` (rules 1-4 of the module docstring), normalized.
+
+    Returns:
+        a ``Fraction`` for plain numbers, a sympy expression for LaTeX math parsed by
+        math-verify, or None when the text has no answer.
+    """
+    text = text[-_MAX_TEXT_CHARS:]
+    hashes = list(_HASH_RE.finditer(text))
+    if hashes:
+        value = _first_number(hashes[-1].group("span"))
+        if value is not None:
+            return value
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        value = _boxed_value(boxed)
+        if value is not None:
+            return value
+    for match in reversed(list(_ANSWER_RE.finditer(text))):
+        value = _first_number(match.group("span").replace("*", " "))  # "is **42**"
+        if value is not None:
+            return value
+    numbers = list(_NUMBER_RE.finditer(_clean(text)))
+    return _number_value(numbers[-1]) if numbers else None
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact number if it is one number with optional decoration, else None.
+
+    Accepts ``"1,234.50"``, ``"-$5"``, ``"$-5"``, ``"\\u22125"``, ``"3/4"``, ``"72 clips"``,
+    ``"25%"``, ``"18\\text{ dollars}"``, ``"1{,}000"``; rejects ``"3 and 4"`` and ``""``.
+    """
+    cleaned = _clean(text).strip().rstrip(".")
+    match = _NUMBER_RE.match(cleaned.strip())
+    if match is None:
+        return None
+    rest = cleaned.strip()[match.end():].strip()
+    if _NUMBER_RE.search(rest) or _LATEX_MATH_RE.search(rest):
+        return None
+    return _number_value(match)
+
+
+def safe_reward(
+    fn: RewardFn, output_text: str, reference: Any, sample_id: str, logger: logging.Logger
+) -> float:
+    """``float(fn(output_text, reference))``, or 0.0 when ``fn`` fails.
+
+    A reward function that raises, or returns something that is not a finite number,
+    must not kill a rollout worker: the failure is logged on ``logger`` at ERROR level
+    with the sample id and the traceback, and the sample scores 0.0.
+
+    Returns:
+        the reward as a Python float.
+    """
+    try:
+        value = float(fn(output_text, reference))
+    except (Exception, _MathVerifyTimeout) as exc:  # noqa: BLE001 - the point of the wrapper
+        logger.error(
+            "reward fn %s raised on sample %s: %s: %s; reward set to 0.0",
+            getattr(fn, "__name__", repr(fn)), sample_id, type(exc).__name__, exc, exc_info=True,
+        )
+        return 0.0
+    if not math.isfinite(value):
+        logger.error(
+            "reward fn %s returned %r on sample %s; reward set to 0.0",
+            getattr(fn, "__name__", repr(fn)), value, sample_id,
+        )
+        return 0.0
+    return value
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@lru_cache(maxsize=4096)
+def _parse_reference_cached(reference: str) -> Fraction | sympy.Basic:
+    value = parse_number(reference)
+    if value is not None:
+        return value
+    parsed = _mv_parse_safe(f"${reference}$")
+    if parsed is None:
+        raise ValueError(f"math_reward: reference answer {reference!r} is not a number or expression")
+    return parsed
+
+
+def _parse_reference(reference: str | int | float | Fraction) -> Fraction | sympy.Basic:
+    if isinstance(reference, Fraction):
+        return reference
+    if isinstance(reference, bool) or not isinstance(reference, (str, int, float)):
+        raise ValueError(f"math_reward: reference answer {reference!r} has type {type(reference).__name__}")
+    if isinstance(reference, float) and not math.isfinite(reference):
+        raise ValueError(f"math_reward: reference answer {reference!r} is not finite")
+    return _parse_reference_cached(str(reference) if not isinstance(reference, str) else reference)
+
+
+def _clean(text: str) -> str:
+    """Drop LaTeX decoration and turn LaTeX's ``{,}`` thousands separator into ``,``."""
+    text = text.replace("{,}", ",")
+    return _LATEX_DECOR_RE.sub(" ", text)
+
+
+def _number_value(match: re.Match) -> Fraction | None:
+    integer = (match.group("int") or "0").replace(",", "")
+    try:
+        value = Fraction(integer + (match.group("frac") or ""))
+        if match.group("den") is not None:
+            value /= Fraction(match.group("den"))
+    except (ValueError, ZeroDivisionError):  # > 4300 digits, or x/0
+        return None
+    return -value if match.group("sign") in ("-", "\u2212") else value
+
+
+def _first_number(span: str) -> Fraction | sympy.Basic | None:
+    """Value of a marked span (after ``####`` or "answer is"): LaTeX math or its first number."""
+    cleaned = _clean(span)
+    if _LATEX_MATH_RE.search(cleaned):
+        inner = cleaned.strip().rstrip(".").strip("$")
+        return _mv_parse_safe(f"${inner}$")
+    match = _NUMBER_RE.search(cleaned)
+    return _number_value(match) if match else None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def _boxed_value(content: str) -> Fraction | sympy.Basic | None:
+    value = parse_number(content)
+    if value is not None:
+        return value
+    return _mv_parse_safe(f"\\boxed{{{content}}}")
+
+
+def _mv_parse_safe(latex: str) -> Fraction | sympy.Basic | None:
+    """First sympy value math-verify extracts from ``latex``; None if it finds none."""
+    try:
+        parsed = _mv_parse(latex, parsing_timeout=_timeout_s())
+    except (Exception, _MathVerifyTimeout):  # noqa: BLE001 - garbage in, no answer out
+        return None
+    for item in parsed:
+        if isinstance(item, sympy.Rational):
+            return Fraction(int(item.p), int(item.q))
+        if isinstance(item, sympy.Basic):
+            return item
+    return None
+
+
+def _to_sympy(value: Fraction | sympy.Basic) -> sympy.Basic:
+    if isinstance(value, Fraction):
+        return sympy.Rational(value.numerator, value.denominator)
+    return value
+
+
+def _verify(gold: sympy.Basic, predicted: sympy.Basic) -> bool:
+    try:
+        return bool(_mv_verify(gold, predicted, timeout_seconds=_timeout_s()))
+    except (Exception, _MathVerifyTimeout):  # noqa: BLE001
+        return False
+
+
+def _timeout_s() -> int | None:
+    """math-verify's timeout uses SIGALRM, which only works on the main thread."""
+    return 5 if threading.current_thread() is threading.main_thread() else None

@@ -1,0 +1,119 @@
+"""Integer addition/subtraction problems with an exact-answer rule reward.
+
+A problem is ``{"prompt": "37+58=", "answer": "95", "id": int}``. Operands have 1 to
+``max_digits`` digits (the digit count is drawn uniformly first, then the value
+uniformly among numbers with that many digits, so short operands are not swamped);
+subtraction results may be negative (``"12-40="`` -> ``"-28"``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+# Test-set ids start here so they never collide with training ids (0, 1, 2, ...).
+TEST_ID_OFFSET = 1_000_000_000
+_INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
+
+
+class ArithmeticTask:
+    """Arithmetic problems over ``ops`` with operands of up to ``max_digits`` digits.
+
+    Args:
+        seed: fixes the held-out test set (drawn from its own stream, independent of
+            every ``train_problems`` seed).
+        max_digits: largest operand length, digits, >= 1.
+        ops: operators to draw from, a non-empty subset of ``"+-"``.
+
+    Raises:
+        ValueError: ``max_digits < 1`` or ``ops`` empty / containing other characters.
+    """
+
+    name = "arithmetic"
+
+    def __init__(self, seed: int = 0, max_digits: int = 3, ops: str = "+-") -> None:
+        if max_digits < 1:
+            raise ValueError(f"ArithmeticTask: max_digits must be >= 1, got {max_digits}")
+        if not ops or set(ops) - set("+-"):
+            raise ValueError(f"ArithmeticTask: ops must be a non-empty subset of '+-', got {ops!r}")
+        self.seed = seed
+        self.max_digits = max_digits
+        self.ops = "".join(sorted(set(ops), key=ops.index))
+        self._test_cache: dict[int, list[dict]] = {}
+
+    def spec(self) -> dict:
+        """The parameters that define the task's data, e.g. for cache keys."""
+        return {"name": self.name, "seed": self.seed, "max_digits": self.max_digits, "ops": self.ops}
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """Longest answer in characters plus one for EOS: sign + (max_digits + 1) digits + EOS."""
+        return self.max_digits + 3
+
+    def _draw(self, rng: random.Random, problem_id: int) -> dict:
+        a, b = self._operand(rng), self._operand(rng)
+        op = rng.choice(self.ops)
+        value = a + b if op == "+" else a - b
+        return {"prompt": f"{a}{op}{b}=", "answer": str(value), "id": problem_id}
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.max_digits)
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return rng.randint(low, 10**digits - 1)
+
+    def test_set(self, n: int = 500) -> list[dict]:
+        """The fixed held-out problems: the same list for the same ``(seed, max_digits, ops, n)``.
+
+        Prompts are unique within the set; ids are ``TEST_ID_OFFSET + i``. ``test_set(m)``
+        for ``m < n`` is a prefix of ``test_set(n)``.
+        """
+        if n not in self._test_cache:
+            rng = random.Random(f"arithmetic-test:{self.seed}")
+            seen: set[str] = set()
+            out: list[dict] = []
+            # Bounded so a tiny problem space (max_digits=1) cannot loop forever.
+            for _ in range(100 * n + 1000):
+                if len(out) == n:
+                    break
+                p = self._draw(rng, TEST_ID_OFFSET + len(out))
+                if p["prompt"] not in seen:
+                    seen.add(p["prompt"])
+                    out.append(p)
+            self._test_cache[n] = out
+        return [dict(p) for p in self._test_cache[n]]
+
+    def train_problems(self, n: int, seed: int, exclude_test: int = 500) -> list[dict]:
+        """``n`` training problems drawn from ``seed``; ids are ``0 .. n-1``.
+
+        Prompts of ``test_set(exclude_test)`` are rejected and redrawn, so training never
+        sees a held-out problem (when the problem space is too small to avoid them,
+        e.g. ``max_digits=1``, the rejection gives up after 20 redraws and keeps the draw).
+        """
+        rng = random.Random(f"arithmetic-train:{self.seed}:{seed}")
+        held_out = {p["prompt"] for p in self.test_set(exclude_test)} if exclude_test else set()
+        out = []
+        for i in range(n):
+            p = self._draw(rng, i)
+            for _ in range(20):
+                if p["prompt"] not in held_out:
+                    break
+                p = self._draw(rng, i)
+            out.append(p)
+        return out
+
+    @staticmethod
+    def reward(output_text: str, answer: str, eos_token: str = "<eos>") -> float:
+        """1.0 if the generated text states the right integer, else 0.0; never raises.
+
+        The text is cut at the first ``eos_token`` (if present) and stripped of
+        surrounding whitespace; what remains must be a whole integer (optional sign,
+        1-40 digits, nothing else) whose value equals ``int(answer)``. So ``" 95<eos>7"``
+        scores 1.0 for answer ``"95"`` and ``"95 apples"``, ``"9 5"`` or ``""`` score 0.0.
+        """
+        try:
+            text = str(output_text).split(eos_token, 1)[0].strip()
+            if not _INTEGER.fullmatch(text):
+                return 0.0
+            return 1.0 if int(text) == int(str(answer).strip()) else 0.0
+        except (ValueError, TypeError):
+            return 0.0

@@ -1,0 +1,96 @@
+"""Typed configuration of the compiler: the cluster and the compile knobs.
+
+Owns the two dataclasses the main experiment config embeds (``cluster:`` and
+``compile:`` in YAML). They are plain OmegaConf-compatible dataclasses (no ``Literal``:
+the allowed values are checked by :func:`check_config`, which names the key). It must not
+act on the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("async", "sync")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+class CompileConfigError(ValueError):
+    """A compiler config key has a bad value; the message names the key."""
+
+
+@dataclass
+class ClusterConfig:
+    n_nodes: int = 1
+    """Machines in the cluster."""
+    n_gpus_per_node: int = 1
+    """Devices per machine (GPUs; CPU worker processes when gpu='cpu')."""
+    gpu: str = "cpu"
+    """Device preset: H100, H200, A100-80G, H800, L40S or cpu (see compiler.hardware)."""
+
+
+@dataclass
+class CompileConfig:
+    mode: str = "async"
+    """'async': generation and training overlap (bounded staleness); 'sync': they alternate."""
+    max_staleness: int | None = None
+    """Policy versions a sample may lag (k); None = the graph's train_step/edge value (else 1)."""
+    prompts_per_step: int = 64
+    """Prompts consumed by one training step."""
+    samples_per_prompt: int | None = None
+    """Responses per prompt (group size); None = the generate node's n_samples."""
+    max_prompt_len: int = 512
+    """Prompt length budget, tokens."""
+    max_new_tokens: int | None = None
+    """Response length budget, tokens; None = the generate node's max_new_tokens."""
+    micro_batches: int | None = None
+    """Micro-batches per DP rank per training step; None = smallest power of two that fits."""
+    activation_checkpointing: bool = True
+    """Recompute each layer in the backward pass instead of storing its activations."""
+    dtype: str = "bf16"
+    """Parameter/activation dtype: bf16, fp16 (mixed-precision Adam) or fp32."""
+    optimizer_sharding: bool = True
+    """Shard weights, gradients and Adam states over DP ranks (ZeRO-3 / FSDP)."""
+    mfu: float = 0.4
+    """Assumed model FLOPs utilization: achieved / peak FLOP/s for matmul-bound phases."""
+    bandwidth_efficiency: float = 0.8
+    """Assumed achieved / peak bandwidth of HBM, NVLink, network and PCIe."""
+    memory_fraction: float = 0.9
+    """Fraction of device memory a plan may fill (rest: CUDA context, NCCL, fragmentation)."""
+    allocation: str | None = None
+    """Manual allocation, e.g. 'gen:d4t2 + train:d2t2p2' (grammar: compiler.allocation)."""
+    pins: dict[str, str] = field(default_factory=dict)
+    """Node (or alias gen/train) -> strategy fixed before the search, e.g. {'gen': 'd4t2'}."""
+    top_k: int = 5
+    """Alternative plans kept and shown."""
+
+
+def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
+    """Check value ranges that the type annotations cannot express.
+
+    Raises:
+        CompileConfigError: naming the key, its value and what is allowed.
+    """
+    def bad(key: str, value, allowed: str) -> CompileConfigError:
+        return CompileConfigError(f"{key}={value!r}: {allowed}")
+
+    if cluster.n_nodes < 1:
+        raise bad("cluster.n_nodes", cluster.n_nodes, "must be >= 1")
+    if cluster.n_gpus_per_node < 1:
+        raise bad("cluster.n_gpus_per_node", cluster.n_gpus_per_node, "must be >= 1")
+    if cfg.mode not in MODES:
+        raise bad("compile.mode", cfg.mode, f"must be one of {', '.join(MODES)}")
+    if cfg.dtype not in DTYPES:
+        raise bad("compile.dtype", cfg.dtype, f"must be one of {', '.join(DTYPES)}")
+    if cfg.max_staleness is not None and cfg.max_staleness < 0:
+        raise bad("compile.max_staleness", cfg.max_staleness, "must be >= 0")
+    for key in ("prompts_per_step", "max_prompt_len", "top_k"):
+        if getattr(cfg, key) < 1:
+            raise bad(f"compile.{key}", getattr(cfg, key), "must be >= 1")
+    for key in ("samples_per_prompt", "max_new_tokens", "micro_batches"):
+        value = getattr(cfg, key)
+        if value is not None and value < 1:
+            raise bad(f"compile.{key}", value, "must be >= 1 (or null)")
+    for key in ("mfu", "bandwidth_efficiency", "memory_fraction"):
+        value = getattr(cfg, key)
+        if not 0 < value <= 1:
+            raise bad(f"compile.{key}", value, "must be in (0, 1]")

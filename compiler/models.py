@@ -1,0 +1,218 @@
+"""Model shapes for the cost model: presets and ``transformers`` ``config.json`` files.
+
+Owns :class:`ModelSpec` (layers, width, heads, vocabulary, experts) and the exact
+parameter count of a Llama/Qwen2/Qwen3(-MoE)-style decoder computed from them:
+
+- per layer, attention: ``h*(a*d) + 2*h*(g*d) + (a*d)*h`` (Q, K, V, O; ``a`` heads, ``g``
+  KV heads, ``d`` head dim) + Q/K/V biases when ``qkv_bias`` (Qwen2) + Q/K norms (Qwen3);
+- per layer, MLP: ``3*h*i`` (SwiGLU gate, up, down); for MoE ``E*3*h*i_e`` + router
+  ``h*E`` (+ a shared expert when present); two RMSNorms ``2*h``;
+- embeddings ``V*h``, plus an LM head ``V*h`` unless tied; final norm ``h``.
+
+Active parameters (the ones a token's FLOPs see) count ``k`` routed experts of ``E``.
+
+Presets are ``config.json`` excerpts of the published models (Hugging Face model cards),
+so presets and files go through the same parser. ``tiny-arith`` is this project's
+arithmetic model (``areal_flow.models.tiny``: Qwen2, hidden 128, 4 layers, vocab 32).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+class ModelSpecError(ValueError):
+    """A model spec cannot be resolved or lacks a field; the message names the spec/file."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (counts are elements, not bytes).
+
+    Attributes:
+        name: preset name or the config file path.
+        n_layers: decoder layers.
+        hidden: residual width ``h``.
+        n_heads: query heads ``a``.
+        n_kv_heads: key/value heads ``g`` (grouped-query attention).
+        head_dim: per-head width ``d``.
+        vocab: vocabulary size ``V``.
+        intermediate: dense SwiGLU width ``i``.
+        n_experts: routed experts per MoE layer (0 = dense).
+        experts_per_token: routed experts a token uses (``k``).
+        expert_intermediate: SwiGLU width of one expert ``i_e``.
+        shared_expert_intermediate: width of an always-on shared expert (0 = none).
+        tied_embeddings: LM head shares the embedding matrix.
+        qkv_bias: Q/K/V projections have biases (Qwen2).
+        qk_norm: per-head RMSNorm on Q and K (Qwen3).
+    """
+
+    name: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        h, q, kv = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        norm = 2 * self.head_dim if self.qk_norm else 0
+        return h * q + 2 * h * kv + q * h + bias + norm + 2 * h
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """Routed-expert weights of one layer (sharded by EP), elements."""
+        return self.n_experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def dense_mlp_params_per_layer(self) -> int:
+        """MLP weights every token uses: dense MLP, or router + shared expert for MoE."""
+        if not self.is_moe:
+            return 3 * self.hidden * self.intermediate
+        shared = 3 * self.hidden * self.shared_expert_intermediate
+        shared_gate = self.hidden if self.shared_expert_intermediate else 0
+        return self.hidden * self.n_experts + shared + shared_gate
+
+    @property
+    def embedding_params(self) -> int:
+        """Embedding + LM head (once if tied) + final norm, elements."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    @property
+    def n_expert_params(self) -> int:
+        return self.n_layers * self.expert_params_per_layer
+
+    @property
+    def n_params(self) -> int:
+        """Total parameters, elements."""
+        per_layer = self.attention_params_per_layer + self.dense_mlp_params_per_layer
+        return self.n_layers * per_layer + self.n_expert_params + self.embedding_params
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters one token multiplies through (``k`` of ``E`` experts), elements."""
+        if not self.is_moe:
+            return self.n_params
+        routed = self.n_layers * self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+        return self.n_params - self.n_expert_params + routed
+
+    def kv_elements_per_token(self) -> int:
+        """K and V cache entries of one token over all layers: ``2 * L * g * d``."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _qwen2(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
+    return dict(
+        model_type="qwen2", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+    )
+
+
+def _llama(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
+    return dict(
+        model_type="llama", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+    )
+
+
+# Excerpts of each model's published config.json (Hugging Face hub, model cards).
+MODEL_PRESETS: dict[str, dict] = {
+    "tiny-arith": _qwen2(128, 4, 4, 2, 512, 32, True),
+    "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True),
+    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
+    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
+    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
+    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336, 128256, False),
+    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672, 128256, False),
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
+        attention_bias=False,
+    ),
+}
+
+
+def spec_from_config(config: dict, name: str) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a ``transformers`` config dict.
+
+    Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``,
+    ``intermediate_size`` (required) and ``num_key_value_heads``, ``head_dim``,
+    ``tie_word_embeddings``, ``attention_bias``, ``num_experts``/``num_local_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``.
+
+    Raises:
+        ModelSpecError: a required key is missing (named, with ``name``).
+    """
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+    missing = [key for key in required if key not in config]
+    if missing:
+        raise ModelSpecError(f"model {name}: config lacks {', '.join(missing)}")
+    model_type = config.get("model_type", "")
+    heads = int(config["num_attention_heads"])
+    n_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    return ModelSpec(
+        name=name,
+        n_layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        n_heads=heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        vocab=int(config["vocab_size"]),
+        intermediate=int(config["intermediate_size"]),
+        n_experts=n_experts,
+        experts_per_token=int(config.get("num_experts_per_tok") or 0) if n_experts else 0,
+        expert_intermediate=int(config.get("moe_intermediate_size") or config["intermediate_size"]) if n_experts else 0,
+        shared_expert_intermediate=int(config.get("shared_expert_intermediate_size") or 0),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+    )
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """A preset name (case-insensitive, a hub prefix such as ``Qwen/`` ignored), a
+    ``config.json`` path, or a folder holding one.
+
+    Raises:
+        ModelSpecError: unknown preset and no such file; the message lists the presets.
+    """
+    presets = {key.lower(): key for key in MODEL_PRESETS}
+    key = presets.get(spec.lower()) or presets.get(spec.rsplit("/", 1)[-1].lower())
+    if key is not None:
+        return spec_from_config(MODEL_PRESETS[key], key)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelSpecError(f"model config {path}: line {err.lineno}: {err.msg}") from err
+        return spec_from_config(config, str(path))
+    raise ModelSpecError(
+        f"model spec {spec!r}: not a preset and not a config.json file or folder; "
+        f"presets: {', '.join(MODEL_PRESETS)}"
+    )

@@ -1,0 +1,164 @@
+"""The experience channel: trajectory groups from the generator process to the trainer process.
+
+One channel per direction and never a shared queue: experience (this module) flows
+generator → trainer; weights and their versions flow trainer → generator on the weight
+channel (``runtime.weights``).
+
+Transport: ZeroMQ PUSH (sender, connects) → PULL (receiver, binds). PUSH/PULL over one
+connection is reliable and FIFO while both ends live, and PUSH queues messages until
+the receiver is up, so a late-binding trainer loses nothing. A message is the pickled
+tuple ``(admission_index, list[Trajectory])``; trajectories are plain records (no tensors)
+so standard ``pickle`` is cheap and sufficient.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import uuid
+from collections.abc import Sequence
+
+import zmq
+
+from areal_flow.types import Trajectory
+
+DEFAULT_LINGER_S = 5.0
+"""Seconds :meth:`close` waits for queued messages to be delivered before dropping them."""
+
+
+def free_tcp_address() -> str:
+    """Return ``"tcp://127.0.0.1:PORT"`` with a port the OS reported free just now.
+
+    Another process may take the port before it is bound; a receiver created with
+    ``address=None`` binds a random port atomically instead and avoids that race.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def ipc_address(name: str = "channel") -> str:
+    """Return a fresh ``"ipc://..."`` endpoint in the temporary directory (Unix only)."""
+    path = os.path.join(tempfile.gettempdir(), f"areal_flow-{name}-{uuid.uuid4().hex[:12]}.sock")
+    return f"ipc://{path}"
+
+
+def bind_socket(sock: zmq.Socket, address: str | None) -> str:
+    """Bind ``sock`` to ``address`` (``None``: a random loopback TCP port); return the endpoint.
+
+    Raises:
+        ValueError: the address cannot be bound (names the address).
+    """
+    try:
+        if address is None:
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            return f"tcp://127.0.0.1:{port}"
+        sock.bind(address)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    except zmq.ZMQError as e:
+        raise ValueError(f"cannot bind channel to {address!r}: {e}") from e
+
+
+def close_bound(sock: zmq.Socket, address: str) -> None:
+    """Close a bound socket without waiting and remove its ``ipc://`` socket file, if any."""
+    sock.close(linger=0)
+    if address.startswith("ipc://"):
+        try:
+            os.unlink(address[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+
+
+def _timeout_ms(timeout_s: float | None) -> int:
+    return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+
+
+class ExperienceSender:
+    """Generator side of the experience channel (PUSH, connects to the receiver's address).
+
+    Args:
+        address: the receiver's endpoint (``tcp://127.0.0.1:PORT`` or ``ipc://PATH``).
+        linger_s: seconds :meth:`close` waits to deliver queued messages (then drops them).
+        high_water_mark: messages queued before :meth:`send` blocks.
+    """
+
+    def __init__(self, address: str, linger_s: float = DEFAULT_LINGER_S, high_water_mark: int = 1000) -> None:
+        self.address = address
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
+        self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._sock.connect(address)
+        self.sent = 0
+
+    def send(self, index: int, group: Sequence[Trajectory], timeout_s: float | None = 30.0) -> None:
+        """Send the group with admission ``index``.
+
+        Args:
+            timeout_s: seconds to wait while the queue is full (``None``: forever).
+
+        Raises:
+            TypeError: ``group`` holds something other than ``Trajectory``.
+            TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled).
+        """
+        group = list(group)
+        bad = [type(t).__name__ for t in group if not isinstance(t, Trajectory)]
+        if bad:
+            raise TypeError(f"group {index}: expected Trajectory items, got {bad}")
+        payload = pickle.dumps((int(index), group), protocol=pickle.HIGHEST_PROTOCOL)
+        self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
+        try:
+            self._sock.send(payload)
+        except zmq.Again as e:
+            raise TimeoutError(
+                f"experience channel {self.address}: could not send group {index} within {timeout_s} s"
+            ) from e
+        self.sent += 1
+
+    def close(self) -> None:
+        """Close the socket; queued messages get at most ``linger_s`` to be delivered."""
+        self._sock.close()
+
+
+class ExperienceReceiver:
+    """Trainer side of the experience channel (PULL, binds).
+
+    Args:
+        address: endpoint to bind; ``None`` binds a random loopback TCP port. The bound
+            endpoint is in :attr:`address`; give it to the senders.
+
+    Raises:
+        ValueError: the address cannot be bound.
+    """
+
+    def __init__(self, address: str | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_socket(self._sock, address)
+        self.received = 0
+
+    def recv(self, timeout_s: float | None = 0.0) -> tuple[int, list[Trajectory]] | None:
+        """Return the next ``(admission_index, group)``, or ``None`` after ``timeout_s`` seconds.
+
+        ``timeout_s=0`` polls without blocking; ``None`` waits forever.
+
+        Raises:
+            ValueError: the message is not an ``(int, list[Trajectory])`` pair.
+        """
+        if not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
+            return None
+        item = pickle.loads(self._sock.recv())
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+            and isinstance(item[1], list) and all(isinstance(t, Trajectory) for t in item[1])
+        ):
+            raise ValueError(f"experience channel {self.address}: malformed message {type(item).__name__}")
+        self.received += 1
+        return item
+
+    def close(self) -> None:
+        """Close the socket without waiting (``linger = 0``) and remove an ``ipc://`` socket file."""
+        close_bound(self._sock, self.address)

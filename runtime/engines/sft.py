@@ -1,0 +1,170 @@
+"""Supervised warm start: teach a tiny model the task format (and some of the skill)
+before RL, cached on disk by the hash of everything that determines the weights.
+
+Each example is ``<bos> prompt answer <eos>`` (character tokens); the loss is the mean
+next-token cross-entropy over the answer characters and EOS only (the prompt is context).
+The defaults are tuned for ``ArithmeticTask(max_digits=3)`` + ``tiny-arith`` to stop at
+*partial* competence, leaving RL room to improve: see ``SFTConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
+
+CACHE_ENV = "AREAL_FLOW_CACHE"
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm-start hyper-parameters (all part of the cache key).
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: sequences per step.
+        lr: peak AdamW learning rate; linear warmup then cosine decay to 10 %.
+        warmup_steps: linear warmup length, steps.
+        weight_decay: AdamW decoupled weight decay.
+        n_problems: size of the training pool drawn by ``task.train_problems``.
+        seed: seeds the problem draw, the model init and the batch order.
+    """
+
+    steps: int = 500
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    n_problems: int = 20_000
+    seed: int = 0
+
+
+def cache_root() -> Path:
+    """``$AREAL_FLOW_CACHE`` if set, else ``./.cache/areal_flow`` (relative to the cwd)."""
+    return Path(os.environ.get(CACHE_ENV, Path.cwd() / ".cache" / "areal_flow"))
+
+
+def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
+    """Hex xxhash64 of the SFT config, the preset and ``task.spec()`` (the cache folder name)."""
+    blob = json.dumps({"sft": asdict(cfg), "preset": preset, "task": task.spec()}, sort_keys=True)
+    return xxhash.xxh64_hexdigest(blob)
+
+
+def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``<bos> prompt answer <eos>`` batch.
+
+    Returns:
+        ``input_ids [N, T]`` int64, ``attention_mask [N, T]`` int64, ``loss_mask [N, T]``
+        float32 that is 1 on the answer and EOS tokens (the targets), 0 elsewhere.
+    """
+    rows, masks = [], []
+    for p in problems:
+        prompt = tokenizer.encode(p["prompt"])
+        answer = tokenizer.encode(p["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        masks.append([0] * len(prompt) + [1] * len(answer))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, attn, loss_mask
+
+
+def answer_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats/token) of the tokens where ``loss_mask`` is 1, each
+    predicted from the tokens before it. Shapes as in ``encode_examples``; returns a scalar."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    target_mask = loss_mask[:, 1:]
+    return (nll * target_mask).sum() / target_mask.sum().clamp(min=1.0)
+
+
+def _lr_factor(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def train_sft(task, preset: str, cfg: SFTConfig) -> tuple[PreTrainedModel, object, dict]:
+    """Train from scratch without touching the cache. Returns ``(model, tokenizer, stats)``
+    with ``stats = {"seconds", "final_loss", "n_params"}`` (loss averaged over the last 20 steps)."""
+    tokenizer = build_char_tokenizer()
+    model = build_model(preset, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        seed=cfg.seed)
+    ids, attn, loss_mask = encode_examples(tokenizer, task.train_problems(cfg.n_problems, seed=cfg.seed))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    model.train()
+    start, losses = time.perf_counter(), []
+    for _ in range(cfg.steps):
+        idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
+        width = int(attn[idx].sum(1).max())  # trim the all-padding tail of this batch
+        loss = answer_loss(model, ids[idx, :width], attn[idx, :width], loss_mask[idx, :width])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    tail = losses[-20:]
+    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail),
+             "n_params": sum(p.numel() for p in model.parameters())}
+    return model, tokenizer, stats
+
+
+def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None = None) -> Path:
+    """Return the folder of the SFT-trained ``preset`` model for ``task``, training it
+    on first use.
+
+    The folder is ``<cache_dir or cache_root()>/sft/<warm_start_key(...)>/`` and holds the
+    model and tokenizer in ``transformers`` format (``from_pretrained`` loads both) plus
+    ``sft_stats.json``. It is written to a temporary sibling and renamed into place, so a
+    concurrent reader never sees a half-written folder.
+
+    Args:
+        task: provides ``train_problems(n, seed)`` and ``spec()`` (e.g. ``ArithmeticTask``).
+        preset: a ``areal_flow.models.tiny.PRESETS`` key.
+        cfg: the SFT hyper-parameters.
+
+    Raises:
+        ValueError: unknown preset (from ``build_model``).
+    """
+    folder = Path(cache_dir or cache_root()) / "sft" / warm_start_key(task, preset, cfg)
+    if (folder / "sft_stats.json").exists():
+        return folder
+    model, tokenizer, stats = train_sft(task, preset, cfg)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    stats.update({"preset": preset, "task": task.spec(), "sft": asdict(cfg)})
+    (tmp / "sft_stats.json").write_text(json.dumps(stats, indent=2))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def load_warm_start(folder: str | Path) -> tuple[PreTrainedModel, object]:
+    """Load ``(model, tokenizer)`` from a ``warm_start`` folder: fp32, eval mode, CPU."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,189 @@
+"""The local scheduler: run a compiled graph as a generation process and a training process.
+
+Owns process lifecycle on one machine: it compiles the plan (the same compiler as for a
+cluster, with the ``cpu`` preset), prepares the version-0 policy, measures held-out
+accuracy before and after, starts the rollout and trainer workers as separate OS
+processes joined by the experience and weight channels (pyzmq over ``ipc://``), shows
+progress, and writes the run summary. A worker's failure stops the other and is re-raised
+with its traceback; what was already written (events, trajectories) stays.
+
+Thread split: with ``max_staleness >= 1`` generation and training overlap, so each
+process gets half the cores; with ``max_staleness = 0`` (the synchronous baseline) they
+alternate, so each gets all of them. The comparison in ``bench/async_vs_sync.py`` is
+therefore fair to the synchronous mode.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_flow.config import ExperimentConfig
+from areal_flow.graph import Graph, GraphError
+from areal_flow.ops.dataset import build_task
+from runtime.metrics import RunLogger, format_summary
+from runtime.model_source import load_pretrained, prepare_initial_model
+from runtime.rollout_worker import RolloutSpec, run_rollout_worker
+from runtime.trainer_worker import TrainerSpec, run_trainer_worker
+
+
+@dataclass
+class LocalRoles:
+    """The nodes the local runtime runs, one of each kind."""
+
+    dataset: object
+    generate: object
+    reward: object
+    advantage: object
+    train_step: object
+
+
+def local_roles(graph: Graph) -> LocalRoles:
+    """Pick the single node of each kind the local runtime runs.
+
+    Raises:
+        GraphError: a kind is missing or repeated (naming it).
+    """
+    picked = {}
+    for op in ("dataset", "generate", "reward", "advantage", "train_step"):
+        nodes = graph.nodes_of(op)
+        if len(nodes) != 1:
+            raise GraphError(
+                f"graph '{graph.name}': the local runtime runs exactly one '{op}' node, found {len(nodes)} "
+                f"({', '.join(n.name for n in nodes) or 'none'})"
+            )
+        picked[op] = nodes[0]
+    return LocalRoles(**picked)
+
+
+def _child(target, spec, result_queue, *extra) -> None:
+    try:
+        result_queue.put((target.__name__, "ok", target(spec, *extra)))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
+        result_queue.put((target.__name__, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised; the message holds its traceback."""
+
+
+def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = True) -> dict:
+    """Run ``graph`` with ``cfg`` on this machine; returns the run summary.
+
+    Raises:
+        GraphError: the graph has a shape the local runtime does not run.
+        WorkerFailed: a worker raised (its traceback is in the message).
+    """
+    if cfg.scheduler.type == "ray":
+        from runtime.ray_scheduler import run_experiment_on_ray
+
+        return run_experiment_on_ray(graph, cfg)
+    roles = local_roles(graph)
+    out_dir = Path(cfg.out_dir) / cfg.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    k = roles.train_step.attrs["max_staleness"]
+    cores = os.cpu_count() or 2
+    threads = cores if k == 0 else max(1, cores // 2)
+    torch.set_num_threads(cores)
+
+    from compiler import compile_plan, format_table
+
+    plan = compile_plan(graph, cfg.cluster, cfg.compile)
+    (out_dir / "plan.json").write_text(plan.to_json())
+    if show_progress:
+        print(format_table(plan))
+
+    task = build_task(roles.dataset.attrs, cfg.seed)
+    folder = prepare_initial_model(cfg, task)
+    test_set = task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
+    extra: dict = {"out_dir": str(out_dir), "initial_model": str(folder)}
+    if cfg.eval.enabled:
+        extra["accuracy_before"] = _evaluate(folder, task, test_set)
+        if show_progress:
+            print(f"held-out greedy accuracy before RL: {extra['accuracy_before']:.1%} ({len(test_set)} problems)")
+
+    sock_dir = tempfile.mkdtemp(prefix="areal-flow-")
+    experience, weights = f"ipc://{sock_dir}/experience", f"ipc://{sock_dir}/weights"
+    gen = roles.generate.attrs
+    rollout_spec = RolloutSpec(
+        model_folder=str(folder), dataset_attrs=roles.dataset.attrs, generate_attrs=gen,
+        reward_fn=roles.reward.attrs["fn"], n_groups=cfg.train.steps * cfg.train.batch_size,
+        batch_groups=cfg.train.batch_size, max_staleness=k, max_batch_size=cfg.gen.max_batch_size,
+        seed=cfg.seed, experience_address=experience, weight_address=weights, threads=threads,
+    )
+    adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key != "estimator"}
+    trainer_spec = TrainerSpec(
+        model_folder=str(folder), algorithm=roles.train_step.attrs["algorithm"],
+        estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs, loss=cfg.train.loss,
+        steps=cfg.train.steps, batch_groups=cfg.train.batch_size, max_staleness=k, lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
+        micro_batch_size=cfg.train.micro_batch_size, temperature=gen["temperature"] or 1.0, seed=cfg.seed,
+        experience_address=experience, weight_address=weights, out_dir=str(out_dir), threads=threads,
+    )
+    logger = RunLogger(out_dir, cfg.train.steps, show_progress)
+    results = _run_workers(rollout_spec, trainer_spec, logger)
+    logger.close()
+    extra.update(model_dir=str(out_dir / "model"), trajectories=str(out_dir / "trajectories"), workers=results)
+    if cfg.eval.enabled:
+        extra["accuracy_after"] = _evaluate(out_dir / "model", task, test_set)
+    summary = logger.summary(**extra)
+    if show_progress:
+        print(format_summary(summary))
+    return summary
+
+
+def _evaluate(folder: Path, task, problems: list[dict]) -> float:
+    from runtime.engines.evaluate import greedy_accuracy
+
+    model, tokenizer = load_pretrained(folder)
+    return greedy_accuracy(model, tokenizer, task, problems)
+
+
+def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: RunLogger) -> dict:
+    ctx = mp.get_context("spawn")
+    results, metrics = ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(run_trainer_worker, trainer_spec, results, metrics), name="trainer"),
+        ctx.Process(target=_child, args=(run_rollout_worker, rollout_spec, results), name="rollout"),
+    ]
+    for p in procs:
+        p.start()
+    done: dict = {}
+    try:
+        while len(done) < len(procs):
+            try:
+                logger.log_step(metrics.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                pass
+            try:
+                name, status, payload = results.get_nowait()
+            except queue.Empty:
+                dead = [p.name for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise WorkerFailed(f"worker(s) {dead} died without a report (exit codes "
+                                       f"{[p.exitcode for p in procs]})")
+                continue
+            if status == "error":
+                raise WorkerFailed(f"{name} failed:\n{payload}")
+            done[name] = payload
+        while True:  # metrics still queued after the trainer reported
+            try:
+                logger.log_step(metrics.get_nowait())
+            except queue.Empty:
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5 if done else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return done

@@ -1,0 +1,41 @@
+"""Where a run's initial policy comes from: a folder in ``transformers`` format.
+
+Owns the resolution of ``model.path`` into a folder both workers load at version 0:
+a tiny preset gets its supervised warm start (cached, ``runtime.engines.sft``); a GGUF
+preset or file is converted once and cached (``areal_flow.models.hf``); an HF folder is
+used as it is. Loading a folder is :func:`load_pretrained`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_flow.config import ExperimentConfig
+from areal_flow.models import tiny
+
+
+def prepare_initial_model(cfg: ExperimentConfig, task) -> Path:
+    """Folder holding the version-0 policy and its tokenizer.
+
+    Raises:
+        ValueError / OSError: from the loaders, naming ``model.path``.
+    """
+    spec = cfg.model.path
+    if spec in tiny.PRESETS:
+        from runtime.engines.sft import SFTConfig, warm_start
+
+        ws = cfg.warm_start
+        steps = ws.steps if ws.enabled else 0
+        return warm_start(task, spec, SFTConfig(steps=steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed))
+    from areal_flow.models.hf import resolve_folder
+
+    return resolve_folder(spec)
+
+
+def load_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a ``transformers`` folder, on CPU, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,127 @@
+"""Start one worker process per device of a node and run a function in each.
+
+The launcher owns process start-up only: a free loopback port for the
+``torch.distributed`` rendezvous, the backend choice (NCCL when CUDA is
+available, gloo on CPU), one thread per CPU worker, and collecting each rank's
+return value. What the workers do (build a mesh, parallelize a model) belongs to
+the other modules of ``runtime.parallel``.
+
+:func:`launch_strategy` validates a :class:`ParallelStrategy` against the model
+config *before* any process starts, so a bad strategy costs no process start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from compiler.strategy import ParallelStrategy
+from runtime.parallel.validate import validate_strategy_for_model
+
+WorkerFn = Callable[..., Any]
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised; the message holds the rank and its traceback."""
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA devices are visible, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _worker_entry(
+    rank: int, fn: WorkerFn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple, out_dir: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:  # the parent re-raises it with the rank attached
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as handle:
+            handle.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_workers(
+    fn: WorkerFn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float = 120.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
+
+    Each process has ``torch.distributed`` initialised (``init_process_group``
+    over a free 127.0.0.1 port) before ``fn`` runs and destroyed after it.
+    Return values travel back through files in a temporary folder (a pipe
+    would block on payloads over its 64 KiB buffer).
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be
+            ``torch.save``-able (tensors, dicts, numbers).
+        world_size: number of processes (one per device of the node).
+        args: extra positional arguments, pickled to each process.
+        backend: ``"gloo"`` or ``"nccl"``; default :func:`default_backend`.
+        timeout_s: collective timeout in seconds (a stuck rank fails instead of hanging).
+
+    Returns:
+        ``fn``'s return values ordered by rank.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+        WorkerError: a worker raised; the message holds its rank and traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least one worker")
+    backend = backend or default_backend()
+    with tempfile.TemporaryDirectory(prefix="areal_flow_workers_") as out_dir:
+        try:
+            mp.start_processes(
+                _worker_entry,
+                args=(fn, world_size, free_loopback_port(), backend, timeout_s, args, out_dir),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessException as exc:
+            errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
+            details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
+            raise WorkerError("\n".join(details) or str(exc)) from exc
+        return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
+
+
+def launch_strategy(
+    fn: WorkerFn, strategy: ParallelStrategy, model_config: Any, args: tuple = (), *, backend: str | None = None
+) -> list[Any]:
+    """Validate ``strategy`` for ``model_config``, then spawn ``strategy.world_size`` workers.
+
+    ``fn`` is called as ``fn(rank, world_size, *args)``.
+
+    Raises:
+        compiler.strategy.StrategyError: the strategy breaks a rule of the model
+            (raised in this process, before any worker starts).
+        WorkerError: as :func:`spawn_workers`.
+    """
+    validate_strategy_for_model(strategy, model_config)
+    return spawn_workers(fn, strategy.world_size, args, backend=backend)

@@ -1,0 +1,104 @@
+"""Tensor parallelism (Megatron column/row split) of Llama/Qwen2-family decoders with DTensor.
+
+Megatron-LM (Shoeybi et al. 2019, sec. 3): in each block the first linear of
+a pair is split by output features (column-wise: ``q/k/v_proj``,
+``gate/up_proj``), the second by input features (row-wise: ``o_proj``,
+``down_proj``), so a block needs one all-reduce forward and one backward.
+The embedding is split by vocabulary rows and its partial outputs all-reduced;
+the LM head is split by vocabulary (output) and its logits all-gathered, so the
+loss sees replicated ``[batch, seq, vocab]`` logits.
+
+Attention with local heads: ``transformers`` 5 attention reshapes projections
+with ``view(batch, seq, -1, head_dim)`` and merges them back with
+``reshape(batch, seq, -1)``, so a rank holding ``n_heads / tp`` query heads and
+``n_kv_heads / tp`` KV heads runs unchanged; ``num_key_value_groups`` (the
+ratio of the two) is the same on every rank. Mixture-of-Experts blocks have no
+``gate_proj``; their MLP is left to expert parallelism.
+
+:data:`PARAM_SHARD_DIMS` states, per parameter, the dimension the plans above
+shard (what ``reshard_for_tp`` needs to cut a full tensor the same way).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+# Parameter FQN pattern (fnmatch) -> tensor dimension split across TP ranks
+# (torch.chunk order); parameters that match nothing are replicated.
+PARAM_SHARD_DIMS: dict[str, int] = {
+    "model.embed_tokens.weight": 0,
+    "model.layers.*.self_attn.q_proj.weight": 0,
+    "model.layers.*.self_attn.q_proj.bias": 0,
+    "model.layers.*.self_attn.k_proj.weight": 0,
+    "model.layers.*.self_attn.k_proj.bias": 0,
+    "model.layers.*.self_attn.v_proj.weight": 0,
+    "model.layers.*.self_attn.v_proj.bias": 0,
+    "model.layers.*.self_attn.o_proj.weight": 1,
+    "model.layers.*.mlp.gate_proj.weight": 0,
+    "model.layers.*.mlp.up_proj.weight": 0,
+    "model.layers.*.mlp.down_proj.weight": 1,
+    "lm_head.weight": 0,
+}
+
+
+def shard_dim(param_name: str, plan: dict[str, int] = PARAM_SHARD_DIMS) -> int | None:
+    """The TP shard dimension of ``param_name`` under ``plan``, ``None`` if replicated."""
+    for pattern, dim in plan.items():
+        if fnmatchcase(param_name, pattern):
+            return dim
+    return None
+
+
+def outer_plan() -> dict[str, ParallelStyle]:
+    """Styles of the modules outside the decoder layers (FQNs of a ``*ForCausalLM``)."""
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def attention_plan() -> dict[str, ParallelStyle]:
+    """Styles inside one decoder layer's attention."""
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+    }
+
+
+def dense_mlp_plan() -> dict[str, ParallelStyle]:
+    """Styles inside one decoder layer's dense (SwiGLU) MLP."""
+    return {
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard ``model``'s linears and embedding in place over ``tp_mesh``.
+
+    ``model`` is a ``*ForCausalLM`` or a pipeline stage with the same FQNs
+    (``model.embed_tokens``, ``model.layers``, ``lm_head``); modules a stage
+    does not hold (``None`` or ``nn.Identity``) are skipped. After this, the
+    split parameters are ``DTensor``s; module inputs and outputs stay plain
+    local tensors.
+
+    Raises:
+        ValueError: ``tp_mesh`` is not 1-D.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}")
+    held = {name for name, module in model.named_modules() if not isinstance(module, nn.Identity)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in outer_plan().items() if name in held})
+    for layer in model.model.layers:
+        plan = attention_plan()
+        if hasattr(layer.mlp, "gate_proj"):
+            plan |= dense_mlp_plan()
+        parallelize_module(layer, tp_mesh, plan)

@@ -1,0 +1,55 @@
+"""Check a parallel strategy against a ``transformers`` model config, in the parent process.
+
+Reads the model's shape from its config (layers, heads, KV heads, experts) and
+applies :meth:`ParallelStrategy.validate_for`, plus the rules that only the
+runtime's own choices impose:
+
+- context parallelism is Ulysses all-to-all (see ``context_parallel``), so
+  ``cp`` must divide the heads and the KV heads left on each TP rank;
+- the TP plan shards the embedding and the LM head separately, and pipeline
+  stages hold them on different ranks, so ``tp > 1`` or ``pp > 1`` needs
+  untied word embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiler.strategy import ParallelStrategy, StrategyError
+
+
+def model_shape(config: Any) -> dict[str, int]:
+    """Layers, heads, KV heads and routed experts of a Llama/Qwen2/Qwen3-MoE/Mixtral config.
+
+    Returns:
+        ``{"n_layers", "n_heads", "n_kv_heads", "n_experts"}`` (``n_experts`` is 0 for dense models).
+    """
+    n_heads = config.num_attention_heads
+    return {
+        "n_layers": config.num_hidden_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_heads,
+        "n_experts": getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0,
+    }
+
+
+def validate_strategy_for_model(strategy: ParallelStrategy, config: Any, gpus_per_node: int | None = None) -> None:
+    """Raise before any process starts if ``strategy`` cannot run ``config``.
+
+    Raises:
+        StrategyError: naming the broken rule (the strategy module's rules, or
+            the Ulysses head rule, or the untied-embedding rule above).
+    """
+    shape = model_shape(config)
+    strategy.validate_for(**shape, gpus_per_node=gpus_per_node)
+    heads_per_tp, kv_per_tp = shape["n_heads"] // strategy.tp, shape["n_kv_heads"] // strategy.tp
+    if heads_per_tp % strategy.cp or kv_per_tp % strategy.cp:
+        raise StrategyError(
+            f"cp={strategy.cp} must divide the heads ({heads_per_tp}) and KV heads ({kv_per_tp}) per TP rank: "
+            "Ulysses context parallelism scatters heads across the cp ranks"
+        )
+    if (strategy.tp_enabled or strategy.pp_enabled) and getattr(config, "tie_word_embeddings", False):
+        raise StrategyError(
+            f"tp={strategy.tp}, pp={strategy.pp} need tie_word_embeddings=False: the embedding and the LM head "
+            "are sharded (TP) or placed (PP) separately"
+        )

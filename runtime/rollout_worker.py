@@ -1,0 +1,136 @@
+"""The rollout worker: runs a graph's ``dataset -> generate -> reward`` nodes in one process.
+
+Owns the generation side of the asynchronous loop. It admits prompt groups under the
+bounded-staleness rule (:class:`runtime.staleness.AdmissionController`), decodes them with
+continuous batching, scores finished groups with the reward node's function, and sends
+each group, with its admission index, on the experience channel. Between decode steps it
+polls the weight channel; a new version pauses in-flight sequences, loads the weights and
+resumes them (their KV cache recomputed), so nothing is discarded. It must not decide
+placement or train.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from areal_flow.ops.dataset import build_task
+from areal_flow.ops.reward import resolve, score
+from areal_flow.types import Trajectory
+from runtime.channels import ExperienceSender
+from runtime.engines.generation import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
+from runtime.model_source import load_pretrained
+from runtime.staleness import AdmissionController
+from runtime.weights import WeightSubscriber
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutSpec:
+    """What the rollout worker needs, extracted from the graph and config by the launcher.
+
+    Attributes:
+        model_folder: initial policy (version 0) in ``transformers`` format.
+        dataset_attrs / generate_attrs / reward_fn: the graph nodes' attributes.
+        n_groups: prompt groups to generate in total (``steps * batch_groups``).
+        batch_groups: B, prompt groups per train step.
+        max_staleness: k of the data edge into ``train_step``.
+        max_batch_size: engine slots (sequences decoded together).
+        seed: data and sampling seed.
+        experience_address / weight_address: the two channels.
+        threads: torch intra-op threads of this process.
+    """
+
+    model_folder: str
+    dataset_attrs: dict
+    generate_attrs: dict
+    reward_fn: object
+    n_groups: int
+    batch_groups: int
+    max_staleness: int
+    max_batch_size: int
+    seed: int
+    experience_address: str
+    weight_address: str
+    threads: int = 1
+
+
+class _Group:
+    def __init__(self, index: int, problem: dict, n: int):
+        self.index, self.problem, self.n = index, problem, n
+        self.results: list[GenerationResult] = []
+
+
+def _to_trajectory(result: GenerationResult, group: _Group, tokenizer) -> Trajectory:
+    return Trajectory(
+        sample_id=f"{group.index}:{result.meta['sample']}",
+        group_id=group.index,
+        prompt_ids=list(result.prompt_ids),
+        output_ids=list(result.output_ids),
+        behavior_logprobs=list(result.behavior_logprobs),
+        versions=list(result.versions),
+        finish_reason=result.finish_reason,
+        prompt_text=group.problem["prompt"],
+        output_text=result.output_text,
+        meta={"answer": group.problem["answer"], "problem_id": group.problem["id"]},
+    )
+
+
+def run_rollout_worker(spec: RolloutSpec) -> dict:
+    """Generate ``spec.n_groups`` groups, honouring the staleness bound; returns counters.
+
+    Raises:
+        runtime.weights.WeightChecksumError: a corrupted weight bucket (the engine keeps
+            its previous weights; the error propagates to the launcher).
+    """
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    model, tokenizer = load_pretrained(spec.model_folder)
+    engine = GenerationEngine(model, tokenizer, max_batch_size=spec.max_batch_size, seed=spec.seed)
+    task = build_task(spec.dataset_attrs, spec.seed)
+    problems = task.train_problems(spec.n_groups, seed=spec.seed + 1)
+    reward_fn = resolve(spec.reward_fn)
+    g = spec.generate_attrs
+    params = SamplingParams(temperature=g["temperature"], top_p=g["top_p"], max_new_tokens=g["max_new_tokens"])
+    admission = AdmissionController(spec.max_staleness, spec.batch_groups)
+    sender = ExperienceSender(spec.experience_address)
+    weights = WeightSubscriber(spec.weight_address)
+    groups: dict[int, _Group] = {}
+    weight_updates = 0
+    try:
+        while admission.accepted < spec.n_groups:
+            update = weights.poll()
+            if update is not None:
+                engine.update_weights(update[1], update[0])
+                weight_updates += 1
+            while len(groups) + admission.accepted < spec.n_groups and admission.can_admit(engine.version):
+                index = admission.admit(engine.version)
+                group = groups[index] = _Group(index, problems[index], g["n_samples"])
+                prompt_ids = tokenizer.encode(group.problem["prompt"])
+                for j in range(group.n):
+                    engine.submit(GenerationRequest(f"{index}:{j}", prompt_ids, params, {"group": index, "sample": j}))
+            if not engine.has_work():
+                # Admission is closed until the trainer publishes a newer version.
+                update = weights.wait(min_version=engine.version + 1, timeout_s=1.0)
+                if update is not None:
+                    engine.update_weights(update[1], update[0])
+                    weight_updates += 1
+                continue
+            for result in engine.step():
+                group = groups[result.meta["group"]]
+                group.results.append(result)
+                if len(group.results) == group.n:
+                    trajectories = [
+                        _to_trajectory(r, group, tokenizer) for r in sorted(group.results, key=lambda r: r.meta["sample"])
+                    ]
+                    score(trajectories, reward_fn)
+                    sender.send(group.index, trajectories)
+                    admission.complete(group.index)
+                    del groups[group.index]
+    finally:
+        sender.close()
+        weights.close()
+    return {"groups": admission.accepted, "weight_updates": weight_updates, "final_version": engine.version}

@@ -1,0 +1,315 @@
+"""The weight channel: versioned parameter buckets from the trainer to the generator.
+
+The trainer publishes its state dict after each step as version ``v``; the generator
+polls between decode steps and swaps in the newest complete, checksum-verified version.
+Policy versions travel only here (the experience channel carries groups only).
+
+Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
+tensor larger than that travels alone). One bucket = one two-frame ZeroMQ message:
+
+* frame 0, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
+  ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
+  ``payload_bytes`` and ``checksum`` (xxHash64 of the payload);
+* frame 1, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
+
+Tensors are copied once into the payload (a snapshot, so an optimizer step right after
+:meth:`WeightPublisher.publish` cannot tear the message) and sent zero-copy; tensors are
+never pickled.
+
+Transport choice — PUSH/PULL, the subscriber binds, one PUSH socket per subscriber:
+PUB/SUB silently drops whatever is published before a subscriber's subscription has
+propagated (slow joiner) and whatever exceeds its high-water mark, which would lose buckets
+and stall a generator waiting for a version. A connected PUSH queues until its peer is up
+and applies back-pressure instead of dropping, so every bucket arrives, in order. PUSH
+round-robins between peers, so fan-out to several generators uses one socket per
+subscriber address (the payload is still built once). "Only the newest version matters" is
+enforced on the receiving side, where superseded versions are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import xxhash
+import zmq
+
+from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+_ALIGN = 64  # bytes; keeps every tensor's offset divisible by its element size
+
+
+class WeightChecksumError(RuntimeError):
+    """A received weight bucket's payload does not match its xxHash64 checksum."""
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _dtype_from_name(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: unknown dtype {name!r}")
+    return dtype
+
+
+def split_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Group parameter names, in state-dict order, into buckets of at most ``bucket_bytes`` bytes.
+
+    Sizes count each tensor's bytes rounded up to 64 bytes; a tensor larger than
+    ``bucket_bytes`` gets a bucket of its own.
+
+    Raises:
+        ValueError: ``bucket_bytes < 1`` or an empty state dict.
+        TypeError: a value is not a tensor (names the parameter).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if not state_dict:
+        raise ValueError("cannot publish an empty state dict")
+    buckets: list[list[str]] = []
+    size = 0
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state dict entry {name!r} is {type(t).__name__}, not a torch.Tensor")
+        n = _align(t.numel() * t.element_size())
+        if not buckets or (buckets[-1] and size + n > bucket_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += n
+    return buckets
+
+
+def _pack(names: list[str], state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+    """Copy the named tensors into one uint8 payload; return (layout header, payload)."""
+    tensors = [state_dict[n].detach().to("cpu") for n in names]
+    offsets, nbytes, total = [], [], 0
+    for t in tensors:
+        offsets.append(total)
+        nbytes.append(t.numel() * t.element_size())
+        total += _align(nbytes[-1])
+    payload = torch.empty(total, dtype=torch.uint8)
+    for t, off, nb in zip(tensors, offsets, nbytes):
+        if nb:
+            payload[off:off + nb].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    header = {
+        "names": names,
+        "shapes": [list(t.shape) for t in tensors],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "offsets": offsets,
+        "nbytes": nbytes,
+        "payload_bytes": total,
+    }
+    return header, payload
+
+
+class WeightPublisher:
+    """Trainer side of the weight channel (PUSH; connects to each subscriber's address).
+
+    Args:
+        address: one subscriber endpoint, or a list for fan-out (every subscriber gets
+            every bucket).
+        bucket_bytes: largest bucket payload, bytes (default 64 MiB).
+        high_water_mark: buckets queued per subscriber before :meth:`publish` blocks.
+        send_timeout_s: seconds :meth:`publish` waits on a full queue before failing.
+        linger_s: seconds :meth:`close` waits to deliver queued buckets.
+        tamper: test-only fault injection, ``tamper(header, payload_uint8_ndarray)`` runs
+            after the checksum is computed and may mutate the payload in place.
+    """
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        high_water_mark: int = 16,
+        send_timeout_s: float = 60.0,
+        linger_s: float = DEFAULT_LINGER_S,
+        tamper: Callable[[dict, np.ndarray], None] | None = None,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.bucket_bytes = bucket_bytes
+        self.send_timeout_s = send_timeout_s
+        self._tamper = tamper
+        self._ctx = zmq.Context.instance()
+        self._socks = []
+        for addr in self.addresses:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, high_water_mark)
+            sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+            sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+            sock.connect(addr)
+            self._socks.append(sock)
+        self.version = -1
+        self.published_bytes = 0
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Send ``state_dict`` as policy ``version``; return the number of buckets.
+
+        Raises:
+            ValueError: ``version`` is not greater than the last published one, or the
+                state dict is empty.
+            TypeError: a value is not a tensor.
+            TimeoutError: a subscriber's queue stayed full for ``send_timeout_s`` seconds.
+        """
+        if version <= self.version:
+            raise ValueError(f"weight versions must increase: got {version} after {self.version}")
+        buckets = split_buckets(state_dict, self.bucket_bytes)
+        for b, names in enumerate(buckets):
+            header, payload = _pack(names, state_dict)
+            data = payload.numpy()
+            header.update(version=version, bucket=b, n_buckets=len(buckets),
+                          checksum=xxhash.xxh64(data).intdigest())
+            if self._tamper is not None:
+                self._tamper(header, data)
+            frame0 = json.dumps(header).encode()
+            for addr, sock in zip(self.addresses, self._socks):
+                try:
+                    sock.send_multipart([frame0, data], copy=False)
+                except zmq.Again as e:
+                    raise TimeoutError(
+                        f"weight channel {addr}: bucket {b}/{len(buckets)} of version {version} "
+                        f"not accepted within {self.send_timeout_s} s (subscriber not polling?)"
+                    ) from e
+            self.published_bytes += header["payload_bytes"] * len(self._socks)
+        self.version = version
+        return len(buckets)
+
+    def close(self) -> None:
+        """Close the sockets; queued buckets get at most ``linger_s`` to be delivered."""
+        for sock in self._socks:
+            sock.close()
+
+
+class WeightSubscriber:
+    """Generator side of the weight channel (PULL, binds).
+
+    Args:
+        address: endpoint to bind; ``None`` binds a random loopback TCP port (see
+            :attr:`address`).
+        high_water_mark: buckets queued on this side before the publisher is throttled.
+
+    Attributes:
+        version: newest version returned so far (``-1``: none yet).
+        state_dict: its tensors (``None`` before the first); unchanged when a later
+            version fails verification.
+        dropped_versions: versions received (whole or in part) but superseded by a newer
+            complete version before being returned.
+        checksum_errors: buckets that failed verification.
+        received_bytes: payload bytes received.
+
+    Raises:
+        ValueError: the address cannot be bound.
+    """
+
+    def __init__(self, address: str | None = None, high_water_mark: int = 16) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, high_water_mark)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_socket(self._sock, address)
+        self.version = -1
+        self.state_dict: dict[str, torch.Tensor] | None = None
+        self.dropped_versions = 0
+        self.checksum_errors = 0
+        self.received_bytes = 0
+        self._partial: dict[int, dict[int, tuple[dict, zmq.Frame]]] = {}
+        self._rejected: set[int] = set()
+        self._ready: tuple[int, dict[int, tuple[dict, zmq.Frame]]] | None = None
+
+    def _receive_one(self, frames: list[zmq.Frame]) -> None:
+        """Verify one bucket and file it under its version; may complete a version."""
+        if len(frames) != 2:
+            raise ValueError(f"weight channel {self.address}: expected 2 frames, got {len(frames)}")
+        header = json.loads(frames[0].bytes)
+        version, b, n = header["version"], header["bucket"], header["n_buckets"]
+        newest_ready = self._ready[0] if self._ready else self.version
+        if version <= newest_ready or version in self._rejected:
+            return  # rest of a superseded or rejected version
+        payload = frames[1].buffer
+        self.received_bytes += len(payload)
+        if len(payload) != header["payload_bytes"] or xxhash.xxh64(payload).intdigest() != header["checksum"]:
+            self.checksum_errors += 1
+            self._rejected.add(version)
+            self._partial.pop(version, None)
+            raise WeightChecksumError(
+                f"weight version {version}, bucket {b}/{n}: payload checksum mismatch "
+                f"({len(payload)} bytes); parameters {header['names']}; version {version} "
+                f"discarded, keeping version {self.version}"
+            )
+        parts = self._partial.setdefault(version, {})
+        parts[b] = (header, frames[1])
+        if len(parts) == n:
+            del self._partial[version]
+            older = [v for v in self._partial if v < version]
+            self.dropped_versions += len(older) + (self._ready is not None)
+            for v in older:
+                del self._partial[v]
+            self._ready = (version, parts)
+
+    def _materialize(self, version: int, parts: dict[int, tuple[dict, zmq.Frame]]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for b in sorted(parts):
+            header, frame = parts[b]
+            buf = torch.empty(header["payload_bytes"], dtype=torch.uint8)
+            buf.numpy()[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            for name, shape, dt, off, nb in zip(header["names"], header["shapes"], header["dtypes"],
+                                                header["offsets"], header["nbytes"]):
+                dtype = _dtype_from_name(dt, f"weight version {version} parameter {name!r}")
+                out[name] = buf[off:off + nb].view(dtype).view(shape)
+        return out
+
+    def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Drain what has arrived without blocking; return the newest new complete version.
+
+        Returns ``(version, state_dict)`` — a whole, verified state dict of CPU tensors —
+        when a version newer than :attr:`version` completed, else ``None``.
+
+        Raises:
+            WeightChecksumError: a bucket failed verification (names version, bucket index
+                and parameter names); that version is discarded and :attr:`state_dict`
+                keeps the previous weights. A later poll may still return a newer version.
+        """
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._receive_one(frames)
+        if self._ready is None:
+            return None
+        version, parts = self._ready
+        self._ready = None
+        self.state_dict = self._materialize(version, parts)
+        self.version = version
+        return version, self.state_dict
+
+    def wait(self, min_version: int, timeout_s: float | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Block until a version ``>= min_version`` is held; return the newest, or ``None`` on timeout.
+
+        Args:
+            timeout_s: seconds to wait (``None``: forever).
+
+        Raises:
+            WeightChecksumError: as in :meth:`poll`.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if self.version >= min_version:
+                return self.version, self.state_dict
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._sock.poll(None if remaining is None else max(1, int(remaining * 1000)), zmq.POLLIN)
+
+    def close(self) -> None:
+        """Close the socket without waiting and remove an ``ipc://`` socket file."""
+        close_bound(self._sock, self.address)

@@ -1,0 +1,185 @@
+"""Experience channel (cross-process, exactly-once) and weight channel (buckets, checksums)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+
+import pytest
+import torch
+
+from areal_flow.types import Trajectory
+from runtime.channels import ExperienceReceiver, ExperienceSender, free_tcp_address, ipc_address
+from runtime.weights import WeightChecksumError, WeightPublisher, WeightSubscriber, split_buckets
+
+
+def _group(index: int, n: int = 2) -> list[Trajectory]:
+    return [
+        Trajectory(sample_id=f"{index}:{j}", group_id=index, prompt_ids=[1, 2], output_ids=[3, j],
+                   behavior_logprobs=[-0.5, -1.0], versions=[index // 4, index // 4],
+                   finish_reason="stop", reward=float(j))
+        for j in range(n)
+    ]
+
+
+def _send_shuffled(address: str, n_groups: int, seed: int) -> None:
+    order = list(range(n_groups))
+    random.Random(seed).shuffle(order)
+    sender = ExperienceSender(address)
+    for i in order:
+        sender.send(i, _group(i))
+    sender.close()  # linger lets the queued groups reach the receiver before exit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_experience_round_trip_across_processes_exactly_once(transport):
+    receiver = ExperienceReceiver(None if transport == "tcp" else ipc_address("exp"))
+    n_groups = 40
+    proc = mp.get_context("spawn").Process(target=_send_shuffled, args=(receiver.address, n_groups, 7))
+    proc.start()
+    got: dict[int, list[Trajectory]] = {}
+    deadline = time.monotonic() + 30
+    while len(got) < n_groups and time.monotonic() < deadline:
+        item = receiver.recv(timeout_s=0.5)
+        if item is not None:
+            index, group = item
+            assert index not in got, f"group {index} delivered twice"
+            got[index] = group
+    proc.join(10)
+    assert proc.exitcode == 0
+    assert receiver.recv(timeout_s=0.2) is None  # nothing beyond the 40 groups
+    receiver.close()
+    assert sorted(got) == list(range(n_groups))
+    assert got[13] == _group(13)  # dataclass equality: every field survived the trip
+
+
+def test_experience_sender_before_receiver_binds_loses_nothing():
+    address = free_tcp_address()
+    sender = ExperienceSender(address)
+    for i in range(3):
+        sender.send(i, _group(i, n=1))  # queued by PUSH; no peer yet
+    receiver = ExperienceReceiver(address)
+    got = [receiver.recv(timeout_s=5) for _ in range(3)]
+    assert [g[0] for g in got] == [0, 1, 2]
+    assert receiver.recv(timeout_s=0) is None and receiver.received == 3
+    sender.close()
+    receiver.close()
+
+
+def test_experience_send_rejects_non_trajectories():
+    sender = ExperienceSender(free_tcp_address(), linger_s=0)
+    with pytest.raises(TypeError, match="group 5"):
+        sender.send(5, [{"sample_id": "x"}])
+    sender.close()
+
+
+@pytest.fixture
+def weight_pair():
+    subs, pubs = [], []
+
+    def make(**kw):
+        sub = WeightSubscriber(ipc_address("w"))
+        pub = WeightPublisher(sub.address, linger_s=0, **kw)
+        subs.append(sub), pubs.append(pub)
+        return pub, sub
+
+    yield make
+    for s in pubs + subs:
+        s.close()
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(50, 8, generator=g),
+        "layer.norm": torch.randn(8, generator=g).to(torch.bfloat16),
+        "pos_ids": torch.arange(12, dtype=torch.int64).reshape(3, 4) + seed,
+        "scale": torch.tensor(1.5 + seed),  # 0-dim
+        "transposed": torch.randn(4, 6, generator=g).t(),  # non-contiguous
+    }
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_weight_round_trip_fp32_bf16_int64(weight_pair):
+    pub, sub = weight_pair()
+    assert sub.poll() is None and sub.version == -1
+    state = _state(0)
+    assert pub.publish(state, version=1) == 1  # ~2 KB total: one 64 MiB bucket
+    version, got = sub.wait(1, timeout_s=5)
+    assert version == 1 and sub.version == 1
+    _assert_equal(got, state)
+    assert sub.poll() is None  # nothing new
+
+
+def test_split_buckets_by_hand():
+    state = {
+        "a": torch.zeros(100),  # 400 B → 448 aligned to 64
+        "b": torch.zeros(100),  # 448 + 448 = 896 <= 1024: same bucket
+        "c": torch.zeros(1000),  # 4000 B > 1024: alone
+        "d": torch.zeros(10, dtype=torch.int64),  # 80 B → 128
+        "e": torch.zeros(16, dtype=torch.bfloat16),  # 32 B → 64; 128 + 64 = 192: joins d
+    }
+    assert split_buckets(state, 1024) == [["a", "b"], ["c"], ["d", "e"]]
+    with pytest.raises(TypeError, match="'x'"):
+        split_buckets({"x": [1.0]}, 1024)
+    with pytest.raises(ValueError, match="empty"):
+        split_buckets({}, 1024)
+
+
+def test_weight_multi_bucket_round_trip(weight_pair):
+    pub, sub = weight_pair(bucket_bytes=1024)
+    state = _state(1)
+    # embed 1600 B alone; norm 16→64 + pos 96→128 + scale 4→64 + transposed 96→128 = 384 B
+    assert pub.publish(state, version=1) == 2
+    version, got = sub.wait(1, timeout_s=5)
+    _assert_equal(got, state)
+
+
+def test_weight_newest_version_wins(weight_pair):
+    pub, sub = weight_pair(bucket_bytes=1024)
+    for v in (1, 2, 3):
+        pub.publish(_state(v), version=v)
+    time.sleep(0.5)  # let all 3 versions × 2 buckets (~4 KB over ipc) arrive
+    version, got = sub.poll()
+    assert version == 3 and sub.dropped_versions == 2
+    _assert_equal(got, _state(3))
+    assert sub.poll() is None
+    with pytest.raises(ValueError, match="must increase"):
+        pub.publish(_state(0), version=3)
+
+
+def test_weight_corrupted_bucket_raises_and_keeps_previous(weight_pair):
+    def flip_first_byte(header, payload):
+        if header["version"] == 2 and header["bucket"] == 1:
+            payload[0] ^= 0xFF
+
+    pub, sub = weight_pair(bucket_bytes=1024, tamper=flip_first_byte)
+    pub.publish(_state(1), version=1)
+    sub.wait(1, timeout_s=5)
+    pub.publish(_state(2), version=2)
+    with pytest.raises(WeightChecksumError) as err:
+        sub.wait(2, timeout_s=5)
+    msg = str(err.value)
+    assert "weight version 2, bucket 1/2" in msg and "'layer.norm'" in msg and "keeping version 1" in msg
+    assert sub.version == 1 and sub.checksum_errors == 1
+    _assert_equal(sub.state_dict, _state(1))
+    # the channel recovers with the next good version
+    pub.publish(_state(3), version=3)
+    version, got = sub.wait(3, timeout_s=5)
+    assert version == 3
+    _assert_equal(got, _state(3))
+
+
+def test_weight_wait_times_out(weight_pair):
+    _, sub = weight_pair()
+    t0 = time.monotonic()
+    assert sub.wait(0, timeout_s=0.2) is None
+    assert 0.15 < time.monotonic() - t0 < 2.0

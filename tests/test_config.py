@@ -1,0 +1,52 @@
+"""YAML + dotted overrides into typed dataclasses, and errors that name key, source and fix."""
+
+import pytest
+
+from areal_flow.config import ConfigError, ExperimentConfig, load_config
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_then_overrides_with_types(tmp_path):
+    path = _yaml(tmp_path, "train:\n  lr: 0.5\n  steps: 3\nasync:\n  max_staleness: 4\n")
+    cfg = load_config(path, ["train.lr=1e-4", "scheduler.type=ray", "train.loss.clip_eps_high=0.28"])
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.train.lr == 1e-4 and cfg.train.steps == 3
+    assert cfg.async_.max_staleness == 4  # the YAML key 'async' is the field 'async_'
+    assert cfg.scheduler.type == "ray"
+    assert cfg.train.loss.clip_eps_high == 0.28
+    assert load_config(None, ["async.max_staleness=0"]).async_.max_staleness == 0
+
+
+def test_unknown_key_in_yaml_names_file_line_and_nearest_key(tmp_path):
+    path = _yaml(tmp_path, "seed: 3\ntrain:\n  steps: 2\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key 'train.lrr' \({path}:4\); did you mean 'train.lr'\?"):
+        load_config(path)
+
+
+def test_unknown_override_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"'async.max_stalenes' \(command line\); did you mean 'async.max_staleness'"):
+        load_config(None, ["async.max_stalenes=1"])
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    path = _yaml(tmp_path, "gen:\n  n_samples: many\n")
+    with pytest.raises(ConfigError, match=rf"config key 'gen.n_samples' \({path}:2\):.*expected int"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"'train.lr' \(command line\).*expected float"):
+        load_config(None, ["train.lr=fast"])
+
+
+def test_bad_values_and_malformed_input(tmp_path):
+    with pytest.raises(ConfigError, match=r"scheduler.type='slurm': expected 'local' or 'ray'"):
+        load_config(None, ["scheduler.type=slurm"])
+    with pytest.raises(ConfigError, match=r"expected key=value"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match=r"invalid YAML"):
+        load_config(_yaml(tmp_path, "train: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"config file not found"):
+        load_config(tmp_path / "missing.yaml")
