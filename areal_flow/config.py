@@ -89,8 +89,20 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global L2 norm."""
-    loss: LossConfig = field(default_factory=LossConfig)
-    """Policy-loss knobs (clip, aggregation, KL, decoupled PPO)."""
+    loss: dict[str, Any] = field(default_factory=dict)
+    """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
+
+    def __post_init__(self) -> None:
+        valid = LossConfig.field_names()
+        for key in self.loss:
+            if key not in valid:
+                near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+                hint = f"; did you mean 'train.loss.{near[0]}'?" if near else ""
+                raise ConfigError(f"unknown config key 'train.loss.{key}'{hint}")
+        try:
+            LossConfig(**self.loss)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"train.loss: {exc}") from None
 
 
 @dataclass

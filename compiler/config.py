@@ -43,7 +43,7 @@ class CompileConfig:
     max_new_tokens: int | None = None
     """Response length budget, tokens; None = the generate node's max_new_tokens."""
     micro_batches: int | None = None
-    """Micro-batches per DP rank per training step; None = smallest power of two that fits."""
+    """Micro-batches per DP rank per training step; None = smallest power of two >= 4(pp-1) that fits."""
     activation_checkpointing: bool = True
     """Recompute each layer in the backward pass instead of storing its activations."""
     dtype: str = "bf16"

@@ -106,35 +106,39 @@ def pack(sizes: list[int], n_nodes: int, devices_per_node: int) -> list[MeshSpec
     Raises:
         MeshError: a size is not aligned, or the meshes do not fit the cluster.
     """
-    free = [[True] * devices_per_node for _ in range(n_nodes)]
+    used = [0] * n_nodes  # per machine, a bit mask of taken devices
     meshes = []
     for size in sizes:
-        mesh = _first_fit(size, free, devices_per_node)
+        mesh = _first_fit(size, used, devices_per_node)
         if mesh is None:
             raise MeshError(
                 f"meshes of sizes {sizes} do not fit {n_nodes} machine(s) x {devices_per_node} devices "
                 f"(stuck at size {size}; sizes must be 1, 2, 4.. inside a machine or whole machines)"
             )
-        for node, dev in mesh.devices():
-            free[node][dev] = False
+        block = ((1 << mesh.n_devices) - 1) << mesh.first_device
+        for node in range(mesh.first_node, mesh.first_node + mesh.n_nodes):
+            used[node] |= block
         meshes.append(mesh)
     return meshes
 
 
-def _first_fit(size: int, free: list[list[bool]], per_node: int) -> MeshSpec | None:
+def _first_fit(size: int, used: list[int], per_node: int) -> MeshSpec | None:
     if size < per_node:
         if size & (size - 1):
             return None
-        for node, slots in enumerate(free):
+        block, full = (1 << size) - 1, (1 << per_node) - 1
+        for node, mask in enumerate(used):
+            if mask == full:
+                continue
             for start in range(0, per_node - size + 1, size):
-                if all(slots[start : start + size]):
+                if not mask & (block << start):
                     return MeshSpec(node, 1, start, size)
         return None
     if size % per_node:
         return None
     need, run = size // per_node, 0
-    for node, slots in enumerate(free):
-        run = run + 1 if all(slots) else 0
+    for node, mask in enumerate(used):
+        run = 0 if mask else run + 1
         if run == need:
             return MeshSpec(node - need + 1, need, 0, per_node)
     return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 
@@ -95,17 +96,17 @@ class ModelSpec:
         """Embedding + LM head (once if tied) + final norm, elements."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
 
-    @property
+    @cached_property
     def n_expert_params(self) -> int:
         return self.n_layers * self.expert_params_per_layer
 
-    @property
+    @cached_property
     def n_params(self) -> int:
         """Total parameters, elements."""
         per_layer = self.attention_params_per_layer + self.dense_mlp_params_per_layer
         return self.n_layers * per_layer + self.n_expert_params + self.embedding_params
 
-    @property
+    @cached_property
     def n_active_params(self) -> int:
         """Parameters one token multiplies through (``k`` of ``E`` experts), elements."""
         if not self.is_moe:

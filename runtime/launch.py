@@ -121,7 +121,7 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key != "estimator"}
     trainer_spec = TrainerSpec(
         model_folder=str(folder), algorithm=roles.train_step.attrs["algorithm"],
-        estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs, loss=cfg.train.loss,
+        estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs, loss_overrides=dict(cfg.train.loss),
         steps=cfg.train.steps, batch_groups=cfg.train.batch_size, max_staleness=k, lr=cfg.train.lr,
         weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
         micro_batch_size=cfg.train.micro_batch_size, temperature=gen["temperature"] or 1.0, seed=cfg.seed,

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from areal_flow.algorithms.advantages import compute_advantages
-from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
 from areal_flow.types import Trajectory
 from runtime.batching import collate
@@ -38,7 +37,7 @@ class TrainerSpec:
         model_folder: initial policy (version 0) in ``transformers`` format.
         algorithm: registered algorithm name of the ``train_step`` node.
         estimator / estimator_kwargs: the ``advantage`` node's estimator and knobs.
-        loss: the policy-loss config.
+        loss_overrides: ``LossConfig`` fields changed from the algorithm's defaults.
         steps: optimizer steps; batch_groups: B; max_staleness: k.
         lr / weight_decay / max_grad_norm / micro_batch_size: optimizer settings.
         temperature: the sampling temperature (log-probs are recomputed at it).
@@ -51,7 +50,7 @@ class TrainerSpec:
     algorithm: str
     estimator: str
     estimator_kwargs: dict
-    loss: LossConfig
+    loss_overrides: dict
     steps: int
     batch_groups: int
     max_staleness: int
@@ -87,7 +86,7 @@ def run_trainer_worker(spec: TrainerSpec, metrics_queue) -> dict:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     algorithm = build_algorithm(
-        spec.algorithm, spec.loss, model, optimizer,
+        spec.algorithm, model, optimizer, loss_overrides=dict(spec.loss_overrides),
         micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
     )
     receiver = ExperienceReceiver(spec.experience_address)

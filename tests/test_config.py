@@ -18,7 +18,7 @@ def test_yaml_then_overrides_with_types(tmp_path):
     assert cfg.train.lr == 1e-4 and cfg.train.steps == 3
     assert cfg.async_.max_staleness == 4  # the YAML key 'async' is the field 'async_'
     assert cfg.scheduler.type == "ray"
-    assert cfg.train.loss.clip_eps_high == 0.28
+    assert cfg.train.loss == {"clip_eps_high": 0.28}
     assert load_config(None, ["async.max_staleness=0"]).async_.max_staleness == 0
 
 
@@ -39,6 +39,13 @@ def test_wrong_type_names_key_and_expected_type(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"'train.lr' \(command line\).*expected float"):
         load_config(None, ["train.lr=fast"])
+
+
+def test_loss_overrides_are_checked_against_loss_config():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.loss.clip_eps_hgh'; did you mean 'train.loss.clip_eps_high'"):
+        load_config(None, ["train.loss.clip_eps_hgh=0.3"])
+    with pytest.raises(ConfigError, match=r"train.loss: LossConfig.loss_agg_mode='per-token'"):
+        load_config(None, ["train.loss.loss_agg_mode=per-token"])
 
 
 def test_bad_values_and_malformed_input(tmp_path):

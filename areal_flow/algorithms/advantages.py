@@ -80,6 +80,12 @@ def _std(sq_dev: torch.Tensor, count: torch.Tensor, unbiased: bool) -> torch.Ten
     return torch.where(dof > 0, (sq_dev / dof.clamp(min=1)).sqrt(), torch.zeros_like(sq_dev))
 
 
+def _safe_div(centered: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    """``centered / (std + eps)``, and 0 where std is 0 (then centered is 0 too), so
+    ``eps=0`` cannot produce 0/0 = NaN."""
+    return torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+
+
 def grpo(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -97,14 +103,15 @@ def grpo(
         rewards: ``[batch]`` float, outcome reward per sample.
         group_ids: ``[batch]`` int, prompt group of each sample.
         loss_mask: ``[batch, seq]``, 1 on response tokens.
-        eps: added to the std (guard against division by ~0).
+        eps: added to the std (guard against division by ~0); where the std is exactly 0
+            the advantage is 0 whatever ``eps`` is.
         std_unbiased: True = sample std (divide by n-1, ``torch.std`` default, as verl);
             False = population std (divide by n). Singleton groups: std 0, advantage 0.
     """
     _check_outcome("grpo", rewards, loss_mask, group_ids)
     st = _group_stats(rewards, group_ids)
     std = _std(st.sq_dev, st.count, std_unbiased)[st.index]
-    return AdvantageOutput(_broadcast(st.centered / (std + eps), loss_mask), None)
+    return AdvantageOutput(_broadcast(_safe_div(st.centered, std, eps), loss_mask), None)
 
 
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor) -> AdvantageOutput:
@@ -151,7 +158,7 @@ def lite_ppo(
     r = rewards.double()
     n = torch.tensor([float(r.numel())], dtype=torch.float64)
     batch_std = _std((r - r.mean()).square().sum().reshape(1), n, std_unbiased)
-    return AdvantageOutput(_broadcast(st.centered / (batch_std + eps), loss_mask), None)
+    return AdvantageOutput(_broadcast(_safe_div(st.centered, batch_std.expand_as(r), eps), loss_mask), None)
 
 
 def reinforce_pp(

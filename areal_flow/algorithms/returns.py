@@ -77,7 +77,9 @@ def token_rewards(
         out = torch.zeros(mask.shape, dtype=torch.float64)
         out[has.nonzero().flatten(), last[has]] = rewards.double()[has]
     else:
-        raise ValueError(f"rewards must be [batch] or [batch, seq]; got {tuple(rewards.shape)} for loss_mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"rewards must be [batch] or [batch, seq]; got {tuple(rewards.shape)} for loss_mask {tuple(mask.shape)}"
+        )
     if kl is not None and kl_coef != 0.0:
         if kl.shape != mask.shape:
             raise ValueError(f"kl {tuple(kl.shape)} does not match loss_mask {tuple(mask.shape)}")
@@ -199,7 +201,8 @@ def multi_turn(
     n_turns = turn_rewards.shape[1]
     ids = turn_ids[mask]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_turns):
-        raise ValueError(f"multi_turn: turn_ids on response tokens must be in [0, {n_turns}), got {ids.unique().tolist()}")
+        got = ids.unique().tolist()
+        raise ValueError(f"multi_turn: turn_ids on response tokens must be in [0, {n_turns}), got {got}")
     g = torch.zeros(turn_rewards.shape, dtype=torch.float64)
     running = torch.zeros(turn_rewards.shape[0], dtype=torch.float64)
     for k in range(n_turns - 1, -1, -1):

@@ -12,7 +12,8 @@ Answer extraction, first rule that finds something wins:
 
 1. the last ``#### <answer>`` (GSM8K's reference format);
 2. the last ``\\boxed{...}`` (braces balanced, so ``\\boxed{\\frac{1}{2}}`` works);
-3. the last "answer is / answer: / answer =" phrase, first number after it on its line;
+3. the last "answer is / answer: / answer =" phrase (of the last 8) with a number after it
+   on its line (within 200 characters): that first number;
 4. the last number anywhere in the text.
 
 Numbers are compared exactly as ``fractions.Fraction`` (``3.50 == 3.5``, ``1/2 == 0.5``,
@@ -38,23 +39,25 @@ RewardFn = Callable[[str, str], float]
 
 # A signed decimal number with optional thousands commas and an optional "/denominator".
 # The sign only counts when it does not follow a word character or ")" ("8-5" is 8 and 5,
-# "x = -5" is -5). Unicode minus (U+2212) is accepted.
+# "x = -5" is -5); it may stand before or after a currency sign ("-$5", "$-5"). Unicode
+# minus (U+2212) is accepted.
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w)])(?P<sign>[-\u2212+])\s?)?"
-    r"(?P<currency>[$\u20ac\u00a3\u00a5]\s?)?"
+    r"(?:(?P<currency>[$\u20ac\u00a3\u00a5])\s?(?P<sign2>[-\u2212])?)?"
     r"(?<![\d.])(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))"
     r"(?P<frac>\.\d+)?"
     r"(?:/(?P<den>\d+(?:\.\d+)?))?"
 )
 _HASH_RE = re.compile(r"####[ \t]*(?P<span>[^\n]*)")
-_ANSWER_RE = re.compile(
-    r"answer\s*(?:is|was|would be|will be|should be)?\s*[:=]?(?P<span>[^\n]*)", re.IGNORECASE
-)
+_ANSWER_RE = re.compile(r"\banswer\b\s*(?:is|was|would be|will be|should be)?\s*[:=]?", re.IGNORECASE)
 # LaTeX that only decorates a number: \text{ dollars}, \$, \%, {,}, thin spaces, \left/\right.
 _LATEX_DECOR_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{[^{}]*\}|\\[$%,!;: ]|\\(?:left|right)")
 # LaTeX that only math-verify understands.
 _LATEX_MATH_RE = re.compile(r"\\(?:d|t)?frac|\\sqrt|\\pi|\^")
 _MAX_TEXT_CHARS = 100_000  # longer outputs are judged on their last 100k characters
+_MATH_VERIFY_MAX_CHARS = 2_000
+_ANSWER_SPAN_CHARS = 200  # an answer phrase's value is looked for this far, within its line
+_MAX_ANSWER_PHRASES = 8  # only the last 8 answer phrases are tried (bounds the work)
 
 
 def math_reward(output_text: Any, reference: str | int | float | Fraction) -> float:
@@ -73,8 +76,9 @@ def math_reward(output_text: Any, reference: str | int | float | Fraction) -> fl
         dropped) or, for LaTeX expressions, ``math_verify.verify``.
 
     Raises:
-        ValueError: ``reference`` is not a number or parseable expression (a data bug,
-            not a model error).
+        ValueError: ``reference`` is neither a number (as ``parse_number`` reads it) nor
+            LaTeX math (``\\frac``, ``\\sqrt``, ``^``, ``\\pi``) that math-verify parses;
+            that is a data bug, not a model error.
     """
     gold = _parse_reference(reference)
     if not isinstance(output_text, str) or not output_text.strip():
@@ -108,8 +112,10 @@ def extract_answer(text: str) -> Fraction | sympy.Basic | None:
         value = _boxed_value(boxed)
         if value is not None:
             return value
-    for match in reversed(list(_ANSWER_RE.finditer(text))):
-        value = _first_number(match.group("span").replace("*", " "))  # "is **42**"
+    for match in list(_ANSWER_RE.finditer(text))[-_MAX_ANSWER_PHRASES:][::-1]:
+        line_end = text.find("\n", match.end(), match.end() + _ANSWER_SPAN_CHARS)
+        span = text[match.end():line_end if line_end >= 0 else match.end() + _ANSWER_SPAN_CHARS]
+        value = _first_number(span.replace("*", " "))  # "is **42**"
         if value is not None:
             return value
     numbers = list(_NUMBER_RE.finditer(_clean(text)))
@@ -122,11 +128,11 @@ def parse_number(text: str) -> Fraction | None:
     Accepts ``"1,234.50"``, ``"-$5"``, ``"$-5"``, ``"\\u22125"``, ``"3/4"``, ``"72 clips"``,
     ``"25%"``, ``"18\\text{ dollars}"``, ``"1{,}000"``; rejects ``"3 and 4"`` and ``""``.
     """
-    cleaned = _clean(text).strip().rstrip(".")
-    match = _NUMBER_RE.match(cleaned.strip())
+    cleaned = _clean(text).strip().rstrip(".").strip()
+    match = _NUMBER_RE.match(cleaned)
     if match is None:
         return None
-    rest = cleaned.strip()[match.end():].strip()
+    rest = cleaned[match.end():].strip()
     if _NUMBER_RE.search(rest) or _LATEX_MATH_RE.search(rest):
         return None
     return _number_value(match)
@@ -169,7 +175,7 @@ def _parse_reference_cached(reference: str) -> Fraction | sympy.Basic:
     value = parse_number(reference)
     if value is not None:
         return value
-    parsed = _mv_parse_safe(f"${reference}$")
+    parsed = _mv_parse_safe(f"${reference}$") if _LATEX_MATH_RE.search(reference) else None
     if parsed is None:
         raise ValueError(f"math_reward: reference answer {reference!r} is not a number or expression")
     return parsed
@@ -199,7 +205,8 @@ def _number_value(match: re.Match) -> Fraction | None:
             value /= Fraction(match.group("den"))
     except (ValueError, ZeroDivisionError):  # > 4300 digits, or x/0
         return None
-    return -value if match.group("sign") in ("-", "\u2212") else value
+    negative = any(match.group(g) in ("-", "\u2212") for g in ("sign", "sign2"))
+    return -value if negative else value
 
 
 def _first_number(span: str) -> Fraction | sympy.Basic | None:
@@ -213,18 +220,23 @@ def _first_number(span: str) -> Fraction | sympy.Basic | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
+    """Content of the last-closed ``\\boxed{...}`` / ``\\fbox{...}`` (braces balanced), or None.
+
+    One pass over the braces with a stack, so unclosed boxes cost O(len(text)).
+    """
+    box_braces = {m.end() - 1 for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)}
+    if not box_braces:
+        return None
+    stack: list[int] = []
+    last = None
+    for match in re.finditer(r"[{}]", text):
+        if match.group() == "{":
+            stack.append(match.start())
+        elif stack:
+            start = stack.pop()
+            if start in box_braces:
+                last = text[start + 1:match.start()]
+    return last
 
 
 def _boxed_value(content: str) -> Fraction | sympy.Basic | None:
@@ -235,7 +247,13 @@ def _boxed_value(content: str) -> Fraction | sympy.Basic | None:
 
 
 def _mv_parse_safe(latex: str) -> Fraction | sympy.Basic | None:
-    """First sympy value math-verify extracts from ``latex``; None if it finds none."""
+    """First sympy value math-verify extracts from ``latex``; None if it finds none.
+
+    Inputs over ``_MATH_VERIFY_MAX_CHARS`` are not parsed: off the main thread math-verify
+    runs without a timeout, and sympy on a huge expression could stall a reward worker.
+    """
+    if len(latex) > _MATH_VERIFY_MAX_CHARS:
+        return None
     try:
         parsed = _mv_parse(latex, parsing_timeout=_timeout_s())
     except (Exception, _MathVerifyTimeout):  # noqa: BLE001 - garbage in, no answer out

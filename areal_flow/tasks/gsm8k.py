@@ -2,9 +2,11 @@
 
 Owns: reading GSM8K from its JSONL files (one ``{"question": ..., "answer": ...}`` object
 per line, the reference answer being the number after ``####`` on the answer's last
-line) or from a ``datasets`` hub name, and turning each row into a problem dict
-``{"prompt": question, "answer": "72", "id": int}``. Must not: tokenize, apply chat
-templates, or score outputs (``areal_flow.rewards.math.math_reward`` does that).
+line) or from a ``datasets`` hub name, turning each row into a problem dict
+``{"prompt": question, "answer": "72", "id": int}``, and ``GSM8KTask``, the task object
+the ``dataset`` op builds (train draws, held-out test set, reward). Must not: tokenize or
+apply chat templates (the prompt is the bare question); scoring is
+``areal_flow.rewards.math.math_reward``.
 
 Source: Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems"
 (arXiv:2110.14168); data MIT-licensed by OpenAI, shipped in ``shared/data/gsm8k``
@@ -14,9 +16,13 @@ beside the repository (``<repo>/../shared/data/gsm8k/{train,test}.jsonl``).
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from areal_flow.rewards.math import math_reward
+from areal_flow.tasks.arithmetic import TEST_ID_OFFSET
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _SPLITS = ("train", "test")
@@ -158,3 +164,78 @@ def _load_hub(config: GSM8KConfig) -> list[dict]:
             break
         problems.append(_problem(dict(row), i, f"{config.hf_name}[{config.split}][{i}]"))
     return problems
+
+
+class GSM8KTask:
+    """GSM8K as a task: seeded training draws, the fixed test set, and the math reward.
+
+    Args:
+        path: a folder holding ``train.jsonl`` and ``test.jsonl``, or one JSONL file used
+            as the training split (the test split is then ``test.jsonl`` beside it);
+            None or ``""``: the shipped copy (``default_data_dir()``).
+        seed: mixed into every training draw.
+
+    Raises:
+        FileNotFoundError: ``path`` given but absent, or no shipped copy found.
+
+    The files are read on first use. Training ids are the problem's 0-based index in the
+    training file; test ids are ``TEST_ID_OFFSET + index`` (never colliding with them).
+    """
+
+    name = "gsm8k"
+    max_answer_tokens = 256
+    """Greedy-evaluation budget, tokens: GSM8K solutions are worked steps, not one number."""
+
+    def __init__(self, path: str | Path | None = None, seed: int = 0) -> None:
+        root = Path(path) if path else default_data_dir()
+        if not root.exists():
+            raise FileNotFoundError(f"dataset.path={str(path)!r}: no such GSM8K file or folder")
+        if root.is_dir():
+            self.train_path, self.test_path = root / "train.jsonl", root / "test.jsonl"
+        else:
+            self.train_path, self.test_path = root, root.parent / "test.jsonl"
+        self.seed = seed
+        self._splits: dict[str, list[dict]] = {}
+
+    def spec(self) -> dict:
+        """The parameters that define the task's data, e.g. for cache keys."""
+        return {"name": self.name, "train": str(self.train_path), "test": str(self.test_path), "seed": self.seed}
+
+    def _split(self, split: str) -> list[dict]:
+        if split not in self._splits:
+            self._splits[split] = read_gsm8k_jsonl(self.train_path if split == "train" else self.test_path)
+        return self._splits[split]
+
+    def test_set(self, n: int = 500) -> list[dict]:
+        """The first ``n`` test problems in file order (all of them if fewer), ids offset.
+
+        Raises:
+            FileNotFoundError: no test file; ValueError: a malformed line.
+        """
+        return [{**p, "id": TEST_ID_OFFSET + p["id"]} for p in self._split("test")[:n]]
+
+    def train_problems(self, n: int, seed: int) -> list[dict]:
+        """``n`` training problems: the training set shuffled by ``(self.seed, seed)``, epoch
+        after epoch (each epoch reshuffled) when ``n`` exceeds its size.
+
+        Raises:
+            FileNotFoundError: no training file. ValueError: a malformed line, ``n < 0``,
+            or an empty training file.
+        """
+        if n < 0:
+            raise ValueError(f"GSM8KTask.train_problems: n must be >= 0, got {n}")
+        pool = self._split("train")
+        if not pool and n:
+            raise ValueError(f"GSM8KTask: training file {self.train_path} holds no problems")
+        rng = random.Random(f"gsm8k-train:{self.seed}:{seed}")
+        out: list[dict] = []
+        while len(out) < n:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+            out.extend(dict(pool[i]) for i in order[: n - len(out)])
+        return out
+
+    @staticmethod
+    def reward(output_text: str, answer: str) -> float:
+        """``math_reward``: 1.0 if the response's final answer equals ``answer``, else 0.0."""
+        return math_reward(output_text, answer)

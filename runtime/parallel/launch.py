@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from compiler.strategy import ParallelStrategy
 from runtime.parallel.validate import validate_strategy_for_model
@@ -104,7 +105,7 @@ def spawn_workers(
                 join=True,
                 start_method="spawn",
             )
-        except mp.ProcessException as exc:
+        except ProcessException as exc:
             errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
             details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
             raise WorkerError("\n".join(details) or str(exc)) from exc

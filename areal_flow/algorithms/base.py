@@ -1,0 +1,371 @@
+"""``BaseAlgorithm``: one optimizer step of the policy (and critic) from a rollout batch.
+
+The algorithm owns the *loss side* of RL: micro-batching, proximal log-prob recompute,
+the policy loss chosen by ``LossConfig``, the global-normaliser aggregation, gradient
+clipping and the optimizer step. Advantages arrive precomputed in the batch (the
+trainer runs ``advantages.compute_advantages(algo.default_estimator, ...)``).
+Subclasses registered with ``@register_algorithm`` only choose defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
+from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.kl import kl_penalty
+from areal_flow.algorithms.losses import (
+    behavior_importance_weight,
+    compute_policy_loss,
+    m2po_keep_mask,
+    token_entropy,
+    value_loss,
+)
+from areal_flow.algorithms.step_metrics import StepMetrics
+from areal_flow.models.logprobs import token_logprobs
+
+_REQUIRED = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
+
+
+class _LogitsTap:
+    """Calls the model and keeps its logits, so ``token_logprobs`` stays the one
+    log-prob function while the entropy reuses the same forward pass."""
+
+    def __init__(self, model: Callable[..., Any]) -> None:
+        self.model = model
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        out = self.model(**kwargs)
+        self.logits = out.logits
+        return out
+
+
+class BaseAlgorithm:
+    """Policy-gradient update with the loss chosen by ``LossConfig``.
+
+    Class attributes set by subclasses:
+        name: registry name (set by ``register_algorithm``).
+        default_estimator: advantage estimator (key of ``advantages.ESTIMATORS``) the
+            trainer should use for this algorithm.
+        policy_loss: required ``LossConfig.policy_loss``, or None for any.
+        loss_defaults: ``LossConfig`` overrides of ``default_loss_config()``.
+        requires_critic: True when ``critic`` and ``critic_optimizer`` are mandatory.
+
+    Args:
+        loss_cfg: the loss configuration.
+        model: ``transformers`` causal LM being trained.
+        optimizer: optimizer over ``model``'s parameters; stepped once per update.
+        micro_batch_size: sequences per forward/backward pass.
+        max_grad_norm: global L2 norm the gradient is clipped to.
+        temperature: sampling temperature; logits are divided by it so recomputed
+            log-probs match the behavior log-probs of the engine.
+        critic: value model, called ``critic(input_ids=, attention_mask=)`` and returning
+            ``[batch, seq]`` values with ``values[b, t]`` = V(state before token t).
+        critic_optimizer: optimizer over the critic's parameters.
+        ref_model: frozen reference LM for the KL penalty (needed when ``kl_coef > 0``
+            and the batch has no ``ref_logprobs``).
+
+    Models should have dropout off (the LLM-RL convention): the proximal log-probs are
+    recomputed in a separate no-grad pass and must equal the training forward's.
+
+    Raises:
+        ValueError: a bad argument or a ``loss_cfg`` that contradicts the algorithm.
+    """
+
+    name: ClassVar[str] = "base"
+    default_estimator: ClassVar[str] = "grpo"
+    policy_loss: ClassVar[str | None] = None
+    loss_defaults: ClassVar[dict[str, Any]] = {}
+    requires_critic: ClassVar[bool] = False
+
+    @classmethod
+    def default_loss_config(cls, **overrides: Any) -> LossConfig:
+        """``LossConfig`` with this algorithm's defaults, then ``overrides``.
+
+        Raises:
+            ValueError: an override key that is not a ``LossConfig`` field.
+        """
+        unknown = sorted(set(overrides) - set(LossConfig.field_names()))
+        if unknown:
+            raise ValueError(f"unknown loss config key(s) {unknown}; valid: {sorted(LossConfig.field_names())}")
+        return LossConfig(**{**cls.loss_defaults, **overrides})
+
+    def __init__(
+        self,
+        loss_cfg: LossConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        micro_batch_size: int,
+        max_grad_norm: float,
+        temperature: float = 1.0,
+        critic: torch.nn.Module | None = None,
+        critic_optimizer: torch.optim.Optimizer | None = None,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm}: must be > 0")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature}: must be > 0")
+        if self.policy_loss is not None and loss_cfg.policy_loss != self.policy_loss:
+            raise ValueError(
+                f"algorithm {self.name!r} uses policy_loss={self.policy_loss!r} but "
+                f"loss_cfg.policy_loss={loss_cfg.policy_loss!r}"
+            )
+        if (critic is None) != (critic_optimizer is None):
+            raise ValueError("critic and critic_optimizer must be given together")
+        if self.requires_critic and critic is None:
+            raise ValueError(f"algorithm {self.name!r} needs a critic and critic_optimizer")
+        self.loss_cfg = loss_cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        self.critic = critic
+        self.critic_optimizer = critic_optimizer
+        self.ref_model = ref_model
+
+    # ----------------------------------------------------------------- helpers
+    def _slices(self, batch_size: int) -> list[slice]:
+        step = self.micro_batch_size
+        return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
+
+    @staticmethod
+    def _width(attention_mask: torch.Tensor) -> int:
+        """Columns up to the last one any row attends to (trailing padding is dropped;
+        a causal LM's outputs before it do not change)."""
+        cols = attention_mask.bool().any(dim=0).nonzero()
+        return int(cols.max()) + 1 if cols.numel() else attention_mask.shape[1]
+
+    def _forward_logprobs(
+        self, model: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """No-grad ``token_logprobs`` over micro-batches: ``[batch, seq]`` float32."""
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for sl in self._slices(input_ids.shape[0]):
+                w = self._width(attention_mask[sl])
+                out[sl, :w] = token_logprobs(
+                    model, input_ids[sl, :w], attention_mask[sl, :w], temperature=self.temperature
+                )
+        return out
+
+    def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Reference-model log-probs ``[batch, seq]`` (no grad), e.g. to fold KL into the
+        reward (``kl_in_reward``). Raises ``ValueError`` without a ``ref_model``."""
+        if self.ref_model is None:
+            raise ValueError(f"algorithm {self.name!r}: ref_logprobs needs ref_model")
+        return self._forward_logprobs(self.ref_model, input_ids, attention_mask)
+
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Critic values ``[batch, seq]`` float32 (no grad), for GAE before the update."""
+        if self.critic is None:
+            raise ValueError(f"algorithm {self.name!r}: compute_values needs a critic")
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        with torch.no_grad():
+            for sl in self._slices(input_ids.shape[0]):
+                w = self._width(attention_mask[sl])
+                out[sl, :w] = self.critic(input_ids=input_ids[sl, :w], attention_mask=attention_mask[sl, :w]).float()
+        return out
+
+    def _validate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Checks the batch; returns the valid-token mask ``[batch, seq]`` bool."""
+        need = list(_REQUIRED) + (["values", "returns"] if self.critic is not None else [])
+        missing = [k for k in need if k not in batch]
+        if missing:
+            raise KeyError(f"algorithm {self.name!r}: batch lacks {missing} (has {sorted(batch)})")
+        shape = batch["input_ids"].shape
+        if len(shape) != 2 or batch["input_ids"].dtype != torch.int64:
+            dtype = batch["input_ids"].dtype
+            raise ValueError(f"batch['input_ids'] must be [batch, seq] int64, got {tuple(shape)} {dtype}")
+        for k in need[1:] + [k for k in ("ref_logprobs",) if k in batch]:
+            if batch[k].shape != shape:
+                raise ValueError(f"batch[{k!r}] has shape {tuple(batch[k].shape)}, expected {tuple(shape)}")
+        mask = batch["loss_mask"].bool()
+        if bool((mask & ~batch["attention_mask"].bool()).any()):
+            raise ValueError("batch['loss_mask'] is 1 on a position where attention_mask is 0 (padding)")
+        if shape[1] and bool(mask[:, 0].any()):
+            raise ValueError("batch['loss_mask'][:, 0] must be 0: the first token has no log-prob")
+        for k in ("behavior_logprobs", "advantages") + (("values", "returns") if self.critic is not None else ()):
+            if not bool(torch.isfinite(batch[k][mask]).all()):
+                raise ValueError(f"batch[{k!r}] is not finite on a response token")
+        return mask
+
+    # ------------------------------------------------------------------ update
+    def update_parameters(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        n_tokens: int | None = None,
+        n_seqs: int | None = None,
+        norm_length: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on ``batch`` (and one critic step when there is a critic).
+
+        Args:
+            batch: dict of tensors, ``[batch, seq]`` unless noted: ``input_ids`` int64
+                (prompt + response, right-padded), ``attention_mask``, ``loss_mask`` (1 on
+                response tokens, aligned with ``token_logprobs``), ``behavior_logprobs``
+                (engine log-probs, natural log), ``advantages``; optional
+                ``ref_logprobs``; ``values`` and ``returns`` when there is a critic.
+                Other keys (``group_ids``, ``rewards``) are ignored.
+            n_tokens: valid tokens in the whole step across data-parallel ranks (default:
+                this batch's); the ``token-mean`` normaliser.
+            n_seqs: sequences with >= 1 valid token across ranks (default: this batch's).
+            norm_length: Dr.GRPO constant length when ``loss_cfg.loss_agg_norm_length``
+                is None (default: the longest response of this batch).
+
+        Returns:
+            metrics (floats): ``loss`` (the step's total loss), ``policy_loss``,
+            ``clip_frac`` (valid tokens whose gradient a clip/mask removed),
+            ``importance_weight_mean``/``_max`` (pi_theta / pi_behav at the step start),
+            ``kl_behavior_current`` (k3 estimate of KL(behavior || current), mean per
+            token), ``entropy`` (nats per token), ``grad_norm`` (before clipping),
+            ``n_tokens``, ``n_seqs``, ``step_skipped`` (1 when no valid token or a
+            non-finite gradient skipped the step); plus ``kl_ref`` with a KL loss,
+            ``behavior_imp_weight_capped_frac`` when decoupled, ``value_loss``,
+            ``value_clip_frac``, ``critic_grad_norm`` with a critic.
+
+        Raises:
+            KeyError: a required batch key is missing.
+            ValueError: bad shapes/dtypes, loss_mask on padding, non-finite inputs, or a
+                KL loss without reference log-probs.
+        """
+        cfg = self.loss_cfg
+        mask = self._validate(batch)
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        behavior = batch["behavior_logprobs"].float()
+        local_tokens, local_seqs, longest = step_normalisers(mask)
+        norm = dict(
+            n_tokens=local_tokens if n_tokens is None else n_tokens,
+            n_seqs=local_seqs if n_seqs is None else n_seqs,
+            norm_length=cfg.loss_agg_norm_length or norm_length or max(longest, 1),
+        )
+        proximal = None
+        if cfg.use_decoupled_loss or cfg.policy_loss == "m2po":
+            # Before any parameter update: the proximal policy is the current weights.
+            proximal = self._forward_logprobs(self.model, ids, attn)
+        m2po_keep = None
+        if cfg.policy_loss == "m2po":
+            m2po_keep = m2po_keep_mask(proximal - behavior, mask, cfg.m2po_threshold)
+        ref = None  # reference log-probs, only when the KL term is in the loss
+        if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+            if "ref_logprobs" in batch:
+                ref = batch["ref_logprobs"].float()
+            elif self.ref_model is not None:
+                ref = self.ref_logprobs(ids, attn)
+            else:
+                raise ValueError("kl_coef > 0 with kl_in_reward=False needs batch['ref_logprobs'] or a ref_model")
+
+        metrics = StepMetrics()
+        self.optimizer.zero_grad(set_to_none=True)
+        for sl in self._slices(ids.shape[0]):
+            w = self._width(attn[sl])
+            idx = (sl, slice(0, w))
+            loss = self._micro_batch_loss(
+                batch, idx, mask[idx], behavior[idx],
+                None if proximal is None else proximal[idx],
+                None if m2po_keep is None else m2po_keep[idx],
+                None if ref is None else ref[idx],
+                norm, metrics,
+            )
+            loss.backward()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        skipped = norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        result = metrics.result()
+        result.update(grad_norm=float(grad_norm), n_tokens=float(local_tokens), n_seqs=float(local_seqs),
+                      step_skipped=float(skipped))
+        if self.critic is not None:
+            result.update(self._update_critic(batch, mask, norm))
+        return result
+
+    def _entropy(self, logits: torch.Tensor, *, with_grad: bool) -> torch.Tensor:
+        """``[batch, seq]`` entropy (nats) of the distribution that predicted token t
+        (position 0 holds 0). Without grad (metric only) it runs one row at a time, so the
+        float32 softmax never holds more than ``[seq, vocab]``."""
+        if with_grad:
+            return torch.nn.functional.pad(token_entropy(logits[:, :-1] / self.temperature), (1, 0))
+        with torch.no_grad():
+            rows = [token_entropy(logits[i, :-1].detach() / self.temperature) for i in range(logits.shape[0])]
+            return torch.nn.functional.pad(torch.stack(rows), (1, 0))
+
+    def _micro_batch_loss(
+        self,
+        batch: dict[str, torch.Tensor],
+        idx: tuple[slice, slice],
+        m: torch.Tensor,
+        behav: torch.Tensor,
+        proximal: torch.Tensor | None,
+        m2po_keep: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        norm: dict[str, Any],
+        metrics: StepMetrics,
+    ) -> torch.Tensor:
+        """Forward one micro-batch (rows and trimmed columns ``idx``) and return its
+        share of the step loss: policy loss (+ KL) (- entropy bonus)."""
+        cfg = self.loss_cfg
+        tap = _LogitsTap(self.model)
+        logp = token_logprobs(tap, batch["input_ids"][idx], batch["attention_mask"][idx], temperature=self.temperature)
+        old = proximal if cfg.use_decoupled_loss else behav
+        out = compute_policy_loss(cfg, logp, old, batch["advantages"][idx], m, m2po_keep=m2po_keep)
+        per_token = out.loss
+        if cfg.use_decoupled_loss:
+            weight, capped = behavior_importance_weight(
+                proximal, behav, m, cap=cfg.behavior_imp_weight_cap,
+                mode=cfg.behavior_imp_weight_mode, log_ratio_clamp=cfg.log_ratio_clamp,
+            )
+            per_token = per_token * weight
+            metrics.add_count("behavior_imp_weight_capped_frac", capped, m)
+        policy = aggregate_loss(per_token, m, cfg.loss_agg_mode, **norm)
+        loss = policy
+        if ref is not None:
+            kl = kl_penalty(logp, ref, cfg.kl_estimator, loss_mask=m, log_ratio_clamp=cfg.log_ratio_clamp)
+            loss = loss + cfg.kl_coef * aggregate_loss(kl, m, cfg.loss_agg_mode, **norm)
+            metrics.add_mean("kl_ref", kl.detach(), m)
+        ent = self._entropy(tap.logits, with_grad=cfg.entropy_coef > 0)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * aggregate_loss(ent, m, cfg.loss_agg_mode, **norm)
+        metrics.add_total("loss", loss)
+        metrics.add_total("policy_loss", policy)
+        metrics.add_count("clip_frac", out.clipped, m)
+        metrics.add_policy_drift(logp.detach(), behav, m, cfg.log_ratio_clamp)
+        metrics.add_mean("entropy", ent.detach(), m)
+        return loss
+
+    def _update_critic(
+        self, batch: dict[str, torch.Tensor], mask: torch.Tensor, norm: dict[str, Any]
+    ) -> dict[str, float]:
+        """One critic step on the clipped value loss, same aggregation as the policy."""
+        assert self.critic is not None and self.critic_optimizer is not None
+        metrics = StepMetrics()
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        for sl in self._slices(ids.shape[0]):
+            w = self._width(attn[sl])
+            m = mask[sl, :w]
+            values = self.critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
+            per_token, clipped = value_loss(
+                values, batch["values"][sl, :w], batch["returns"][sl, :w], m, clip_eps=self.loss_cfg.value_clip_eps
+            )
+            loss = aggregate_loss(per_token, m, self.loss_cfg.loss_agg_mode, **norm)
+            loss.backward()
+            metrics.add_total("value_loss", loss)
+            metrics.add_count("value_clip_frac", clipped, m)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+        if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        else:
+            self.critic_optimizer.step()
+        return {**metrics.result(), "critic_grad_norm": float(grad_norm)}

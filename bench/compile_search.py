@@ -1,0 +1,50 @@
+"""Benchmark: seconds for ``compile_plan`` to search a 1024-GPU cluster (budget: 2 s).
+
+Run: ``.venv/bin/python bench/compile_search.py`` (prints one line per case; each case
+is compiled from a fresh cost model, i.e. with no memoized costs, best of 3 runs).
+"""
+
+from __future__ import annotations
+
+import time
+
+from areal_flow.graph import Edge, Graph, ModelRef, Node
+from compiler import ClusterConfig, CompileConfig, compile_plan
+
+BUDGET_S = 2.0
+
+
+def grpo(spec: str) -> Graph:
+    g = Graph("grpo", {})
+    g.add_model(ModelRef("policy", spec))
+    for node in [Node("dataset", "dataset"),
+                 Node("generate", "generate", "policy", {"n_samples": 16, "max_new_tokens": 4096}),
+                 Node("reward", "reward"), Node("advantage", "advantage"),
+                 Node("train_step", "train_step", "policy", {"max_staleness": 1})]:
+        g.add_node(node)
+    for src, dst in [("dataset", "generate"), ("generate", "reward"), ("reward", "advantage"),
+                     ("advantage", "train_step")]:
+        g.add_edge(Edge(src, "out", dst, "in"))
+    g.add_edge(Edge("train_step", "weights", "generate", "weights", "weights"))
+    return g
+
+
+def main() -> int:
+    cluster = ClusterConfig(n_nodes=128, n_gpus_per_node=8, gpu="H100")
+    cfg = CompileConfig(prompts_per_step=512, max_prompt_len=1024)
+    worst = 0.0
+    for spec in ("Qwen2.5-7B", "Qwen2.5-72B", "Llama-3-70B", "Qwen3-30B-A3B"):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            plan = compile_plan(grpo(spec), cluster, cfg)
+            times.append(time.perf_counter() - start)
+        worst = max(worst, min(times))
+        print(f"{spec:<14} 1024 x H100: {min(times):.3f} s (best of 3)  -> {plan.allocation}, "
+              f"step {plan.step_time_s:.1f} s")
+    print(f"slowest case {worst:.3f} s; budget {BUDGET_S:.1f} s: {'OK' if worst < BUDGET_S else 'OVER'}")
+    return 0 if worst < BUDGET_S else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

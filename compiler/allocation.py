@@ -1,0 +1,159 @@
+"""The allocation string: a manual placement of every device node, and its parser.
+
+Grammar (whitespace between tokens is ignored)::
+
+    allocation := group ( "+" group )*
+    group      := item ( "|" item )*
+    item       := name ":" strategy
+    name       := [A-Za-z_][A-Za-z0-9_.-]*      a graph node, or the alias gen / train
+    strategy   := ( letter number )+            letters d t p c e = DP TP PP CP EP degrees
+
+Groups joined by ``+`` get disjoint device meshes, placed in the order written, each on
+the first free aligned block (see ``compiler.mesh``). Items joined by ``|`` time-share one
+mesh, so their world sizes ``d*t*p*c`` must be equal. Every node that needs devices
+appears exactly once; CPU-light nodes are placed with their consumer automatically.
+``gen`` is the generate node and ``train`` the policy's train_step.
+
+Examples: ``gen:d4t2 + train:d2t2p2`` (8 GPUs for generation, 8 for training);
+``gen:d8 | train:d8`` (generation and training time-share 8 GPUs).
+
+Errors (:class:`AllocationError`) quote the string with a caret under the culprit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from compiler.cost import CostModel
+from compiler.mesh import MeshError, MeshSpec, pack
+from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.workload import DeviceTask
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_STRATEGY = re.compile(r"[A-Za-z0-9]+")
+_DEGREE = re.compile(r"([dtpce])(\d+)")
+
+
+class AllocationError(ValueError):
+    """A bad allocation string; the message shows it with a caret at the culprit.
+
+    Attributes:
+        position: 0-based index of the offending character.
+    """
+
+    def __init__(self, text: str, position: int, reason: str):
+        self.position = position
+        super().__init__(f"bad allocation at character {position + 1}: {reason}\n  {text}\n  {' ' * position}^")
+
+
+@dataclass(frozen=True)
+class Item:
+    """``name:strategy`` with the positions of both in the string (0-based)."""
+
+    name: str
+    strategy: ParallelStrategy
+    name_pos: int
+    strategy_pos: int
+
+
+def parse(text: str) -> list[list[Item]]:
+    """Parse ``text`` into groups of items (syntax only; names are not resolved).
+
+    Raises:
+        AllocationError: at the first character that breaks the grammar.
+    """
+    groups: list[list[Item]] = [[]]
+    pos = _skip(text, 0)
+    while True:
+        match = _NAME.match(text, pos)
+        if match is None:
+            raise AllocationError(text, pos, "expected a node name")
+        name, name_pos = match.group(), pos
+        pos = _skip(text, match.end())
+        if pos >= len(text) or text[pos] != ":":
+            raise AllocationError(text, pos, f"expected ':' after node name '{name}'")
+        pos = _skip(text, pos + 1)
+        groups[-1].append(Item(name, _strategy(text, pos), name_pos, pos))
+        pos = _skip(text, pos + len(_STRATEGY.match(text, pos).group()))
+        if pos >= len(text):
+            return groups
+        if text[pos] == "+":
+            groups.append([])
+        elif text[pos] != "|":
+            raise AllocationError(text, pos, "expected '+' (next mesh) or '|' (same mesh) between items")
+        pos = _skip(text, pos + 1)
+
+
+def _skip(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _strategy(text: str, pos: int) -> ParallelStrategy:
+    match = _STRATEGY.match(text, pos)
+    if match is None:
+        raise AllocationError(text, pos, "expected a strategy such as 'd4t2'")
+    token, at, seen = match.group(), 0, set()
+    while at < len(token):
+        degree = _DEGREE.match(token, at)
+        if degree is None:
+            raise AllocationError(text, pos + at, "expected one of d/t/p/c/e followed by a number")
+        if degree.group(1) in seen:
+            raise AllocationError(text, pos + at, f"degree '{degree.group(1)}' given twice")
+        seen.add(degree.group(1))
+        at = degree.end()
+    try:
+        return ParallelStrategy.parse(token)
+    except StrategyError as err:
+        raise AllocationError(text, pos, str(err).splitlines()[0]) from None
+
+
+def resolve(
+    text: str, model: CostModel
+) -> tuple[list[list[tuple[DeviceTask, ParallelStrategy]]], list[MeshSpec]]:
+    """Parse ``text`` and bind it to the workload's device nodes and the cluster.
+
+    Returns:
+        ``(groups, meshes)`` ready for ``compiler.step.evaluate``.
+
+    Raises:
+        AllocationError: unknown or repeated node, a missing device node, unequal world
+            sizes in one group, a strategy invalid for the node's model, or meshes that do
+            not fit the cluster.
+    """
+    workload = model.workload
+    groups, seen = [], {}
+    for items in parse(text):
+        group = []
+        for item in items:
+            node = workload.resolve_name(item.name)
+            if node is None:
+                known = ", ".join(t.node for t in workload.tasks) + ", " + ", ".join(workload.aliases)
+                raise AllocationError(text, item.name_pos, f"'{item.name}' is not a device node (known: {known})")
+            if node in seen:
+                raise AllocationError(text, item.name_pos, f"node '{node}' placed twice")
+            seen[node] = item
+            size = items[0].strategy.world_size
+            if item.strategy.world_size != size:
+                raise AllocationError(
+                    text, item.strategy_pos,
+                    f"'{item.name}' uses {item.strategy.world_size} devices but shares a mesh of {size} ('|')",
+                )
+            task = workload.task(node)
+            try:
+                model.check(task, item.strategy, size)
+            except StrategyError as err:
+                raise AllocationError(text, item.strategy_pos, str(err)) from None
+            group.append((task, item.strategy))
+        groups.append(group)
+    missing = [t.node for t in workload.tasks if t.node not in seen]
+    if missing:
+        raise AllocationError(text, len(text), f"device node(s) not placed: {', '.join(missing)}")
+    sizes = [group[0][1].world_size for group in groups]
+    try:
+        meshes = pack(sizes, model.cluster.n_nodes, model.per_node)
+    except MeshError as err:
+        raise AllocationError(text, 0, str(err)) from None
+    return groups, meshes

@@ -1,0 +1,146 @@
+"""``compile_plan``: graph + cluster + compile config -> :class:`~compiler.plan.Plan`.
+
+Owns the pipeline: normalize the configs, read the workload, build the cost model,
+resolve pins, take the manual allocation or search, and turn the winning candidate into
+a plan with a deterministic id (xxhash64 of the graph, cluster and config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import xxhash
+
+from compiler.allocation import resolve
+from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, check_config
+from compiler.cost import CostModel
+from compiler.errors import InfeasiblePlanError, shortfall
+from compiler.hardware import device_spec
+from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan, SyncRoute
+from compiler.search import search
+from compiler.step import Candidate, evaluate
+from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.workload import CPU, Workload, build_workload
+
+
+def _normalize(obj, cls):
+    """A real ``cls`` dataclass from a dataclass or an OmegaConf node with the same keys."""
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
+    if "pins" in values:
+        values["pins"] = {str(k): str(v) for k, v in dict(values["pins"] or {}).items()}
+    return cls(**values)
+
+
+def plan_id(graph, workload: Workload, cluster: ClusterConfig, cfg: CompileConfig) -> str:
+    """xxhash64 (hex) of the graph (nodes, edges, models and their resolved shapes), the
+    cluster and the compile config."""
+    payload = {
+        "graph": graph.name,
+        "nodes": [[n.name, n.op, n.model, n.attrs] for n in graph.nodes.values()],
+        "edges": [[e.src, e.src_port, e.dst, e.dst_port, e.kind, e.max_staleness] for e in graph.edges],
+        "models": [[m.name, m.spec, m.trainable] for m in graph.models.values()],
+        "shapes": {t.model_name: t.model.to_dict() for t in workload.tasks},
+        "cluster": dataclasses.asdict(cluster),
+        "compile": dataclasses.asdict(cfg),
+    }
+    return xxhash.xxh64(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _pins(cfg: CompileConfig, model: CostModel) -> dict[str, ParallelStrategy]:
+    pins = {}
+    for name, text in cfg.pins.items():
+        node = model.workload.resolve_name(name)
+        if node is None:
+            raise CompileConfigError(f"compile.pins: '{name}' is not a device node or alias")
+        try:
+            strategy = ParallelStrategy.parse(text)
+            model.check(model.workload.task(node), strategy, strategy.world_size)
+        except StrategyError as err:
+            raise CompileConfigError(f"compile.pins.{name}={text!r}: {err}") from None
+        pins[node] = strategy
+    return pins
+
+
+def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) -> Plan:
+    """Place every node of ``graph`` on ``cluster_cfg`` and predict its step time.
+
+    Args:
+        graph: an ``areal_flow.graph.Graph`` (or any object with the same attributes).
+        cluster_cfg: machines, devices per machine, device preset.
+        compile_cfg: workload, mode and search knobs (``allocation`` skips the search).
+
+    Returns:
+        the best plan, with the other top-k allocations as ``alternatives``.
+
+    Raises:
+        CompileConfigError: a bad config value or pin (named).
+        ModelSpecError / WorkloadError: a model or the graph cannot be read.
+        AllocationError: a bad manual allocation (caret at the culprit).
+        InfeasiblePlanError: nothing fits memory (per-node floors and knobs).
+    """
+    cluster = _normalize(cluster_cfg, ClusterConfig)
+    cfg = _normalize(compile_cfg, CompileConfig)
+    check_config(cluster, cfg)
+    workload = build_workload(graph, cfg)
+    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg)
+    pins = _pins(cfg, model)
+    if cfg.allocation:
+        chosen = evaluate(model, *resolve(cfg.allocation, model))
+        if not chosen.fits:
+            raise InfeasiblePlanError(
+                f"allocation '{cfg.allocation}' does not fit {model.device.name} memory; per node:",
+                [shortfall(a.task, a.cost, model.usable, cfg) for a in chosen.assignments()],
+            )
+        try:
+            others = [c for c in search(model, pins, cfg.top_k) if c.allocation != chosen.allocation]
+        except InfeasiblePlanError:
+            others = []
+        ranked = [chosen] + others[: cfg.top_k - 1]
+    else:
+        ranked = search(model, pins, cfg.top_k)
+    return _to_plan(ranked, graph, workload, model, cluster, cfg)
+
+
+def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostModel, cluster, cfg) -> Plan:
+    best = ranked[0]
+    placed = {a.task.node: a for a in best.assignments()}
+    nodes = []
+    for name, op in workload.ops.items():
+        if name in placed:
+            a = placed[name]
+            nodes.append(NodePlan(
+                name=name, op=op, role=a.task.role, model=a.task.model_name, mesh=a.mesh,
+                strategy=a.cost.strategy.short(), memory=a.cost.memory.to_dict(), times=dict(a.cost.times),
+                micro_batches=a.cost.micro_batches, concurrent=a.cost.concurrent,
+            ))
+        else:
+            host = placed[workload.cpu_hosts[name]]
+            nodes.append(NodePlan(
+                name=name, op=op, role=CPU, model=graph.nodes[name].model, mesh=host.mesh, strategy=None,
+                placed_with=host.task.node,
+            ))
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        id=plan_id(graph, workload, cluster, cfg),
+        graph=workload.graph_name,
+        cluster=dataclasses.asdict(cluster),
+        device=model.device.to_dict(),
+        mode=cfg.mode,
+        max_staleness=workload.staleness,
+        allocation=best.allocation,
+        colocated=best.colocated,
+        overlapped=best.overlapped,
+        step_time_s=best.step_time_s,
+        generation_s=best.generation_s,
+        training_s=best.training_s,
+        sync_s=best.sync_s,
+        idle_fraction=best.idle_fraction,
+        nodes=tuple(nodes),
+        routes=tuple(
+            SyncRoute(r.src, r.dst, r.src_mesh, r.dst_mesh, r.bytes, r.replicas, r.link, r.seconds)
+            for r in best.routes
+        ),
+        edges=tuple(DataEdge(*e) for e in workload.data_edges),
+        alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated) for c in ranked),
+    )

@@ -1,0 +1,192 @@
+"""Cost of one device node under one strategy on a mesh of a given size.
+
+Owns :class:`CostModel`: the valid strategies of a node for a mesh size, its memory per
+device (choosing micro-batches or KV-cache slots that fit) and its predicted seconds per
+step, memoized. Costs depend on the mesh only through its size: meshes larger than a
+machine are whole machines, so whether a group crosses the network follows from sizes.
+It must not choose placements (``compiler.search`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler.config import ClusterConfig, CompileConfig
+from compiler.hardware import DeviceSpec
+from compiler.memory import (
+    MemoryBreakdown,
+    generation_memory,
+    inference_memory,
+    kv_bytes_per_sequence,
+    training_memory,
+)
+from compiler.mesh import aligned_sizes
+from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.timing import Links, generation_time, swap_time, training_time, weight_sync_time
+from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node's cost under one strategy.
+
+    Attributes:
+        strategy: the parallel strategy.
+        memory: bytes per device by component.
+        fits: memory.total <= the usable device memory.
+        times: seconds per step by component (``swap`` when the mesh is time-shared).
+        micro_batches: training/inference micro-batches per DP rank (None for generation).
+        concurrent: sequences a generation replica decodes at once (None otherwise).
+    """
+
+    strategy: ParallelStrategy
+    memory: MemoryBreakdown
+    fits: bool
+    times: dict
+    micro_batches: int | None = None
+    concurrent: int | None = None
+
+    @property
+    def time_s(self) -> float:
+        return sum(self.times.values())
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+class CostModel:
+    """Memoized per-node costs for one workload, device kind, cluster and config."""
+
+    def __init__(self, workload: Workload, device: DeviceSpec, cluster: ClusterConfig, cfg: CompileConfig):
+        self.workload = workload
+        self.device = device
+        self.cluster = cluster
+        self.cfg = cfg
+        self.per_node = cluster.n_gpus_per_node
+        self.total_devices = cluster.n_nodes * cluster.n_gpus_per_node
+        self.usable = device.memory_bytes * cfg.memory_fraction
+        self.links = Links(device, cluster.n_gpus_per_node, cfg.bandwidth_efficiency)
+        self._costs: dict = {}
+        self._strategies: dict = {}
+
+    # -- strategies -----------------------------------------------------------------
+    def check(self, task: DeviceTask, s: ParallelStrategy, size: int) -> None:
+        """Raise StrategyError (naming the node) if ``s`` cannot run ``task`` on ``size`` devices."""
+        m = task.model
+        try:
+            if s.world_size != size:
+                raise StrategyError(f"world size dp*tp*pp*cp={s.world_size} != mesh size {size}")
+            s.validate_for(
+                n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                n_experts=m.n_experts, gpus_per_node=self.per_node,
+            )
+            if task.role == GENERATION and s.cp > 1:
+                raise StrategyError("cp > 1 is not supported for generation (decode is one token at a time)")
+        except StrategyError as err:
+            raise StrategyError(f"node '{task.node}' ({task.model.name}), strategy {s.short()}: {err}") from None
+
+    def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
+        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices."""
+        key = (task.node, size)
+        if key not in self._strategies:
+            m = task.model
+            found = []
+            for tp in range(1, min(size, self.per_node) + 1):
+                if size % tp or m.n_heads % tp or m.n_kv_heads % tp:
+                    continue
+                for pp in range(1, m.n_layers + 1):
+                    if m.n_layers % pp == 0 and (size // tp) % pp == 0:
+                        found.append(ParallelStrategy(dp=size // (tp * pp), tp=tp, pp=pp))
+            self._strategies[key] = found
+        return self._strategies[key]
+
+    # -- costs ----------------------------------------------------------------------
+    def cost(self, task: DeviceTask, s: ParallelStrategy, shared: bool) -> NodeCost:
+        """Cost of ``task`` under ``s`` on a mesh of ``s.world_size`` devices, time-shared
+        with other nodes when ``shared`` (then it pays an offload/reload swap)."""
+        key = (task.node, s, shared)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._generation(task, s) if task.role == GENERATION else self._training(task, s)
+            if shared:
+                mem = cost.memory
+                resident = mem.weights + mem.gradients + mem.optimizer
+                cost = NodeCost(
+                    cost.strategy, mem, cost.fits, {**cost.times, "swap": swap_time(resident, self.links)},
+                    cost.micro_batches, cost.concurrent,
+                )
+            self._costs[key] = cost
+        return cost
+
+    def _spans(self, s: ParallelStrategy) -> bool:
+        return s.world_size > self.per_node
+
+    def _training(self, task: DeviceTask, s: ParallelStrategy, micro_batches: int | None = None) -> NodeCost:
+        w, cfg = self.workload, self.cfg
+        tokens = w.n_sequences * w.seq_len
+        forward_only = task.role != TRAINING
+
+        def memory(m: int) -> MemoryBreakdown:
+            if forward_only:
+                return inference_memory(
+                    task.model, s, tokens_per_step=tokens, micro_batches=m, dtype=cfg.dtype,
+                    sharded=cfg.optimizer_sharding,
+                )
+            return training_memory(
+                task.model, s, tokens_per_step=tokens, micro_batches=m, dtype=cfg.dtype,
+                sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+            )
+
+        m = micro_batches or cfg.micro_batches
+        if m is None:
+            most = _pow2_floor(w.n_sequences // s.dp)
+            m = min(_pow2_ceil(4 * (s.pp - 1)), most)  # m >> p keeps the bubble small
+            while memory(m).total > self.usable and m < most:
+                m *= 2
+        mem = memory(m)
+        times = training_time(
+            task.model, s, n_sequences=w.n_sequences, seq_len=w.seq_len, micro_batches=m, dtype=cfg.dtype,
+            sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+            forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
+        )
+        return NodeCost(s, mem, mem.total <= self.usable, times, micro_batches=m)
+
+    def _generation(self, task: DeviceTask, s: ParallelStrategy, concurrent: int | None = None) -> NodeCost:
+        w, cfg = self.workload, self.cfg
+        per_replica = -(-w.n_sequences // s.dp)
+        if concurrent is None:
+            weights = generation_memory(task.model, s, concurrent=0, seq_len=w.seq_len, dtype=cfg.dtype).weights
+            per_seq = kv_bytes_per_sequence(task.model, s, w.seq_len, cfg.dtype)
+            concurrent = max(1, min(per_replica, int((self.usable - weights) // per_seq)))
+        mem = generation_memory(task.model, s, concurrent=concurrent, seq_len=w.seq_len, dtype=cfg.dtype)
+        times = generation_time(
+            task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, new_tokens=w.new_tokens,
+            concurrent=concurrent, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+        )
+        return NodeCost(s, mem, mem.total <= self.usable, times, concurrent=concurrent)
+
+    def floor(self, task: DeviceTask) -> NodeCost:
+        """The smallest memory per device ``task`` can reach on any aligned mesh of this
+        cluster: most micro-batches (training) or one KV slot (generation)."""
+        best = None
+        for size in aligned_sizes(self.cluster.n_nodes, self.per_node):
+            for s in self.strategies(task, size):
+                if task.role == GENERATION:
+                    cost = self._generation(task, s, concurrent=1)
+                else:
+                    cost = self._training(task, s, micro_batches=_pow2_floor(self.workload.n_sequences // s.dp))
+                if best is None or cost.memory.total < best.memory.total:
+                    best = cost
+        return best
+
+    def sync(self, train: DeviceTask, gen_strategy: ParallelStrategy, train_devices: int, same_machine: bool):
+        """``(seconds, bytes, link)`` of the weight sync from ``train`` into ``gen_strategy``."""
+        return weight_sync_time(
+            train.model, gen_strategy, train_devices=train_devices, dtype=self.cfg.dtype,
+            same_machine=same_machine, links=self.links,
+        )

@@ -1,0 +1,191 @@
+"""The compiled plan: what runs where, how fast, and why; and its JSON form (``plan.json``).
+
+Owns the :class:`Plan` dataclasses and their versioned JSON schema. The runtime reads a
+plan through :meth:`Plan.from_json` and :meth:`NodePlan.parallel`. It must not compute
+placements (``compiler.compile``) nor draw them (``compiler.viz``).
+
+Schema (``schema_version`` 1): units are bytes per device for ``memory``, seconds for
+every ``*_s``/``seconds``/``times`` value, and a fraction in [0, 1] for ``idle_fraction``.
+A change of field meaning or name bumps ``SCHEMA_VERSION``; :meth:`Plan.from_json`
+refuses other versions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from compiler.mesh import MeshSpec
+from compiler.strategy import ParallelStrategy
+
+SCHEMA_VERSION = 1
+
+
+class PlanSchemaError(ValueError):
+    """A plan.json of another schema version, or missing a field (named)."""
+
+
+def _mesh(data: dict | None) -> MeshSpec | None:
+    return None if data is None else MeshSpec.from_dict(data)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Placement of one graph node.
+
+    Attributes:
+        name / op / model: from the graph (model None for model-less nodes).
+        role: generation, training, inference or cpu.
+        mesh: devices it runs on (for a cpu node: its host's mesh).
+        strategy: compact strategy (``d4t2``); None for cpu nodes.
+        placed_with: for a cpu node, the device node whose machine hosts it.
+        memory: bytes per device by component (weights, gradients, optimizer, activations,
+            kv_cache); empty for cpu nodes.
+        times: predicted seconds per step by component.
+        micro_batches: training/inference micro-batches per DP rank.
+        concurrent: sequences one generation replica decodes at once.
+    """
+
+    name: str
+    op: str
+    role: str
+    model: str | None
+    mesh: MeshSpec | None
+    strategy: str | None
+    placed_with: str | None = None
+    memory: dict = field(default_factory=dict)
+    times: dict = field(default_factory=dict)
+    micro_batches: int | None = None
+    concurrent: int | None = None
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def time_s(self) -> float:
+        return sum(self.times.values())
+
+    @property
+    def parallel(self) -> ParallelStrategy | None:
+        """The strategy as the runtime's :class:`ParallelStrategy` (None for cpu nodes)."""
+        return None if self.strategy is None else ParallelStrategy.parse(self.strategy)
+
+
+@dataclass(frozen=True)
+class SyncRoute:
+    """Weight sync from a trainer's mesh to a generator's mesh: ``bytes`` in total (one copy
+    per generation replica, ``replicas`` of them), over ``link`` (nvlink/network), seconds."""
+
+    src: str
+    dst: str
+    src_mesh: MeshSpec
+    dst_mesh: MeshSpec
+    bytes: float
+    replicas: int
+    link: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DataEdge:
+    """A graph edge as drawn: ``kind`` data or weights, with its staleness bound."""
+
+    src: str
+    dst: str
+    kind: str
+    max_staleness: int | None = None
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of the best allocations found (the chosen one first)."""
+
+    allocation: str
+    step_time_s: float
+    idle_fraction: float
+    colocated: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled placement of a graph on a cluster.
+
+    Attributes:
+        schema_version: ``SCHEMA_VERSION`` of the writer.
+        id: xxhash64 (hex) of the graph, cluster and compile config; equal inputs, equal id.
+        graph: graph name.
+        cluster: ``n_nodes``, ``n_gpus_per_node``, ``gpu``.
+        device: the device preset's figures (``compiler.hardware.DeviceSpec``).
+        mode: async or sync; ``max_staleness``: effective k.
+        allocation: the allocation string (``compiler.allocation`` grammar).
+        colocated: some mesh time-shares generation and training.
+        overlapped: generation overlaps training (async, k >= 1, not colocated).
+        step_time_s / generation_s / training_s / sync_s: predicted seconds per step.
+        idle_fraction: share of cluster device-seconds not spent in a node.
+        nodes: every graph node; routes: weight syncs; edges: graph edges.
+        alternatives: top-k allocations, best first.
+    """
+
+    schema_version: int
+    id: str
+    graph: str
+    cluster: dict
+    device: dict
+    mode: str
+    max_staleness: int
+    allocation: str
+    colocated: bool
+    overlapped: bool
+    step_time_s: float
+    generation_s: float
+    training_s: float
+    sync_s: float
+    idle_fraction: float
+    nodes: tuple[NodePlan, ...]
+    routes: tuple[SyncRoute, ...]
+    edges: tuple[DataEdge, ...]
+    alternatives: tuple[Alternative, ...]
+
+    def node(self, name: str) -> NodePlan:
+        """The node called ``name``. Raises KeyError naming it."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"plan {self.id} has no node '{name}'")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """Rebuild a plan. Raises PlanSchemaError for another schema version or a missing field."""
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanSchemaError(f"plan schema_version={version!r}; this compiler reads version {SCHEMA_VERSION}")
+        try:
+            mesh = _mesh
+            return cls(
+                **{k: data[k] for k in cls.__dataclass_fields__ if k not in ("nodes", "routes", "edges", "alternatives")},
+                nodes=tuple(NodePlan(**{**n, "mesh": mesh(n["mesh"])}) for n in data["nodes"]),
+                routes=tuple(
+                    SyncRoute(**{**r, "src_mesh": mesh(r["src_mesh"]), "dst_mesh": mesh(r["dst_mesh"])})
+                    for r in data["routes"]
+                ),
+                edges=tuple(DataEdge(**e) for e in data["edges"]),
+                alternatives=tuple(Alternative(**a) for a in data["alternatives"]),
+            )
+        except KeyError as err:
+            raise PlanSchemaError(f"plan is missing field {err}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse ``plan.json`` text. Raises PlanSchemaError (also for malformed JSON)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanSchemaError(f"plan.json line {err.lineno}: {err.msg}") from None
+        return cls.from_dict(data)

@@ -1,0 +1,199 @@
+"""Predicted seconds of training, forward-only inference, generation and weight sync.
+
+Formulas and sources:
+
+- FLOPs per token (Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
+  Table 1): forward ``2N + 2 * L * n_ctx * d_attn`` (``N`` active parameters, ``d_attn`` =
+  heads x head dim); training = 3x forward; full activation recomputation adds one
+  forward (4x, Korthikanti et al. 2022, section 4). Time = FLOPs / (devices x peak x MFU).
+- Pipeline bubble (Huang et al. 2019, GPipe; Narayanan et al. 2021, eq. 1): a fraction
+  ``(p-1)/(m+p-1)`` of the step is idle, i.e. busy time x ``(m+p-1)/m``.
+- Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, section 3): 2 all-reduces of the
+  micro-batch's ``tokens x h`` activations per layer forward, 2 backward (+2 when a layer
+  is recomputed). Ring all-reduce moves ``2(n-1)/n`` x bytes per device; all-gather and
+  reduce-scatter ``(n-1)/n`` (Thakur et al. 2005, ring algorithms).
+- Data parallelism: an all-reduce of the gradients; with ZeRO-3/FSDP a reduce-scatter of
+  gradients and two all-gathers of weights, 1.5x the all-reduce volume (Rajbhandari et al.
+  2020, section 7.2), once per step. Not overlapped with compute (an upper bound).
+- Context parallelism (ring attention, Liu et al. 2023): each layer passes the K/V shard
+  ``cp-1`` times forward and twice as much backward. Expert parallelism: two all-to-alls
+  (dispatch, combine) of ``k`` routed copies per MoE layer forward, twice that backward.
+- Generation (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2):
+  prefill is compute-bound; each decode step reads the replica's weights and KV cache once,
+  so it takes max(bytes / HBM bandwidth, FLOPs / compute) plus 2 TP all-reduces per layer.
+  Pipeline stages run one after the other for a batch, so PP saves memory, not time. A
+  replica decodes as many sequences at once as its KV cache holds, in waves.
+- Weight sync: every generation device receives its shard of the 16-bit weights; the
+  training devices send ``dp_gen`` full copies between them; time = the larger per-device
+  volume over the slowest link crossed (NVLink inside one machine, else the network).
+"""
+
+from __future__ import annotations
+
+import math
+
+from compiler.hardware import DeviceSpec
+from compiler.memory import DTYPE_BYTES, micro_batch_tokens, params_per_device
+from compiler.models import ModelSpec
+from compiler.strategy import ParallelStrategy
+
+
+def ring_all_reduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` devices (0 when n == 1)."""
+    return 0.0 if n <= 1 else latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def ring_gather_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-gather or reduce-scatter whose full result is ``nbytes``."""
+    return 0.0 if n <= 1 else latency + (n - 1) / n * nbytes / bandwidth
+
+
+class Links:
+    """Achieved bandwidths of one device kind and which link a process group crosses."""
+
+    def __init__(self, device: DeviceSpec, devices_per_node: int, efficiency: float):
+        self.device = device
+        self.per_node = devices_per_node
+        self.intra = device.intra_node_bandwidth * efficiency
+        self.inter = device.inter_node_bandwidth * efficiency
+        self.hbm = device.hbm_bandwidth * efficiency
+        self.host = device.host_bandwidth * efficiency
+        self.latency = device.collective_latency_s
+
+    def group_bw(self, span: int, mesh_spans_nodes: bool) -> float:
+        """Bandwidth of a group whose ranks cover ``span`` consecutive devices of a mesh."""
+        return self.inter if mesh_spans_nodes and span > self.per_node else self.intra
+
+
+def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -> float:
+    """Hardware FLOPs per trained token: 3 (or 4 with recomputation) forwards."""
+    forward = 2 * model.n_active_params + 2 * model.n_layers * seq_len * model.n_heads * model.head_dim
+    return forward * (4 if checkpointing else 3)
+
+
+def training_time(
+    model: ModelSpec,
+    s: ParallelStrategy,
+    *,
+    n_sequences: int,
+    seq_len: int,
+    micro_batches: int,
+    dtype: str,
+    sharded: bool,
+    checkpointing: bool,
+    forward_only: bool,
+    mfu: float,
+    links: Links,
+    mesh_spans_nodes: bool,
+) -> dict[str, float]:
+    """Seconds of one train_step (or forward-only pass) over ``n_sequences`` of ``seq_len``.
+
+    Returns:
+        ``{"compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "dp_comm"}`` seconds.
+    """
+    b = DTYPE_BYTES[dtype]
+    tokens = n_sequences * seq_len
+    m = micro_batches
+    if forward_only:
+        flops = tokens * train_flops_per_token(model, seq_len, False) / 3
+        passes = 1  # layer passes per micro-batch: forward
+    else:
+        flops = tokens * train_flops_per_token(model, seq_len, checkpointing)
+        passes = 4 if checkpointing else 3  # forward, backward (x2 cost), recompute
+    compute = flops / (s.world_size * links.device.peak_flops * mfu)
+    t_mb = micro_batch_tokens(tokens, s, m)
+    layers = model.n_layers // s.pp
+    tp_calls = m * layers * (2 if forward_only else (6 if checkpointing else 4))
+    tp_comm = tp_calls * ring_all_reduce_s(t_mb * model.hidden * b, s.tp, links.intra, links.latency)
+    kv_shard = t_mb * 2 * model.n_kv_heads * model.head_dim * b
+    cp_bw = links.group_bw(s.tp * s.cp, mesh_spans_nodes)
+    cp_comm = 0.0 if s.cp == 1 else m * layers * passes * (s.cp - 1) * (links.latency + kv_shard / cp_bw)
+    ep_comm = 0.0
+    if s.ep > 1:
+        routed = t_mb * model.experts_per_token * model.hidden * b
+        ep_bw = links.group_bw(s.tp * s.ep, mesh_spans_nodes)
+        ep_comm = m * layers * 2 * passes * ((s.ep - 1) / s.ep * routed / ep_bw + links.latency)
+    busy = compute + tp_comm + cp_comm + ep_comm
+    bubble = busy * (s.pp - 1) / m
+    dp_n = s.dp * s.cp
+    dp_comm = 0.0
+    if not forward_only and dp_n > 1:
+        grad_bytes = b * params_per_device(model, s)
+        dp_bw = links.group_bw(s.tp * dp_n, mesh_spans_nodes)
+        if sharded:
+            dp_comm = 3 * ring_gather_s(grad_bytes, dp_n, dp_bw, links.latency)
+        else:
+            dp_comm = ring_all_reduce_s(grad_bytes, dp_n, dp_bw, links.latency)
+    return dict(compute=compute, tp_comm=tp_comm, cp_comm=cp_comm, ep_comm=ep_comm, bubble=bubble, dp_comm=dp_comm)
+
+
+def generation_time(
+    model: ModelSpec,
+    s: ParallelStrategy,
+    *,
+    n_sequences: int,
+    prompt_len: int,
+    new_tokens: int,
+    concurrent: int,
+    dtype: str,
+    mfu: float,
+    links: Links,
+) -> dict[str, float]:
+    """Seconds to generate ``n_sequences`` responses on ``s.dp`` replicas of ``tp * pp``.
+
+    Args:
+        concurrent: sequences one replica decodes at once (KV-cache slots), >= 1.
+
+    Returns:
+        ``{"prefill", "decode"}`` seconds (all waves).
+    """
+    b = DTYPE_BYTES[dtype]
+    per_replica = math.ceil(n_sequences / s.dp)
+    c = max(1, min(concurrent, per_replica))
+    waves = math.ceil(per_replica / c)
+    d_attn = model.n_heads * model.head_dim
+    compute_rate = s.tp * links.device.peak_flops * mfu  # pipeline stages run in turn
+    prefill_flops = c * prompt_len * (2 * model.n_active_params + 2 * model.n_layers * prompt_len * d_attn)
+    prefill = prefill_flops / compute_rate
+    context = prompt_len + new_tokens / 2  # mean context over the decode
+    expert_frac = min(1.0, c * model.experts_per_token / model.n_experts) if model.is_moe else 0.0
+    weights = b * (model.n_params - model.n_expert_params + model.n_expert_params * expert_frac)
+    kv = c * context * model.kv_elements_per_token() * b
+    read = (weights + kv) / (s.tp * links.hbm)
+    step_flops = c * (2 * model.n_active_params + 2 * model.n_layers * context * d_attn)
+    tp_ar = 2 * model.n_layers * ring_all_reduce_s(c * model.hidden * b, s.tp, links.intra, links.latency)
+    pp_hop = (s.pp - 1) * (links.latency + c * model.hidden * b / links.intra)
+    step = max(read, step_flops / compute_rate) + tp_ar + pp_hop
+    return dict(prefill=waves * prefill, decode=waves * new_tokens * step)
+
+
+def weight_sync_time(
+    model: ModelSpec,
+    gen: ParallelStrategy,
+    *,
+    train_devices: int,
+    dtype: str,
+    same_machine: bool,
+    links: Links,
+) -> tuple[float, float, str]:
+    """Seconds to move the trained weights into the generation layout.
+
+    Args:
+        train_devices: devices of the training mesh (senders).
+        same_machine: both meshes inside one machine (NVLink), else the network.
+
+    Returns:
+        ``(seconds, total bytes moved, link name)``; link is ``"nvlink"`` or ``"network"``.
+    """
+    b = DTYPE_BYTES[dtype]
+    full = b * model.n_params
+    receive = b * params_per_device(model, gen)
+    send = full * gen.dp / train_devices
+    bw, link = (links.intra, "nvlink") if same_machine else (links.inter, "network")
+    return links.latency + max(receive, send) / bw, full * gen.dp, link
+
+
+def swap_time(resident_bytes: float, links: Links) -> float:
+    """Seconds to offload ``resident_bytes`` to host memory and load them back (per step),
+    paid by each of several nodes that time-share one mesh."""
+    return 2 * resident_bytes / links.host

@@ -1,0 +1,187 @@
+"""What a graph asks of the devices in one training step.
+
+Owns the reading of the graph IR for the compiler: which nodes need devices and in which
+role, their models, the rollout batch (sequences and lengths), the staleness bound, the
+``gen``/``train`` aliases, and where each CPU-light node is placed. It reads only
+``graph.name``, ``graph.nodes`` (``.name .op .model .attrs``), ``graph.edges``
+(``.src .dst .kind .max_staleness``) and ``graph.models`` (``.name .spec .trainable``).
+
+Roles: ``generate`` -> generation (inference engine of the model); ``train_step`` ->
+training (forward + backward + optimizer); a ``reward``/``advantage`` node that reads a
+model (reward model, critic values, reference log-probs) -> inference (forward only, on the
+training side); ``dataset``, ``reward`` (rule), ``advantage``, ``sync_weights`` -> cpu,
+placed with their first device consumer (else their producer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler.config import CompileConfig, CompileConfigError
+from compiler.models import ModelSpec, resolve_model
+
+GENERATION, TRAINING, INFERENCE, CPU = "generation", "training", "inference", "cpu"
+
+
+class WorkloadError(ValueError):
+    """The graph lacks something the compiler needs; the message names the node/model."""
+
+
+@dataclass(frozen=True)
+class DeviceTask:
+    """One graph node that runs on devices.
+
+    Attributes:
+        node: graph node name.
+        op: graph op.
+        role: generation, training or inference.
+        model_name: the graph's model name.
+        model: resolved model shape.
+    """
+
+    node: str
+    op: str
+    role: str
+    model_name: str
+    model: ModelSpec
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-step demand of a graph under a compile config.
+
+    Attributes:
+        graph_name: the graph's name.
+        tasks: device nodes in graph order.
+        cpu_hosts: CPU-light node -> the device node it is placed with.
+        n_sequences: trajectories per step = prompts_per_step x samples_per_prompt.
+        prompt_len: prompt tokens per trajectory (budget).
+        new_tokens: response tokens per trajectory (budget).
+        staleness: effective max staleness k (0 in sync mode).
+        aliases: ``gen`` -> the generate node, ``train`` -> the policy's train_step.
+        data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
+        ops: node -> op, for every graph node.
+    """
+
+    graph_name: str
+    tasks: tuple[DeviceTask, ...]
+    cpu_hosts: dict[str, str]
+    n_sequences: int
+    prompt_len: int
+    new_tokens: int
+    staleness: int
+    aliases: dict[str, str]
+    data_edges: tuple[tuple[str, str, str, int | None], ...]
+    ops: dict[str, str]
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    def task(self, node: str) -> DeviceTask:
+        return next(t for t in self.tasks if t.node == node)
+
+    def resolve_name(self, name: str) -> str | None:
+        """Device node called ``name``, else the node the alias ``name`` stands for; None if neither."""
+        for candidate in (name, self.aliases.get(name)):
+            if any(t.node == candidate for t in self.tasks):
+                return candidate
+        return None
+
+    def display_name(self, node: str) -> str:
+        """The alias of ``node`` when it has one that no node's own name shadows, else ``node``."""
+        for alias, target in self.aliases.items():
+            if target == node and alias not in self.ops:
+                return alias
+        return node
+
+
+def _role(node) -> str:
+    if node.op == "generate":
+        return GENERATION
+    if node.op == "train_step":
+        return TRAINING
+    if node.op in ("reward", "advantage") and node.model is not None:
+        return INFERENCE
+    return CPU
+
+
+def build_workload(graph, cfg: CompileConfig) -> Workload:
+    """Read ``graph`` under ``cfg``.
+
+    Raises:
+        WorkloadError: no device node, a node's model is not declared, or no response length.
+        ModelSpecError: a model's spec cannot be resolved.
+    """
+    models: dict[str, ModelSpec] = {}
+    tasks = []
+    for node in graph.nodes.values():
+        role = _role(node)
+        if role == CPU:
+            continue
+        ref = graph.models.get(node.model)
+        if ref is None:
+            raise WorkloadError(f"node '{node.name}' ({node.op}): model {node.model!r} is not declared in the graph")
+        if ref.name not in models:
+            models[ref.name] = resolve_model(ref.spec)
+        tasks.append(DeviceTask(node.name, node.op, role, ref.name, models[ref.name]))
+    if not tasks:
+        raise WorkloadError(f"graph '{graph.name}' has no node that needs devices (generate, train_step)")
+    gens = [n for n in graph.nodes.values() if n.op == "generate"]
+    aliases = {}
+    if gens:
+        aliases["gen"] = gens[0].name
+        policy_train = [n for n in graph.nodes.values() if n.op == "train_step" and n.model == gens[0].model]
+        if policy_train:
+            aliases["train"] = policy_train[0].name
+    gen_attrs = gens[0].attrs if gens else {}
+    samples = cfg.samples_per_prompt or gen_attrs.get("n_samples") or 1
+    new_tokens = cfg.max_new_tokens or gen_attrs.get("max_new_tokens")
+    if not new_tokens:
+        raise CompileConfigError("compile.max_new_tokens is null and no generate node sets max_new_tokens")
+    device_nodes = {t.node for t in tasks}
+    return Workload(
+        graph_name=graph.name,
+        tasks=tuple(tasks),
+        cpu_hosts={n: _host(graph, n, device_nodes, tasks[0].node) for n in graph.nodes if n not in device_nodes},
+        n_sequences=cfg.prompts_per_step * int(samples),
+        prompt_len=cfg.max_prompt_len,
+        new_tokens=int(new_tokens),
+        staleness=0 if cfg.mode == "sync" else _staleness(graph, cfg, aliases.get("train")),
+        aliases=aliases,
+        data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
+        ops={n.name: n.op for n in graph.nodes.values()},
+    )
+
+
+def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
+    """Config value, else the policy train_step's ``max_staleness`` attr, else the smallest
+    bound on a data edge into a train_step, else 1."""
+    if cfg.max_staleness is not None:
+        return cfg.max_staleness
+    if train is not None and graph.nodes[train].attrs.get("max_staleness") is not None:
+        return int(graph.nodes[train].attrs["max_staleness"])
+    bounds = [
+        e.max_staleness for e in graph.edges
+        if e.max_staleness is not None and graph.nodes[e.dst].op == "train_step"
+    ]
+    return min(bounds) if bounds else 1
+
+
+def _host(graph, name: str, device_nodes: set[str], fallback: str) -> str:
+    """First device node downstream of ``name`` (breadth-first), else upstream, else ``fallback``."""
+    for forward in (True, False):
+        seen, frontier = {name}, [name]
+        while frontier:
+            nxt = []
+            for cur in frontier:
+                for e in graph.edges:
+                    near, far = (e.src, e.dst) if forward else (e.dst, e.src)
+                    if near != cur or far in seen:
+                        continue
+                    if far in device_nodes:
+                        return far
+                    seen.add(far)
+                    nxt.append(far)
+            frontier = nxt
+    return fallback

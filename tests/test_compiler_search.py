@@ -1,0 +1,207 @@
+"""The search: agreement with brute-force enumeration on small clusters, the local CPU
+plan, manual allocations and pins, the allocation grammar's errors, and infeasibility."""
+
+import itertools
+import re
+
+import pytest
+
+from areal_flow.graph import Edge, Graph, ModelRef, Node
+from compiler import AllocationError, ClusterConfig, CompileConfig, InfeasiblePlanError, compile_plan
+from compiler.allocation import parse
+from compiler.config import CompileConfigError
+from compiler.cost import CostModel
+from compiler.hardware import device_spec
+from compiler.mesh import MeshSpec
+from compiler.step import evaluate
+from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.workload import GENERATION, build_workload
+
+
+def grpo_graph(spec: str, critic: bool = False) -> Graph:
+    """dataset -> generate -> reward -> advantage -> train_step (+ weights back to generate);
+    with ``critic``, the advantage reads a critic model that has its own train_step (PPO)."""
+    g = Graph("ppo" if critic else "grpo", {})
+    g.add_model(ModelRef("policy", spec))
+    nodes = [Node("dataset", "dataset"), Node("generate", "generate", "policy", {"n_samples": 4, "max_new_tokens": 512}),
+             Node("reward", "reward"), Node("advantage", "advantage", "critic" if critic else None),
+             Node("train_step", "train_step", "policy", {"max_staleness": 1}), Node("sync_weights", "sync_weights", "policy")]
+    edges = [("dataset", "generate"), ("generate", "reward"), ("reward", "advantage"), ("advantage", "train_step")]
+    if critic:
+        g.add_model(ModelRef("critic", spec))
+        nodes.append(Node("critic_step", "train_step", "critic"))
+        edges.append(("advantage", "critic_step"))
+    for node in nodes:
+        g.add_node(node)
+    for src, dst in edges:
+        g.add_edge(Edge(src, "out", dst, "in", max_staleness=1 if dst == "train_step" else None))
+    g.add_edge(Edge("train_step", "weights", "sync_weights", "weights", "weights"))
+    g.add_edge(Edge("sync_weights", "weights", "generate", "weights", "weights"))
+    return g
+
+
+def _aligned_meshes(n_nodes, per_node):
+    """Every aligned mesh at every position (independent of compiler.mesh.pack)."""
+    meshes = [MeshSpec(m, 1, start, size) for m in range(n_nodes)
+              for size in (1, 2, 4, 8, 16) if size < per_node for start in range(0, per_node, size)]
+    meshes += [MeshSpec(first, k, 0, per_node) for k in range(1, n_nodes + 1) for first in range(n_nodes - k + 1)]
+    return meshes
+
+
+def _all_strategies(task, size, per_node):
+    found = []
+    for dp, tp, pp in itertools.product(range(1, size + 1), repeat=3):
+        if dp * tp * pp != size:
+            continue
+        s = ParallelStrategy(dp=dp, tp=tp, pp=pp)
+        try:
+            s.validate_for(n_layers=task.model.n_layers, n_heads=task.model.n_heads,
+                           n_kv_heads=task.model.n_kv_heads, gpus_per_node=per_node)
+        except StrategyError:
+            continue
+        found.append(s)
+    return found
+
+
+def brute_force(graph, cluster, cfg):
+    """Best (step time, allocation) over every pair of disjoint aligned meshes and every
+    combination of per-node strategies, each costed by compiler.step.evaluate; ties break
+    on the serial time G + T + S, then the allocation string."""
+    model = CostModel(build_workload(graph, cfg), device_spec(cluster.gpu), cluster, cfg)
+    gen = [t for t in model.workload.tasks if t.role == GENERATION]
+    train = [t for t in model.workload.tasks if t.role != GENERATION]
+    meshes = _aligned_meshes(cluster.n_nodes, cluster.n_gpus_per_node)
+    layouts = {"disaggregated": [], "colocated": [([gen + train], [m]) for m in meshes]}
+    for a, b in itertools.product(meshes, meshes):
+        if not set(a.devices()) & set(b.devices()):
+            layouts["disaggregated"].append(([gen, train], [a, b]))
+    found = {}
+    for kind, options in layouts.items():
+        found[kind] = []
+        if kind == "colocated" and model.device.one_engine_per_device and found["disaggregated"]:
+            continue
+        for groups_tasks, group_meshes in options:
+            per_task = [[(t, s) for s in _all_strategies(t, m.size, cluster.n_gpus_per_node)]
+                        for tasks, m in zip(groups_tasks, group_meshes) for t in tasks]
+            for combo in itertools.product(*per_task):
+                it = iter(combo)
+                groups = [[next(it) for _ in tasks] for tasks in groups_tasks]
+                cand = evaluate(model, groups, group_meshes)
+                if cand.fits:
+                    serial = cand.generation_s + cand.training_s + cand.sync_s
+                    found[kind].append((cand.step_time_s, serial, cand.allocation))
+    best = min(found["disaggregated"] + found["colocated"])
+    return best[0], best[2]
+
+
+CASES = [
+    ("Qwen2.5-1.5B", ClusterConfig(1, 8, "H100"), CompileConfig(prompts_per_step=32), False),
+    ("Qwen2.5-7B", ClusterConfig(1, 8, "A100-80G"), CompileConfig(prompts_per_step=16, mode="sync"), False),
+    ("Qwen2.5-7B", ClusterConfig(2, 4, "L40S"), CompileConfig(prompts_per_step=16), False),
+    ("Qwen2.5-1.5B", ClusterConfig(1, 4, "H100"), CompileConfig(prompts_per_step=16), True),
+    ("SmolLM2-135M", ClusterConfig(1, 4, "cpu"), CompileConfig(prompts_per_step=4, max_prompt_len=32,
+                                                               max_new_tokens=32), False),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,cluster,cfg,critic", CASES)
+def test_search_matches_brute_force(spec, cluster, cfg, critic):
+    graph = grpo_graph(spec, critic)
+    plan = compile_plan(graph, cluster, cfg)
+    step, allocation = brute_force(graph, cluster, cfg)
+    assert plan.allocation == allocation
+    assert plan.step_time_s == pytest.approx(step, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_search_matches_brute_force_on_16_gpus():
+    graph, cluster = grpo_graph("Llama-3-8B"), ClusterConfig(2, 8, "H100")
+    cfg = CompileConfig(prompts_per_step=32)
+    plan = compile_plan(graph, cluster, cfg)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+
+
+def test_local_cpu_plan_is_disaggregated_one_device_each():
+    plan = compile_plan(grpo_graph("tiny-arith"), ClusterConfig(1, 2, "cpu"),
+                        CompileConfig(prompts_per_step=8, max_prompt_len=16, max_new_tokens=8))
+    gen, train = plan.node("generate"), plan.node("train_step")
+    assert (gen.mesh, train.mesh) == (MeshSpec(0, 1, 0, 1), MeshSpec(0, 1, 1, 1))
+    assert gen.strategy == train.strategy == "d1"
+    assert plan.allocation == "gen:d1 + train:d1" and not plan.colocated
+    assert plan.node("reward").placed_with == "train_step" and plan.node("dataset").placed_with == "generate"
+    one = compile_plan(grpo_graph("tiny-arith"), ClusterConfig(), CompileConfig(max_new_tokens=8))
+    assert one.allocation == "gen:d1 | train:d1"  # one device: both engines share it
+
+
+def test_plans_are_deterministic():
+    args = (grpo_graph("Qwen2.5-7B"), ClusterConfig(2, 8, "H100"), CompileConfig())
+    first, second = compile_plan(*args), compile_plan(*args)
+    assert first == second and first.id == second.id
+    other = compile_plan(args[0], args[1], CompileConfig(prompts_per_step=32))
+    assert other.id != first.id
+
+
+def test_manual_allocation_and_pins():
+    graph, cluster = grpo_graph("Qwen2.5-7B"), ClusterConfig(2, 8, "H100")
+    plan = compile_plan(graph, cluster, CompileConfig(allocation="gen:d4t2 + train:d2t2p2"))
+    assert plan.allocation == "gen:d4t2 + train:d2t2p2"
+    assert plan.node("generate").mesh == MeshSpec(0, 1, 0, 8)
+    assert plan.node("train_step").mesh == MeshSpec(1, 1, 0, 8)
+    assert plan.alternatives[0].allocation == plan.allocation
+    pinned = compile_plan(graph, cluster, CompileConfig(pins={"gen": "d2t2"}))
+    assert pinned.node("generate").strategy == "d2t2"
+    assert pinned.allocation.startswith("gen:d2t2 ")
+    with pytest.raises(CompileConfigError, match="compile.pins.gen"):
+        compile_plan(graph, cluster, CompileConfig(pins={"gen": "t8"}))  # 8 does not divide 4 KV heads
+
+
+@pytest.mark.parametrize("text,position,reason", [
+    ("gen d4 + train:d4", 4, "expected ':'"),
+    ("gen:d4 + train:x4", 15, "d/t/p/c/e"),
+    ("gen:d4t2t2 + train:d2", 8, "given twice"),
+    ("gen:d4 * train:d4", 7, "expected '+'"),
+    ("gen:d4 + ", 9, "expected a node name"),
+    ("gen:d0", 4, ">= 1"),
+])
+def test_grammar_errors_point_at_the_character(text, position, reason):
+    with pytest.raises(AllocationError, match=re.escape(reason)) as info:
+        parse(text)
+    assert info.value.position == position
+    quoted, caret = str(info.value).splitlines()[1:3]
+    assert quoted == "  " + text and caret == "  " + " " * position + "^"
+
+
+def test_allocation_binding_errors():
+    graph, cluster = grpo_graph("Qwen2.5-7B"), ClusterConfig(2, 8, "H100")
+    cases = [
+        ("gen:d8 + critic:d8", 9, "not a device node"),
+        ("gen:d8", 6, "not placed: train_step"),
+        ("gen:d8 | train:d4", 15, "shares a mesh of 8"),
+        ("gen:d1t8 + train:d8", 4, "KV heads"),
+        ("gen:d16 + train:d8", 0, "do not fit"),
+    ]
+    for text, position, reason in cases:
+        with pytest.raises(AllocationError, match=reason) as info:
+            compile_plan(graph, cluster, CompileConfig(allocation=text))
+        assert info.value.position == position, text
+
+
+def test_infeasible_error_names_every_node_floor_and_knob():
+    with pytest.raises(InfeasiblePlanError) as info:
+        compile_plan(grpo_graph("Qwen2.5-72B"), ClusterConfig(1, 8, "H100"), CompileConfig())
+    by_node = {s.node: s for s in info.value.shortfalls}
+    assert set(by_node) == {"generate", "train_step"}
+    # generation: 2 x 72.7e9 B of weights over tp=8 = 18.2e9 B (16.9 GiB) + one KV slot: fits
+    assert by_node["generate"].fits
+    # training: 16 B x 72,706,203,648 params / 8 devices = 145.4e9 B = 135.4 GiB > 0.9 x 79.65 GiB
+    floor = by_node["train_step"]
+    states = sum(floor.breakdown[k] for k in ("weights", "gradients", "optimizer"))
+    assert states >= 16 * 72_706_203_648 / 8
+    assert not floor.fits and floor.capacity == pytest.approx(0.9 * 81_559 * 2**20)
+    assert "more devices" in floor.knob
+    message = str(info.value)
+    assert "train_step" in message and "GiB" in message and "generate" in message
+    with pytest.raises(InfeasiblePlanError, match="does not fit"):
+        compile_plan(grpo_graph("Qwen2.5-7B"), ClusterConfig(1, 8, "H100"),
+                     CompileConfig(allocation="gen:d4 + train:d1"))
