@@ -52,9 +52,6 @@ class MeshSpec:
             for dev in range(self.first_device, self.first_device + self.n_devices)
         ]
 
-    def machines(self) -> set[int]:
-        return set(range(self.first_node, self.first_node + self.n_nodes))
-
     def label(self) -> str:
         """``n0:g0-3`` (part of one machine) or ``n1-3`` / ``n2`` (whole machines)."""
         last_dev = self.first_device + self.n_devices - 1

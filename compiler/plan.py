@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from compiler.mesh import MeshSpec
+from compiler.mesh import MeshError, MeshSpec
 from compiler.strategy import ParallelStrategy
 
 SCHEMA_VERSION = 1
@@ -75,7 +75,7 @@ class NodePlan:
 @dataclass(frozen=True)
 class SyncRoute:
     """Weight sync from a trainer's mesh to a generator's mesh: ``bytes`` in total (one copy
-    per generation replica, ``replicas`` of them), over ``link`` (nvlink/network), seconds."""
+    per generation replica, ``replicas`` of them), over ``link`` (intra-node/inter-node), seconds."""
 
     src: str
     dst: str
@@ -162,17 +162,17 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        """Rebuild a plan. Raises PlanSchemaError for another schema version or a missing field."""
+        """Rebuild a plan. Raises PlanSchemaError for another schema version, a missing field
+        or a mesh that breaks the alignment rule on the plan's cluster."""
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanSchemaError(f"plan schema_version={version!r}; this compiler reads version {SCHEMA_VERSION}")
         try:
-            mesh = _mesh
-            return cls(
+            plan = cls(
                 **{k: data[k] for k in cls.__dataclass_fields__ if k not in ("nodes", "routes", "edges", "alternatives")},
-                nodes=tuple(NodePlan(**{**n, "mesh": mesh(n["mesh"])}) for n in data["nodes"]),
+                nodes=tuple(NodePlan(**{**n, "mesh": _mesh(n["mesh"])}) for n in data["nodes"]),
                 routes=tuple(
-                    SyncRoute(**{**r, "src_mesh": mesh(r["src_mesh"]), "dst_mesh": mesh(r["dst_mesh"])})
+                    SyncRoute(**{**r, "src_mesh": _mesh(r["src_mesh"]), "dst_mesh": _mesh(r["dst_mesh"])})
                     for r in data["routes"]
                 ),
                 edges=tuple(DataEdge(**e) for e in data["edges"]),
@@ -180,6 +180,13 @@ class Plan:
             )
         except KeyError as err:
             raise PlanSchemaError(f"plan is missing field {err}") from None
+        for node in plan.nodes:
+            if node.mesh is not None:
+                try:
+                    node.mesh.validate(plan.cluster["n_nodes"], plan.cluster["n_gpus_per_node"])
+                except MeshError as err:
+                    raise PlanSchemaError(f"plan node '{node.name}': {err}") from None
+        return plan
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

@@ -40,7 +40,7 @@ class Route:
         src / dst: train_step node / generate node.
         bytes: bytes moved in total (one full 16-bit copy per generation replica).
         replicas: generation replicas (DP degree) receiving a copy.
-        link: ``nvlink`` or ``network`` (the slowest link crossed).
+        link: ``intra-node`` (NVLink) or ``inter-node`` (network): the slowest link crossed.
         seconds: predicted seconds per step.
     """
 

@@ -61,7 +61,8 @@ def format_table(plan: Plan) -> str:
     for r in plan.routes:
         lines.append(
             f"weight sync {r.src} ({r.src_mesh.label()}) -> {r.dst} ({r.dst_mesh.label()}): "
-            f"{_bytes(r.bytes / r.replicas)} to each of {r.replicas} replica(s) over {r.link}, {r.seconds:.2f} s"
+            f"{_bytes(r.bytes / r.replicas)} to each of {r.replicas} replica(s) over the {r.link} link, "
+            f"{r.seconds:.2f} s"
         )
     how = "max(gen, train) + sync" if plan.overlapped else "gen + train + sync"
     lines.append(

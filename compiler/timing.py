@@ -183,13 +183,14 @@ def weight_sync_time(
         same_machine: both meshes inside one machine (NVLink), else the network.
 
     Returns:
-        ``(seconds, total bytes moved, link name)``; link is ``"nvlink"`` or ``"network"``.
+        ``(seconds, total bytes moved, link)``; link is ``"intra-node"`` (NVLink) or
+        ``"inter-node"`` (the network).
     """
     b = DTYPE_BYTES[dtype]
     full = b * model.n_params
     receive = b * params_per_device(model, gen)
     send = full * gen.dp / train_devices
-    bw, link = (links.intra, "nvlink") if same_machine else (links.inter, "network")
+    bw, link = (links.intra, "intra-node") if same_machine else (links.inter, "inter-node")
     return links.latency + max(receive, send) / bw, full * gen.dp, link
 
 

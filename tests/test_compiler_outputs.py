@@ -60,6 +60,10 @@ def test_json_schema_errors(plan):
         Plan.from_dict(data)
     with pytest.raises(PlanSchemaError, match="line 1"):
         Plan.from_json("{not json")
+    moved = plan.to_dict()
+    moved["nodes"][1]["mesh"]["first_device"] = 2  # 8 devices starting at device 2: not aligned
+    with pytest.raises(PlanSchemaError, match="generate"):
+        Plan.from_dict(moved)
 
 
 def test_golden_table(plan):

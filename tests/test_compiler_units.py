@@ -160,11 +160,11 @@ def test_weight_sync_bytes_over_slowest_link():
                                              dtype="bf16", same_machine=False, links=_links())
     # each generation device receives 2 x 7,615,616,512 / 4 = 3,807,808,256 B over the 10 GB/s network;
     # the trainers send 2 copies / 24 devices = 1,269,269,419 B each (smaller)
-    assert link == "network" and nbytes == 2 * 2 * 7_615_616_512
+    assert link == "inter-node" and nbytes == 2 * 2 * 7_615_616_512
     assert seconds == pytest.approx(3_807_808_256 / 10e9)
     fast, _, link = weight_sync_time(qwen7b, ParallelStrategy(dp=2, tp=4), train_devices=24,
                                      dtype="bf16", same_machine=True, links=_links())
-    assert link == "nvlink" and fast == pytest.approx(3_807_808_256 / 100e9)
+    assert link == "intra-node" and fast == pytest.approx(3_807_808_256 / 100e9)
 
 
 # -- meshes and strategies ----------------------------------------------------------

@@ -54,13 +54,8 @@ def resolve(fn: str | Callable[[str, str], float]) -> Callable[[str, str], float
 
 def score(group: list[Trajectory], fn: Callable[[str, str], float]) -> list[float]:
     """Rewards of a group; a sample whose reward function raises is logged and scored 0.0."""
-    rewards = []
+    from areal_flow.rewards.math import safe_reward
+
     for traj in group:
-        try:
-            value = float(fn(traj.output_text, traj.meta.get("answer", "")))
-        except Exception as exc:  # a user's reward function must not stop the run
-            logger.warning("reward fn failed on sample %s: %r; scored 0", traj.sample_id, exc)
-            value = 0.0
-        traj.reward = value
-        rewards.append(value)
-    return rewards
+        traj.reward = safe_reward(fn, traj.output_text, traj.meta.get("answer", ""), traj.sample_id, logger)
+    return [traj.reward for traj in group]
