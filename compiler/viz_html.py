@@ -75,6 +75,7 @@ def _graph_svg(plan: Plan, colors: dict[str, str]) -> str:
         pos[n.name] = (20 + col * (BOX_W + COL_GAP), 30 + rows.get(col, 0) * (BOX_H + ROW_GAP))
         rows[col] = rows.get(col, 0) + 1
     height = max(y for _, y in pos.values()) + BOX_H + 70
+    width = max(WIDTH, max(x for x, _ in pos.values()) + BOX_W + 20)
     parts = []
     for e in plan.edges:
         (x1, y1), (x2, y2) = pos[e.src], pos[e.dst]
@@ -100,7 +101,7 @@ def _graph_svg(plan: Plan, colors: dict[str, str]) -> str:
         for i, line in enumerate((f"{n.name} ({n.op})", where, detail)):
             parts.append(_text(x + 8, y + 16 + 15 * i, line, fill=ink))
         parts.append("</g>")
-    return _svg(WIDTH, height, parts)
+    return _svg(width, height, parts)
 
 
 def _svg(width: float, height: float, parts: list[str]) -> str:

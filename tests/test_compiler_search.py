@@ -104,7 +104,6 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("spec,cluster,cfg,critic", CASES)
 def test_search_matches_brute_force(spec, cluster, cfg, critic):
     graph = grpo_graph(spec, critic)
@@ -114,7 +113,6 @@ def test_search_matches_brute_force(spec, cluster, cfg, critic):
     assert plan.step_time_s == pytest.approx(step, rel=1e-12)
 
 
-@pytest.mark.slow
 def test_search_matches_brute_force_on_16_gpus():
     graph, cluster = grpo_graph("Llama-3-8B"), ClusterConfig(2, 8, "H100")
     cfg = CompileConfig(prompts_per_step=32)
