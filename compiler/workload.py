@@ -10,7 +10,10 @@ Roles: ``generate`` -> generation (inference engine of the model); ``train_step`
 training (forward + backward + optimizer); a ``reward``/``advantage`` node that reads a
 model (reward model, critic values, reference log-probs) -> inference (forward only, on the
 training side); ``dataset``, ``reward`` (rule), ``advantage``, ``sync_weights`` -> cpu,
-placed with their first device consumer (else their producer).
+placed with their first device consumer (else their producer) — except a rule ``reward``,
+which is placed with its producer (the generator): groups are scored as they finish, so
+rewards travel with the experience and filters such as DAPO's dynamic sampling act before
+the experience channel.
 """
 
 from __future__ import annotations
@@ -169,8 +172,9 @@ def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
 
 
 def _host(graph, name: str, device_nodes: set[str], fallback: str) -> str:
-    """First device node downstream of ``name`` (breadth-first), else upstream, else ``fallback``."""
-    for forward in (True, False):
+    """First device node downstream of ``name`` (breadth-first), else upstream, else ``fallback``;
+    a rule ``reward`` looks upstream first (see the module docstring)."""
+    for forward in ((False, True) if graph.nodes[name].op == "reward" else (True, False)):
         seen, frontier = {name}, [name]
         while frontier:
             nxt = []
