@@ -10,7 +10,8 @@ spawn per strategy, and each rank reports:
   step. torch has no allocator statistics for CPU tensors (``torch.cpu`` has no
   ``memory_stats``; ``tracemalloc`` does not see them), hence RSS.
 - ``states``: current RSS growth after the step (weights, gradients, AdamW
-  moments alive; activations freed).
+  moments alive; activations freed), read after ``gc.collect()`` and glibc's
+  ``malloc_trim(0)`` so freed heap pages go back to the OS first.
 
 The prediction is ``compiler.memory.training_memory`` (ZeRO/Korthikanti
 formulas, see that module) for the same model, strategy, tokens and
@@ -31,6 +32,8 @@ Neither counts the Python interpreter and libraries (excluded by the baseline).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
 import time
@@ -67,7 +70,10 @@ STRATEGIES = [
 ]
 
 
-def _rss() -> int:
+def _rss(trim: bool = False) -> int:
+    if trim:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     return psutil.Process().memory_info().rss
 
 
@@ -81,7 +87,7 @@ def measure(rank: int, world_size: int, strategy: ParallelStrategy, config: Para
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
     labels = shift_labels(input_ids, torch.ones_like(input_ids))
-    base_rss, base_peak = _rss(), _peak_rss()
+    base_rss, base_peak = _rss(trim=True), _peak_rss()
     torch.manual_seed(0)
     model_config = Qwen2Config(**MODEL)
     model_config._attn_implementation = "sdpa"
@@ -89,7 +95,8 @@ def measure(rank: int, world_size: int, strategy: ParallelStrategy, config: Para
     optimizer = torch.optim.AdamW(pm.module.parameters(), lr=1e-4)
     train_step(pm, optimizer, *shard_batch(pm, input_ids, labels))
     # an upper bound if the high-water mark was reached before the baseline (then it is flagged)
-    return {"peak": _peak_rss() - base_rss, "states": _rss() - base_rss, "old_peak": _peak_rss() == base_peak}
+    peak = _peak_rss()
+    return {"peak": peak - base_rss, "states": _rss(trim=True) - base_rss, "old_peak": peak == base_peak}
 
 
 def main() -> None:

@@ -86,7 +86,7 @@ class ExperienceSender:
 
     def __init__(self, address: str, linger_s: float = DEFAULT_LINGER_S, high_water_mark: int = 1000) -> None:
         self.address = address
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()  # own context: close() terminates it to flush the queue
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
         self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
@@ -118,8 +118,12 @@ class ExperienceSender:
         self.sent += 1
 
     def close(self) -> None:
-        """Close the socket; queued messages get at most ``linger_s`` to be delivered."""
+        """Deliver queued messages, waiting at most ``linger_s`` seconds, then release the socket.
+
+        Call it before the process exits: queued messages die with an unterminated context.
+        """
         self._sock.close()
+        self._ctx.term()
 
 
 class ExperienceReceiver:

@@ -138,7 +138,7 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()  # own context: close() terminates it to flush the queues
         self._socks = []
         for addr in self.addresses:
             sock = self._ctx.socket(zmq.PUSH)
@@ -183,9 +183,13 @@ class WeightPublisher:
         return len(buckets)
 
     def close(self) -> None:
-        """Close the sockets; queued buckets get at most ``linger_s`` to be delivered."""
+        """Deliver queued buckets, waiting at most ``linger_s`` seconds, then release the sockets.
+
+        Call it before the process exits: queued buckets die with an unterminated context.
+        """
         for sock in self._socks:
             sock.close()
+        self._ctx.term()
 
 
 class WeightSubscriber:

@@ -82,7 +82,8 @@ def weight_pair():
     def make(**kw):
         sub = WeightSubscriber(ipc_address("w"))
         pub = WeightPublisher(sub.address, linger_s=0, **kw)
-        subs.append(sub), pubs.append(pub)
+        subs.append(sub)
+        pubs.append(pub)
         return pub, sub
 
     yield make

@@ -28,7 +28,8 @@ def test_sync_baseline_k0_b2_is_a_barrier():
     assert ac.capacity(0) == 2
     assert ac.admit(0) == 0 and ac.admit(0) == 1
     assert not ac.can_admit(0)
-    ac.complete(0), ac.complete(1)
+    ac.complete(0)
+    ac.complete(1)
     assert (ac.accepted, ac.running) == (2, 0)
     assert not ac.can_admit(0)  # completing does not free capacity: the version must advance
     with pytest.raises(StalenessViolation, match="capacity 2"):

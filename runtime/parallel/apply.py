@@ -85,7 +85,8 @@ def parallelize(
 ) -> ParallelModel:
     """Apply ``strategy`` to ``causal_lm`` (modified in place) on this rank.
 
-    Every rank calls this with an identical model (same weights) and the mesh
+    Every rank calls this with an identical model (same weights, already on its
+    device: CPU for gloo, its CUDA device for NCCL) and the mesh
     from ``mesh.build_device_mesh(strategy, ...)``. Validate the strategy with
     ``validate.validate_strategy_for_model`` before the processes start.
 
@@ -117,6 +118,6 @@ def parallelize(
         apply_fsdp(module, dp_cp_mesh(mesh), ignored_params=set(expert_params))
     schedule = None
     if strategy.pp_enabled:
-        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
         schedule = build_schedule(module, mesh["pp"], device, config.n_microbatches, loss, config.pp_schedule)
     return ParallelModel(module, strategy, mesh, config, loss, schedule, expert_params, edp_mesh, ep_mesh)

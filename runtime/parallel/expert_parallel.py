@@ -84,7 +84,7 @@ class ShardedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add(0, token_of_row, returned * weights)
 
 
-def moe_experts_modules(model: nn.Module) -> list[nn.Module]:
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The MoE blocks (``layer.mlp`` with an ``experts`` child) of the held layers."""
     return [layer.mlp for layer in held_layers(model) if hasattr(layer.mlp, "experts")]
 
@@ -99,7 +99,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Para
     Raises:
         ValueError: the model has no MoE layer, or ``ep`` does not divide its experts.
     """
-    blocks = moe_experts_modules(model)
+    blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(f"expert parallelism over {ep_mesh.size()} ranks: {type(model).__name__} has no MoE layer")
     params: list[nn.Parameter] = []

@@ -15,6 +15,7 @@ flattened sub-meshes are added:
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from compiler.strategy import ParallelStrategy
@@ -37,8 +38,6 @@ def build_device_mesh(strategy: ParallelStrategy, device_type: str) -> DeviceMes
     Raises:
         ValueError: the world size of the process group differs from the strategy's.
     """
-    import torch.distributed as dist
-
     if dist.get_world_size() != strategy.world_size:
         raise ValueError(
             f"strategy {strategy.short()} needs {strategy.world_size} processes, the process group has "

@@ -71,7 +71,7 @@ def forward_backward(parallel_model: ParallelModel, input_ids: torch.Tensor, lab
         local_loss = _accumulate(pm, input_ids, labels, offset)
     if pm.edp_mesh is not None:
         reduce_expert_gradients(pm.expert_params, pm.edp_mesh)
-    total = torch.tensor([local_loss], dtype=torch.float64)
+    total = torch.tensor([local_loss], dtype=torch.float64, device=input_ids.device)
     dist.all_reduce(total, group=data_group)
     if pm.strategy.pp_enabled:  # only the last stage holds a loss; the others add 0
         dist.all_reduce(total, group=pm.mesh["pp"].get_group())
@@ -80,7 +80,7 @@ def forward_backward(parallel_model: ParallelModel, input_ids: torch.Tensor, lab
 
 def _accumulate(pm: ParallelModel, input_ids: torch.Tensor, labels: torch.Tensor, offset: int) -> float:
     n_micro = pm.config.n_microbatches
-    positions = torch.arange(offset, offset + input_ids.shape[1]).unsqueeze(0)
+    positions = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     local_loss = 0.0
     for index, (ids, targets) in enumerate(zip(input_ids.chunk(n_micro), labels.chunk(n_micro))):
         if isinstance(pm.module, FSDPModule):  # reduce-scatter once, after the last micro-batch
@@ -98,9 +98,9 @@ def _pipeline_forward_backward(pm: ParallelModel, input_ids: torch.Tensor, label
     losses: list[torch.Tensor] = []
     args = (input_ids,) if stage.is_first else ()
     if stage.is_last:
-        pm.schedule.step(*args, target=labels, losses=losses)
+        pm.schedule.step(*args, target=labels, losses=losses, return_outputs=False)  # don't keep the logits
         return float(sum(loss.item() for loss in losses))
-    pm.schedule.step(*args)
+    pm.schedule.step(*args, return_outputs=False)
     return 0.0
 
 
