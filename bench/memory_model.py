@@ -9,8 +9,8 @@ spawn per strategy, and each rank reports:
   short peak is missed) from just before the model is built to the end of the
   step. torch has no allocator statistics for CPU tensors (``torch.cpu`` has no
   ``memory_stats``; ``tracemalloc`` does not see them), hence RSS.
-- ``states``: current RSS growth after the step (weights, gradients, AdamW
-  moments alive; activations freed), read after ``gc.collect()`` and glibc's
+- ``states``: current RSS growth after the step: weights and AdamW moments
+  alive, gradients freed by ``zero_grad()`` (set to ``None``), activations freed; read after ``gc.collect()`` and glibc's
   ``malloc_trim(0)`` so freed heap pages go back to the OS first.
 
 The prediction is ``compiler.memory.training_memory`` (ZeRO/Korthikanti
@@ -25,7 +25,12 @@ copies, the autograd graph's bookkeeping, and attention scores (the prediction
 drops them, assuming FlashAttention; CPU SDPA may materialise them).
 What the prediction counts that this run may not exhibit: bf16 mixed precision
 is not used here (fp32 only), so its activation terms are scaled to 4 bytes.
-Neither counts the Python interpreter and libraries (excluded by the baseline).
+Neither counts the Python interpreter and libraries loaded before the baseline;
+code imported lazily on first use (e.g. by the first forward) does land in both
+measured columns, which is the likely source of the ~17-23 MiB by which
+``states`` exceeds its prediction for every strategy, the single process included.
+On the logits: the prediction keeps 8 bytes per token and vocabulary entry (fp32
+logits and their gradient); fp32 cross-entropy also materialises its log-softmax.
 
     python bench/memory_model.py
 """
@@ -111,7 +116,7 @@ def main() -> None:
             spec, strategy, tokens_per_step=BATCH * SEQ, micro_batches=config.n_microbatches, dtype="fp32",
             sharded=strategy.dp * strategy.cp > 1, checkpointing=config.activation_checkpointing,
         )
-        states = predicted.weights + predicted.gradients + predicted.optimizer
+        states = predicted.weights + predicted.optimizer  # gradients are freed after the step
         started = time.perf_counter()
         per_rank = launch_strategy(measure, strategy, model_config, (strategy, config))
         label = text + ("+ac" if config.activation_checkpointing else "") + (f"/m{config.n_microbatches}" if config.n_microbatches > 1 else "")

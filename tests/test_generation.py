@@ -16,8 +16,8 @@ PROMPTS = ["7=", "12+5=", "305-47=", "9+999=", "1-1="]
 
 
 def _model(seed: int):
-    """tiny-test re-initialised with large weights so greedy outputs vary from token to token."""
-    model = build_model("tiny-test", len(TOK), seed=seed)
+    """tiny-s re-initialised with large weights so greedy outputs vary from token to token."""
+    model = build_model("tiny-s", len(TOK), seed=seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -38,7 +38,7 @@ def test_presets_and_unknown_preset():
     assert next(model.parameters()).dtype.is_floating_point and str(next(model.parameters()).dtype) == "torch.float32"
     with pytest.raises(ValueError, match="tiny-arith"):  # the message lists known presets
         build_model("huge", 50)
-    assert "tiny-test" in PRESETS
+    assert "tiny-s" in PRESETS
 
 
 def test_task_problems_are_deterministic_and_correct():

@@ -1,7 +1,8 @@
 """Tiny causal LMs built in code from a ``transformers`` Qwen2 config (no download).
 
-Presets are sized for CPU experiments: ``tiny-arith`` (~1 M parameters) learns
-multi-digit arithmetic to partial competence in under a minute on one core. Models are
+Presets are sized for CPU experiments: ``tiny-s`` (~78 k parameters) reaches partial
+competence on 2-digit arithmetic in well under a minute on one core; ``tiny-arith``
+(~1 M) learns more per example but costs ~5x more per step. Models are
 fp32: bf16 matmuls are 16-25x slower on the CPUs this project targets.
 """
 
@@ -35,8 +36,9 @@ class TinyPreset:
 
 
 PRESETS: dict[str, TinyPreset] = {
-    # ~0.1 M parameters: unit tests of engines and trainers (milliseconds per step).
-    "tiny-test": TinyPreset(64, 128, 2, 4, 2),
+    # ~78 k parameters: unit tests (milliseconds per step) and the fast arithmetic demo
+    # (2-digit +/-: ~30 % greedy accuracy after a ~35 s SFT on one core).
+    "tiny-s": TinyPreset(64, 128, 2, 4, 2),
     # ~1.0 M parameters: the arithmetic RL demo (SFT warm start + RL on CPU).
     "tiny-arith": TinyPreset(128, 512, 4, 4, 2),
     # ~2.6 M parameters: same depth, wider; for longer runs.

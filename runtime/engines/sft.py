@@ -3,8 +3,8 @@ before RL, cached on disk by the hash of everything that determines the weights.
 
 Each example is ``<bos> prompt answer <eos>`` (character tokens); the loss is the mean
 next-token cross-entropy over the answer characters and EOS only (the prompt is context).
-The defaults are tuned for ``ArithmeticTask(max_digits=3)`` + ``tiny-arith`` to stop at
-*partial* competence, leaving RL room to improve: see ``SFTConfig``.
+The defaults are tuned to stop at *partial* competence, leaving RL room to improve: see
+``SFTConfig``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ CACHE_ENV = "AREAL_FLOW_CACHE"
 class SFTConfig:
     """Supervised warm-start hyper-parameters (all part of the cache key).
 
+    Defaults are tuned for preset ``tiny-s`` on ``ArithmeticTask(max_digits=2)``: measured
+    ~20 s on one idle core, greedy held-out accuracy 31-32 % (seeds 0 and 1, 500 test
+    problems); 1500 steps gave 40 %. For comparison ``tiny-arith`` (1 M) reached ~14 % on
+    2 digits after 400 steps (~40 s), and 3-digit problems stay under ~15 % in a minute
+    with either preset.
+
     Attributes:
         steps: optimizer steps.
         batch_size: sequences per step.
@@ -41,10 +47,10 @@ class SFTConfig:
         seed: seeds the problem draw, the model init and the batch order.
     """
 
-    steps: int = 500
+    steps: int = 1200
     batch_size: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 30
+    lr: float = 5e-3
+    warmup_steps: int = 50
     weight_decay: float = 0.01
     n_problems: int = 20_000
     seed: int = 0
@@ -58,7 +64,7 @@ def cache_root() -> Path:
 def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
     """Hex xxhash64 of the SFT config, the preset and ``task.spec()`` (the cache folder name)."""
     blob = json.dumps({"sft": asdict(cfg), "preset": preset, "task": task.spec()}, sort_keys=True)
-    return xxhash.xxh64_hexdigest(blob)
+    return xxhash.xxh64_hexdigest(blob.encode())
 
 
 def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
