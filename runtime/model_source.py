@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_flow.config import ExperimentConfig
@@ -37,5 +38,6 @@ def prepare_initial_model(cfg: ExperimentConfig, task) -> Path:
 
 def load_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a ``transformers`` folder, on CPU, in eval mode."""
+    transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(folder)

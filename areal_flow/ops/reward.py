@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def _arithmetic(output_text: str, answer: str) -> float:
-    from areal_flow.tasks.arithmetic import reward
+    from areal_flow.tasks.arithmetic import ArithmeticTask
 
-    return reward(output_text, answer)
+    return ArithmeticTask.reward(output_text, answer)
 
 
 def _math(output_text: str, answer: str) -> float:
