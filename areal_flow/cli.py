@@ -160,7 +160,14 @@ def _guarded(fn, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling `overrides` at the first option (`run g.py --config c.yaml k=v`):
+    # the key=value words after it come back as extras and are overrides too.
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return _guarded(args.func, args)
 
 

@@ -6,6 +6,11 @@ the dotted key, the YAML file and line it came from (or "command line"), the exp
 type, and the nearest valid key for a typo. It must not act on the config.
 
 The YAML key ``async`` (a Python keyword) is the field ``async_``.
+
+A YAML file may start from another one: ``base: arith_grpo.yaml`` (a path relative to
+the file) loads that file first and then merges this file's keys over it, so a graph's
+config lists only what differs from the job it is based on. Bases may chain; a cycle is
+an error. (OmegaConf/Hydra ``defaults:`` lists are not supported: one base, no groups.)
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class TrainConfig:
     """Gradient clipping by global L2 norm."""
     loss: dict[str, Any] = field(default_factory=dict)
     """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
+    checkpoint_every: int = 0
+    """Save the policy to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps; 0 = only the final model."""
 
     def __post_init__(self) -> None:
         valid = LossConfig.field_names()
@@ -106,6 +113,39 @@ class TrainConfig:
 
 
 @dataclass
+class AdvantageKnobs:
+    """Estimator knobs that graphs pass to ``ops.advantage`` (each graph picks the ones
+    its estimator takes, e.g. PPO's GAE: ``gamma=cfg.advantage.gamma, lam=cfg.advantage.lam``)."""
+
+    gamma: float = 1.0
+    """Discount per token (GAE, REINFORCE++), in [0, 1]."""
+    lam: float = 1.0
+    """GAE lambda (Schulman et al. 2016), in [0, 1]; 1 = Monte-Carlo returns minus V."""
+
+    def __post_init__(self) -> None:
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"advantage.{key}={getattr(self, key)}: must be in [0, 1]")
+
+
+@dataclass
+class RewardKnobs:
+    """Knobs of the reward node's data-side shaping and filtering (DAPO, Yu et al. 2025)."""
+
+    max_attempts: int = 8
+    """Dynamic sampling (``keep="informative"``): prompts tried per batch slot (the first
+    + replacements) before the run stops with an error."""
+    overlong_cache: int = 0
+    """Soft overlong punishment window L_cache, tokens (DAPO eq. 13); 0 = off."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError(f"reward.max_attempts={self.max_attempts}: must be >= 1")
+        if self.overlong_cache < 0:
+            raise ConfigError(f"reward.overlong_cache={self.overlong_cache}: must be >= 0")
+
+
+@dataclass
 class AsyncConfig:
     max_staleness: int = 2
     """k: a sample is trained at most k versions after it was generated; 0 = synchronous."""
@@ -117,6 +157,14 @@ class SchedulerConfig:
     """local (OS processes on this machine) or ray."""
     address: str = ""
     """Ray cluster address; empty = RAY_ADDRESS or a new local cluster."""
+    node_ip: str = ""
+    """This machine's IP as the Ray cluster sees it (like ray start --node-ip-address); empty = Ray's choice."""
+    device_resource: str = ""
+    """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
+    max_restarts: int = 3
+    """Times Ray restarts a dead generation actor (its groups are regenerated); 0 = a death fails the run."""
+    placement_timeout_s: float = 60.0
+    """Seconds to wait for the placement groups (free resources) before failing."""
 
 
 @dataclass
@@ -140,6 +188,8 @@ class ExperimentConfig:
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    advantage: AdvantageKnobs = field(default_factory=AdvantageKnobs)
+    reward: RewardKnobs = field(default_factory=RewardKnobs)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -149,6 +199,10 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
+        for key, value in (("train.checkpoint_every", self.train.checkpoint_every),
+                           ("scheduler.max_restarts", self.scheduler.max_restarts)):
+            if value < 0:
+                raise ConfigError(f"{key}={value}: must be >= 0")
         if self.async_.max_staleness < 0:
             raise ConfigError(f"async.max_staleness={self.async_.max_staleness}: must be >= 0")
         for key, value in (("train.batch_size", self.train.batch_size), ("gen.n_samples", self.gen.n_samples)):
@@ -205,7 +259,7 @@ def load_config(
     """Build a typed config from a YAML file and ``key=value`` overrides.
 
     Args:
-        path: YAML file (optional).
+        path: YAML file (optional); its ``base`` chain is merged first (module doc).
         overrides: dotted ``key=value`` strings, applied after the file.
         schema: the root dataclass.
 
@@ -218,18 +272,7 @@ def load_config(
             (``file:line`` or ``command line``).
     """
     base = OmegaConf.structured(schema)
-    layers: list[tuple[Any, str, dict[str, int]]] = []
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys")
-        layers.append((OmegaConf.create(_rename_async(data)), str(path), _line_index(path)))
+    layers: list[tuple[Any, str, dict[str, int]]] = [] if path is None else _file_layers(Path(path), [])
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} (command line): expected key=value, e.g. train.lr=1e-4")
@@ -246,6 +289,33 @@ def load_config(
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "config", {}, schema) from None
+
+
+def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str, int]]]:
+    """The merge layers of one YAML file: its ``base`` chain first, then the file itself.
+
+    Raises:
+        ConfigError: missing file, invalid YAML, a non-mapping top level, a ``base`` that
+            is not a string, or a cycle of bases (naming the files).
+    """
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (base of {chain[-1]})" if chain else ""))
+    if path.resolve() in [p.resolve() for p in chain]:
+        raise ConfigError(f"config base cycle: {' -> '.join(str(p) for p in chain + [path])}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    lines = _line_index(path)
+    layers = []
+    if "base" in data:
+        parent = data.pop("base")
+        if not isinstance(parent, str) or not parent:
+            raise ConfigError(f"{path}:{lines.get('base', '?')}: 'base' must be a YAML file path, got {parent!r}")
+        layers = _file_layers(path.parent / parent, chain + [path])
+    return layers + [(OmegaConf.create(_rename_async(data)), str(path), lines)]
 
 
 def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], schema: type) -> ConfigError:

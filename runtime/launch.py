@@ -36,23 +36,29 @@ from runtime.trainer_worker import TrainerSpec, run_trainer_worker
 
 @dataclass
 class LocalRoles:
-    """The nodes the local runtime runs, one of each kind."""
+    """The nodes the local runtime runs: one of each kind, plus the critic's ``train_step``
+    when the advantage node reads a trainable critic (PPO)."""
 
     dataset: object
     generate: object
     reward: object
     advantage: object
     train_step: object
+    critic_step: object = None
 
 
 def local_roles(graph: Graph) -> LocalRoles:
-    """Pick the single node of each kind the local runtime runs.
+    """Pick the single node of each kind the local runtime runs. The policy's
+    ``train_step`` is the one of the generator's model; a second one must train the
+    advantage node's critic with the same algorithm and staleness bound (one
+    ``BaseAlgorithm.update_parameters`` call steps both, in the trainer process).
 
     Raises:
-        GraphError: a kind is missing or repeated (naming it).
+        GraphError: a kind is missing or repeated, or a ``train_step`` other than the
+            policy's and its critic's (naming it).
     """
     picked = {}
-    for op in ("dataset", "generate", "reward", "advantage", "train_step"):
+    for op in ("dataset", "generate", "reward", "advantage"):
         nodes = graph.nodes_of(op)
         if len(nodes) != 1:
             raise GraphError(
@@ -60,6 +66,23 @@ def local_roles(graph: Graph) -> LocalRoles:
                 f"({', '.join(n.name for n in nodes) or 'none'})"
             )
         picked[op] = nodes[0]
+    steps = {n.model: n for n in graph.nodes_of("train_step")}
+    policy, critic = picked["generate"].model, picked["advantage"].model
+    if policy not in steps:
+        raise GraphError(f"graph '{graph.name}': no train_step updates the generator's model '{policy}'")
+    picked["train_step"] = steps.pop(policy)
+    if picked["advantage"].attrs.get("model_role") == "critic":
+        if critic not in steps:
+            raise GraphError(f"{picked['advantage'].where()}: critic '{critic}' has no train_step; the local "
+                             f"runtime trains the critic with the policy: declare ops.train_step({critic}, ...)")
+        picked["critic_step"] = step = steps.pop(critic)
+        for key in ("algorithm", "max_staleness"):
+            if step.attrs[key] != picked["train_step"].attrs[key]:
+                raise GraphError(f"{step.where()}: {key}={step.attrs[key]!r} must equal the policy train_step's "
+                                 f"({picked['train_step'].attrs[key]!r}): one optimizer step trains both")
+    if steps:
+        raise GraphError(f"{next(iter(steps.values())).where()}: the local runtime trains only the policy and "
+                         "the advantage node's critic")
     return LocalRoles(**picked)
 
 
@@ -105,7 +128,7 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     test_set = task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
     extra: dict = {"out_dir": str(out_dir), "initial_model": str(folder)}
     if cfg.eval.enabled:
-        extra["accuracy_before"] = _evaluate(folder, task, test_set)
+        extra["accuracy_before"] = _evaluate(folder, task, test_set, roles.generate.attrs.get("chat_template"))
         if show_progress:
             print(f"held-out greedy accuracy before RL: {extra['accuracy_before']:.1%} ({len(test_set)} problems)")
 
@@ -114,11 +137,12 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     gen = roles.generate.attrs
     rollout_spec = RolloutSpec(
         model_folder=str(folder), dataset_attrs=roles.dataset.attrs, generate_attrs=gen,
-        reward_fn=roles.reward.attrs["fn"], n_groups=cfg.train.steps * cfg.train.batch_size,
+        reward_fn=roles.reward.attrs["fn"], reward_attrs=roles.reward.attrs, n_groups=cfg.train.steps * cfg.train.batch_size,
         batch_groups=cfg.train.batch_size, max_staleness=k, max_batch_size=cfg.gen.max_batch_size,
         seed=cfg.seed, experience_address=experience, weight_address=weights, threads=threads,
     )
-    adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key != "estimator"}
+    adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key not in ("estimator", "model_role")}
+    reads = roles.advantage.attrs.get("model_role")
     trainer_spec = TrainerSpec(
         model_folder=str(folder), algorithm=roles.train_step.attrs["algorithm"],
         estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs, loss_overrides=dict(cfg.train.loss),
@@ -126,24 +150,25 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
         weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
         micro_batch_size=cfg.train.micro_batch_size, temperature=gen["temperature"] or 1.0, seed=cfg.seed,
         experience_address=experience, weight_address=weights, out_dir=str(out_dir), threads=threads,
+        critic=roles.critic_step is not None, ref=reads == "ref",
     )
     logger = RunLogger(out_dir, cfg.train.steps, show_progress)
     results = _run_workers(rollout_spec, trainer_spec, logger)
     logger.close()
     extra.update(model_dir=str(out_dir / "model"), trajectories=str(out_dir / "trajectories"), workers=results)
     if cfg.eval.enabled:
-        extra["accuracy_after"] = _evaluate(out_dir / "model", task, test_set)
+        extra["accuracy_after"] = _evaluate(out_dir / "model", task, test_set, gen.get("chat_template"))
     summary = logger.summary(**extra)
     if show_progress:
         print(format_summary(summary))
     return summary
 
 
-def _evaluate(folder: Path, task, problems: list[dict]) -> float:
+def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> float:
     from runtime.engines.evaluate import greedy_accuracy
 
     model, tokenizer = load_pretrained(folder)
-    return greedy_accuracy(model, tokenizer, task, problems)
+    return greedy_accuracy(model, tokenizer, task, problems, chat_template=chat_template)
 
 
 def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: RunLogger) -> dict:

@@ -2,8 +2,12 @@
 
 Owns the generation side of the asynchronous loop. It admits prompt groups under the
 bounded-staleness rule (:class:`runtime.staleness.AdmissionController`), decodes them with
-continuous batching, scores finished groups with the reward node's function, and sends
-each group, with its admission index, on the experience channel. Between decode steps it
+continuous batching, scores finished groups with the reward node
+(:class:`areal_flow.ops.reward.RewardRunner`), and sends each group, with its admission
+index, on the experience channel. A group the reward node's filter drops (DAPO dynamic
+sampling) is replaced by a new prompt under the *same* admission index, so the staleness
+proof of ``runtime.staleness`` holds unchanged: the replacement's tokens come from a
+version no older than the slot's admission version. Between decode steps it
 polls the weight channel; a new version pauses in-flight sequences, loads the weights and
 resumes them (their KV cache recomputed), so nothing is discarded. It must not decide
 placement or train.
@@ -12,12 +16,13 @@ placement or train.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from areal_flow.ops.dataset import build_task
-from areal_flow.ops.reward import resolve, score
+from areal_flow.ops.generate import encode_prompt
+from areal_flow.ops.reward import RewardRunner
 from areal_flow.types import Trajectory
 from runtime.channels import ExperienceSender
 from runtime.engines.generation import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
@@ -35,6 +40,8 @@ class RolloutSpec:
     Attributes:
         model_folder: initial policy (version 0) in ``transformers`` format.
         dataset_attrs / generate_attrs / reward_fn: the graph nodes' attributes.
+        reward_attrs: the reward node's other attributes (``keep``, ``max_attempts``,
+            ``overlong``); empty = plain scoring.
         n_groups: prompt groups to generate in total (``steps * batch_groups``).
         batch_groups: B, prompt groups per train step.
         max_staleness: k of the data edge into ``train_step``.
@@ -56,11 +63,13 @@ class RolloutSpec:
     experience_address: str
     weight_address: str
     threads: int = 1
+    reward_attrs: dict = field(default_factory=dict)
 
 
 class _Group:
     def __init__(self, index: int, problem: dict, n: int):
         self.index, self.problem, self.n = index, problem, n
+        self.attempt = 1  # prompts tried for this admission index (dynamic sampling)
         self.results: list[GenerationResult] = []
 
 
@@ -85,6 +94,8 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
     Raises:
         runtime.weights.WeightChecksumError: a corrupted weight bucket (the engine keeps
             its previous weights; the error propagates to the launcher).
+        areal_flow.ops.reward.DynamicSamplingError: a slot drew ``max_attempts``
+            all-equal groups in a row (the reward node's ``keep="informative"``).
     """
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
@@ -92,9 +103,21 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
     engine = GenerationEngine(model, tokenizer, max_batch_size=spec.max_batch_size, seed=spec.seed)
     task = build_task(spec.dataset_attrs, spec.seed)
     problems = task.train_problems(spec.n_groups, seed=spec.seed + 1)
-    reward_fn = resolve(spec.reward_fn)
+    reward = RewardRunner({**spec.reward_attrs, "fn": spec.reward_fn})
+    # Replacement prompts for dropped groups: a separate seeded stream, at most
+    # max_attempts - 1 per slot (the bound makes RewardRunner raise before it runs out).
+    spares = iter(task.train_problems(spec.n_groups * (reward.max_attempts - 1), seed=spec.seed + 2)
+                  if reward.keep != "all" else [])
+    dropped = 0
     g = spec.generate_attrs
     params = SamplingParams(temperature=g["temperature"], top_p=g["top_p"], max_new_tokens=g["max_new_tokens"])
+
+    def submit(group: _Group) -> None:
+        prompt_ids = encode_prompt(tokenizer, group.problem["prompt"], g.get("chat_template"))
+        tag = "" if group.attempt == 1 else f"/{group.attempt}"
+        for j in range(group.n):
+            engine.submit(GenerationRequest(f"{group.index}:{j}{tag}", prompt_ids, params,
+                                            {"group": group.index, "sample": j}))
     admission = AdmissionController(spec.max_staleness, spec.batch_groups)
     sender = ExperienceSender(spec.experience_address)
     weights = WeightSubscriber(spec.weight_address)
@@ -108,10 +131,7 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
                 weight_updates += 1
             while len(groups) + admission.accepted < spec.n_groups and admission.can_admit(engine.version):
                 index = admission.admit(engine.version)
-                group = groups[index] = _Group(index, problems[index], g["n_samples"])
-                prompt_ids = tokenizer.encode(group.problem["prompt"])
-                for j in range(group.n):
-                    engine.submit(GenerationRequest(f"{index}:{j}", prompt_ids, params, {"group": index, "sample": j}))
+                submit(groups.setdefault(index, _Group(index, problems[index], g["n_samples"])))
             if not engine.has_work():
                 # Admission is closed until the trainer publishes a newer version.
                 update = weights.wait(min_version=engine.version + 1, timeout_s=1.0)
@@ -126,11 +146,16 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
                     trajectories = [
                         _to_trajectory(r, group, tokenizer) for r in sorted(group.results, key=lambda r: r.meta["sample"])
                     ]
-                    score(trajectories, reward_fn)
+                    if not reward(trajectories, group.index, group.attempt):
+                        dropped += 1  # all-equal rewards: same slot, next prompt
+                        group.problem, group.attempt, group.results = next(spares), group.attempt + 1, []
+                        submit(group)
+                        continue
                     sender.send(group.index, trajectories)
                     admission.complete(group.index)
                     del groups[group.index]
     finally:
         sender.close()
         weights.close()
-    return {"groups": admission.accepted, "weight_updates": weight_updates, "final_version": engine.version}
+    return {"groups": admission.accepted, "weight_updates": weight_updates, "final_version": engine.version,
+            "dropped_groups": dropped}

@@ -3,7 +3,9 @@
 Port schema: input ``prompts`` (and the optional ``weights`` input that
 ``ops.sync_weights`` connects); output ``rollouts`` (a group of
 :class:`~areal_flow.types.Trajectory`). The work itself is done by the generation
-engine (``runtime.engines.generation``) that the runtime builds for this node.
+engine (``runtime.engines.generation``) that the runtime builds for this node; the
+worker turns each task prompt into token ids with :func:`encode_prompt` (the task stays
+tokenizer-free, chat formatting happens here).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def generate(
     max_new_tokens: int = 16,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    chat_template: bool | None = None,
     name: str | None = None,
 ) -> Handle:
     """Declare rollout generation.
@@ -38,6 +41,8 @@ def generate(
         max_new_tokens: response length limit, tokens.
         temperature: sampling temperature (0 = greedy).
         top_p: nucleus sampling mass.
+        chat_template: wrap each prompt as one user turn of the tokenizer's chat template
+            (see :func:`encode_prompt`); None = when the tokenizer has one.
 
     Raises:
         GraphError: naming the node and line, when an argument is out of range.
@@ -46,9 +51,38 @@ def generate(
         SPEC,
         {"prompts": prompts},
         model=policy,
-        attrs=dict(n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+        attrs=dict(n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                   chat_template=chat_template),
         name=name,
     )
     if n_samples < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise GraphError(f"{node.where()}: need n_samples >= 1, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
     return outputs(node, SPEC)
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool | None = None) -> list[int]:
+    """Token ids of a task prompt, as the generator feeds them to the policy.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        text: the task's bare prompt (a question, ``"37+58="``).
+        chat_template: True: format ``text`` as one user turn with the tokenizer's chat
+            template (``areal_flow.models.hf.apply_chat_template``, the template's default
+            system turn, an open assistant turn) and encode it without adding special
+            tokens again; False: ``tokenizer.encode(text)`` (e.g. ``<bos>`` + characters
+            for the char tokenizer); None: True when the tokenizer has a chat template.
+
+    Returns:
+        ``[prompt_len]`` token ids.
+
+    Raises:
+        ValueError: ``chat_template=True`` and the tokenizer has no chat template.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template is None:
+        chat_template = has_template
+    if not chat_template:
+        return list(tokenizer.encode(text))
+    from areal_flow.models.hf import apply_chat_template
+
+    return list(tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False))

@@ -4,6 +4,11 @@ A problem is ``{"prompt": "37+58=", "answer": "95", "id": int}``. Operands have 
 ``max_digits`` digits (the digit count is drawn uniformly first, then the value
 uniformly among numbers with that many digits, so short operands are not swamped);
 subtraction results may be negative (``"12-40="`` -> ``"-28"``).
+
+With ``prompt_style="chat"`` the same problems are phrased as a question for an
+instruction-tuned model, ``"What is 37 + 58? Answer with just the number."``, and scored
+with the math reward (the final number of the reply, ``"37 + 58 = 95"`` scores 1), so a
+chat model that talks around its answer is not scored 0 for the talking.
 """
 
 from __future__ import annotations
@@ -24,37 +29,54 @@ class ArithmeticTask:
             every ``train_problems`` seed).
         max_digits: largest operand length, digits, >= 1.
         ops: operators to draw from, a non-empty subset of ``"+-"``.
+        prompt_style: ``"plain"`` (``"37+58="``, exact-integer reward) or ``"chat"``
+            (a question, math reward; see the module docstring).
 
     Raises:
-        ValueError: ``max_digits < 1`` or ``ops`` empty / containing other characters.
+        ValueError: ``max_digits < 1``, ``ops`` empty / containing other characters, or
+            an unknown ``prompt_style``.
     """
 
     name = "arithmetic"
+    PROMPT_STYLES = ("plain", "chat")
+    CHAT_ANSWER_TOKENS = 24
+    """Chat style greedy-evaluation budget, tokens: room for "37 + 58 = 95" and some talk."""
 
-    def __init__(self, seed: int = 0, max_digits: int = 3, ops: str = "+-") -> None:
+    def __init__(self, seed: int = 0, max_digits: int = 3, ops: str = "+-", prompt_style: str = "plain") -> None:
         if max_digits < 1:
             raise ValueError(f"ArithmeticTask: max_digits must be >= 1, got {max_digits}")
         if not ops or set(ops) - set("+-"):
             raise ValueError(f"ArithmeticTask: ops must be a non-empty subset of '+-', got {ops!r}")
+        if prompt_style not in self.PROMPT_STYLES:
+            raise ValueError(f"ArithmeticTask: prompt_style must be one of {self.PROMPT_STYLES}, got {prompt_style!r}")
         self.seed = seed
+        self.prompt_style = prompt_style
+        if prompt_style == "chat":
+            from areal_flow.rewards.math import math_reward
+
+            self.reward = math_reward  # shadows the exact-integer rule for this instance
         self.max_digits = max_digits
         self.ops = "".join(sorted(set(ops), key=ops.index))
         self._test_cache: dict[int, list[dict]] = {}
 
     def spec(self) -> dict:
-        """The parameters that define the task's data, e.g. for cache keys."""
-        return {"name": self.name, "seed": self.seed, "max_digits": self.max_digits, "ops": self.ops}
+        """The parameters that define the task's data, e.g. for cache keys (``prompt_style``
+        only when not ``"plain"``, so plain-style keys stay what they were)."""
+        spec = {"name": self.name, "seed": self.seed, "max_digits": self.max_digits, "ops": self.ops}
+        return spec if self.prompt_style == "plain" else {**spec, "prompt_style": self.prompt_style}
 
     @property
     def max_answer_tokens(self) -> int:
-        """Longest answer in characters plus one for EOS: sign + (max_digits + 1) digits + EOS."""
-        return self.max_digits + 3
+        """Plain: longest answer in characters plus one for EOS: sign + (max_digits + 1)
+        digits + EOS. Chat: ``CHAT_ANSWER_TOKENS``."""
+        return self.CHAT_ANSWER_TOKENS if self.prompt_style == "chat" else self.max_digits + 3
 
     def _draw(self, rng: random.Random, problem_id: int) -> dict:
         a, b = self._operand(rng), self._operand(rng)
         op = rng.choice(self.ops)
         value = a + b if op == "+" else a - b
-        return {"prompt": f"{a}{op}{b}=", "answer": str(value), "id": problem_id}
+        prompt = f"What is {a} {op} {b}? Answer with just the number." if self.prompt_style == "chat" else f"{a}{op}{b}="
+        return {"prompt": prompt, "answer": str(value), "id": problem_id}
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(1, self.max_digits)
