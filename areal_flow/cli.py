@@ -18,6 +18,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import cloudpickle
+
 from areal_flow.dsl import Flow
 
 
@@ -37,7 +39,10 @@ def load_flow(path: str | Path, name: str | None = None) -> Flow:
         raise CLIError(f"graph file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"areal_flow_graph_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # so cloudpickle can find functions defined in the file
+    sys.modules[spec.name] = module
+    # Workers (Ray actors, other machines) cannot import this file by its made-up module
+    # name: cloudpickle sends the functions defined in it (reward functions, algorithms) by value.
+    cloudpickle.register_pickle_by_value(module)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:

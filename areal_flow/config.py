@@ -50,6 +50,8 @@ class DatasetConfig:
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
     """Arithmetic: operands have 1..max_digits digits."""
+    ops: str = "+-"
+    """Arithmetic: operators drawn from ('+', '-' or '+-')."""
 
 
 @dataclass
@@ -76,6 +78,8 @@ class WarmStartConfig:
     """SFT problems per step."""
     lr: float = 3e-3
     """SFT learning rate."""
+    teacher_carry_error: float = 0.0
+    """Fraction of carrying additions whose demonstration drops the carries (an imperfect teacher RL must correct)."""
 
 
 @dataclass

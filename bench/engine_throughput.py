@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_flow.models.hf import resolve_folder  # noqa: E402
+from areal_flow.models.hf import load_model, resolve_folder  # noqa: E402
 from areal_flow.ops.generate import encode_prompt  # noqa: E402
 from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
-from runtime.model_source import load_pretrained  # noqa: E402
 
 
 def _best_rate(run, n_tokens: int, repeats: int) -> float:
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     folder = str(resolve_folder(args.model))
-    model, tokenizer = load_pretrained(folder)
+    model, tokenizer = load_model(folder)
     task = ArithmeticTask(seed=0, max_digits=2, prompt_style="chat")
     prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(args.batch)]
     n_tokens = args.batch * args.max_new_tokens

@@ -23,6 +23,12 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
+from areal_flow.models.tiny import PRESETS as TINY_PRESETS
+from areal_flow.models.tokenizer import ALPHABET, SPECIAL_TOKENS
+
+# The project's tiny presets (areal_flow.models.tiny) with the character tokenizer's vocabulary.
+CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(ALPHABET)
+
 
 class ModelSpecError(ValueError):
     """A model spec cannot be resolved or lacks a field; the message names the spec/file."""
@@ -138,7 +144,8 @@ def _llama(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tie
 
 # Excerpts of each model's published config.json (Hugging Face hub, model cards).
 MODEL_PRESETS: dict[str, dict] = {
-    "tiny-arith": _qwen2(128, 4, 4, 2, 512, 32, True),
+    **{name: _qwen2(p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
+                    p.intermediate_size, CHAR_VOCAB_SIZE, True) for name, p in TINY_PRESETS.items()},
     "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True),
     "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
     "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),

@@ -5,7 +5,9 @@ cluster, with the ``cpu`` preset), prepares the version-0 policy, measures held-
 accuracy before and after, starts the rollout and trainer workers as separate OS
 processes joined by the experience and weight channels (pyzmq over ``ipc://``), shows
 progress, and writes the run summary. A worker's failure stops the other and is re-raised
-with its traceback; what was already written (events, trajectories) stays.
+with its traceback; what was already written (events, trajectories) stays. The steps
+around the workers are :class:`RunSetup`, shared with the Ray scheduler
+(``runtime.ray_scheduler``, ``scheduler.type=ray``).
 
 Thread split: with ``max_staleness >= 1`` generation and training overlap, so each
 process gets half the cores; with ``max_staleness = 0`` (the synchronous baseline) they
@@ -20,7 +22,7 @@ import os
 import queue
 import tempfile
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -97,6 +99,100 @@ class WorkerFailed(RuntimeError):
     """A worker process raised; the message holds its traceback."""
 
 
+@dataclass
+class RunSetup:
+    """The parts of a run every scheduler shares, around its workers: the roles, the plan
+    (written to ``plan.json``), the version-0 policy, held-out accuracy before and after RL,
+    the worker specs and the summary. Made by :meth:`plan_run`; fields after ``plan`` are
+    filled by :meth:`prepare_policy`."""
+
+    cfg: ExperimentConfig
+    roles: LocalRoles
+    out_dir: Path
+    plan: object
+    show_progress: bool = True
+    task: object = None
+    folder: Path | None = None
+    test_set: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_staleness(self) -> int:
+        """k of the policy's ``train_step`` (versions)."""
+        return self.roles.train_step.attrs["max_staleness"]
+
+    @classmethod
+    def plan_run(cls, graph: Graph, cfg: ExperimentConfig, show_progress: bool = True) -> "RunSetup":
+        """Pick the roles and compile the plan (no model is touched: cheap).
+
+        Raises:
+            GraphError: the graph has a shape the runtime does not run.
+        """
+        from compiler import compile_plan, format_table
+
+        roles = local_roles(graph)
+        out_dir = Path(cfg.out_dir) / cfg.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plan = compile_plan(graph, cfg.cluster, cfg.compile)
+        (out_dir / "plan.json").write_text(plan.to_json())
+        if show_progress:
+            print(format_table(plan))
+        return cls(cfg, roles, out_dir, plan, show_progress)
+
+    def prepare_policy(self) -> None:
+        """Build the version-0 policy folder and measure held-out greedy accuracy before RL."""
+        cfg, gen = self.cfg, self.roles.generate.attrs
+        self.task = build_task(self.roles.dataset.attrs, cfg.seed)
+        self.folder = prepare_initial_model(cfg, self.task)
+        self.test_set = self.task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
+        self.extra = {"out_dir": str(self.out_dir), "initial_model": str(self.folder)}
+        if cfg.eval.enabled:
+            self.extra["accuracy_before"] = _evaluate(self.folder, self.task, self.test_set, gen.get("chat_template"))
+            if self.show_progress:
+                print(f"held-out greedy accuracy before RL: {self.extra['accuracy_before']:.1%} "
+                      f"({len(self.test_set)} problems)")
+
+    def worker_specs(self, experience: str, weights: str, threads: int) -> tuple[RolloutSpec, TrainerSpec]:
+        """The two workers' specs joined by the ``experience`` and ``weights`` channel addresses."""
+        cfg, roles, k = self.cfg, self.roles, self.max_staleness
+        gen = roles.generate.attrs
+        rollout_spec = RolloutSpec(
+            model_folder=str(self.folder), dataset_attrs=roles.dataset.attrs, generate_attrs=gen,
+            reward_fn=roles.reward.attrs["fn"], reward_attrs=roles.reward.attrs,
+            n_groups=cfg.train.steps * cfg.train.batch_size, batch_groups=cfg.train.batch_size, max_staleness=k,
+            max_batch_size=cfg.gen.max_batch_size, seed=cfg.seed, experience_address=experience,
+            weight_address=weights, threads=threads,
+        )
+        adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key not in ("estimator", "model_role")}
+        reads = roles.advantage.attrs.get("model_role")
+        trainer_spec = TrainerSpec(
+            model_folder=str(self.folder), algorithm=roles.train_step.attrs["algorithm"],
+            estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs,
+            loss_overrides=dict(cfg.train.loss),
+            steps=cfg.train.steps, batch_groups=cfg.train.batch_size, max_staleness=k, lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
+            micro_batch_size=cfg.train.micro_batch_size, temperature=gen["temperature"] or 1.0, seed=cfg.seed,
+            experience_address=experience, weight_address=weights, out_dir=str(self.out_dir), threads=threads,
+            critic=roles.critic_step is not None, ref=reads == "ref", checkpoint_every=cfg.train.checkpoint_every,
+        )
+        return rollout_spec, trainer_spec
+
+    def finish(self, logger: RunLogger, workers: dict, **extra) -> dict:
+        """Close ``logger``, measure held-out accuracy after RL, write and return the summary
+        (``summary.json``); ``extra`` adds scheduler-specific entries."""
+        logger.close()
+        out_dir = self.out_dir
+        self.extra.update(model_dir=str(out_dir / "model"), trajectories=str(out_dir / "trajectories"),
+                          workers=workers, **extra)
+        if self.cfg.eval.enabled:
+            self.extra["accuracy_after"] = _evaluate(out_dir / "model", self.task, self.test_set,
+                                                     self.roles.generate.attrs.get("chat_template"))
+        summary = logger.summary(**self.extra)
+        if self.show_progress:
+            print(format_summary(summary))
+        return summary
+
+
 def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     """Run ``graph`` with ``cfg`` on this machine; returns the run summary.
 
@@ -107,61 +203,16 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     if cfg.scheduler.type == "ray":
         from runtime.ray_scheduler import run_experiment_on_ray
 
-        return run_experiment_on_ray(graph, cfg)
-    roles = local_roles(graph)
-    out_dir = Path(cfg.out_dir) / cfg.name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    k = roles.train_step.attrs["max_staleness"]
+        return run_experiment_on_ray(graph, cfg, show_progress)
     cores = os.cpu_count() or 2
-    threads = cores if k == 0 else max(1, cores // 2)
     torch.set_num_threads(cores)
-
-    from compiler import compile_plan, format_table
-
-    plan = compile_plan(graph, cfg.cluster, cfg.compile)
-    (out_dir / "plan.json").write_text(plan.to_json())
-    if show_progress:
-        print(format_table(plan))
-
-    task = build_task(roles.dataset.attrs, cfg.seed)
-    folder = prepare_initial_model(cfg, task)
-    test_set = task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
-    extra: dict = {"out_dir": str(out_dir), "initial_model": str(folder)}
-    if cfg.eval.enabled:
-        extra["accuracy_before"] = _evaluate(folder, task, test_set, roles.generate.attrs.get("chat_template"))
-        if show_progress:
-            print(f"held-out greedy accuracy before RL: {extra['accuracy_before']:.1%} ({len(test_set)} problems)")
-
+    run = RunSetup.plan_run(graph, cfg, show_progress)
+    threads = cores if run.max_staleness == 0 else max(1, cores // 2)
+    run.prepare_policy()
     sock_dir = tempfile.mkdtemp(prefix="areal-flow-")
-    experience, weights = f"ipc://{sock_dir}/experience", f"ipc://{sock_dir}/weights"
-    gen = roles.generate.attrs
-    rollout_spec = RolloutSpec(
-        model_folder=str(folder), dataset_attrs=roles.dataset.attrs, generate_attrs=gen,
-        reward_fn=roles.reward.attrs["fn"], reward_attrs=roles.reward.attrs, n_groups=cfg.train.steps * cfg.train.batch_size,
-        batch_groups=cfg.train.batch_size, max_staleness=k, max_batch_size=cfg.gen.max_batch_size,
-        seed=cfg.seed, experience_address=experience, weight_address=weights, threads=threads,
-    )
-    adv_attrs = {key: v for key, v in roles.advantage.attrs.items() if key not in ("estimator", "model_role")}
-    reads = roles.advantage.attrs.get("model_role")
-    trainer_spec = TrainerSpec(
-        model_folder=str(folder), algorithm=roles.train_step.attrs["algorithm"],
-        estimator=roles.advantage.attrs["estimator"], estimator_kwargs=adv_attrs, loss_overrides=dict(cfg.train.loss),
-        steps=cfg.train.steps, batch_groups=cfg.train.batch_size, max_staleness=k, lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
-        micro_batch_size=cfg.train.micro_batch_size, temperature=gen["temperature"] or 1.0, seed=cfg.seed,
-        experience_address=experience, weight_address=weights, out_dir=str(out_dir), threads=threads,
-        critic=roles.critic_step is not None, ref=reads == "ref",
-    )
-    logger = RunLogger(out_dir, cfg.train.steps, show_progress)
-    results = _run_workers(rollout_spec, trainer_spec, logger)
-    logger.close()
-    extra.update(model_dir=str(out_dir / "model"), trajectories=str(out_dir / "trajectories"), workers=results)
-    if cfg.eval.enabled:
-        extra["accuracy_after"] = _evaluate(out_dir / "model", task, test_set, gen.get("chat_template"))
-    summary = logger.summary(**extra)
-    if show_progress:
-        print(format_summary(summary))
-    return summary
+    rollout_spec, trainer_spec = run.worker_specs(f"ipc://{sock_dir}/experience", f"ipc://{sock_dir}/weights", threads)
+    logger = RunLogger(run.out_dir, cfg.train.steps, show_progress)
+    return run.finish(logger, _run_workers(rollout_spec, trainer_spec, logger))
 
 
 def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> float:

@@ -66,6 +66,25 @@ class RolloutSpec:
     reward_attrs: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RolloutResume:
+    """Where a restarted rollout worker picks up, as the trainer reports it.
+
+    Attributes:
+        held: admission indices the trainer already received or trained; they are admitted
+            and completed at once, never regenerated, so every other index is generated
+            again under its own number (no group lost or trained twice).
+        version: the trainer's current policy version; the worker waits for it on the
+            weight channel before admitting anything (so the staleness proof of
+            ``runtime.staleness`` holds as for a fresh worker).
+        timeout_s: seconds to wait for that version.
+    """
+
+    held: frozenset[int]
+    version: int
+    timeout_s: float = 600.0
+
+
 class _Group:
     def __init__(self, index: int, problem: dict, n: int):
         self.index, self.problem, self.n = index, problem, n
@@ -88,10 +107,14 @@ def _to_trajectory(result: GenerationResult, group: _Group, tokenizer) -> Trajec
     )
 
 
-def run_rollout_worker(spec: RolloutSpec) -> dict:
+def run_rollout_worker(spec: RolloutSpec, resume: RolloutResume | None = None) -> dict:
     """Generate ``spec.n_groups`` groups, honouring the staleness bound; returns counters.
 
+    ``resume`` restarts after a worker died: only the indices the trainer does not hold are
+    generated (``held_groups`` in the counters counts the others).
+
     Raises:
+        TimeoutError: resuming, the trainer's policy version did not arrive in time.
         runtime.weights.WeightChecksumError: a corrupted weight bucket (the engine keeps
             its previous weights; the error propagates to the launcher).
         areal_flow.ops.reward.DynamicSamplingError: a slot drew ``max_attempts``
@@ -122,8 +145,15 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
     sender = ExperienceSender(spec.experience_address)
     weights = WeightSubscriber(spec.weight_address)
     groups: dict[int, _Group] = {}
-    weight_updates = 0
+    weight_updates = held = 0
     try:
+        if resume is not None:
+            update = weights.wait(min_version=resume.version, timeout_s=resume.timeout_s)
+            if update is None:
+                raise TimeoutError(f"resuming rollout worker: policy version {resume.version} did not arrive "
+                                   f"on {spec.weight_address} within {resume.timeout_s} s")
+            engine.update_weights(update[1], update[0])
+            weight_updates += 1
         while admission.accepted < spec.n_groups:
             update = weights.poll()
             if update is not None:
@@ -131,6 +161,10 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
                 weight_updates += 1
             while len(groups) + admission.accepted < spec.n_groups and admission.can_admit(engine.version):
                 index = admission.admit(engine.version)
+                if resume is not None and index in resume.held:
+                    admission.complete(index)  # the trainer has this group already
+                    held += 1
+                    continue
                 submit(groups.setdefault(index, _Group(index, problems[index], g["n_samples"])))
             if not engine.has_work():
                 # Admission is closed until the trainer publishes a newer version.
@@ -158,4 +192,4 @@ def run_rollout_worker(spec: RolloutSpec) -> dict:
         sender.close()
         weights.close()
     return {"groups": admission.accepted, "weight_updates": weight_updates, "final_version": engine.version,
-            "dropped_groups": dropped}
+            "dropped_groups": dropped, "held_groups": held}

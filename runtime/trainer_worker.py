@@ -213,7 +213,8 @@ def run_trainer_worker(spec: TrainerSpec, metrics_queue, resync: queue.Queue | N
                 stats = algorithm.update_parameters(batch)
                 if kl_reward is not None:
                     stats["kl_ref_in_reward"] = kl_reward
-                publisher.publish({k: v.detach() for k, v in model.state_dict().items()}, step + 1)
+                if step + 1 < spec.steps:  # the generator has everything it needs after the last step
+                    publisher.publish({k: v.detach() for k, v in model.state_dict().items()}, step + 1)
                 train_s = time.perf_counter() - started
                 for t in trajectories:
                     log.write(json.dumps(_trajectory_record(t, step)) + "\n")

@@ -42,7 +42,7 @@ def build_task(attrs: dict, seed: int) -> Any:
     if kind == "arithmetic":
         from areal_flow.tasks.arithmetic import ArithmeticTask
 
-        return ArithmeticTask(seed=seed, max_digits=attrs.get("max_digits", 3),
+        return ArithmeticTask(seed=seed, max_digits=attrs.get("max_digits", 3), ops=attrs.get("ops", "+-"),
                               prompt_style=attrs.get("prompt_style", "plain"))
     if kind == "gsm8k":
         from areal_flow.tasks.gsm8k import GSM8KTask

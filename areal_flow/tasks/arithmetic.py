@@ -19,6 +19,23 @@ import re
 # Test-set ids start here so they never collide with training ids (0, 1, 2, ...).
 TEST_ID_OFFSET = 1_000_000_000
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
+_OPERATION = re.compile(r"(\d+)([+-])(\d+)=")
+
+
+def sum_without_carry(a: int, b: int) -> int:
+    """``a + b`` digit by digit with every carry dropped: ``58 + 67`` -> ``15`` (8+7=15 -> 5, 5+6=11 -> 1)."""
+    result, place = 0, 1
+    while a or b:
+        result += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return result
+
+
+def _chat_reward(output_text: str, answer: str) -> float:
+    """The chat style's reward: ``areal_flow.rewards.math.math_reward`` (imported on first use)."""
+    from areal_flow.rewards.math import math_reward
+
+    return math_reward(output_text, answer)
 
 
 class ArithmeticTask:
@@ -52,9 +69,7 @@ class ArithmeticTask:
         self.seed = seed
         self.prompt_style = prompt_style
         if prompt_style == "chat":
-            from areal_flow.rewards.math import math_reward
-
-            self.reward = math_reward  # shadows the exact-integer rule for this instance
+            self.reward = _chat_reward  # shadows the exact-integer rule for this instance
         self.max_digits = max_digits
         self.ops = "".join(sorted(set(ops), key=ops.index))
         self._test_cache: dict[int, list[dict]] = {}
@@ -120,6 +135,28 @@ class ArithmeticTask:
                 if p["prompt"] not in held_out:
                     break
                 p = self._draw(rng, i)
+            out.append(p)
+        return out
+
+    def demonstrations(self, n: int, seed: int, carry_error: float = 0.0) -> list[dict]:
+        """``train_problems(n, seed)`` with answers as an imperfect teacher writes them.
+
+        With probability ``carry_error`` a carrying addition's answer drops every carry
+        (:func:`sum_without_carry`, e.g. ``58+67=`` -> ``15`` instead of ``125``): a
+        systematic misconception the supervised warm start imitates and RL with the exact
+        reward must unlearn. Other problems keep their right answer.
+
+        Raises:
+            ValueError: ``carry_error`` outside ``[0, 1]``.
+        """
+        if not 0.0 <= carry_error <= 1.0:
+            raise ValueError(f"carry_error must be in [0, 1], got {carry_error}")
+        rng = random.Random(f"arithmetic-teacher:{self.seed}:{seed}")
+        out = []
+        for p in self.train_problems(n, seed):
+            match = _OPERATION.fullmatch(p["prompt"])  # plain prompts only
+            if match and match.group(2) == "+" and rng.random() < carry_error:
+                p = {**p, "answer": str(sum_without_carry(int(match.group(1)), int(match.group(3))))}
             out.append(p)
         return out
 

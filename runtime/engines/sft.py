@@ -45,6 +45,8 @@ class SFTConfig:
         weight_decay: AdamW decoupled weight decay.
         n_problems: size of the training pool drawn by ``task.train_problems``.
         seed: seeds the problem draw, the model init and the batch order.
+        teacher_carry_error: fraction of carrying additions whose demonstrated answer
+            drops the carries (``ArithmeticTask.demonstrations``); 0 = a perfect teacher.
     """
 
     steps: int = 1200
@@ -54,6 +56,7 @@ class SFTConfig:
     weight_decay: float = 0.01
     n_problems: int = 20_000
     seed: int = 0
+    teacher_carry_error: float = 0.0
 
 
 def cache_root() -> Path:
@@ -114,7 +117,9 @@ def train_sft(task, preset: str, cfg: SFTConfig) -> tuple[PreTrainedModel, objec
     model = build_model(preset, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         seed=cfg.seed)
-    ids, attn, loss_mask = encode_examples(tokenizer, task.train_problems(cfg.n_problems, seed=cfg.seed))
+    problems = (task.demonstrations(cfg.n_problems, cfg.seed, cfg.teacher_carry_error) if cfg.teacher_carry_error
+                else task.train_problems(cfg.n_problems, seed=cfg.seed))
+    ids, attn, loss_mask = encode_examples(tokenizer, problems)
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
