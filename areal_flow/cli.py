@@ -162,6 +162,9 @@ def _guarded(fn, args) -> int:
     except (CLIError, ConfigError, GraphError) as exc:
         print(f"areal-flow: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("areal-flow: interrupted; outputs written so far are kept", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
