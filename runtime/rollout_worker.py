@@ -142,7 +142,9 @@ def run_rollout_worker(spec: RolloutSpec, resume: RolloutResume | None = None) -
             engine.submit(GenerationRequest(f"{group.index}:{j}{tag}", prompt_ids, params,
                                             {"group": group.index, "sample": j}))
     admission = AdmissionController(spec.max_staleness, spec.batch_groups)
-    sender = ExperienceSender(spec.experience_address)
+    # A trainer may bind its end after the last group is sent (a multi-process trainer starts
+    # slowly): close() waits up to 120 s to deliver; a dead trainer's launcher ends us first.
+    sender = ExperienceSender(spec.experience_address, linger_s=120.0)
     weights = WeightSubscriber(spec.weight_address)
     groups: dict[int, _Group] = {}
     weight_updates = held = 0

@@ -89,6 +89,23 @@ def _trajectory_record(t: Trajectory, step: int) -> dict:
     return record
 
 
+def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
+                 wait_s: float) -> dict:
+    """The launcher's metrics of one step: ``train/*`` from the algorithm, reward, accuracy,
+    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
+    staleness = [t.staleness(step) for t in trajectories]
+    n_tokens = int(batch["attention_mask"].sum())
+    return {
+        "step": step, "version": step + 1, **{f"train/{k}": float(v) for k, v in stats.items()},
+        "reward": float(batch["rewards"].mean()),
+        "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
+        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+        "staleness": staleness, "samples": len(trajectories),
+        "response_len": float(batch["loss_mask"].sum(1).mean()),
+        "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
+    }
+
+
 def _extra_models(spec: TrainerSpec) -> dict:
     """``critic`` + ``critic_optimizer`` and ``ref_model`` for ``build_algorithm``."""
     extra: dict = {}
@@ -224,18 +241,7 @@ def run_trainer_worker(spec: TrainerSpec, metrics_queue, resync: queue.Queue | N
                     checkpoint["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
                     model.save_pretrained(checkpoint["checkpoint"])
                     tokenizer.save_pretrained(checkpoint["checkpoint"])
-                staleness = [t.staleness(step) for t in trajectories]
-                n_tokens = int(batch["attention_mask"].sum())
-                metrics_queue.put({
-                    "step": step, "version": step + 1, **{f"train/{k}": float(v) for k, v in stats.items()},
-                    "reward": float(batch["rewards"].mean()),
-                    "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
-                    "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                    "staleness": staleness, "samples": len(trajectories),
-                    "response_len": float(batch["loss_mask"].sum(1).mean()),
-                    "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
-                    **checkpoint,
-                })
+                metrics_queue.put(step_metrics(step, stats, batch, trajectories, train_s, wait_s) | checkpoint)
         model.save_pretrained(out / "model")
         tokenizer.save_pretrained(out / "model")
         if algorithm.critic is not None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 # Parameter FQN pattern (fnmatch) -> tensor dimension split across TP ranks
@@ -88,7 +89,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     (``model.embed_tokens``, ``model.layers``, ``lm_head``); modules a stage
     does not hold (``None`` or ``nn.Identity``) are skipped. After this, the
     split parameters are ``DTensor``s; module inputs and outputs stay plain
-    local tensors.
+    local tensors. A tied embedding / LM head stays tied: both styles shard the
+    shared ``[vocab, hidden]`` weight by vocabulary rows (``Shard(0)``), so the
+    two uses share one ``DTensor`` whose gradient sums both contributions.
 
     Raises:
         ValueError: ``tp_mesh`` is not 1-D.
@@ -96,9 +99,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}")
     held = {name for name, module in model.named_modules() if not isinstance(module, nn.Identity)}
+    tied = "lm_head" in held and "model.embed_tokens" in held and model.lm_head.weight is model.model.embed_tokens.weight
     parallelize_module(model, tp_mesh, {name: style for name, style in outer_plan().items() if name in held})
+    if tied:  # both plans shard the [vocab, hidden] weight along dim 0, so one DTensor serves both again
+        model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
         plan = attention_plan()
         if hasattr(layer.mlp, "gate_proj"):
             plan |= dense_mlp_plan()
         parallelize_module(layer, tp_mesh, plan)
+
+
+def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make the parameters TP leaves whole (the RMSNorm weights) replicated ``DTensor``s, in place.
+
+    Without FSDP over them, a TP model mixes plain and ``DTensor`` parameters, which
+    ``torch.nn.utils.clip_grad_norm_`` refuses. Each module holding a plain parameter gets
+    it as ``Replicate()`` over ``tp_mesh``, takes plain inputs as replicated ``DTensor``s
+    and returns plain local tensors, so its neighbours see no change. Every TP rank holds
+    the same replicated activations, so the gradients of these parameters are equal on
+    every rank and need no reduction. Call after :func:`apply_tensor_parallel`.
+    """
+    def to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(module: nn.Module, outputs, mesh: DeviceMesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    for module in list(model.modules()):
+        if any(not isinstance(param, DTensor) for param in module.parameters(recurse=False)):
+            distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

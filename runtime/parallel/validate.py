@@ -6,9 +6,9 @@ runtime's own choices impose:
 
 - context parallelism is Ulysses all-to-all (see ``context_parallel``), so
   ``cp`` must divide the heads and the KV heads left on each TP rank;
-- the TP plan shards the embedding and the LM head separately, and pipeline
-  stages hold them on different ranks, so ``tp > 1`` or ``pp > 1`` needs
-  untied word embeddings.
+- pipeline stages hold the embedding and the LM head on different ranks, so
+  ``pp > 1`` needs untied word embeddings (TP keeps a tied pair tied: both of
+  its styles shard the shared weight by vocabulary rows).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def validate_strategy_for_model(strategy: ParallelStrategy, config: Any, gpus_pe
             f"cp={strategy.cp} must divide the heads ({heads_per_tp}) and KV heads ({kv_per_tp}) per TP rank: "
             "Ulysses context parallelism scatters heads across the cp ranks"
         )
-    if (strategy.tp_enabled or strategy.pp_enabled) and getattr(config, "tie_word_embeddings", False):
+    if strategy.pp_enabled and getattr(config, "tie_word_embeddings", False):
         raise StrategyError(
-            f"tp={strategy.tp}, pp={strategy.pp} need tie_word_embeddings=False: the embedding and the LM head "
-            "are sharded (TP) or placed (PP) separately"
+            f"pp={strategy.pp} needs tie_word_embeddings=False: the embedding and the LM head are placed on "
+            "different pipeline stages"
         )
