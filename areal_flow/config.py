@@ -52,6 +52,8 @@ class DatasetConfig:
     """Arithmetic: operands have 1..max_digits digits."""
     ops: str = "+-"
     """Arithmetic: operators drawn from ('+', '-' or '+-')."""
+    prompt_style: str = "plain"
+    """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number.")."""
 
 
 @dataclass

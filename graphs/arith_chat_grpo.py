@@ -21,29 +21,17 @@ Run: ``areal-flow run graphs/arith_chat_grpo.py`` or ``python graphs/arith_chat_
 (knobs in ``graphs/arith_chat_grpo.yaml``).
 """
 
-import dataclasses
-
 from areal_flow import Model, flow, ops
+from areal_flow.blocks import sample_groups, train_policy
 
 
 @flow
 def arith_chat_grpo(cfg):
     policy = Model("policy", cfg.model)
-    prompts = ops.dataset({**dataclasses.asdict(cfg.dataset), "prompt_style": "chat"})
-    rollout = ops.generate(
-        policy,
-        prompts,
-        n_samples=cfg.gen.n_samples,
-        max_new_tokens=cfg.gen.max_new_tokens,
-        temperature=cfg.gen.temperature,
-        top_p=cfg.gen.top_p,
-        chat_template=True,
-    )
+    rollout = sample_groups(policy, cfg)  # dataset -> generate (chat template applied)
     reward = ops.reward(rollout, fn="math")
     adv = ops.advantage(rollout, reward, estimator="grpo")
-    stats = ops.train_step(policy, adv, algorithm=cfg.train.algorithm, max_staleness=cfg.async_.max_staleness)
-    ops.sync_weights(policy, to=rollout)
-    return stats
+    return train_policy(policy, adv, rollout, cfg, algorithm="grpo")  # train_step -> sync_weights
 
 
 if __name__ == "__main__":

@@ -22,25 +22,16 @@ or ``python graphs/gsm8k_grpo.py`` (knobs in ``graphs/gsm8k_grpo.yaml``).
 """
 
 from areal_flow import Model, flow, ops
+from areal_flow.blocks import sample_groups, train_policy
 
 
 @flow
 def gsm8k_grpo(cfg):
     policy = Model("policy", cfg.model)
-    prompts = ops.dataset(cfg.dataset)
-    rollout = ops.generate(
-        policy,
-        prompts,
-        n_samples=cfg.gen.n_samples,
-        max_new_tokens=cfg.gen.max_new_tokens,
-        temperature=cfg.gen.temperature,
-        top_p=cfg.gen.top_p,
-    )
+    rollout = sample_groups(policy, cfg)  # dataset -> generate (chat template applied)
     reward = ops.reward(rollout, fn="gsm8k")
     adv = ops.advantage(rollout, reward, estimator="grpo")
-    stats = ops.train_step(policy, adv, algorithm=cfg.train.algorithm, max_staleness=cfg.async_.max_staleness)
-    ops.sync_weights(policy, to=rollout)
-    return stats
+    return train_policy(policy, adv, rollout, cfg, algorithm="grpo")  # train_step -> sync_weights
 
 
 if __name__ == "__main__":
