@@ -79,9 +79,18 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+VIZ_SUFFIXES = (".html", ".svg", ".png", ".dot")
+
+
+def _check_viz_path(path: str | None) -> None:
+    if path is not None and Path(path).suffix not in VIZ_SUFFIXES:
+        raise CLIError(f"{path}: the placement graph is written as {', '.join(VIZ_SUFFIXES)}; pick one of these suffixes")
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler import compile_plan, format_table
 
+    _check_viz_path(args.viz)
     flow = load_flow(args.file, args.flow)
     cfg = _config(flow, args)
     if args.allocation:
@@ -115,6 +124,7 @@ def _cmd_viz(args: argparse.Namespace) -> int:
     from compiler.plan import Plan
     from compiler.viz import render
 
+    _check_viz_path(args.output)
     path = Path(args.plan)
     if not path.is_file():
         raise CLIError(f"plan file not found: {path}")
@@ -156,12 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
 def _guarded(fn, args) -> int:
     from areal_flow.config import ConfigError
     from areal_flow.graph import GraphError
+    from compiler.allocation import AllocationError
+    from compiler.config import CompileConfigError
+    from compiler.errors import InfeasiblePlanError
+    from compiler.models import ModelSpecError
+    from compiler.plan import PlanSchemaError
+    from compiler.strategy import StrategyError
+    from runtime.launch import WorkerFailed
 
+    user_errors = (CLIError, ConfigError, GraphError, AllocationError, CompileConfigError, InfeasiblePlanError,
+                   ModelSpecError, PlanSchemaError, StrategyError)
     try:
         return fn(args)
-    except (CLIError, ConfigError, GraphError) as exc:
+    except user_errors as exc:
         print(f"areal-flow: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerFailed as exc:  # the worker's own traceback is in the message; ours adds nothing
+        print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("areal-flow: interrupted; outputs written so far are kept", file=sys.stderr)
         return 130

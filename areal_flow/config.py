@@ -203,6 +203,8 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.compile.prompts_per_step is None:
+            self.compile.prompts_per_step = self.train.batch_size
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("train.checkpoint_every", self.train.checkpoint_every),

@@ -34,8 +34,8 @@ class CompileConfig:
     """'async': generation and training overlap (bounded staleness); 'sync': they alternate."""
     max_staleness: int | None = None
     """Policy versions a sample may lag (k); None = the graph's train_step/edge value (else 1)."""
-    prompts_per_step: int = 64
-    """Prompts consumed by one training step."""
+    prompts_per_step: int | None = None
+    """Prompt groups per training step; null = the experiment's train.batch_size (64 when compiling a bare graph)."""
     samples_per_prompt: int | None = None
     """Responses per prompt (group size); None = the generate node's n_samples."""
     max_prompt_len: int = 512
@@ -83,10 +83,10 @@ def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
         raise bad("compile.dtype", cfg.dtype, f"must be one of {', '.join(DTYPES)}")
     if cfg.max_staleness is not None and cfg.max_staleness < 0:
         raise bad("compile.max_staleness", cfg.max_staleness, "must be >= 0")
-    for key in ("prompts_per_step", "max_prompt_len", "top_k"):
+    for key in ("max_prompt_len", "top_k"):
         if getattr(cfg, key) < 1:
             raise bad(f"compile.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("samples_per_prompt", "max_new_tokens", "micro_batches"):
+    for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "micro_batches"):
         value = getattr(cfg, key)
         if value is not None and value < 1:
             raise bad(f"compile.{key}", value, "must be >= 1 (or null)")

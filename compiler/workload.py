@@ -26,6 +26,9 @@ from compiler.models import ModelSpec, resolve_model
 GENERATION, TRAINING, INFERENCE, CPU = "generation", "training", "inference", "cpu"
 
 
+DEFAULT_PROMPTS_PER_STEP = 64  # prompt groups per step when neither compile nor train says
+
+
 class WorkloadError(ValueError):
     """The graph lacks something the compiler needs; the message names the node/model."""
 
@@ -147,7 +150,7 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         graph_name=graph.name,
         tasks=tuple(tasks),
         cpu_hosts={n: _host(graph, n, device_nodes, tasks[0].node) for n in graph.nodes if n not in device_nodes},
-        n_sequences=cfg.prompts_per_step * int(samples),
+        n_sequences=(cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP) * int(samples),
         prompt_len=cfg.max_prompt_len,
         new_tokens=int(new_tokens),
         staleness=0 if cfg.mode == "sync" else _staleness(graph, cfg, aliases.get("train")),

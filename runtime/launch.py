@@ -4,7 +4,9 @@ Owns process lifecycle on one machine: it compiles the plan (the same compiler a
 cluster, with the ``cpu`` preset), prepares the version-0 policy, measures held-out
 accuracy before and after, starts the rollout and trainer workers as separate OS
 processes joined by the experience and weight channels (pyzmq over ``ipc://``), shows
-progress, and writes the run summary. A worker's failure stops the other and is re-raised
+progress, and writes the run summary. When the plan's ``train_step`` strategy has world size
+> 1 (e.g. ``compile.allocation="train:d2 + gen:d1"``), the trainer process runs that many
+ranks (``runtime.parallel_trainer``); the strategy is checked before any process starts. A worker's failure stops the other and is re-raised
 with its traceback; what was already written (events, trajectories) stays. The steps
 around the workers are :class:`RunSetup`, shared with the Ray scheduler
 (``runtime.ray_scheduler``, ``scheduler.type=ray``).
@@ -86,6 +88,10 @@ def local_roles(graph: Graph) -> LocalRoles:
     if steps:
         raise GraphError(f"{next(iter(steps.values())).where()}: the local runtime trains only the policy and "
                          "the advantage node's critic")
+    synced = any(e.kind == "weights" and e.dst == picked["generate"].name for e in graph.edges)
+    if not synced:  # the generator would sample with version 0 forever and admission would stall
+        raise GraphError(f"{picked['train_step'].where()}: no ops.sync_weights({policy}, to=...) routes the new "
+                         f"weights to {picked['generate'].where()}; add it after the train_step")
     return LocalRoles(**picked)
 
 

@@ -77,7 +77,7 @@ def format_summary(summary: dict) -> str:
     lines = ["", "=== run summary ==="]
     if "accuracy_before" in summary:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        lines.append(f"held-out greedy accuracy: before RL {before:.1%}  after RL {after:.1%}  ({after - before:+.1%})")
+        lines.append(f"held-out greedy accuracy: before RL {before:.1%}  after RL {after:.1%}  ({100 * (after - before):+.1f} points)")
     lines.append(f"RL wall time: {summary['wall_s']:.1f} s   samples trained: {summary['samples_trained']}")
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1

@@ -67,4 +67,8 @@ def advantage(
         node.attrs["model_role"] = "ref"
     elif critic is not None:
         node.attrs["model_role"] = "critic"
+    from areal_flow.algorithms.advantages import ESTIMATORS
+
+    if estimator not in ESTIMATORS:
+        raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     return outputs(node, SPEC)

@@ -52,4 +52,8 @@ def train_step(
     )
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise GraphError(f"{node.where()}: max_staleness must be an int >= 0, got {max_staleness!r}")
+    from areal_flow.algorithms.registry import registered_algorithms
+
+    if algorithm not in registered_algorithms():
+        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(registered_algorithms())}")
     return outputs(node, SPEC)
