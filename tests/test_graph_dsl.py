@@ -185,3 +185,37 @@ def test_non_handle_input_and_bad_arguments_name_the_line():
 def test_ops_outside_a_flow_raise():
     with pytest.raises(RuntimeError, match="only be called while tracing"):
         ops.dataset({"name": "arithmetic"})
+
+
+def test_unknown_algorithm_and_estimator_are_caught_while_tracing():
+    @flow
+    def bad_algorithm(cfg):
+        policy = Model("policy", "tiny-arith")
+        rollout = ops.generate(policy, ops.dataset(cfg.dataset))
+        return ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)), algorithm="gpro")
+
+    with pytest.raises(GraphError, match=r"node 'train_step' .*unknown algorithm 'gpro'; registered: .*grpo"):
+        bad_algorithm(CFG)
+
+    @flow
+    def bad_estimator(cfg):
+        policy = Model("policy", "tiny-arith")
+        rollout = ops.generate(policy, ops.dataset(cfg.dataset))
+        return ops.advantage(rollout, ops.reward(rollout), estimator="gea")
+
+    with pytest.raises(GraphError, match=r"node 'advantage' .*unknown advantage estimator 'gea'; known: .*gae"):
+        bad_estimator(CFG)
+
+
+def test_local_runtime_needs_the_weight_channel():
+    from runtime.launch import local_roles
+
+    @flow
+    def no_sync(cfg):
+        policy = Model("policy", "tiny-arith")
+        rollout = ops.generate(policy, ops.dataset(cfg.dataset))
+        return ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)), max_staleness=1)
+
+    with pytest.raises(GraphError, match=r"no ops.sync_weights\(policy, to=...\) routes the new weights to node 'generate'"):
+        local_roles(no_sync(CFG))
+    assert local_roles(grpo(CFG)).generate.name == "generate"
