@@ -253,8 +253,16 @@ def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: R
         ctx.Process(target=_child, args=trainer, name="trainer"),
         ctx.Process(target=_child, args=(run_rollout_worker, rollout_spec, results), name="rollout"),
     ]
-    for p in procs:
-        p.start()
+    # Idle OpenMP threads of a waiting worker must not spin on the cores the other needs
+    # (with k = 0 both processes hold all cores); children read this at their start.
+    previous = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = previous or "PASSIVE"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if previous is None:
+            del os.environ["OMP_WAIT_POLICY"]
     done: dict = {}
     try:
         while len(done) < len(procs):
