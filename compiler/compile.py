@@ -17,7 +17,7 @@ from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, ch
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hardware import device_spec
-from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan, SyncRoute
+from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
@@ -137,10 +137,7 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         sync_s=best.sync_s,
         idle_fraction=best.idle_fraction,
         nodes=tuple(nodes),
-        routes=tuple(
-            SyncRoute(r.src, r.dst, r.src_mesh, r.dst_mesh, r.bytes, r.replicas, r.link, r.seconds)
-            for r in best.routes
-        ),
+        routes=tuple(best.routes),
         edges=tuple(DataEdge(*e) for e in workload.data_edges),
         alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated) for c in ranked),
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from compiler.cost import CostModel, NodeCost
 from compiler.mesh import MeshSpec
+from compiler.plan import SyncRoute
 from compiler.strategy import ParallelStrategy
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
 
@@ -33,34 +34,12 @@ class Assignment:
 
 
 @dataclass(frozen=True)
-class Route:
-    """Weight sync of one model from its trainer's mesh to a generator's mesh.
-
-    Attributes:
-        src / dst: train_step node / generate node.
-        bytes: bytes moved in total (one full 16-bit copy per generation replica).
-        replicas: generation replicas (DP degree) receiving a copy.
-        link: ``intra-node`` (NVLink) or ``inter-node`` (network): the slowest link crossed.
-        seconds: predicted seconds per step.
-    """
-
-    src: str
-    dst: str
-    src_mesh: MeshSpec
-    dst_mesh: MeshSpec
-    bytes: float
-    replicas: int
-    link: str
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Candidate:
     """One evaluated allocation."""
 
     allocation: str
     groups: tuple[tuple[Assignment, ...], ...]
-    routes: tuple[Route, ...]
+    routes: tuple[SyncRoute, ...]
     generation_s: float
     training_s: float
     sync_s: float
@@ -122,7 +101,7 @@ def evaluate(
             continue
         seconds, nbytes, link = model.sync(src.task, a.cost.strategy, src.mesh.size, same_machine(src.mesh, a.mesh))
         replicas = a.cost.strategy.dp
-        routes.append(Route(src.task.node, a.task.node, src.mesh, a.mesh, nbytes, replicas, link, seconds))
+        routes.append(SyncRoute(src.task.node, a.task.node, src.mesh, a.mesh, nbytes, replicas, link, seconds))
     sync = sum(r.seconds for r in routes)
     step = step_time(gen, train, sync, overlapped)
     busy = sum(g[0].mesh.size * sum(a.cost.time_s for a in g) for g in placed)
