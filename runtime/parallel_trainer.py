@@ -57,7 +57,9 @@ from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
 from runtime.staleness import OrderedExperienceBuffer
-from runtime.trainer_worker import TrainerSpec, _add_advantages, _extra_models, _trajectory_record, step_metrics
+from runtime.trainer_worker import (
+    TrainerSpec, _add_advantages, _extra_models, _trajectory_record, receive_step, step_metrics,
+)
 from runtime.weights import DEFAULT_BUCKET_BYTES, WeightPublisher
 
 _SUMMED = ("loss", "policy_loss", "n_tokens", "n_seqs")  # totals of the rank's share of the global loss
@@ -223,12 +225,7 @@ def _lead(trainer: RankTrainer, spec: TrainerSpec, metrics_queue) -> dict:
     try:
         with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
             for step in range(spec.steps):
-                waited = time.perf_counter()
-                while not buffer.ready(step):
-                    if (item := receiver.recv(timeout_s=spec.recv_timeout_s)) is None:
-                        raise TimeoutError(f"trainer step {step}: no experience for {spec.recv_timeout_s} s")
-                    buffer.put(*item)
-                wait_s = time.perf_counter() - waited
+                wait_s = receive_step(receiver, buffer, step, spec.recv_timeout_s)
                 started = time.perf_counter()
                 trajectories = [t for group in buffer.take_batch(step) for t in group]
                 batch = collate(trajectories, pad_id)

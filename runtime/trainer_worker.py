@@ -153,6 +153,31 @@ def _add_advantages(batch: dict, algorithm: BaseAlgorithm, spec: TrainerSpec) ->
     return kl_mean
 
 
+def receive_step(receiver: ExperienceReceiver, buffer: OrderedExperienceBuffer, step: int, timeout_s: float,
+                 held: set[int] | None = None, on_idle=None) -> float:
+    """Fill ``buffer`` until the groups of ``step`` are all there; returns the seconds waited.
+
+    Every received admission index is added to ``held`` (when given). ``on_idle`` (optional) runs
+    between polls of 0.2 s, e.g. to answer restarted rollout workers.
+
+    Raises:
+        TimeoutError: no experience arrived for ``timeout_s`` seconds (generator dead).
+    """
+    waited = time.perf_counter()
+    while not buffer.ready(step):
+        if on_idle is not None:
+            on_idle()
+        item = receiver.recv(timeout_s=timeout_s if on_idle is None else 0.2)
+        if item is None:
+            if time.perf_counter() - waited < timeout_s:
+                continue
+            raise TimeoutError(f"trainer step {step}: no experience for {timeout_s} s")
+        if held is not None:
+            held.add(item[0])
+        buffer.put(*item)
+    return time.perf_counter() - waited
+
+
 def _serve_resync(requests: queue.Queue, receiver: ExperienceReceiver, buffer: OrderedExperienceBuffer,
                   held: set[int], model: torch.nn.Module, version: int, publisher: WeightPublisher) -> WeightPublisher:
     """Answer restarted rollout workers; returns the weight publisher to use from now on.
@@ -208,21 +233,16 @@ def run_trainer_worker(spec: TrainerSpec, metrics_queue, resync: queue.Queue | N
     out = Path(spec.out_dir)
     (out / "trajectories").mkdir(parents=True, exist_ok=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def serve_resync() -> None:
+        nonlocal publisher
+        publisher = _serve_resync(resync, receiver, buffer, held, model, step, publisher)
+
     try:
         with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
             for step in range(spec.steps):
-                waited = time.perf_counter()
-                while not buffer.ready(step):
-                    if resync is not None:
-                        publisher = _serve_resync(resync, receiver, buffer, held, model, step, publisher)
-                    item = receiver.recv(timeout_s=spec.recv_timeout_s if resync is None else 0.2)
-                    if item is None:
-                        if time.perf_counter() - waited < spec.recv_timeout_s:
-                            continue
-                        raise TimeoutError(f"trainer step {step}: no experience for {spec.recv_timeout_s} s")
-                    held.add(item[0])
-                    buffer.put(*item)
-                wait_s = time.perf_counter() - waited
+                wait_s = receive_step(receiver, buffer, step, spec.recv_timeout_s, held,
+                                      on_idle=serve_resync if resync is not None else None)
                 started = time.perf_counter()
                 trajectories = [t for group in buffer.take_batch(step) for t in group]
                 batch = collate(trajectories, pad_id)
