@@ -80,8 +80,8 @@ class WarmStartConfig:
     """SFT problems per step."""
     lr: float = 3e-3
     """SFT learning rate."""
-    teacher_carry_error: float = 0.0
-    """Fraction of carrying additions whose demonstration drops the carries (an imperfect teacher RL must correct)."""
+    teacher_bug_rate: float = 0.0
+    """Fraction of carry/borrow problems whose demonstration shows a buggy column procedure (a misconception RL must correct)."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ def prepare_initial_model(cfg: ExperimentConfig, task) -> Path:
         ws = cfg.warm_start
         steps = ws.steps if ws.enabled else 0
         return warm_start(task, spec, SFTConfig(steps=steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
-                                            teacher_carry_error=ws.teacher_carry_error))
+                                            teacher_bug_rate=ws.teacher_bug_rate))
     from areal_flow.models.hf import resolve_folder
 
     return resolve_folder(spec)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_flow.tasks.arithmetic import ArithmeticTask, sum_without_carry
+from areal_flow.tasks.arithmetic import ArithmeticTask, buggy_answer, smaller_from_larger, sum_without_carry
 
 
 def test_sum_without_carry_by_hand():
@@ -14,23 +14,58 @@ def test_sum_without_carry_by_hand():
     assert sum_without_carry(23, 41) == 64 and sum_without_carry(0, 0) == 0
 
 
-def test_demonstrations_drop_carries_only_on_carrying_additions():
+def test_smaller_from_larger_by_hand():
+    # 52-17: ones |2-7| = 5, tens 5-1 = 4  => 45 (true difference 35)
+    assert smaller_from_larger(52, 17) == 45
+    # 40-8: ones |0-8| = 8, tens 4-0 = 4 => 48 (true 32); 30-30 = 0
+    assert smaller_from_larger(40, 8) == 48 and smaller_from_larger(30, 30) == 0
+    # no borrow anywhere: the true difference
+    assert smaller_from_larger(87, 25) == 62 and smaller_from_larger(9, 4) == 5
+
+
+def test_buggy_answer_by_hand():
+    assert buggy_answer(58, "+", 67) == 15
+    assert buggy_answer(52, "-", 17) == 45
+    # a < b: the pupil subtracts the other way round and keeps the sign: 17-52 -> -(45)
+    assert buggy_answer(17, "-", 52) == -45
+    # 3-8: |3-8| = 5 with the sign kept, which is right (no borrow inside one column)
+    assert buggy_answer(3, "-", 8) == -5
+    assert buggy_answer(23, "+", 41) == 64
+
+
+def test_demonstrations_bug_only_problems_that_carry_or_borrow():
     task = ArithmeticTask(seed=1, max_digits=2)
     exact = task.train_problems(300, seed=0)
-    always = task.demonstrations(300, seed=0, carry_error=1.0)
+    always = task.demonstrations(300, seed=0, bug_rate=1.0)
     assert [p["prompt"] for p in always] == [p["prompt"] for p in exact]
-    changed = 0
+    changed = {"+": 0, "-": 0}
     for right, shown in zip(exact, always):
-        a, b = (int(x) for x in right["prompt"][:-1].replace("-", "+").split("+"))
-        if "+" in right["prompt"] and sum_without_carry(a, b) != a + b:
-            assert shown["answer"] == str(sum_without_carry(a, b))
-            changed += 1
-        else:  # subtractions and additions without a carry keep the right answer
+        op = "+" if "+" in right["prompt"] else "-"
+        a, b = (int(x) for x in right["prompt"][:-1].split(op))
+        wrong = (sum_without_carry(a, b) if op == "+"
+                 else smaller_from_larger(a, b) if a >= b else -smaller_from_larger(b, a))
+        if wrong != int(right["answer"]):
+            assert shown["answer"] == str(wrong)
+            changed[op] += 1
+        else:  # problems with no carry or borrow keep the right answer
             assert shown["answer"] == right["answer"]
-    assert changed > 0
-    assert task.demonstrations(300, seed=0, carry_error=0.0) == exact
+    assert changed["+"] > 0 and changed["-"] > 0
+    assert task.demonstrations(300, seed=0, bug_rate=0.0) == exact
+
+
+def test_demonstrations_bug_rate_is_a_fraction():
+    task = ArithmeticTask(seed=1, max_digits=2)
+    exact = task.train_problems(4000, seed=0)
+    always = task.demonstrations(4000, seed=0, bug_rate=1.0)
+    some = task.demonstrations(4000, seed=0, bug_rate=0.7)
+    buggable = [i for i, (r, w) in enumerate(zip(exact, always)) if r["answer"] != w["answer"]]
+    shown_bug = sum(some[i]["answer"] == always[i]["answer"] for i in buggable)
+    # Binomial(n, 0.7): 4 standard deviations either side
+    n = len(buggable)
+    sd = (n * 0.7 * 0.3) ** 0.5
+    assert abs(shown_bug - 0.7 * n) < 4 * sd
 
 
 def test_demonstrations_reject_bad_rate():
-    with pytest.raises(ValueError, match=r"carry_error must be in \[0, 1\]"):
-        ArithmeticTask().demonstrations(3, seed=0, carry_error=1.5)
+    with pytest.raises(ValueError, match=r"bug_rate must be in \[0, 1\]"):
+        ArithmeticTask().demonstrations(3, seed=0, bug_rate=1.5)

@@ -31,6 +31,28 @@ def sum_without_carry(a: int, b: int) -> int:
     return result
 
 
+def smaller_from_larger(a: int, b: int) -> int:
+    """``a - b`` (``a >= b >= 0``) with no borrow: each column takes the smaller digit
+    from the larger, ``52 - 17`` -> ``45`` (|2-7| = 5, 5-1 = 4; true difference 35)."""
+    result, place = 0, 1
+    while a or b:
+        result += abs(a % 10 - b % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return result
+
+
+def buggy_answer(a: int, op: str, b: int) -> int:
+    """The answer of a pupil with the two classic column-arithmetic bugs of Brown & Burton
+    (1978), "Diagnostic models for procedural bugs in basic mathematical skills",
+    Cognitive Science 2(2): additions drop every carry (:func:`sum_without_carry`),
+    subtractions take the smaller digit from the larger (:func:`smaller_from_larger`;
+    for ``a < b`` the sign is kept: ``-(smaller_from_larger(b, a))``). Equal to the true
+    answer whenever no carry or borrow is needed."""
+    if op == "+":
+        return sum_without_carry(a, b)
+    return smaller_from_larger(a, b) if a >= b else -smaller_from_larger(b, a)
+
+
 def _chat_reward(output_text: str, answer: str) -> float:
     """The chat style's reward: ``areal_flow.rewards.math.math_reward`` (imported on first use)."""
     from areal_flow.rewards.math import math_reward
@@ -138,25 +160,25 @@ class ArithmeticTask:
             out.append(p)
         return out
 
-    def demonstrations(self, n: int, seed: int, carry_error: float = 0.0) -> list[dict]:
+    def demonstrations(self, n: int, seed: int, bug_rate: float = 0.0) -> list[dict]:
         """``train_problems(n, seed)`` with answers as an imperfect teacher writes them.
 
-        With probability ``carry_error`` a carrying addition's answer drops every carry
-        (:func:`sum_without_carry`, e.g. ``58+67=`` -> ``15`` instead of ``125``): a
-        systematic misconception the supervised warm start imitates and RL with the exact
-        reward must unlearn. Other problems keep their right answer.
+        A problem that needs a carry or a borrow gets, with probability ``bug_rate``, the
+        :func:`buggy_answer` (``58+67=`` -> ``15``, ``52-17=`` -> ``45``) instead of the
+        right one: a systematic misconception the supervised warm start imitates and RL
+        with the exact reward must unlearn. Other problems keep their right answer.
 
         Raises:
-            ValueError: ``carry_error`` outside ``[0, 1]``.
+            ValueError: ``bug_rate`` outside ``[0, 1]``.
         """
-        if not 0.0 <= carry_error <= 1.0:
-            raise ValueError(f"carry_error must be in [0, 1], got {carry_error}")
+        if not 0.0 <= bug_rate <= 1.0:
+            raise ValueError(f"bug_rate must be in [0, 1], got {bug_rate}")
         rng = random.Random(f"arithmetic-teacher:{self.seed}:{seed}")
         out = []
         for p in self.train_problems(n, seed):
             match = _OPERATION.fullmatch(p["prompt"])  # plain prompts only
-            if match and match.group(2) == "+" and rng.random() < carry_error:
-                p = {**p, "answer": str(sum_without_carry(int(match.group(1)), int(match.group(3))))}
+            if match and rng.random() < bug_rate:
+                p = {**p, "answer": str(buggy_answer(int(match.group(1)), match.group(2), int(match.group(3))))}
             out.append(p)
         return out
 
