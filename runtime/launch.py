@@ -24,6 +24,7 @@ import os
 import queue
 import tempfile
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,10 @@ class RunSetup:
         self.test_set = self.task.test_set(cfg.eval.n_test) if cfg.eval.enabled else []
         self.extra = {"out_dir": str(self.out_dir), "initial_model": str(self.folder)}
         if cfg.eval.enabled:
-            self.extra["accuracy_before"] = _evaluate(self.folder, self.task, self.test_set, gen.get("chat_template"))
+            self.extra["accuracy_before"], kinds = _evaluate(self.folder, self.task, self.test_set,
+                                                             gen.get("chat_template"))
+            if kinds:
+                self.extra["answer_kinds_before"] = kinds
             if self.show_progress:
                 print(f"held-out greedy accuracy before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
@@ -203,8 +207,10 @@ class RunSetup:
         self.extra.update(model_dir=str(out_dir / "model"), trajectories=str(out_dir / "trajectories"),
                           workers=workers, **extra)
         if self.cfg.eval.enabled:
-            self.extra["accuracy_after"] = _evaluate(out_dir / "model", self.task, self.test_set,
-                                                     self.roles.generate.attrs.get("chat_template"))
+            self.extra["accuracy_after"], kinds = _evaluate(out_dir / "model", self.task, self.test_set,
+                                                            self.roles.generate.attrs.get("chat_template"))
+            if kinds:
+                self.extra["answer_kinds_after"] = kinds
         summary = logger.summary(**self.extra)
         if self.show_progress:
             print(format_summary(summary))
@@ -233,11 +239,18 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
     return run.finish(logger, _run_workers(rollout_spec, trainer_spec, logger, run.train_strategy))
 
 
-def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> float:
-    from runtime.engines.evaluate import greedy_accuracy
+def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> tuple[float, dict | None]:
+    """Held-out greedy accuracy of the policy in ``folder``, and the count of each
+    ``task.answer_kind`` (None when the task does not classify its answers)."""
+    from runtime.engines.evaluate import greedy_answers
 
     model, tokenizer = load_pretrained(folder)
-    return greedy_accuracy(model, tokenizer, task, problems, chat_template=chat_template)
+    answers = greedy_answers(model, tokenizer, task, problems, chat_template=chat_template)
+    accuracy = sum(task.reward(text, p["answer"]) for text, p in zip(answers, problems)) / max(1, len(problems))
+    if not hasattr(task, "answer_kind"):
+        return accuracy, None
+    kinds = Counter(task.answer_kind(p, text) for text, p in zip(answers, problems))
+    return accuracy, {kind: kinds[kind] for kind in task.ANSWER_KINDS}
 
 
 def _run_workers(rollout_spec: RolloutSpec, trainer_spec: TrainerSpec, logger: RunLogger,

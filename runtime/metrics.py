@@ -78,6 +78,10 @@ def format_summary(summary: dict) -> str:
     if "accuracy_before" in summary:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
         lines.append(f"held-out greedy accuracy: before RL {before:.1%}  after RL {after:.1%}  ({100 * (after - before):+.1f} points)")
+    if "answer_kinds_before" in summary and "answer_kinds_after" in summary:
+        before, after = summary["answer_kinds_before"], summary["answer_kinds_after"]
+        lines.append("held-out greedy answers by kind, before -> after RL: "
+                     + ", ".join(f"{kind} {before[kind]} -> {after[kind]}" for kind in before))
     lines.append(f"RL wall time: {summary['wall_s']:.1f} s   samples trained: {summary['samples_trained']}")
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1

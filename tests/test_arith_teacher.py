@@ -69,3 +69,21 @@ def test_demonstrations_bug_rate_is_a_fraction():
 def test_demonstrations_reject_bad_rate():
     with pytest.raises(ValueError, match=r"bug_rate must be in \[0, 1\]"):
         ArithmeticTask().demonstrations(3, seed=0, bug_rate=1.5)
+
+
+def test_answer_kind_by_hand():
+    task = ArithmeticTask(seed=1, max_digits=2)
+    carry = {"prompt": "58+67=", "answer": "125"}
+    assert task.answer_kind(carry, "125") == "right"
+    assert task.answer_kind(carry, "15") == "buggy procedure"
+    assert task.answer_kind(carry, "135") == "other"
+    borrow = {"prompt": "17-52=", "answer": "-35"}
+    assert task.answer_kind(borrow, "-45") == "buggy procedure"
+    assert task.answer_kind(borrow, "45") == "other"
+    # no carry: the buggy procedure gives the right answer, so a wrong answer is "other"
+    plain = {"prompt": "23+41=", "answer": "64"}
+    assert task.answer_kind(plain, "64") == "right" and task.answer_kind(plain, "65") == "other"
+    chat = ArithmeticTask(seed=1, max_digits=2, prompt_style="chat")
+    question = {"prompt": "What is 58 + 67? Answer with just the number.", "answer": "125"}
+    assert chat.answer_kind(question, "58 + 67 = 125") == "right"
+    assert chat.answer_kind(question, "15") == "other"

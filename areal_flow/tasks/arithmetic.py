@@ -182,6 +182,22 @@ class ArithmeticTask:
             out.append(p)
         return out
 
+    ANSWER_KINDS = ("right", "buggy procedure", "other")
+
+    def answer_kind(self, problem: dict, output_text: str) -> str:
+        """Classify one answer: ``"right"`` (reward 1), ``"buggy procedure"`` (the
+        :func:`buggy_answer` of a problem that needs a carry or borrow, i.e. the warm-start
+        teacher's misconception) or ``"other"`` (any other wrong answer; also every wrong
+        answer to a chat-style prompt)."""
+        if self.reward(output_text, problem["answer"]) == 1.0:
+            return "right"
+        match = _OPERATION.fullmatch(problem["prompt"])
+        if match:
+            bug = buggy_answer(int(match.group(1)), match.group(2), int(match.group(3)))
+            if bug != int(problem["answer"]) and ArithmeticTask.reward(output_text, str(bug)) == 1.0:
+                return "buggy procedure"
+        return "other"
+
     @staticmethod
     def reward(output_text: str, answer: str, eos_token: str = "<eos>") -> float:
         """1.0 if the generated text states the right integer, else 0.0; never raises.

@@ -8,30 +8,27 @@ from areal_flow.ops.generate import encode_prompt
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
 
 
-def greedy_accuracy(
+def greedy_answers(
     engine_or_model, tokenizer, task, problems: list[dict], max_batch_size: int = 128, chat_template: bool | None = None
-) -> float:
-    """Fraction of ``problems`` whose greedy (temperature 0) completion earns reward 1.
+) -> list[str]:
+    """The greedy (temperature 0) completion text of every problem, in order, special
+    tokens removed (so the text up to EOS is the whole text when generation stopped).
 
     Args:
         engine_or_model: an idle ``GenerationEngine``, or a causal LM (wrapped in a
             fresh engine of ``max_batch_size`` rows; the model is put in eval mode).
         tokenizer: encodes prompts (``ops.generate.encode_prompt``) and supplies EOS.
-        task: provides ``reward(output_text, answer)`` and ``max_answer_tokens``
-            (default 16 new tokens when absent).
-        problems: dicts with ``"prompt"`` and ``"answer"``.
+        task: its ``max_answer_tokens`` bounds the completion (16 new tokens when absent).
+        problems: dicts with ``"prompt"``.
         chat_template: as ``ops.generate(chat_template=...)``; None = when the tokenizer
             has a chat template (what the rollout worker does by default).
-
-    Returns:
-        accuracy in ``[0, 1]``; ``0.0`` for an empty ``problems`` list.
 
     Raises:
         RuntimeError: the engine has requests in flight.
         ValueError: ``chat_template=True`` and the tokenizer has none.
     """
     if not problems:
-        return 0.0
+        return []
     engine = engine_or_model
     if not isinstance(engine, GenerationEngine):
         engine = GenerationEngine(engine_or_model, tokenizer, max_batch_size=max_batch_size)
@@ -39,7 +36,15 @@ def greedy_accuracy(
     requests = [GenerationRequest(f"eval-{i}", encode_prompt(tokenizer, p["prompt"], chat_template), params)
                 for i, p in enumerate(problems)]
     with torch.inference_mode():
-        results = engine.generate(requests)
-    # output_text has special tokens removed: the text up to EOS is the whole text when it stopped.
-    scores = [task.reward(r.output_text, p["answer"]) for r, p in zip(results, problems)]
-    return sum(scores) / len(scores)
+        return [r.output_text for r in engine.generate(requests)]
+
+
+def greedy_accuracy(
+    engine_or_model, tokenizer, task, problems: list[dict], max_batch_size: int = 128, chat_template: bool | None = None
+) -> float:
+    """Fraction of ``problems`` whose greedy completion (``greedy_answers``, same
+    arguments) earns ``task.reward(output_text, problem["answer"]) == 1``; ``0.0`` for an
+    empty list. Raises as ``greedy_answers``."""
+    answers = greedy_answers(engine_or_model, tokenizer, task, problems, max_batch_size, chat_template)
+    scores = [task.reward(text, p["answer"]) for text, p in zip(answers, problems)]
+    return sum(scores) / len(scores) if scores else 0.0
