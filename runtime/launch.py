@@ -157,7 +157,7 @@ class RunSetup:
         """Build the version-0 policy folder and measure held-out greedy accuracy before RL."""
         cfg, gen = self.cfg, self.roles.generate.attrs
         self.task = build_task(self.roles.dataset.attrs, cfg.seed)
-        self.folder = prepare_initial_model(cfg, self.task)
+        self.folder = prepare_initial_model(cfg, self.task, progress=self.show_progress)
         if self.train_strategy.world_size > 1:  # before any process starts, naming the broken rule
             from runtime.parallel_trainer import check_parallel_training
 

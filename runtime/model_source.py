@@ -18,7 +18,7 @@ from areal_flow.config import ExperimentConfig
 from areal_flow.models import tiny
 
 
-def prepare_initial_model(cfg: ExperimentConfig, task) -> Path:
+def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -> Path:
     """Folder holding the version-0 policy and its tokenizer.
 
     Raises:
@@ -31,7 +31,7 @@ def prepare_initial_model(cfg: ExperimentConfig, task) -> Path:
         ws = cfg.warm_start
         steps = ws.steps if ws.enabled else 0
         return warm_start(task, spec, SFTConfig(steps=steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
-                                            teacher_bug_rate=ws.teacher_bug_rate))
+                                            teacher_bug_rate=ws.teacher_bug_rate), progress=progress)
     from areal_flow.models.hf import resolve_folder
 
     return resolve_folder(spec)

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
 import xxhash
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from areal_flow.models.tiny import build_model
@@ -112,9 +114,10 @@ def _lr_factor(step: int, cfg: SFTConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def train_sft(task, preset: str, cfg: SFTConfig) -> tuple[PreTrainedModel, object, dict]:
-    """Train from scratch without touching the cache. Returns ``(model, tokenizer, stats)``
-    with ``stats = {"seconds", "final_loss", "n_params"}`` (loss averaged over the last 20 steps)."""
+def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tuple[PreTrainedModel, object, dict]:
+    """Train from scratch without touching the cache (``progress``: a tqdm bar of the steps).
+    Returns ``(model, tokenizer, stats)`` with ``stats = {"seconds", "final_loss",
+    "n_params"}`` (loss averaged over the last 20 steps)."""
     tokenizer = build_char_tokenizer()
     model = build_model(preset, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -127,7 +130,8 @@ def train_sft(task, preset: str, cfg: SFTConfig) -> tuple[PreTrainedModel, objec
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
     model.train()
     start, losses = time.perf_counter(), []
-    for _ in range(cfg.steps):
+    for _ in tqdm(range(cfg.steps), desc="warm start (SFT, cached after)", unit="step", disable=not progress,
+                  dynamic_ncols=True):
         idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
         width = int(attn[idx].sum(1).max())  # trim the all-padding tail of this batch
         loss = answer_loss(model, ids[idx, :width], attn[idx, :width], loss_mask[idx, :width])
@@ -144,7 +148,7 @@ def train_sft(task, preset: str, cfg: SFTConfig) -> tuple[PreTrainedModel, objec
     return model, tokenizer, stats
 
 
-def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None = None) -> Path:
+def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None = None, progress: bool = False) -> Path:
     """Return the folder of the SFT-trained ``preset`` model for ``task``, training it
     on first use.
 
@@ -157,6 +161,8 @@ def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None =
         task: provides ``train_problems(n, seed)`` and ``spec()`` (e.g. ``ArithmeticTask``).
         preset: a ``areal_flow.models.tiny.PRESETS`` key.
         cfg: the SFT hyper-parameters.
+        cache_dir: cache root; default ``cache_root()``.
+        progress: show a tqdm bar of the SFT steps when it trains.
 
     Raises:
         ValueError: unknown preset (from ``build_model``).
@@ -164,8 +170,9 @@ def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None =
     folder = Path(cache_dir or cache_root()) / "sft" / warm_start_key(task, preset, cfg)
     if (folder / "sft_stats.json").exists():
         return folder
-    model, tokenizer, stats = train_sft(task, preset, cfg)
+    model, tokenizer, stats = train_sft(task, preset, cfg, progress)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    transformers.utils.logging.disable_progress_bar()  # no per-save bar under the run's own output
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     stats.update({"preset": preset, "task": task.spec(), "sft": asdict(cfg)})
