@@ -208,14 +208,20 @@ class ExperimentConfig:
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("train.checkpoint_every", self.train.checkpoint_every),
-                           ("scheduler.max_restarts", self.scheduler.max_restarts)):
+                           ("scheduler.max_restarts", self.scheduler.max_restarts),
+                           ("async.max_staleness", self.async_.max_staleness),
+                           ("warm_start.steps", self.warm_start.steps), ("gen.temperature", self.gen.temperature)):
             if value < 0:
                 raise ConfigError(f"{key}={value}: must be >= 0")
-        if self.async_.max_staleness < 0:
-            raise ConfigError(f"async.max_staleness={self.async_.max_staleness}: must be >= 0")
-        for key, value in (("train.batch_size", self.train.batch_size), ("gen.n_samples", self.gen.n_samples)):
+        for key, value in (("train.batch_size", self.train.batch_size), ("gen.n_samples", self.gen.n_samples),
+                           ("train.steps", self.train.steps), ("gen.max_new_tokens", self.gen.max_new_tokens),
+                           ("warm_start.batch_size", self.warm_start.batch_size)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
+        for key, value in (("warm_start.teacher_bug_rate", self.warm_start.teacher_bug_rate),
+                           ("gen.top_p", self.gen.top_p)):
+            if not 0 <= value <= 1 or (key == "gen.top_p" and value == 0):
+                raise ConfigError(f"{key}={value}: must be in {'(0, 1]' if key == 'gen.top_p' else '[0, 1]'}")
 
 
 def _yaml_key(key: str) -> str:

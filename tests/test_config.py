@@ -57,3 +57,17 @@ def test_bad_values_and_malformed_input(tmp_path):
         load_config(_yaml(tmp_path, "train: [unclosed\n"))
     with pytest.raises(ConfigError, match=r"config file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("warm_start.teacher_bug_rate=1.5", r"warm_start.teacher_bug_rate=1.5: must be in \[0, 1\]"),
+    ("warm_start.steps=-1", r"warm_start.steps=-1: must be >= 0"),
+    ("warm_start.batch_size=0", r"warm_start.batch_size=0: must be >= 1"),
+    ("train.steps=0", r"train.steps=0: must be >= 1"),
+    ("gen.temperature=-1", r"gen.temperature=-1.0: must be >= 0"),
+    ("gen.top_p=0", r"gen.top_p=0.0: must be in \(0, 1\]"),
+    ("gen.max_new_tokens=0", r"gen.max_new_tokens=0: must be >= 1"),
+])
+def test_out_of_range_values_name_the_key_before_any_work(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

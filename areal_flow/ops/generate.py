@@ -55,8 +55,12 @@ def generate(
                    chat_template=chat_template),
         name=name,
     )
-    if n_samples < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise GraphError(f"{node.where()}: need n_samples >= 1, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
+    for bad, rule in ((n_samples < 1, f"n_samples={n_samples}: must be >= 1"),
+                      (max_new_tokens < 1, f"max_new_tokens={max_new_tokens}: must be >= 1"),
+                      (temperature < 0, f"temperature={temperature}: must be >= 0"),
+                      (not 0 < top_p <= 1, f"top_p={top_p}: must be in (0, 1]")):
+        if bad:
+            raise GraphError(f"{node.where()}: {rule}")
     return outputs(node, SPEC)
 
 

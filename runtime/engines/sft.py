@@ -117,7 +117,7 @@ def _lr_factor(step: int, cfg: SFTConfig) -> float:
 def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tuple[PreTrainedModel, object, dict]:
     """Train from scratch without touching the cache (``progress``: a tqdm bar of the steps).
     Returns ``(model, tokenizer, stats)`` with ``stats = {"seconds", "final_loss",
-    "n_params"}`` (loss averaged over the last 20 steps)."""
+    "n_params"}`` (loss averaged over the last 20 steps; None after 0 steps)."""
     tokenizer = build_char_tokenizer()
     model = build_model(preset, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -143,7 +143,7 @@ def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tupl
         losses.append(loss.item())
     model.eval()
     tail = losses[-20:]
-    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail),
+    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail) if tail else None,
              "n_params": sum(p.numel() for p in model.parameters())}
     return model, tokenizer, stats
 
