@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -198,16 +197,6 @@ def test_value_model_layout_and_round_trip(tmp_path):
 
 
 # -------------------------------------------------------------------- run tests
-@pytest.fixture(scope="session")
-def warm_cache():
-    """One warm-start cache for every run of the session (SFT once)."""
-    old = os.environ.get("AREAL_FLOW_CACHE")
-    os.environ["AREAL_FLOW_CACHE"] = old or str(REPO / ".cache" / "areal_flow")
-    yield
-    if old is None:
-        del os.environ["AREAL_FLOW_CACHE"]
-
-
 def _scalars(out: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

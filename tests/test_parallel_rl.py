@@ -27,7 +27,6 @@ checksums differ): the reductions above round differently, by a few ulps.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -163,16 +162,6 @@ def test_one_rl_step_matches_single_process(one_step, case):
 
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def warm_cache():
-    """The warm-start cache shared with ``test_graphs`` (SFT once per machine)."""
-    old = os.environ.get("AREAL_FLOW_CACHE")
-    os.environ["AREAL_FLOW_CACHE"] = old or str(REPO / ".cache" / "areal_flow")
-    yield
-    if old is None:
-        del os.environ["AREAL_FLOW_CACHE"]
 
 
 @pytest.mark.slow
