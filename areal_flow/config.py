@@ -218,10 +218,10 @@ class ExperimentConfig:
                            ("warm_start.batch_size", self.warm_start.batch_size)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
-        for key, value in (("warm_start.teacher_bug_rate", self.warm_start.teacher_bug_rate),
-                           ("gen.top_p", self.gen.top_p)):
-            if not 0 <= value <= 1 or (key == "gen.top_p" and value == 0):
-                raise ConfigError(f"{key}={value}: must be in {'(0, 1]' if key == 'gen.top_p' else '[0, 1]'}")
+        if not 0 <= self.warm_start.teacher_bug_rate <= 1:
+            raise ConfigError(f"warm_start.teacher_bug_rate={self.warm_start.teacher_bug_rate}: must be in [0, 1]")
+        if not 0 < self.gen.top_p <= 1:
+            raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
 
 
 def _yaml_key(key: str) -> str:

@@ -242,11 +242,11 @@ def run_experiment(graph: Graph, cfg: ExperimentConfig, show_progress: bool = Tr
 def _evaluate(folder: Path, task, problems: list[dict], chat_template: bool | None) -> tuple[float, dict | None]:
     """Held-out greedy accuracy of the policy in ``folder``, and the count of each
     ``task.answer_kind`` (None when the task does not classify its answers)."""
-    from runtime.engines.evaluate import greedy_answers
+    from runtime.engines.evaluate import answer_accuracy, greedy_answers
 
     model, tokenizer = load_pretrained(folder)
     answers = greedy_answers(model, tokenizer, task, problems, chat_template=chat_template)
-    accuracy = sum(task.reward(text, p["answer"]) for text, p in zip(answers, problems)) / max(1, len(problems))
+    accuracy = answer_accuracy(task, answers, problems)
     if not hasattr(task, "answer_kind"):
         return accuracy, None
     kinds = Counter(task.answer_kind(p, text) for text, p in zip(answers, problems))

@@ -45,6 +45,12 @@ def greedy_accuracy(
     """Fraction of ``problems`` whose greedy completion (``greedy_answers``, same
     arguments) earns ``task.reward(output_text, problem["answer"]) == 1``; ``0.0`` for an
     empty list. Raises as ``greedy_answers``."""
-    answers = greedy_answers(engine_or_model, tokenizer, task, problems, max_batch_size, chat_template)
+    return answer_accuracy(task, greedy_answers(engine_or_model, tokenizer, task, problems, max_batch_size,
+                                                chat_template), problems)
+
+
+def answer_accuracy(task, answers: list[str], problems: list[dict]) -> float:
+    """Mean ``task.reward(answer, problem["answer"])`` over paired ``answers`` and
+    ``problems``; ``0.0`` for empty lists."""
     scores = [task.reward(text, p["answer"]) for text, p in zip(answers, problems)]
     return sum(scores) / len(scores) if scores else 0.0
