@@ -134,11 +134,11 @@ class Flow:
         self.source_file = inspect.getsourcefile(fn)
 
     def __call__(self, cfg: Any) -> Graph:
-        from areal_flow.ops import OP_SPECS  # the op schemas; imported late to keep dsl import-light
+        from areal_flow.ops.registry import op_specs  # imported late: ops import this module
 
         if getattr(_state, "graph", None) is not None:
             raise RuntimeError(f"flow '{self.name}' called while another flow is being traced")
-        graph = Graph(self.name, OP_SPECS)
+        graph = Graph(self.name, op_specs())
         _state.graph = graph
         try:
             result = self.fn(cfg)

@@ -11,7 +11,8 @@ Grammar (whitespace between tokens is ignored)::
 Groups joined by ``+`` get disjoint device meshes, placed in the order written, each on
 the first free aligned block (see ``compiler.mesh``). Items joined by ``|`` time-share one
 mesh, so their world sizes ``d*t*p*c`` must be equal. Every node that needs devices
-appears exactly once; CPU-light nodes are placed with their consumer automatically.
+appears exactly once, except forward-only (inference) nodes, which default to the policy
+trainer's mesh; CPU-light nodes are placed with their consumer automatically.
 ``gen`` is the generate node and ``train`` the policy's train_step.
 
 Examples: ``gen:d4t2 + train:d2t2p2`` (8 GPUs for generation, 8 for training);
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from compiler.cost import CostModel
 from compiler.mesh import MeshError, MeshSpec, pack
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import DeviceTask
+from compiler.workload import INFERENCE, DeviceTask
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _STRATEGY = re.compile(r"[A-Za-z0-9]+")
@@ -110,6 +111,21 @@ def _strategy(text: str, pos: int) -> ParallelStrategy:
         raise AllocationError(text, pos, str(err).splitlines()[0]) from None
 
 
+def _place_inference(groups: list, seen: dict, workload) -> None:
+    """Forward-only (``inference``) nodes the string leaves out time-share the mesh of the
+    policy's train_step (``|``), data-parallel over it: a reference or reward model sits
+    with the trainer, as in verl. Naming them in the string places them elsewhere."""
+    train = workload.aliases.get("train")
+    home = next((g for g in groups if any(task.node == train for task, _ in g)), None)
+    if home is None:
+        return
+    size = home[0][1].world_size
+    for task in workload.tasks:
+        if task.role == INFERENCE and task.node not in seen:
+            home.append((task, ParallelStrategy(dp=size)))
+            seen[task.node] = None
+
+
 def resolve(
     text: str, model: CostModel
 ) -> tuple[list[list[tuple[DeviceTask, ParallelStrategy]]], list[MeshSpec]]:
@@ -148,6 +164,7 @@ def resolve(
                 raise AllocationError(text, item.strategy_pos, str(err)) from None
             group.append((task, item.strategy))
         groups.append(group)
+    _place_inference(groups, seen, workload)
     missing = [t.node for t in workload.tasks if t.node not in seen]
     if missing:
         raise AllocationError(text, len(text), f"device node(s) not placed: {', '.join(missing)}")

@@ -17,11 +17,12 @@ from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, ch
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hardware import device_spec
-from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan
+from compiler.memory import training_memory
+from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan, encode_value
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import CPU, Workload, build_workload
+from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload
 
 
 def _normalize(obj, cls):
@@ -102,6 +103,58 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) 
     return _to_plan(ranked, graph, workload, model, cluster, cfg)
 
 
+def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:
+    """Activation checkpointing for a training node: on only when the config allows it and
+    the node's memory without it would not fit the device (recomputation costs ~1/3 more
+    compute, Chen et al. 2016)."""
+    if a.task.role != TRAINING or not cfg.activation_checkpointing:
+        return False
+    w = model.workload
+    plain = training_memory(a.task.model, a.cost.strategy, tokens_per_step=w.n_sequences * w.seq_len,
+                            micro_batches=a.cost.micro_batches, dtype=cfg.dtype, sharded=cfg.optimizer_sharding,
+                            checkpointing=False)
+    return plain.total > model.usable
+
+
+def _node_ir(graph, name: str) -> dict:
+    """The graph-side fields of a plan node: attrs, input ports, output ports, grain, source."""
+    from areal_flow.ops.registry import lookup
+
+    node = graph.nodes[name]
+    op = lookup(node.op)
+    inputs = {e.dst_port: [e.src, e.src_port] for e in graph.edges if e.dst == name and e.kind == "data"}
+    return dict(attrs=encode_value(node.attrs), inputs=inputs, outputs=tuple(p.name for p in op.spec.outputs),
+                grain=op.grain, source=node.source)
+
+
+def _models(graph) -> dict:
+    """Model name -> spec, trainable and head: ``value`` for a critic (read by an advantage
+    node as ``critic=``), ``reward`` for a reward model (``reward(model=)``), else ``lm``."""
+    heads = {}
+    for node in graph.nodes.values():
+        if node.op == "advantage" and node.attrs.get("model_role") == "critic":
+            heads[node.model] = "value"
+        elif node.op == "reward" and node.model:
+            heads[node.model] = "reward"
+    return {m.name: {"spec": m.spec, "trainable": m.trainable, "head": heads.get(m.name, "lm")}
+            for m in graph.models.values()}
+
+
+def _user_ops(graph) -> dict:
+    from areal_flow.ops.registry import lookup
+
+    ops = {lookup(n.op) for n in graph.nodes.values()}
+    return {op.name: encode_value(op) for op in ops if not op.builtin}
+
+
+def _edges(graph, batch_groups: int) -> tuple[DataEdge, ...]:
+    return tuple(
+        DataEdge(e.src, e.dst, e.kind, e.max_staleness, e.src_port, e.dst_port,
+                 batch_groups if e.kind == "data" and graph.nodes[e.dst].op == "train_step" else None)
+        for e in graph.edges
+    )
+
+
 def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostModel, cluster, cfg) -> Plan:
     best = ranked[0]
     placed = {a.task.node: a for a in best.assignments()}
@@ -113,20 +166,22 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
                 name=name, op=op, role=a.task.role, model=a.task.model_name, mesh=a.mesh,
                 strategy=a.cost.strategy.short(), memory=a.cost.memory.to_dict(), times=dict(a.cost.times),
                 micro_batches=a.cost.micro_batches, concurrent=a.cost.concurrent,
+                activation_checkpointing=_checkpointing(a, model, cfg), **_node_ir(graph, name),
             ))
         else:
             host = placed[workload.cpu_hosts[name]]
             nodes.append(NodePlan(
                 name=name, op=op, role=CPU, model=graph.nodes[name].model, mesh=host.mesh, strategy=None,
-                placed_with=host.task.node,
+                placed_with=host.task.node, **_node_ir(graph, name),
             ))
+    cuda = cluster.gpu != "cpu"
     return Plan(
         schema_version=SCHEMA_VERSION,
         id=plan_id(graph, workload, cluster, cfg),
         graph=workload.graph_name,
         cluster=dataclasses.asdict(cluster),
         device=model.device.to_dict(),
-        mode=cfg.mode,
+        mode=cfg.mode or ("async" if workload.staleness else "sync"),
         max_staleness=workload.staleness,
         allocation=best.allocation,
         colocated=best.colocated,
@@ -138,6 +193,10 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         idle_fraction=best.idle_fraction,
         nodes=tuple(nodes),
         routes=tuple(best.routes),
-        edges=tuple(DataEdge(*e) for e in workload.data_edges),
+        edges=_edges(graph, cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
         alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated) for c in ranked),
+        models=_models(graph),
+        ops=_user_ops(graph),
+        device_type="cuda" if cuda else "cpu",
+        backend="nccl" if cuda else "gloo",
     )

@@ -30,10 +30,10 @@ class ClusterConfig:
 
 @dataclass
 class CompileConfig:
-    mode: str = "async"
-    """'async': generation and training overlap (bounded staleness); 'sync': they alternate."""
-    max_staleness: int | None = None
-    """Policy versions a sample may lag (k); None = the graph's train_step/edge value (else 1)."""
+    mode: str | None = None
+    """'async': generation and training overlap (bounded staleness); 'sync': they alternate; null = from the
+    graph (sync exactly when the staleness bound k of the edge into the policy's train_step is 0). k itself is
+    set only on that edge (train_step(max_staleness=...), async.max_staleness in the graphs here)."""
     prompts_per_step: int | None = None
     """Prompt groups per training step; null = the experiment's train.batch_size (64 when compiling a bare graph)."""
     samples_per_prompt: int | None = None
@@ -77,12 +77,10 @@ def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
         raise bad("cluster.n_nodes", cluster.n_nodes, "must be >= 1")
     if cluster.n_gpus_per_node < 1:
         raise bad("cluster.n_gpus_per_node", cluster.n_gpus_per_node, "must be >= 1")
-    if cfg.mode not in MODES:
+    if cfg.mode is not None and cfg.mode not in MODES:
         raise bad("compile.mode", cfg.mode, f"must be one of {', '.join(MODES)}")
     if cfg.dtype not in DTYPES:
         raise bad("compile.dtype", cfg.dtype, f"must be one of {', '.join(DTYPES)}")
-    if cfg.max_staleness is not None and cfg.max_staleness < 0:
-        raise bad("compile.max_staleness", cfg.max_staleness, "must be >= 0")
     for key in ("max_prompt_len", "top_k"):
         if getattr(cfg, key) < 1:
             raise bad(f"compile.{key}", getattr(cfg, key), "must be >= 1")

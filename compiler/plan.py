@@ -4,7 +4,16 @@ Owns the :class:`Plan` dataclasses and their versioned JSON schema. The runtime 
 plan through :meth:`Plan.from_json` and :meth:`NodePlan.parallel`. It must not compute
 placements (``compiler.compile``) nor draw them (``compiler.viz``).
 
-Schema (``schema_version`` 1): units are bytes per device for ``memory``, seconds for
+The plan is the runtime's only input (``runtime.run(plan)``): besides placements and
+predictions it holds every node's op, attributes and input ports, the models' specs and
+heads, every edge with its ports, staleness bound k and batch size B, the run's settings
+(``run``: steps, seed, optimizer, warm start, evaluation, scheduler) and the definitions
+of user-registered ops. Attribute values that are not JSON (a reward function defined in
+the graph file, a user op) are stored as base64 cloudpickle (``{"__pickle__": ...}``) and
+restored by :func:`decode_value` on the worker; a plan is therefore as trusted as the
+graph file it came from.
+
+Schema (``schema_version`` 2): units are bytes per device for ``memory``, seconds for
 every ``*_s``/``seconds``/``times`` value, and a fraction in [0, 1] for ``idle_fraction``.
 A change of field meaning or name bumps ``SCHEMA_VERSION``; :meth:`Plan.from_json`
 refuses other versions.
@@ -12,17 +21,50 @@ refuses other versions.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from compiler.mesh import MeshError, MeshSpec
 from compiler.strategy import ParallelStrategy
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def encode_value(value: Any) -> Any:
+    """A JSON-safe form of an attribute value: JSON values as they are (tuples as lists),
+    anything else as ``{"__pickle__": base64 cloudpickle, "name": its name}``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and "__pickle__" not in value:
+        return {k: encode_value(v) for k, v in value.items()}
+    import cloudpickle
+
+    return {"__pickle__": base64.b64encode(cloudpickle.dumps(value)).decode(),
+            "name": getattr(value, "__qualname__", type(value).__name__)}
+
+
+def decode_value(value: Any) -> Any:
+    """Inverse of :func:`encode_value` (unpickles: run only plans you made)."""
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        if "__pickle__" in value:
+            import cloudpickle
+
+            return cloudpickle.loads(base64.b64decode(value["__pickle__"]))
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
 
 
 class PlanSchemaError(ValueError):
     """A plan.json of another schema version, or missing a field (named)."""
+
+
+_OPTIONAL = ("models", "run", "ops", "device_type", "backend")
 
 
 def _mesh(data: dict | None) -> MeshSpec | None:
@@ -44,6 +86,12 @@ class NodePlan:
         times: predicted seconds per step by component.
         micro_batches: training/inference micro-batches per DP rank.
         concurrent: sequences one generation replica decodes at once.
+        attrs: the node's attributes (encoded with :func:`encode_value`).
+        inputs: input port -> ``[producer node, producer port]``.
+        outputs: output port names.
+        grain: how the runtime drives it (``areal_flow.ops.registry``).
+        source: ``file:line`` of the graph file that declared it.
+        activation_checkpointing: recompute activations in the backward pass (training).
     """
 
     name: str
@@ -57,6 +105,15 @@ class NodePlan:
     times: dict = field(default_factory=dict)
     micro_batches: int | None = None
     concurrent: int | None = None
+    attrs: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
+    outputs: tuple = ()
+    grain: str = ""
+    source: str = ""
+    activation_checkpointing: bool = False
+
+    def where(self) -> str:
+        return f"node '{self.name}' ({self.op}, {self.source})"
 
     @property
     def memory_bytes(self) -> float:
@@ -89,12 +146,16 @@ class SyncRoute:
 
 @dataclass(frozen=True)
 class DataEdge:
-    """A graph edge as drawn: ``kind`` data or weights, with its staleness bound."""
+    """A graph edge: ``kind`` data or weights; ``max_staleness`` (k, versions) and
+    ``batch_groups`` (B, prompt groups per train step) on a data edge into a train_step."""
 
     src: str
     dst: str
     kind: str
     max_staleness: int | None = None
+    src_port: str = ""
+    dst_port: str = ""
+    batch_groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +186,10 @@ class Plan:
         idle_fraction: share of cluster device-seconds not spent in a node.
         nodes: every graph node; routes: weight syncs; edges: graph edges.
         alternatives: top-k allocations, best first.
+        models: model name -> ``{"spec", "trainable", "head"}`` (head: lm, value or reward).
+        run: the run's settings (``areal_flow.program.RunSpec`` as a dict).
+        ops: user-registered op name -> its ``OpDef``, encoded.
+        device_type / backend: ``cpu``/``gloo`` or ``cuda``/``nccl``.
     """
 
     schema_version: int
@@ -146,6 +211,11 @@ class Plan:
     routes: tuple[SyncRoute, ...]
     edges: tuple[DataEdge, ...]
     alternatives: tuple[Alternative, ...]
+    models: dict = field(default_factory=dict)
+    run: dict = field(default_factory=dict)
+    ops: dict = field(default_factory=dict)
+    device_type: str = "cpu"
+    backend: str = "gloo"
 
     def node(self, name: str) -> NodePlan:
         """The node called ``name``. Raises KeyError naming it."""
@@ -169,8 +239,10 @@ class Plan:
             raise PlanSchemaError(f"plan schema_version={version!r}; this compiler reads version {SCHEMA_VERSION}")
         try:
             plan = cls(
-                **{k: data[k] for k in cls.__dataclass_fields__ if k not in ("nodes", "routes", "edges", "alternatives")},
-                nodes=tuple(NodePlan(**{**n, "mesh": _mesh(n["mesh"])}) for n in data["nodes"]),
+                **{k: data[k] for k in cls.__dataclass_fields__
+                   if k not in ("nodes", "routes", "edges", "alternatives") and (k in data or k not in _OPTIONAL)},
+                nodes=tuple(NodePlan(**{**n, "mesh": _mesh(n["mesh"]), "outputs": tuple(n.get("outputs", ()))})
+                            for n in data["nodes"]),
                 routes=tuple(
                     SyncRoute(**{**r, "src_mesh": _mesh(r["src_mesh"]), "dst_mesh": _mesh(r["dst_mesh"])})
                     for r in data["routes"]
@@ -180,6 +252,8 @@ class Plan:
             )
         except KeyError as err:
             raise PlanSchemaError(f"plan is missing field {err}") from None
+        except TypeError as err:
+            raise PlanSchemaError(f"plan has a field this schema does not know: {err}") from None
         for node in plan.nodes:
             if node.mesh is not None:
                 try:

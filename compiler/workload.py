@@ -9,11 +9,12 @@ role, their models, the rollout batch (sequences and lengths), the staleness bou
 Roles: ``generate`` -> generation (inference engine of the model); ``train_step`` ->
 training (forward + backward + optimizer); a ``reward``/``advantage`` node that reads a
 model (reward model, critic values, reference log-probs) -> inference (forward only, on the
-training side); ``dataset``, ``reward`` (rule), ``advantage``, ``sync_weights`` -> cpu,
-placed with their first device consumer (else their producer) — except a rule ``reward``,
-which is placed with its producer (the generator): groups are scored as they finish, so
-rewards travel with the experience and filters such as DAPO's dynamic sampling act before
-the experience channel.
+training side); the role of every op comes from its ``OpDef`` in ``areal_flow.ops.registry``.
+CPU-light nodes are placed with their first device consumer (else their producer) — except
+``group``-grain nodes (a rule ``reward``, ``filter``, user group ops), which run with their
+last producer (the generator for a rule reward): groups are scored and filtered as they
+finish, so rewards travel with the experience and DAPO's dynamic sampling acts before the
+experience channel.
 """
 
 from __future__ import annotations
@@ -103,13 +104,10 @@ class Workload:
 
 
 def _role(node) -> str:
-    if node.op == "generate":
-        return GENERATION
-    if node.op == "train_step":
-        return TRAINING
-    if node.op in ("reward", "advantage") and node.model is not None:
-        return INFERENCE
-    return CPU
+    """The node's role, from its op's cost hook in the op registry (``OpDef.role``)."""
+    from areal_flow.ops.registry import lookup
+
+    return lookup(node.op).role_of(node)
 
 
 def build_workload(graph, cfg: CompileConfig) -> Workload:
@@ -153,7 +151,7 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         n_sequences=(cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP) * int(samples),
         prompt_len=cfg.max_prompt_len,
         new_tokens=int(new_tokens),
-        staleness=0 if cfg.mode == "sync" else _staleness(graph, cfg, aliases.get("train")),
+        staleness=_staleness(graph, cfg, aliases.get("train")),
         aliases=aliases,
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
@@ -161,12 +159,19 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
 
 
 def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
-    """Config value, else the policy train_step's ``max_staleness`` attr, else the smallest
-    bound on a data edge into a train_step, else 1."""
-    if cfg.max_staleness is not None:
-        return cfg.max_staleness
-    if train is not None and graph.nodes[train].attrs.get("max_staleness") is not None:
-        return int(graph.nodes[train].attrs["max_staleness"])
+    """k of the data edge into the policy's train_step, else the smallest bound on a data
+    edge into a train_step, else 1 (the IR edge is the one source of k)."""
+    k = _edge_staleness(graph, train)
+    if cfg.mode == "sync" and k:
+        raise CompileConfigError(f"compile.mode=sync, but the edge into '{train}' allows staleness k={k}: set k=0 on "
+                                 "that edge (async.max_staleness=0 in the graphs here) for a synchronous run")
+    return k
+
+
+def _edge_staleness(graph, train: str | None) -> int:
+    for e in graph.edges:
+        if e.dst == train and e.max_staleness is not None:
+            return int(e.max_staleness)
     bounds = [
         e.max_staleness for e in graph.edges
         if e.max_staleness is not None and graph.nodes[e.dst].op == "train_step"
@@ -175,9 +180,22 @@ def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
 
 
 def _host(graph, name: str, device_nodes: set[str], fallback: str) -> str:
-    """First device node downstream of ``name`` (breadth-first), else upstream, else ``fallback``;
-    a rule ``reward`` looks upstream first (see the module docstring)."""
-    for forward in ((False, True) if graph.nodes[name].op == "reward" else (True, False)):
+    """Where a CPU-light node runs (see the module docstring).
+
+    A ``group``-grain node (rule reward, filter, user group ops) runs with its producers,
+    as each group finishes: on the host of its producer that comes last in the graph's
+    data order, so every input has arrived there. Any other node runs with its first
+    device consumer (breadth-first), else its first device producer, else ``fallback``.
+    """
+    from areal_flow.ops.registry import GROUP, lookup
+
+    order = {n: i for i, n in enumerate(graph.topological_order())}
+    if lookup(graph.nodes[name].op).grain == GROUP:
+        producers = [e.src for e in graph.edges if e.dst == name and e.kind == "data"]
+        if producers:
+            last = max(producers, key=order.get)
+            return last if last in device_nodes else _host(graph, last, device_nodes, fallback)
+    for forward in (True, False):
         seen, frontier = {name}, [name]
         while frontier:
             nxt = []

@@ -13,6 +13,19 @@ import torch
 from areal_flow.types import Trajectory
 
 
+def pad_tokens(trajectories: list[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [B, T]`` int64 (prompt + response, right-padded with ``pad_id``) and
+    ``attention_mask [B, T]`` int64; ``T`` = longest prompt + response, tokens."""
+    length = max(len(t.prompt_ids) + len(t.output_ids) for t in trajectories)
+    input_ids = torch.full((len(trajectories), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(trajectories), length), dtype=torch.long)
+    for row, t in enumerate(trajectories):
+        n = len(t.prompt_ids) + len(t.output_ids)
+        input_ids[row, :n] = torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long)
+        attention_mask[row, :n] = 1
+    return input_ids, attention_mask
+
+
 def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
     """Pad a list of trajectories into a training batch.
 
@@ -32,10 +45,8 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tens
     """
     if not trajectories:
         raise ValueError("collate: no trajectories")
-    length = max(len(t.prompt_ids) + len(t.output_ids) for t in trajectories)
-    n = len(trajectories)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    input_ids, attention_mask = pad_tokens(trajectories, pad_id)
+    n, length = input_ids.shape
     loss_mask = torch.zeros((n, length), dtype=torch.float32)
     behavior = torch.zeros((n, length), dtype=torch.float32)
     versions = torch.full((n, length), -1, dtype=torch.long)
@@ -45,8 +56,6 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tens
         if len(t.behavior_logprobs) != len(t.output_ids) or len(t.versions) != len(t.output_ids):
             raise ValueError(f"collate: sample {t.sample_id}: behavior_logprobs/versions do not match its response")
         p, r = len(t.prompt_ids), len(t.output_ids)
-        input_ids[row, : p + r] = torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long)
-        attention_mask[row, : p + r] = 1
         loss_mask[row, p : p + r] = 1.0
         behavior[row, p : p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
         versions[row, p : p + r] = torch.tensor(t.versions, dtype=torch.long)

@@ -166,3 +166,51 @@ class ExperienceReceiver:
     def close(self) -> None:
         """Close the socket without waiting (``linger = 0``) and remove an ``ipc://`` socket file."""
         close_bound(self._sock, self.address)
+
+
+class MessageSender:
+    """PUSH end of a runtime message channel (router, replicas, worker groups): any picklable
+    object, FIFO, with back-pressure after ``high_water_mark`` messages.
+
+    Args:
+        address: the receiver's endpoint. linger_s: seconds :meth:`close` waits to deliver.
+    """
+
+    def __init__(self, address: str, linger_s: float = DEFAULT_LINGER_S, high_water_mark: int = 1000) -> None:
+        self.address = address
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
+        self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._sock.connect(address)
+
+    def send(self, message: object, timeout_s: float | None = 60.0) -> None:
+        """Raises TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled)."""
+        self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
+        try:
+            self._sock.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except zmq.Again as e:
+            raise TimeoutError(f"channel {self.address}: message not accepted within {timeout_s} s") from e
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+class MessageReceiver:
+    """PULL end of a runtime message channel (binds; ``None`` = a random loopback TCP port)."""
+
+    def __init__(self, address: str | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_socket(self._sock, address)
+
+    def recv(self, timeout_s: float | None = 0.0) -> object | None:
+        """The next message, or None after ``timeout_s`` seconds (0 polls; None waits forever)."""
+        if not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
+            return None
+        return pickle.loads(self._sock.recv())
+
+    def close(self) -> None:
+        close_bound(self._sock, self.address)

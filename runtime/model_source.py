@@ -37,6 +37,49 @@ def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -
     return resolve_folder(spec)
 
 
+RM_SUFFIX = "-rm"  # ``Model("rm", "tiny-arith-rm")``: a reward model trained in code from the preset's warm start
+
+
+def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
+    """Model name -> folder of its version-0 weights, for every model of ``plan``.
+
+    A tiny preset gets its supervised warm start (``plan.run["warm_start"]``, cached); a
+    GGUF preset or file is converted once (cached); an HF folder is used as it is. A critic
+    (head ``value``) starts from its spec's LM folder (the value head is added on load); a
+    reward model whose spec is ``<preset>-rm`` is trained in code on the task from the
+    preset's warm start (``areal_flow.models.reward_model_training``, cached).
+
+    Raises:
+        ValueError / OSError: from the loaders, naming the spec.
+    """
+    ws = plan.run.get("warm_start", {})
+    seed = int(plan.run["seed"])
+    folders: dict[str, str] = {}
+    for name, info in plan.models.items():
+        spec = info["spec"]
+        base = spec.removesuffix(RM_SUFFIX) if info["head"] == "reward" else spec
+        folder = _initial_folder(base, ws, seed, task, progress)
+        if info["head"] == "reward" and spec.endswith(RM_SUFFIX):
+            from areal_flow.models.reward_model_training import RewardModelConfig, train_reward_model
+
+            folder = train_reward_model(task, folder, RewardModelConfig(seed=seed), progress=progress)
+        folders[name] = str(folder)
+    return folders
+
+
+def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Path:
+    if spec in tiny.PRESETS:
+        from runtime.engines.sft import SFTConfig, warm_start
+
+        steps = ws.get("steps", 0) if ws.get("enabled", True) else 0
+        return warm_start(task, spec, SFTConfig(steps=steps, batch_size=ws.get("batch_size", 64), lr=ws.get("lr", 3e-3),
+                                                seed=seed, teacher_bug_rate=ws.get("teacher_bug_rate", 0.0)),
+                          progress=progress)
+    from areal_flow.models.hf import resolve_folder
+
+    return resolve_folder(spec)
+
+
 def load_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a ``transformers`` folder, on CPU, in eval mode."""
     transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar

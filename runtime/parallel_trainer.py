@@ -1,16 +1,18 @@
-"""The trainer worker on several processes: a ``train_step`` whose plan strategy has world size > 1.
+"""A ``train_step`` whose plan strategy has world size > 1: the ranks of one policy replica.
 
-Owns how the ranks of one policy replica cooperate on an RL step; the parallelism itself
-is ``runtime.parallel`` (mesh, FSDP2, DTensor TP, bucketed weight gather). The launcher
-starts :func:`run_parallel_trainer` in place of ``trainer_worker.run_trainer_worker`` when
-the plan's ``train_step`` strategy has ``world_size > 1``; it spawns ``world_size`` ranks
-joined by a gloo process group and a ``[pp, dp, cp, tp]`` device mesh.
+Owns how the ranks cooperate on an RL step; the parallelism itself is ``runtime.parallel``
+(mesh, FSDP2, DTensor TP, bucketed weight gather). The worker of the trainer's group
+(``runtime.workers``) calls :func:`run_ranks` when its train_step's strategy has
+``world_size > 1``: it spawns ``world_size`` ranks joined by a gloo (CPU) or NCCL (CUDA)
+process group and a ``[pp, dp, cp, tp]`` device mesh; rank 0 runs the worker's one loop
+(the same code as a single-process trainer) with the train_step's executor
+(``runtime.executors.train``) driving the others.
 
 Protocol, every step:
 
 1. Rank 0 alone holds the channels: it takes step ``s``'s groups from the experience
-   channel in admission order (exactly as the single-process trainer), collates them and
-   computes the advantages over the whole batch (group statistics need whole groups).
+   channel in admission order, runs the step's batch nodes before the train_step
+   (advantages over the whole batch: group statistics need whole groups).
 2. Rank 0 broadcasts the batch (``broadcast_object_list``) with a flag saying whether the
    weights are needed after the step; every rank keeps the rows of its DP coordinate
    (``B / dp`` contiguous rows; TP ranks of one DP coordinate keep the same rows).
@@ -18,24 +20,23 @@ Protocol, every step:
    response maxed) are all-reduced over the ``dp_cp`` ranks and passed to
    ``BaseAlgorithm.update_parameters``, which runs on every rank: FSDP sums the ranks'
    gradients (divide factor 1), so the gradient is that of the global loss; TP ranks see
-   the whole batch and compute one model between them.
+   the whole batch and compute one model between them. Each rank's micro-batch size is
+   its share of the batch over the plan's micro-batches per DP rank.
 4. When flagged, the full weights are gathered bucket by bucket (``iter_weight_buckets``,
-   every rank joins each collective) and kept on rank 0, which publishes them as version
-   ``s + 1`` on the weight channel, writes the trajectories JSONL and the step's metrics
-   (summed / token-weighted over the DP ranks, :func:`merge_dp_metrics`).
+   every rank joins each collective) and kept on rank 0, which publishes them on the
+   weight channel; metrics are summed / token-weighted over the DP ranks
+   (:func:`merge_dp_metrics`).
 
-A ``None`` command ends the loop: one last gather, rank 0 saves ``out_dir/model``.
-Supported: ``dp`` and ``tp`` (and both); the critic (PPO) and ``pp``/``cp``/``ep`` are
-refused by :func:`check_parallel_training` before any process starts.
+A ``None`` command ends the loop: one last gather, rank 0 saves the model.
+Supported: ``dp`` and ``tp`` (and both) for the policy; a critic's train_step and
+``pp``/``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +48,6 @@ from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.registry import build_algorithm
 from compiler.strategy import ParallelStrategy, StrategyError
-from runtime.batching import collate
-from runtime.channels import ExperienceReceiver
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
@@ -56,11 +55,8 @@ from runtime.parallel.mesh import build_device_mesh, dp_cp_mesh
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
-from runtime.staleness import OrderedExperienceBuffer
-from runtime.trainer_worker import (
-    TrainerSpec, _add_advantages, _extra_models, _trajectory_record, receive_step, step_metrics,
-)
-from runtime.weights import DEFAULT_BUCKET_BYTES, WeightPublisher
+from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.weights import DEFAULT_BUCKET_BYTES
 
 _SUMMED = ("loss", "policy_loss", "n_tokens", "n_seqs")  # totals of the rank's share of the global loss
 _MAXED = ("importance_weight_max", "step_skipped", "grad_norm")  # grad_norm: already global, equal on every rank
@@ -89,7 +85,7 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
                             f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
                             "micro-batches (FSDP collectives) as the others")
     if critic:
-        raise StrategyError(f"train_step strategy {strategy.short()}: a critic trains in the policy's process; "
+        raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
                             "run its graph with a world size of 1 (e.g. train:d1)")
 
 
@@ -126,10 +122,10 @@ class RankTrainer:
     algorithm: BaseAlgorithm
 
     @classmethod
-    def build(cls, spec: TrainerSpec, strategy: ParallelStrategy) -> "RankTrainer":
+    def build(cls, spec: TrainSettings, strategy: ParallelStrategy) -> "RankTrainer":
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``) and
         build the algorithm on the sharded parameters. Every rank calls this (collectives).
-        Rank 0 alone holds the frozen reference policy (its log-probs travel in the batch)."""
+        A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
@@ -138,11 +134,9 @@ class RankTrainer:
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        extra = _extra_models(spec) if rank == 0 else {}
         algorithm = build_algorithm(
             spec.algorithm, parallel.module, optimizer, loss_overrides=dict(spec.loss_overrides),
             micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
-            **extra,
         )
         return cls(rank, strategy, parallel, algorithm)
 
@@ -181,7 +175,8 @@ class RankTrainer:
         return state if self.rank == 0 else None
 
 
-def _broadcast(command: dict | None) -> dict | None:
+def broadcast_command(command: dict | None) -> dict | None:
+    """Rank 0 sends ``command`` to every rank (the others pass None and get it)."""
     box = [command]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -194,97 +189,39 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _save(state: dict[str, torch.Tensor], spec: TrainerSpec, folder: Path) -> None:
-    model, tokenizer = load_pretrained(spec.model_folder)
-    model.load_state_dict(state, strict=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
 def _follow(trainer: RankTrainer) -> None:
-    while (command := _broadcast(None)) is not None:
-        trainer.step(command["batch"])
+    """A rank other than 0: step on every broadcast batch until the ``None`` command."""
+    while (command := broadcast_command(None)) is not None:
+        batch = command["batch"]
+        trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
+                                                              command["micro_batches"])
+        trainer.step(batch)
         if command["gather"]:
             trainer.gather_weights()
     trainer.gather_weights()
 
 
-def _lead(trainer: RankTrainer, spec: TrainerSpec, metrics_queue) -> dict:
-    """Rank 0: the channels, advantages, publication, JSONL, metrics and the saved model."""
-    _, tokenizer = load_pretrained(spec.model_folder)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    algorithm, cfg = trainer.algorithm, trainer.algorithm.loss_cfg
-    if cfg.kl_in_reward and cfg.kl_coef > 0 and algorithm.ref_model is None:
-        raise ValueError(f"algorithm {spec.algorithm!r} folds train.loss.kl_coef={cfg.kl_coef} into "
-                         "the reward: the advantage node needs ref=Model(..., trainable=False)")
-    receiver = ExperienceReceiver(spec.experience_address)
-    publisher = WeightPublisher(spec.weight_address)
-    buffer = OrderedExperienceBuffer(spec.batch_groups, spec.max_staleness)
-    out = Path(spec.out_dir)
-    (out / "trajectories").mkdir(parents=True, exist_ok=True)
-    try:
-        with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
-            for step in range(spec.steps):
-                wait_s = receive_step(receiver, buffer, step, spec.recv_timeout_s)
-                started = time.perf_counter()
-                trajectories = [t for group in buffer.take_batch(step) for t in group]
-                batch = collate(trajectories, pad_id)
-                kl_reward = _add_advantages(batch, algorithm, spec)
-                if algorithm.ref_model is not None and cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                    batch["ref_logprobs"] = algorithm.ref_logprobs(batch["input_ids"], batch["attention_mask"])
-                publish = step + 1 < spec.steps  # the generator has everything it needs after the last step
-                checkpoint = {}
-                if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
-                    checkpoint["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
-                _broadcast({"batch": batch, "gather": publish or bool(checkpoint)})
-                stats = trainer.step(batch)
-                if kl_reward is not None:
-                    stats["kl_ref_in_reward"] = kl_reward
-                if publish or checkpoint:
-                    state = trainer.gather_weights()
-                    if publish:
-                        publisher.publish(state, step + 1)
-                train_s = time.perf_counter() - started
-                for t in trajectories:
-                    log.write(json.dumps(_trajectory_record(t, step)) + "\n")
-                log.flush()
-                if checkpoint:
-                    _save(state, spec, Path(checkpoint["checkpoint"]))
-                metrics_queue.put(step_metrics(step, stats, batch, trajectories, train_s, wait_s) | checkpoint)
-        _broadcast(None)
-        _save(trainer.gather_weights(), spec, out / "model")
-    finally:
-        receiver.close()
-        publisher.close()
-    return {"steps": spec.steps, "consumed": len(buffer.consumed_ids), "world_size": trainer.strategy.world_size}
-
-
-def _rank_main(rank: int, world_size: int, spec: TrainerSpec, strategy: ParallelStrategy, metrics_queue) -> dict | None:
+def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, lead, args) -> object:
     _die_with_parent()
-    trainer = RankTrainer.build(spec, strategy)
+    trainer = RankTrainer.build(settings, strategy)
     if rank == 0:
-        return _lead(trainer, spec, metrics_queue)
+        return lead(trainer, *args)
     _follow(trainer)
     return None
 
 
-def run_parallel_trainer(spec: TrainerSpec, metrics_queue, strategy: ParallelStrategy) -> dict:
-    """Train ``spec.steps`` steps on ``strategy.world_size`` processes (gloo, CPU); puts one
-    metrics dict per step on ``metrics_queue``, like ``run_trainer_worker``.
+def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float) -> object:
+    """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
+    its result is returned, the others follow its broadcasts (:func:`_follow`).
 
-    Collectives wait up to ``spec.recv_timeout_s + 120`` seconds: the other ranks wait in a
-    broadcast while rank 0 waits for experience.
-
-    Returns:
-        rank 0's ``{"steps", "consumed", "world_size"}``.
+    Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
+    rank 0 waits for experience).
 
     Raises:
-        StrategyError: ``strategy`` breaks a rule (:func:`check_parallel_training` is the
-            launcher's early check; this repeats the model rules before spawning).
-        runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside),
-            e.g. rank 0's TimeoutError when no experience arrives.
+        StrategyError: ``strategy`` breaks a model rule (checked before spawning).
+        runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside).
     """
-    validate_strategy_for_model(strategy, AutoConfig.from_pretrained(spec.model_folder))
-    results = spawn_workers(_rank_main, strategy.world_size, (spec, strategy, metrics_queue), backend="gloo",
-                            timeout_s=spec.recv_timeout_s + 120.0)
+    validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
+    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, lead, args), backend="gloo",
+                            timeout_s=timeout_s)
     return results[0]

@@ -6,7 +6,7 @@ import pytest
 
 from areal_flow import Model, flow, ops
 from areal_flow.graph import DATA, WEIGHTS, Edge, Graph, GraphError, ModelRef, Node
-from areal_flow.ops import OP_SPECS
+from areal_flow.ops.registry import op_specs
 
 CFG = NS(dataset={"name": "arithmetic"})
 
@@ -51,7 +51,7 @@ def test_describe_lists_edges_kinds_and_staleness():
 
 
 def _manual_graph() -> Graph:
-    g = Graph("manual", OP_SPECS)
+    g = Graph("manual", op_specs())
     g.add_model(ModelRef("policy", "tiny-arith"))
     g.add_node(Node("data", "dataset"))
     g.add_node(Node("gen", "generate", model="policy"))

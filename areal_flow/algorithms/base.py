@@ -53,7 +53,10 @@ class BaseAlgorithm:
             trainer should use for this algorithm.
         policy_loss: required ``LossConfig.policy_loss``, or None for any.
         loss_defaults: ``LossConfig`` overrides of ``default_loss_config()``.
-        requires_critic: True when ``critic`` and ``critic_optimizer`` are mandatory.
+        requires_critic: True when the graph must train a critic (its advantages read the
+            critic's values); the graph validator checks it. The critic is stepped here
+            only when passed in; a graph trains it in its own ``train_step`` node
+            (:func:`critic_update`).
 
     Args:
         loss_cfg: the loss configuration.
@@ -120,8 +123,6 @@ class BaseAlgorithm:
             )
         if (critic is None) != (critic_optimizer is None):
             raise ValueError("critic and critic_optimizer must be given together")
-        if self.requires_critic and critic is None:
-            raise ValueError(f"algorithm {self.name!r} needs a critic and critic_optimizer")
         self.loss_cfg = loss_cfg
         self.model = model
         self.optimizer = optimizer
@@ -349,23 +350,54 @@ class BaseAlgorithm:
     ) -> dict[str, float]:
         """One critic step on the clipped value loss, same aggregation as the policy."""
         assert self.critic is not None and self.critic_optimizer is not None
-        metrics = StepMetrics()
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        for sl in self._slices(ids.shape[0]):
-            w = self._width(attn[sl])
-            m = mask[sl, :w]
-            values = self.critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
-            per_token, clipped = value_loss(
-                values, batch["values"][sl, :w], batch["returns"][sl, :w], m, clip_eps=self.loss_cfg.value_clip_eps
-            )
-            loss = aggregate_loss(per_token, m, self.loss_cfg.loss_agg_mode, **norm)
-            loss.backward()
-            metrics.add_total("value_loss", loss)
-            metrics.add_count("value_clip_frac", clipped, m)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
-        if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        else:
-            self.critic_optimizer.step()
-        return {**metrics.result(), "critic_grad_norm": float(grad_norm)}
+        return critic_update(self.critic, self.critic_optimizer, batch, mask, norm, self.loss_cfg,
+                             self._slices(batch["input_ids"].shape[0]), self.max_grad_norm)
+
+
+def critic_update(
+    critic: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    norm: dict[str, Any],
+    loss_cfg: LossConfig,
+    slices: list[slice],
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """One optimizer step of a value model on the clipped value loss (PPO; Schulman et al.
+    2017 eq. 9's value term, clipped as in OpenAI baselines ``ppo2``):
+    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)``.
+
+    Args:
+        critic: ``critic(input_ids=, attention_mask=) -> [batch, seq]`` values.
+        batch: ``input_ids``/``attention_mask`` ``[batch, seq]``, ``values`` (V_old, the
+            critic's values before the step) and ``returns`` (targets), ``[batch, seq]``.
+        mask: ``[batch, seq]`` bool, the valid response tokens.
+        norm: the aggregation normalisers (``aggregation.step_normalisers``).
+        loss_cfg: ``value_clip_eps`` and ``loss_agg_mode``.
+        slices: the micro-batches' rows.
+        max_grad_norm: global L2 norm the gradient is clipped to.
+
+    Returns:
+        ``value_loss``, ``value_clip_frac``, ``critic_grad_norm`` (before clipping).
+    """
+    metrics = StepMetrics()
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    optimizer.zero_grad(set_to_none=True)
+    for sl in slices:
+        w = BaseAlgorithm._width(attn[sl])
+        m = mask[sl, :w]
+        values = critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
+        per_token, clipped = value_loss(
+            values, batch["values"][sl, :w], batch["returns"][sl, :w], m, clip_eps=loss_cfg.value_clip_eps
+        )
+        loss = aggregate_loss(per_token, m, loss_cfg.loss_agg_mode, **norm)
+        loss.backward()
+        metrics.add_total("value_loss", loss)
+        metrics.add_count("value_clip_frac", clipped, m)
+    grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
+    if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return {**metrics.result(), "critic_grad_norm": float(grad_norm)}

@@ -1,31 +1,44 @@
 """``ops.advantage``: turn rewards (and critic values) into per-token advantages.
 
-Port schema: inputs ``rollouts`` and ``rewards``; output ``advantages`` (the trajectories
-with their advantages, what a ``train_step`` consumes). ``estimator`` names one of
+Port schema: inputs ``rollouts``, ``rewards`` and optionally ``ref_logprobs`` (from
+``ops.logprobs`` of a frozen reference); output ``advantages`` (the step's collated batch
+with its advantages: what a ``train_step`` consumes). ``estimator`` names one of
 ``areal_flow.algorithms.advantages.ESTIMATORS``; extra keyword arguments go to it
 (e.g. ``gamma``, ``lam``).
 
-A node reads at most one model, and the runtime computes its outputs on the trainer
-side, over the whole step batch (so batch-level statistics such as LitePPO's and
-REINFORCE++'s std are over the step):
+Grain ``batch``: the node runs once per train step over the step's ``B`` groups, so
+batch-level statistics (LitePPO's and REINFORCE++'s std) are over the step. It reads at
+most one model:
 
 * ``critic=``: the value model; GAE uses its values ``V(s_t)`` ``[batch, seq]``, and its
   value targets (returns) train it in the critic's own ``train_step``.
-* ``ref=``: a frozen reference policy (``Model(..., trainable=False)``, loaded from the
-  initial policy); its log-probs give the per-token KL that REINFORCE++ folds into the
-  reward (coefficient and estimator: ``train.loss.kl_coef`` / ``kl_estimator``).
+* ``ref=``: a frozen reference policy whose log-probs give the per-token KL that
+  REINFORCE++ folds into the token reward (``train.loss.kl_coef`` / ``kl_estimator`` of the
+  train_step this node feeds, when its algorithm says ``kl_in_reward``).
+
+With ``ref_logprobs=`` and ``kl_coef > 0`` the KL to the reference is folded into the
+reward: per token (``-kl_coef * KL_t``) for an estimator that takes token KL
+(REINFORCE++), else summed over the response into the sequence reward,
+``R = r - kl_coef * sum_t KL_t`` (Ouyang et al. 2022, eq. 2), with ``KL_t`` the k1
+estimate ``log pi_behav(y_t) - log pi_ref(y_t)`` (Schulman 2020, "Approximating KL
+divergence"). The reference log-probs also travel in the batch (``ref_logprobs``) for a
+KL term in the loss (``train.loss.kl_coef`` with ``kl_in_reward=false``).
 """
 
 from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, define
 
 SPEC = OpSpec(
     "advantage",
-    inputs=(PortSpec("rollouts", "rollouts"), PortSpec("rewards", "rewards")),
+    inputs=(PortSpec("rollouts", "rollouts"), PortSpec("rewards", "rewards"),
+            PortSpec("ref_logprobs", "logprobs", required=False)),
     outputs=(PortSpec("advantages", "advantages"),),
 )
+OP = define(OpDef(SPEC, BATCH, lambda node: INFERENCE if node.model else CPU,
+                  "runtime.executors.advantage:AdvantageExecutor"))
 
 
 def advantage(
@@ -35,40 +48,46 @@ def advantage(
     estimator: str = "grpo",
     critic: Model | None = None,
     ref: Model | None = None,
+    ref_logprobs: Handle | None = None,
+    kl_coef: float = 0.0,
     name: str | None = None,
     **estimator_kwargs,
 ) -> Handle:
     """Declare the advantage computation.
 
     Args:
-        rollouts: ``rollouts`` handle from ``ops.generate``.
-        rewards: ``rewards`` handle from ``ops.reward``.
+        rollouts: ``rollouts`` handle from ``ops.generate`` (or ``ops.filter``).
+        rewards: ``rewards`` handle from ``ops.reward`` (or a user op).
         estimator: estimator name (``grpo``, ``dr_grpo``, ``rloo``, ``gae``, ...).
         critic: the value model for GAE (PPO); it is read, not updated, here.
         ref: the frozen reference policy whose KL is folded into the reward (REINFORCE++).
+        ref_logprobs: ``logprobs`` handle of a reference model (``ops.logprobs``).
+        kl_coef: beta, nats of reward per nat of KL to ``ref_logprobs`` (module doc).
         **estimator_kwargs: knobs of the estimator.
 
     Raises:
-        GraphError: both ``critic`` and ``ref``, or a ``ref`` declared trainable (naming
-            the node and line).
+        GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, an unknown
+            estimator, or ``kl_coef`` without ``ref_logprobs`` (naming the node and line).
     """
+    from areal_flow.algorithms.advantages import ESTIMATORS
+
     node = record(
         SPEC,
-        {"rollouts": rollouts, "rewards": rewards},
+        {"rollouts": rollouts, "rewards": rewards, "ref_logprobs": ref_logprobs},
         model=critic or ref,
-        attrs={"estimator": estimator, **estimator_kwargs},
+        attrs={"estimator": estimator, "kl_coef": kl_coef, **estimator_kwargs},
         name=name,
     )
     if critic is not None and ref is not None:
         raise GraphError(f"{node.where()}: an advantage node reads one model: pass critic= or ref=, not both")
     if ref is not None and ref.trainable:
         raise GraphError(f"{node.where()}: ref model '{ref.name}' must be declared Model(..., trainable=False)")
+    if kl_coef and ref_logprobs is None:
+        raise GraphError(f"{node.where()}: kl_coef={kl_coef} needs ref_logprobs= (an ops.logprobs of the reference)")
     if ref is not None:
         node.attrs["model_role"] = "ref"
     elif critic is not None:
         node.attrs["model_role"] = "critic"
-    from areal_flow.algorithms.advantages import ESTIMATORS
-
     if estimator not in ESTIMATORS:
         raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     return outputs(node, SPEC)

@@ -12,8 +12,10 @@ from typing import Any
 
 from areal_flow.dsl import Handle, outputs, record
 from areal_flow.graph import OpSpec, PortSpec
+from areal_flow.ops.registry import CPU, SOURCE, OpDef, define
 
 SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
+OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
 
 TASKS = ("arithmetic", "gsm8k")
 

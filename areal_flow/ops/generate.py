@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define
 
 SPEC = OpSpec(
     "generate",
@@ -19,6 +20,8 @@ SPEC = OpSpec(
     outputs=(PortSpec("rollouts", "rollouts"),),
     needs_model=True,
 )
+OP = define(OpDef(SPEC, STREAM, GENERATION, "runtime.executors.generate:GenerateExecutor"))
+ENGINES = ("embedded", "vllm")
 
 
 def generate(
@@ -30,6 +33,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     chat_template: bool | None = None,
+    engine: str = "embedded",
     name: str | None = None,
 ) -> Handle:
     """Declare rollout generation.
@@ -43,6 +47,8 @@ def generate(
         top_p: nucleus sampling mass.
         chat_template: wrap each prompt as one user turn of the tokenizer's chat template
             (see :func:`encode_prompt`); None = when the tokenizer has one.
+        engine: ``"embedded"`` (``runtime.engines.generation``, any device) or ``"vllm"``
+            (``runtime.engines.vllm_engine``; needs the ``vllm`` package on the worker).
 
     Raises:
         GraphError: naming the node and line, when an argument is out of range.
@@ -52,13 +58,14 @@ def generate(
         {"prompts": prompts},
         model=policy,
         attrs=dict(n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                   chat_template=chat_template),
+                   chat_template=chat_template, engine=engine),
         name=name,
     )
     for bad, rule in ((n_samples < 1, f"n_samples={n_samples}: must be >= 1"),
                       (max_new_tokens < 1, f"max_new_tokens={max_new_tokens}: must be >= 1"),
                       (temperature < 0, f"temperature={temperature}: must be >= 0"),
-                      (not 0 < top_p <= 1, f"top_p={top_p}: must be in (0, 1]")):
+                      (not 0 < top_p <= 1, f"top_p={top_p}: must be in (0, 1]"),
+                      (engine not in ENGINES, f"engine={engine!r}: expected one of {', '.join(ENGINES)}")):
         if bad:
             raise GraphError(f"{node.where()}: {rule}")
     return outputs(node, SPEC)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, current_graph, record
 from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
+from areal_flow.ops.registry import CPU, ROUTE, OpDef, define
 
 SPEC = OpSpec(
     "sync_weights",
@@ -17,6 +18,7 @@ SPEC = OpSpec(
     outputs=(PortSpec("weights", "weights"),),
     needs_model=True,
 )
+OP = define(OpDef(SPEC, ROUTE, CPU))
 
 
 def sync_weights(model: Model, *, to: Handle, name: str | None = None) -> None:

@@ -4,12 +4,16 @@ Port schema: input ``advantages`` (a bounded-staleness data edge: ``max_stalenes
 outputs ``stats`` (metrics) and ``weights`` (the new parameters, on the weight channel,
 which ``ops.sync_weights`` routes to a generator). Each step increments the model's
 policy version. The update itself is ``areal_flow.algorithms`` (picked by ``algorithm``).
+A ``train_step`` of a critic (the model an ``advantage`` node reads as ``critic=``) trains
+the value model on the returns of that node (clipped value loss), in its own node.
+The staleness bound k is an attribute of the data edge into this node, nowhere else.
 """
 
 from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define
 
 SPEC = OpSpec(
     "train_step",
@@ -17,6 +21,7 @@ SPEC = OpSpec(
     outputs=(PortSpec("stats", "stats"), PortSpec("weights", "weights")),
     needs_model=True,
 )
+OP = define(OpDef(SPEC, BATCH, TRAINING, "runtime.executors.train:TrainStepExecutor"))
 
 
 def train_step(
@@ -46,7 +51,7 @@ def train_step(
         SPEC,
         {"advantages": advantages},
         model=model,
-        attrs={"algorithm": algorithm, "max_staleness": max_staleness},
+        attrs={"algorithm": algorithm},  # k lives on the data edge only (one source)
         name=name,
         staleness={"advantages": max_staleness},
     )

@@ -1,0 +1,201 @@
+"""The op registry: what every node kind is, for the tracer, the compiler and the runtime.
+
+Owns :class:`OpDef`, the one record of a node kind: its port schema (tracing and
+validation), its compiler role (the cost hook: which device work it is), its *grain*
+(how the runtime feeds it) and its executor (what a worker calls). Built-in ops register
+themselves in their own module (``areal_flow/ops/<op>.py``); a user registers a new op
+from a graph file with :func:`register_op`, and the runtime runs it with no edit to
+``runtime/``. It imports no torch: executors are named ``"module:Class"`` and imported
+by the worker that runs them.
+
+Grains (how a worker drives a node):
+
+* ``source`` (``dataset``): yields one prompt per admitted batch slot; runs on the router.
+* ``stream`` (``generate``): an engine that takes prompt groups and returns finished ones
+  at its own pace (continuous batching), on a generation replica.
+* ``group``: a function of one prompt group's values (reward, filter, logprobs, user ops),
+  run as each group arrives on the worker that hosts it.
+* ``batch``: a function of the ``B`` groups of one train step, in admission order
+  (advantage, train_step), on the worker that hosts it.
+* ``route``: no executor; the compiler lowers it to weight routes (sync_weights).
+
+Executor protocol (worker side): ``Executor(node, ctx)`` with ``node`` the plan's
+:class:`~compiler.plan.NodePlan` and ``ctx`` the worker's
+:class:`runtime.context.WorkerContext`; ``executor.run(inputs, info) -> dict`` maps the
+node's input ports to values (for a ``batch`` node, a port fed by ``group`` nodes gets the
+list of the step's per-group values) and returns the output ports' values; a ``group``
+executor returns ``None`` to drop the group (its batch slot is then resampled).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from areal_flow.graph import GraphError, OpSpec, PortSpec
+
+SOURCE, STREAM, GROUP, BATCH, ROUTE = "source", "stream", "group", "batch", "route"
+GRAINS = (SOURCE, STREAM, GROUP, BATCH, ROUTE)
+GENERATION, TRAINING, INFERENCE, CPU = "generation", "training", "inference", "cpu"
+ROLES = (GENERATION, TRAINING, INFERENCE, CPU)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One node kind.
+
+    Attributes:
+        spec: port schema.
+        grain: one of :data:`GRAINS` (module doc).
+        role: compiler role of its nodes (:data:`ROLES`), or ``role(node) -> str`` when it
+            depends on the node (a reward node with a model is ``inference``).
+        executor: ``"module:attr"`` of the executor class (built-ins, imported by the worker),
+            or the class / function itself (user ops; sent to workers by value).
+        builtin: shipped with areal-flow (the plan names it); False: the plan carries it.
+    """
+
+    spec: OpSpec
+    grain: str
+    role: str | Callable[[Any], str] = CPU
+    executor: str | Callable | None = None
+    builtin: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def role_of(self, node) -> str:
+        """The compiler role of ``node`` (a graph node of this op)."""
+        return self.role(node) if callable(self.role) else self.role
+
+    def load_executor(self) -> Callable:
+        """The executor class/function (imports a built-in's module). Raises GraphError if missing."""
+        if self.executor is None:
+            raise GraphError(f"op '{self.name}' has no executor (grain {self.grain})")
+        if not isinstance(self.executor, str):
+            return self.executor
+        module, _, attr = self.executor.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def define(op: OpDef) -> OpDef:
+    """Add ``op`` to the registry (same name again replaces it: re-importing a graph file).
+
+    Raises:
+        GraphError: an unknown grain or role, or a name that shadows a built-in op.
+    """
+    if op.grain not in GRAINS:
+        raise GraphError(f"op '{op.name}': grain {op.grain!r}; expected one of {', '.join(GRAINS)}")
+    if not callable(op.role) and op.role not in ROLES:
+        raise GraphError(f"op '{op.name}': role {op.role!r}; expected one of {', '.join(ROLES)}")
+    known = OPS.get(op.name)
+    if known is not None and known.builtin and not op.builtin:
+        raise GraphError(f"op '{op.name}' is a built-in op; register yours under another name")
+    OPS[op.name] = op
+    return op
+
+
+def op_specs() -> dict[str, OpSpec]:
+    """Name -> port schema of every registered op (what the graph validator reads)."""
+    return {name: op.spec for name, op in OPS.items()}
+
+
+def lookup(name: str) -> OpDef:
+    """The op called ``name``. Raises GraphError naming the nearest registered op."""
+    op = OPS.get(name)
+    if op is None:
+        near = difflib.get_close_matches(name, list(OPS), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise GraphError(f"unknown op '{name}'{hint} (registered: {', '.join(sorted(OPS))})")
+    return op
+
+
+class UserOp:
+    """A user-registered op: call it inside a ``@flow`` to record a node.
+
+    ``op(handle, ..., name=None, model=None, **attrs)``: positional handles fill the input
+    ports in declaration order (or pass them by port name); ``attrs`` are the node's
+    attributes, given to the function on the worker. Returns the handle of the first
+    output port (a tuple of handles when there are several).
+    """
+
+    def __init__(self, op: OpDef, fn: Callable) -> None:
+        self.op, self.fn = op, fn
+        self.__doc__ = fn.__doc__
+        self.__name__ = op.name
+
+    def __call__(self, *handles, name: str | None = None, model=None, **kwargs):
+        from areal_flow.dsl import Handle, record
+
+        ports = [p.name for p in self.op.spec.inputs]
+        if len(handles) > len(ports):
+            raise GraphError(f"op '{self.op.name}' takes {len(ports)} inputs ({', '.join(ports)}), got {len(handles)}")
+        inputs = dict(zip(ports, handles))
+        inputs.update({k: kwargs.pop(k) for k in list(kwargs) if k in ports})
+        node = record(self.op.spec, inputs, model=model, attrs=kwargs, name=name)
+        outs = tuple(Handle(node.name, p.name, p.type) for p in self.op.spec.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+
+class FunctionExecutor:
+    """Runs a user op's function: ``fn(**inputs, **attrs)``; a non-dict result is the value
+    of the single output port; ``None`` from a ``group`` op drops the group."""
+
+    def __init__(self, fn: Callable, node, ctx) -> None:
+        self.fn, self.node = fn, node
+        self.outputs = list(node.outputs)
+
+    def run(self, inputs: dict, info: dict) -> dict | None:
+        result = self.fn(**inputs, **self.node.attrs)
+        if result is None or isinstance(result, dict):
+            return result
+        if len(self.outputs) != 1:
+            raise TypeError(f"op '{self.node.op}' (node '{self.node.name}') returned {type(result).__name__}; "
+                            f"with outputs {self.outputs} it must return a dict of them")
+        return {self.outputs[0]: result}
+
+
+def register_op(
+    name: str,
+    *,
+    inputs: dict[str, str],
+    outputs: dict[str, str],
+    grain: str = GROUP,
+    role: str = CPU,
+    needs_model: bool = False,
+) -> Callable[[Callable], UserOp]:
+    """Decorator: register the function as a new node kind (a graph file may use it).
+
+    Args:
+        name: the op name (must not shadow a built-in).
+        inputs / outputs: port name -> value type (``rollouts``, ``rewards``, ``logprobs``,
+            ``advantages``, ``stats`` or a new type name); every input is required.
+        grain: ``group`` (called once per prompt group) or ``batch`` (once per train step,
+            with lists of the step's per-group values).
+        role: compiler role; ``cpu`` for light functions (placed with their consumer).
+
+    Example::
+
+        @register_op("length_penalty", inputs={"rollouts": "rollouts", "rewards": "rewards"},
+                     outputs={"rewards": "rewards"})
+        def length_penalty(rollouts, rewards, coef=0.01):
+            return [r - coef * len(t.output_ids) for t, r in zip(rollouts, rewards)]
+
+    Raises:
+        GraphError: a bad grain or role, or a built-in's name.
+    """
+    if grain not in (GROUP, BATCH):
+        raise GraphError(f"register_op('{name}'): user ops have grain 'group' or 'batch', got {grain!r}")
+
+    def wrap(fn: Callable) -> UserOp:
+        spec = OpSpec(name, tuple(PortSpec(p, t) for p, t in inputs.items()),
+                      tuple(PortSpec(p, t) for p, t in outputs.items()), needs_model=needs_model)
+        op = define(OpDef(spec, grain, role, fn, builtin=False))
+        return UserOp(op, fn)
+
+    return wrap

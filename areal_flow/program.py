@@ -1,0 +1,98 @@
+"""Lowering a traced graph and its experiment config into the plan the runtime executes.
+
+Owns the one place where config keys become plan fields, so that ``areal-flow compile -o
+plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
+``areal-flow run graph.py`` runs: the runtime reads the plan and nothing else
+(``runtime.run``). What goes where:
+
+* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``);
+  every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
+  ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``;
+* ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
+  ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
+  writes the count per DP rank into the plan and the trainer follows the plan;
+* ``plan.run``: :class:`RunSpec` (name, folders, seed, steps, warm start, evaluation,
+  scheduler, dtype).
+
+The staleness bound k and the batch size B travel on the data edge into each
+``train_step`` (written by the compiler), nowhere else. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import xxhash
+
+from areal_flow.config import ExperimentConfig
+from areal_flow.graph import Graph
+
+
+@dataclass
+class RunSpec:
+    """The run-level settings of a plan (``plan.run``).
+
+    Attributes:
+        name / out_dir: outputs go to ``<out_dir>/<name>/``.
+        seed: data, sampling and initialisation seed.
+        steps: optimizer steps (policy versions) of RL.
+        warm_start: ``warm_start.*`` (supervised warm start of a tiny preset).
+        eval: ``eval.*`` (held-out greedy accuracy before and after RL).
+        scheduler: ``scheduler.*`` (local or ray, addresses, restarts).
+        dtype: ``model.dtype`` for the engines and trainers.
+    """
+
+    name: str
+    out_dir: str
+    seed: int
+    steps: int
+    warm_start: dict = field(default_factory=dict)
+    eval: dict = field(default_factory=dict)
+    scheduler: dict = field(default_factory=dict)
+    dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
+        asdict = dataclasses.asdict
+        return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
+                   warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
+                   dtype=cfg.model.dtype)
+
+
+def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
+    """Write the config's per-node settings into the nodes' attributes (module doc)."""
+    for node in graph.nodes.values():
+        if node.op == "generate":
+            node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
+        elif node.op == "train_step":
+            t = cfg.train
+            node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every)
+
+
+def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:
+    """Micro-batches per step from ``train.micro_batch_size`` (at least 1)."""
+    gens = graph.nodes_of("generate")
+    samples = gens[0].attrs.get("n_samples", 1) if gens else 1
+    return max(1, math.ceil(cfg.train.batch_size * samples / cfg.train.micro_batch_size))
+
+
+def compile_program(graph: Graph, cfg: ExperimentConfig):
+    """The runnable plan of ``graph`` under ``cfg`` (a :class:`compiler.plan.Plan`).
+
+    Raises:
+        the compiler's errors (``compiler.compile_plan``), each naming its culprit.
+    """
+    from compiler import compile_plan
+
+    lower_attrs(graph, cfg)
+    compile_cfg = dataclasses.replace(cfg.compile)
+    if compile_cfg.micro_batches is None:
+        compile_cfg.micro_batches = micro_batches(cfg, graph)
+    plan = compile_plan(graph, cfg.cluster, compile_cfg)
+    run = dataclasses.asdict(RunSpec.from_config(cfg))
+    plan_id = xxhash.xxh64(json.dumps([plan.id, run], sort_keys=True).encode()).hexdigest()
+    return dataclasses.replace(plan, run=run, id=plan_id)

@@ -1,0 +1,95 @@
+"""What a worker knows while it runs its nodes: the plan, the model folders, its models.
+
+Owns :class:`WorkerContext`, handed to every op executor (``areal_flow.ops.registry``):
+it loads each model the worker's nodes read or train once, from the folder the driver
+prepared (``runtime.models.prepare_models``), with the head the plan names (``lm``: a
+causal LM; ``value``: the PPO critic, ``areal_flow.models.critic``; ``reward``: a reward
+model, ``areal_flow.models.reward_model``). It must not schedule anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from compiler.plan import NodePlan, Plan
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class WorkerContext:
+    """One worker's view of the run.
+
+    Attributes:
+        plan: the plan being executed.
+        folders: model name -> folder of its version-0 weights.
+        out_dir: the run folder.
+        rank: this worker's index within its group (generation replica, trainer rank).
+        models: loaded models, by name (filled by :meth:`model`).
+    """
+
+    plan: Plan
+    folders: dict[str, str]
+    out_dir: Path
+    rank: int = 0
+    models: dict = field(default_factory=dict)
+    _tokenizer: object = None
+
+    @property
+    def seed(self) -> int:
+        return int(self.plan.run["seed"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.plan.run.get("dtype", "float32")]
+
+    @property
+    def tokenizer(self):
+        """The policy's tokenizer (every model of a run shares the policy's vocabulary)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folders[self.policy_name()])
+        return self._tokenizer
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def policy_name(self) -> str:
+        """The model of the (first) generate node."""
+        return next(n.model for n in self.plan.nodes if n.op == "generate")
+
+    def node(self, name: str) -> NodePlan:
+        return self.plan.node(name)
+
+    def model(self, name: str) -> torch.nn.Module:
+        """The model ``name`` (loaded once per worker; frozen ones in eval mode, no grad).
+
+        Raises:
+            KeyError: the plan has no such model.
+        """
+        if name not in self.models:
+            info = self.plan.models[name]
+            folder = self.folders[name]
+            if info["head"] == "value":
+                from areal_flow.models.critic import ValueModel
+
+                model = ValueModel.from_policy(folder, seed=self.seed)
+            elif info["head"] == "reward":
+                from areal_flow.models.reward_model import RewardModel
+
+                model = RewardModel.load(folder)
+            else:
+                from runtime.model_source import load_pretrained
+
+                model, _ = load_pretrained(folder)
+            if not info["trainable"]:
+                model.eval().requires_grad_(False)
+            self.models[name] = model
+        return self.models[name]

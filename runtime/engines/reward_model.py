@@ -1,0 +1,252 @@
+"""Train the arithmetic task's reward model (RM) on CPU, cached on disk like the warm start.
+
+The RM (``areal_flow.models.reward_model.RewardModel``) learns P(answer is correct | prompt)
+from (prompt, candidate answer) pairs: for every training problem the right answer
+(label 1) and one wrong candidate (label 0), drawn uniformly among the kinds that differ
+from the right answer: the teacher's buggy column procedure
+(``areal_flow.tasks.arithmetic.buggy_answer``), the right answer +1 or -1, one digit
+changed, two adjacent digits swapped. Classes are balanced, so the majority baseline is
+50 %.
+
+Loss: pointwise binary cross-entropy on the correctness label, as the outcome verifiers of
+Cobbe et al. 2021 ("Training Verifiers to Solve Math Word Problems", §4). Not the pairwise
+Bradley-Terry loss of Ouyang et al. 2022 eq. 1: that loss is invariant to a shift of all
+scores, so its sigmoid is no calibrated probability and a 0.5 threshold means nothing.
+
+A pair is tokenized exactly as the policy's trajectory reaches the trainer
+(``runtime.batching.collate``): ``encode_prompt(tokenizer, prompt)`` + the answer's ids +
+EOS, right-padded. This lives beside ``sft.py`` (not in ``areal_flow.models``) because it
+owns a cache under ``runtime.engines.sft.cache_root()``; the library never imports runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+import xxhash
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from areal_flow.models.reward_model import RewardModel
+from areal_flow.ops.generate import encode_prompt
+from areal_flow.tasks.arithmetic import buggy_answer
+from runtime.engines.sft import cache_root
+
+STATS_FILE = "rm_stats.json"
+_OPERATION = re.compile(r"(\d+)\s*([+-])\s*(\d+)")  # "37+58=" and "What is 37 + 58? ..."
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """RM training hyper-parameters (all part of the cache key).
+
+    Defaults measured on ``ArithmeticTask(max_digits=2)`` on 2 cores: see the module README
+    numbers in ``tests/test_reward_model.py`` and the report of the change.
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: (prompt, candidate) pairs per step.
+        lr: peak AdamW learning rate; linear warmup over the first 10 % then cosine to 10 %.
+        seed: seeds the problem draw, the candidates, the head init and the batch order.
+        n_problems: training problems (``task.train_problems``); each gives 2 pairs.
+    """
+
+    steps: int = 400
+    batch_size: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    n_problems: int = 8000
+
+
+def wrong_candidates(prompt: str, answer: str, rng: random.Random) -> dict[str, int]:
+    """Near-miss wrong answers to one problem, by kind (each differs from ``answer``).
+
+    Kinds: ``"buggy procedure"`` (when the prompt parses as ``a+b``/``a-b`` and the bug
+    changes the result), ``"plus one"``, ``"minus one"``, ``"digit changed"`` (one digit
+    of ``|answer|`` replaced at random, no new leading zero), ``"digits swapped"`` (two
+    adjacent different digits, no new leading zero; absent when none exist).
+    """
+    right = int(answer)
+    out = {"plus one": right + 1, "minus one": right - 1}
+    match = _OPERATION.search(prompt)
+    if match:
+        bug = buggy_answer(int(match.group(1)), match.group(2), int(match.group(3)))
+        if bug != right:
+            out["buggy procedure"] = bug
+    sign, digits = ("-" if right < 0 else ""), list(str(abs(right)))
+    i = rng.randrange(len(digits))
+    low = 1 if i == 0 and len(digits) > 1 else 0
+    digits_changed = digits.copy()
+    digits_changed[i] = rng.choice([d for d in "0123456789"[low:] if d != digits[i]])
+    out["digit changed"] = int(sign + "".join(digits_changed))
+    swaps = [j for j in range(len(digits) - 1) if digits[j] != digits[j + 1] and (j > 0 or digits[1] != "0")]
+    if swaps:
+        j = rng.choice(swaps)
+        digits[j], digits[j + 1] = digits[j + 1], digits[j]
+        out["digits swapped"] = int(sign + "".join(digits))
+    return out
+
+
+def labelled_candidates(problems: list[dict], seed: int) -> list[dict]:
+    """Two pairs per problem: ``{"prompt", "answer", "label": 1.0, "kind": "right"}`` and one
+    wrong candidate of a kind drawn uniformly from :func:`wrong_candidates` (label 0.0)."""
+    rng = random.Random(f"reward-model-candidates:{seed}")
+    out = []
+    for p in problems:
+        wrong = wrong_candidates(p["prompt"], p["answer"], rng)
+        kind = rng.choice(sorted(wrong))
+        out.append({"prompt": p["prompt"], "answer": p["answer"], "label": 1.0, "kind": "right"})
+        out.append({"prompt": p["prompt"], "answer": str(wrong[kind]), "label": 0.0, "kind": kind})
+    return out
+
+
+def encode_candidates(tokenizer, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``encode_prompt(prompt) + answer ids + [eos]`` rows (the trajectory layout).
+
+    Returns:
+        ``input_ids [N, T]`` int64 (pad id elsewhere), ``attention_mask [N, T]`` int64.
+    """
+    rows = [encode_prompt(tokenizer, p["prompt"]) + tokenizer.encode(p["answer"], add_special_tokens=False)
+            + [tokenizer.eos_token_id] for p in pairs]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+    return ids, attn
+
+
+def reward_model_key(task, base_folder: str | Path, cfg: RewardModelConfig) -> str:
+    """Hex xxhash64 of ``task.spec()``, the RM config and the base folder's ``config.json``
+    and weight files (``*.safetensors``, ``*.bin``), so two warm starts of one architecture
+    with different weights get different keys.
+
+    Raises:
+        FileNotFoundError: ``base_folder`` has no ``config.json``.
+    """
+    base = Path(base_folder)
+    digest = xxhash.xxh64(json.dumps({"task": task.spec(), "rm": asdict(cfg)}, sort_keys=True).encode())
+    for path in [base / "config.json", *sorted(base.glob("*.safetensors")), *sorted(base.glob("*.bin"))]:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def fit_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig,
+                     progress: bool = False) -> tuple[RewardModel, object, dict]:
+    """Train an RM from the backbone in ``base_folder`` without touching the cache.
+
+    Returns:
+        ``(model, tokenizer, stats)``, model in eval mode; ``stats = {"seconds",
+        "final_loss" (BCE nats/pair over the last 20 steps; None after 0 steps), "n_params"}``.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    model = RewardModel.from_backbone(base_folder, seed=cfg.seed)
+    ids, attn = encode_candidates(tokenizer, pairs := labelled_candidates(
+        task.train_problems(cfg.n_problems, seed=cfg.seed), cfg.seed))
+    labels = torch.tensor([p["label"] for p in pairs])
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
+    model.train()
+    start, losses = time.perf_counter(), []
+    for _ in tqdm(range(cfg.steps), desc="reward model (cached after)", unit="step", disable=not progress,
+                  dynamic_ncols=True):
+        idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
+        width = int(attn[idx].sum(1).max())  # trim the all-padding tail of this batch
+        scores = model(ids[idx, :width], attn[idx, :width])
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(scores, labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    tail = losses[-20:]
+    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail) if tail else None,
+             "n_params": sum(p.numel() for p in model.parameters())}
+    return model, tokenizer, stats
+
+
+def train_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig, progress: bool = False,
+                       cache_dir: str | Path | None = None) -> Path:
+    """Folder of the RM trained from ``base_folder``'s backbone for ``task``, trained on first use.
+
+    The folder is ``<cache_dir or cache_root()>/reward_model/<reward_model_key(...)>/`` and
+    holds the RM (``RewardModel.load``), the base tokenizer (``AutoTokenizer``) and
+    ``rm_stats.json``; it is written to a temporary sibling and renamed into place, so a
+    concurrent reader never sees a half-written folder.
+
+    Args:
+        task: provides ``train_problems(n, seed)`` and ``spec()`` (``ArithmeticTask``).
+        base_folder: a causal LM and its tokenizer in ``transformers`` format (usually the
+            policy's warm start, ``runtime.engines.sft.warm_start``).
+        cfg: the RM hyper-parameters.
+        progress: show a tqdm bar of the steps when it trains.
+        cache_dir: cache root; default ``cache_root()``.
+
+    Raises:
+        FileNotFoundError / OSError: ``base_folder`` holds no model or tokenizer.
+    """
+    folder = Path(cache_dir or cache_root()) / "reward_model" / reward_model_key(task, base_folder, cfg)
+    if (folder / STATS_FILE).exists():
+        return folder
+    model, tokenizer, stats = fit_reward_model(task, base_folder, cfg, progress)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    transformers.utils.logging.disable_progress_bar()
+    model.save(tmp)
+    tokenizer.save_pretrained(tmp)
+    stats.update({"task": task.spec(), "rm": asdict(cfg), "base_folder": str(base_folder)})
+    (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def heldout_candidates(task, n: int) -> list[dict]:
+    """:func:`labelled_candidates` of ``task.test_set(n)``: 2n pairs, half right answers, on
+    problems ``train_problems`` never draws (its default ``exclude_test=500`` covers n <= 500)."""
+    return labelled_candidates(task.test_set(n), seed=-1)
+
+
+@torch.no_grad()
+def reward_model_accuracy(folder: str | Path, task, n: int = 500, batch_size: int = 256) -> float:
+    """Fraction of held-out pairs the RM in ``folder`` classifies right at P(correct) = 0.5.
+
+    Pairs: :func:`heldout_candidates` (``2 * n`` of them, so the majority baseline is 0.5).
+
+    Raises:
+        FileNotFoundError: ``folder`` is not an RM folder (from ``RewardModel.load``).
+    """
+    model, tokenizer = RewardModel.load(folder), AutoTokenizer.from_pretrained(folder)
+    pairs = heldout_candidates(task, n)
+    ids, attn = encode_candidates(tokenizer, pairs)
+    labels = torch.tensor([p["label"] for p in pairs])
+    correct = 0
+    for lo in range(0, len(pairs), batch_size):
+        prob = model.score_probability(ids[lo:lo + batch_size], attn[lo:lo + batch_size])
+        correct += int(((prob > 0.5).float() == labels[lo:lo + batch_size]).sum())
+    return correct / len(pairs)

@@ -1,0 +1,103 @@
+"""The ``generate`` node's executor: a generation engine behind the node's sampling settings.
+
+Owns the mapping from a generate node of the plan to an engine (``engine="embedded"``:
+``runtime.engines.generation.GenerationEngine``; ``"vllm"``: ``runtime.engines.vllm_engine``)
+and from a prompt group to engine requests and back to trajectories. The replica loop
+(``runtime.workers.run_generation_replica``) drives it: ``submit`` groups, ``step`` the
+engine, ``update_weights`` between steps. It must not admit or route groups.
+"""
+
+from __future__ import annotations
+
+from areal_flow.ops.generate import encode_prompt
+from areal_flow.types import Trajectory
+from runtime.engines.generation import GenerationRequest, GenerationResult, SamplingParams
+
+
+class EngineRefused(ValueError):
+    """The node's settings ask for something its engine cannot do (named)."""
+
+
+class GenerateExecutor:
+    """Grain ``stream``: groups in, finished groups out, at the engine's pace.
+
+    Args:
+        node: the plan's generate node (``n_samples``, ``max_new_tokens``, ``temperature``,
+            ``top_p``, ``chat_template``, ``engine``, ``max_batch_size``).
+        ctx: the replica's :class:`runtime.context.WorkerContext`.
+        threads: torch threads (vLLM on CPU).
+
+    Raises:
+        EngineRefused: ``engine="vllm"`` with ``top_p < 1`` (vLLM reports the nucleus-
+            renormalised log-prob, so the importance ratio would silently become one of
+            the kept mass; see ``runtime.engines.vllm_engine``).
+    """
+
+    def __init__(self, node, ctx, threads: int = 1) -> None:
+        a = node.attrs
+        self.node, self.attrs = node, a
+        self.params = SamplingParams(temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["max_new_tokens"])
+        tokenizer = ctx.tokenizer
+        self.tokenizer = tokenizer
+        seed = ctx.seed + 1000 * ctx.rank  # replicas must not draw the same samples
+        folder = ctx.folders[node.model]
+        if a.get("engine", "embedded") == "vllm":
+            if a["top_p"] < 1:
+                raise EngineRefused(f"{node.where()}: engine='vllm' with top_p={a['top_p']} reports truncated "
+                                    "log-probs (the importance ratio would be the kept mass); use top_p=1 or the "
+                                    "embedded engine")
+            from runtime.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(folder, tokenizer, max_batch_size=a["max_batch_size"], seed=seed,
+                                     dtype=ctx.plan.run.get("dtype", "float32"), threads=threads)
+        else:
+            from runtime.engines.generation import GenerationEngine
+            from runtime.model_source import load_pretrained
+
+            model, _ = load_pretrained(folder, dtype=ctx.dtype)
+            device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
+            self.engine = GenerationEngine(model, tokenizer, max_batch_size=a["max_batch_size"], device=device,
+                                           seed=seed)
+        self._groups: dict[tuple[int, int], dict] = {}
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def submit(self, index: int, attempt: int, problem: dict) -> None:
+        """Start the ``n_samples`` responses of prompt group ``index`` (its ``attempt``-th prompt)."""
+        ids = encode_prompt(self.tokenizer, problem["prompt"], self.attrs.get("chat_template"))
+        tag = "" if attempt == 1 else f"/{attempt}"
+        self._groups[(index, attempt)] = {"problem": problem, "results": []}
+        for j in range(self.attrs["n_samples"]):
+            self.engine.submit(GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
+                                                 {"group": index, "attempt": attempt, "sample": j}))
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> list[tuple[int, int, list[Trajectory]]]:
+        """One engine step; returns the groups it finished: ``(index, attempt, trajectories)``."""
+        done = []
+        for result in self.engine.step():
+            key = (result.meta["group"], result.meta["attempt"])
+            group = self._groups[key]
+            group["results"].append(result)
+            if len(group["results"]) == self.attrs["n_samples"]:
+                del self._groups[key]
+                results = sorted(group["results"], key=lambda r: r.meta["sample"])
+                done.append((*key, [_trajectory(r, key[0], group["problem"]) for r in results]))
+        return done
+
+    def update_weights(self, state_dict, version: int) -> None:
+        """Pause, load ``version``, resume (the engines' interruptible update)."""
+        self.engine.update_weights(state_dict, version)
+
+
+def _trajectory(result: GenerationResult, index: int, problem: dict) -> Trajectory:
+    return Trajectory(
+        sample_id=f"{index}:{result.meta['sample']}", group_id=index, prompt_ids=list(result.prompt_ids),
+        output_ids=list(result.output_ids), behavior_logprobs=list(result.behavior_logprobs),
+        versions=list(result.versions), finish_reason=result.finish_reason, prompt_text=problem["prompt"],
+        output_text=result.output_text, meta={"answer": problem["answer"], "problem_id": problem["id"]},
+    )

@@ -1,0 +1,146 @@
+"""The ``train_step`` node's executor: one optimizer step of its model per train step.
+
+Owns how a train_step node of the plan becomes an update: the policy's algorithm
+(``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
+(``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
+critic's value update (``areal_flow.algorithms.base.critic_update``) when the node trains a
+value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``)
+and activation checkpointing. It must not receive experience or publish weights: the
+worker does, with the ``weights`` this executor returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_flow.algorithms.aggregation import step_normalisers
+from areal_flow.algorithms.base import critic_update
+from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.registry import build_algorithm
+
+
+@dataclass
+class TrainSettings:
+    """A train_step node's settings, as ``BaseAlgorithm`` and the ranks need them.
+
+    Attributes:
+        model_folder: version-0 weights. algorithm: registered name. loss_overrides:
+        ``LossConfig`` fields. lr / weight_decay / max_grad_norm: AdamW and clipping.
+        micro_batch_size: sequences per forward/backward (recomputed each step from the
+        plan's micro-batches). temperature: of the sampler. seed: initialisation seed.
+    """
+
+    model_folder: str
+    algorithm: str
+    loss_overrides: dict
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    micro_batch_size: int
+    temperature: float
+    seed: int
+
+    @classmethod
+    def from_node(cls, node, ctx) -> "TrainSettings":
+        a = node.attrs
+        gen = next(n for n in ctx.plan.nodes if n.op == "generate")
+        return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss_overrides=dict(a.get("loss", {})),
+                   lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
+                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed)
+
+
+def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
+    """Sequences per micro-batch: the rank's ``rows / dp`` in ``micro_batches`` parts (ceil)."""
+    return max(1, math.ceil(rows / dp / max(1, micro_batches)))
+
+
+class TrainStepExecutor:
+    """Grain ``batch``: ``run({"advantages": ...}, info) -> {"stats", "weights"}``.
+
+    ``info["publish"]``: the worker needs the full weights after this step (a weight route
+    or a checkpoint); ``weights`` is then the state dict (gathered over ranks), else None.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        self.node, self.ctx = node, ctx
+        self.settings = TrainSettings.from_node(node, ctx)
+        self.micro_batches = node.micro_batches or 1
+        self.critic = ctx.plan.models[node.model]["head"] == "value"
+        self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
+        if self.ranks is not None:
+            self.model = self.ranks.parallel.module
+            self.algorithm = self.ranks.algorithm
+            return
+        self.model = ctx.model(node.model).train()
+        if node.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable()
+        s = self.settings
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+        if self.critic:
+            self.loss_cfg = self._policy_loss_config()
+        else:
+            self.algorithm = build_algorithm(s.algorithm, self.model, self.optimizer, loss_overrides=s.loss_overrides,
+                                             micro_batch_size=1, max_grad_norm=s.max_grad_norm,
+                                             temperature=s.temperature)
+
+    def _policy_loss_config(self) -> LossConfig:
+        from areal_flow.algorithms.registry import get_algorithm
+
+        return get_algorithm(self.settings.algorithm).default_loss_config(**self.settings.loss_overrides)
+
+    def run(self, inputs: dict, info: dict) -> dict:
+        adv = inputs["advantages"]
+        batch = adv["batch"]
+        rows = batch["input_ids"].shape[0]
+        if self.critic:
+            stats = self._critic_step(batch, rows)
+        elif self.ranks is not None:
+            from runtime.parallel_trainer import broadcast_command
+
+            broadcast_command({"batch": batch, "gather": info["publish"], "micro_batches": self.micro_batches})
+            self.algorithm.micro_batch_size = micro_batch_size(rows, self.ranks.strategy.dp, self.micro_batches)
+            stats = self.ranks.step(batch)
+        else:
+            self.algorithm.micro_batch_size = micro_batch_size(rows, 1, self.micro_batches)
+            stats = self.algorithm.update_parameters(batch)
+        stats = {**stats, **adv.get("stats", {})}
+        return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}
+
+    def _critic_step(self, batch: dict, rows: int) -> dict:
+        mask = batch["loss_mask"].bool()
+        n_tokens, n_seqs, longest = step_normalisers(mask)
+        norm = dict(n_tokens=n_tokens, n_seqs=n_seqs, norm_length=self.loss_cfg.loss_agg_norm_length or max(longest, 1))
+        size = micro_batch_size(rows, 1, self.micro_batches)
+        slices = [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+        return critic_update(self.model, self.optimizer, batch, mask, norm, self.loss_cfg, slices,
+                             self.settings.max_grad_norm)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full weights (every rank joins the gather; rank 0 gets them)."""
+        if self.ranks is not None:
+            return self.ranks.gather_weights()
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def final_state(self) -> dict[str, torch.Tensor] | None:
+        """The weights after the last step; on several ranks this also ends their loop."""
+        if self.ranks is not None:
+            from runtime.parallel_trainer import broadcast_command
+
+            broadcast_command(None)
+        return self.state_dict()
+
+    def save(self, folder: Path, state: dict | None = None) -> None:
+        """Write the model to ``folder`` (``transformers`` format; a critic adds its head)."""
+        if self.critic:
+            self.model.save(folder)
+            return
+        from runtime.model_source import load_pretrained
+
+        model, tokenizer = load_pretrained(self.settings.model_folder)
+        model.load_state_dict(state if state is not None else self.state_dict(), strict=True)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)

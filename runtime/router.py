@@ -1,0 +1,123 @@
+"""The router: admission at the graph's source and balancing across generation replicas.
+
+Owns the ``dataset`` node's execution and the admission rule of ``runtime.staleness``
+for the whole run, whatever the number of replicas. It runs on the driver (a thread), so
+one place decides which prompt group gets which admission index, and which replica
+generates it (the one with the fewest groups in flight).
+
+Staleness with several replicas. Each replica reports the policy version it has loaded.
+The router admits with ``v = min`` over the replicas' versions: a group admitted at
+``v_a`` goes to some replica whose version is ``>= v_a`` and never decreases, so every
+token of the group comes from a version ``>= v_a``, and ``runtime.staleness``'s proof
+holds unchanged (its ``v_a`` is the minimum). Liveness: the trainer publishes version
+``s`` to every replica, after which the minimum is ``s`` and capacity ``(k + s + 1) * B``.
+
+A group a filter drops (``dropped`` from a replica, ``resample`` from a later worker group)
+gets a new prompt under the same index (DAPO dynamic sampling), drawn from a separate
+seeded stream. Messages (tuples, ``runtime.channels.MessageSender``): from workers
+``("ready"|"version", replica, v)``, ``("sent"|"dropped", replica, index, attempt)``,
+``("resample", index, attempt)``; to a replica ``("group", index, attempt, problem)`` or
+``("stop",)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from runtime.channels import MessageReceiver, MessageSender
+from runtime.staleness import AdmissionController
+
+
+class Router:
+    """Admit ``n_groups`` prompt groups and route them to the replicas.
+
+    Args:
+        problems: the dataset's prompts, one per admission index (``[n_groups]``).
+        spares: further prompts for resampled slots.
+        max_staleness / batch_groups: k and B of the edge into the policy's train_step.
+        replicas: each replica's prompt address.
+        control_address: where workers send their messages (bound here).
+
+    Attributes:
+        dispatched: groups sent to replicas (resamples and re-dispatches included).
+        resampled: slots given a new prompt. redispatched: groups sent again after a
+        replica was replaced.
+    """
+
+    def __init__(self, problems: list[dict], spares: Iterator[dict], max_staleness: int, batch_groups: int,
+                 replicas: list[str], control_address: str) -> None:
+        self.problems, self.spares = problems, spares
+        self.admission = AdmissionController(max_staleness, batch_groups)
+        self.control = MessageReceiver(control_address)
+        self.outs = [MessageSender(a) for a in replicas]
+        self.versions: dict[int, int] = {}
+        self.in_flight: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]
+        self.completed: set[int] = set()
+        self.dispatched = self.resampled = self.redispatched = 0
+        self._lock = threading.Lock()
+
+    @property
+    def min_version(self) -> int | None:
+        if len(self.versions) < len(self.outs):
+            return None  # not every replica is up yet
+        return min(self.versions.values())
+
+    def _dispatch(self, index: int, attempt: int, problem: dict) -> None:
+        replica = min(range(len(self.outs)), key=lambda r: (len(self.in_flight[r]), r))
+        self.in_flight[replica][(index, attempt)] = problem
+        self.outs[replica].send(("group", index, attempt, problem))
+        self.dispatched += 1
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in ("ready", "version"):
+            self.versions[msg[1]] = max(msg[2], self.versions.get(msg[1], -1))
+        elif kind in ("sent", "dropped"):
+            _, replica, index, attempt = msg
+            self.in_flight[replica].pop((index, attempt), None)
+            if kind == "dropped":
+                self._resample(index, attempt)
+            elif index not in self.completed:
+                self.completed.add(index)
+                self.admission.complete(index)
+        elif kind == "resample":
+            self._resample(msg[1], msg[2])
+
+    def _resample(self, index: int, attempt: int) -> None:
+        self.resampled += 1
+        self._dispatch(index, attempt + 1, next(self.spares))
+
+    def replace_replica(self, replica: int, address: str) -> None:
+        """A replica was restarted at ``address``: send it again every group it held."""
+        with self._lock:
+            self.outs[replica].close()
+            self.outs[replica] = MessageSender(address)
+            self.versions.pop(replica, None)
+            held, self.in_flight[replica] = self.in_flight[replica], {}
+            for (index, attempt), problem in held.items():
+                self.redispatched += 1
+                self._dispatch(index, attempt, problem)
+
+    def run(self, stop: threading.Event) -> None:
+        """Admit and route until ``stop`` is set, then tell every replica to stop."""
+        try:
+            while not stop.is_set():
+                msg = self.control.recv(timeout_s=0.05)
+                with self._lock:
+                    while msg is not None:
+                        self._handle(msg)
+                        msg = self.control.recv(timeout_s=0)
+                    v = self.min_version
+                    while v is not None and self.admission.accepted + self.admission.running < len(self.problems) \
+                            and self.admission.can_admit(v):
+                        index = self.admission.admit(v)
+                        self._dispatch(index, 1, self.problems[index])
+        finally:
+            for out in self.outs:
+                try:
+                    out.send(("stop",), timeout_s=1.0)
+                except TimeoutError:
+                    pass
+                out.close()
+            self.control.close()

@@ -1,0 +1,170 @@
+"""From a plan to worker groups: which process runs which node, and how groups connect.
+
+Owns the partition of the plan's nodes into worker groups and the checks of what the
+runtime can run, made before any process starts (each error names the node). A worker
+group is one device node's mesh with the CPU-light nodes placed with it (``placed_with``):
+
+* the ``generation`` group of the generate node: ``dp`` replicas behind the router
+  (``runtime.router``); its ``group``-grain nodes (rule reward, filter, ...) run on each
+  replica as groups finish;
+* one group per other mesh (the trainer's, a reference or reward model's own): it joins
+  the groups that feed it by admission index, runs its ``group`` nodes per group and, if
+  it hosts ``batch`` nodes, batches ``B`` groups per step in admission order (the trainer).
+
+The ``dataset`` source runs on the router. Edges inside a group are calls; edges between
+groups are experience channels; ``sync_weights`` edges become weight routes from a
+``train_step`` to every replica of its generate node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_flow.ops.registry import BATCH, GENERATION, GROUP, SOURCE, STREAM
+from compiler.plan import NodePlan, Plan
+from compiler.strategy import ParallelStrategy, StrategyError
+
+
+class TopologyError(StrategyError):
+    """The plan asks for something the runtime cannot run (naming the node)."""
+
+
+@dataclass
+class WorkerGroup:
+    """One worker group.
+
+    Attributes:
+        name: the device node it is built around.
+        kind: ``generation`` or ``stage``.
+        nodes: the nodes it runs, in the graph's data order.
+        strategy: the device node's strategy; replicas (generation) = ``dp``, ranks of a
+            multi-rank train_step = ``world_size``.
+        upstream / downstream: names of the groups it receives from / sends to.
+        batch_nodes: its ``batch``-grain nodes (a group with any is a trainer).
+    """
+
+    name: str
+    kind: str
+    nodes: list[str]
+    strategy: ParallelStrategy
+    mesh: object = None
+    upstream: list[str] = field(default_factory=list)
+    downstream: list[str] = field(default_factory=list)
+    batch_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        return self.strategy.dp if self.kind == GENERATION else 1
+
+
+@dataclass
+class Topology:
+    """The worker groups of a plan and its single generate / dataset nodes.
+
+    Attributes:
+        groups: by name, generation group first.
+        generate / dataset: the nodes the router and replicas run.
+        train_steps: every train_step node; ``routes``: (train_step, generate) weight routes.
+        batch_groups / max_staleness / steps: B, k (smallest over the train_step edges) and steps.
+        notes: what the runtime does differently from the plan's letter, printed at start.
+    """
+
+    groups: dict[str, WorkerGroup]
+    generate: NodePlan
+    dataset: NodePlan
+    train_steps: list[NodePlan]
+    routes: list[tuple[str, str]]
+    batch_groups: int
+    max_staleness: int
+    steps: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def generation(self) -> WorkerGroup:
+        return self.groups[self.generate.name]
+
+
+def _host(plan: Plan, node: NodePlan) -> str:
+    return node.name if node.strategy is not None else node.placed_with
+
+
+def build_topology(plan: Plan) -> Topology:
+    """Partition ``plan`` into worker groups and check it (module doc).
+
+    Raises:
+        TopologyError: not exactly one dataset and one generate node; a generation
+            strategy other than ``dN``; a forward-only node or a critic on several
+            processes; a train_step without a data edge bound (k, B); a group node whose
+            input comes from a later group; no train_step.
+    """
+    order = [n.name for n in plan.nodes]
+    gens = [n for n in plan.nodes if n.grain == STREAM]
+    sources = [n for n in plan.nodes if n.grain == SOURCE]
+    if len(gens) != 1 or len(sources) != 1:
+        names = ", ".join(n.name for n in gens + sources)
+        raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node, found "
+                            f"{len(sources)} and {len(gens)} ({names})")
+    gen, source = gens[0], sources[0]
+    s = gen.parallel
+    if s.tp > 1 or s.pp > 1 or s.cp > 1 or s.ep > 1:
+        if gen.attrs.get("engine") != "vllm" or s.pp > 1 or s.cp > 1 or s.ep > 1:
+            raise TopologyError(f"{gen.where()}: generation strategy {s.short()}: the embedded engine runs dN "
+                                "replicas (one process each); tensor parallel generation needs engine='vllm'")
+    groups: dict[str, WorkerGroup] = {}
+    meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
+    notes: list[str] = []
+    for node in plan.nodes:
+        if node.grain in (SOURCE, "route"):
+            continue
+        host = plan.node(_host(plan, node))
+        kind = GENERATION if host.grain == STREAM else "stage"
+        key = host.name if kind == GENERATION else meshes.setdefault(host.mesh, host.name)
+        group = groups.setdefault(key, WorkerGroup(key, kind, [], host.parallel, host.mesh))
+        if node.op == "train_step" and node.model == gen.model:
+            group.strategy = node.parallel  # the policy trainer's ranks decide the group's processes
+        group.nodes.append(node.name)
+        if node.grain == BATCH:
+            group.batch_nodes.append(node.name)
+    group_of = {n: g.name for g in groups.values() for n in g.nodes}
+    rank = {name: i for i, name in enumerate(sorted(groups, key=lambda g: order.index(groups[g].nodes[0])))}
+    for g in groups.values():
+        for name in g.nodes:
+            node = plan.node(name)
+            for src, _ in node.inputs.values():
+                if src == source.name or group_of[src] == g.name:
+                    continue
+                if rank[group_of[src]] > rank[g.name]:
+                    raise TopologyError(f"{node.where()}: its input from '{src}' runs in a later worker group")
+                if group_of[src] not in g.upstream:
+                    g.upstream.append(group_of[src])
+                    groups[group_of[src]].downstream.append(g.name)
+            if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
+                notes.extend(_check_multi_rank(plan, node))
+    steps = [n for n in plan.nodes if n.op == "train_step"]
+    if not steps:
+        raise TopologyError(f"plan {plan.id}: no train_step node")
+    bounds = [e for e in plan.edges if e.dst in {n.name for n in steps} and e.kind == "data"]
+    missing = [n.name for n in steps if not any(e.dst == n.name and e.batch_groups for e in bounds)]
+    if missing:
+        raise TopologyError(f"plan {plan.id}: train_step '{missing[0]}' has no data edge with k and B (re-compile "
+                            "the plan)")
+    routes = [(e.src, _route_target(plan, e.dst)) for e in plan.edges if e.kind == "weights" and
+              plan.node(e.src).op == "train_step"]
+    return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
+                    batch_groups=bounds[0].batch_groups, max_staleness=min(e.max_staleness or 0 for e in bounds),
+                    steps=int(plan.run["steps"]), notes=notes)
+
+
+def _route_target(plan: Plan, sync_node: str) -> str:
+    return next(e.dst for e in plan.edges if e.src == sync_node and e.kind == "weights")
+
+
+def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
+    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic."""
+    if node.op != "train_step":
+        return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
+                "the plan)"]
+    if plan.models[node.model]["head"] != "lm":
+        raise TopologyError(f"{node.where()}: a critic's train_step runs on one process; the plan gives it "
+                            f"{node.strategy}")
+    return []

@@ -1,0 +1,344 @@
+"""The two worker loops every scheduler runs: a generation replica and a stage worker.
+
+Owns what a worker process (or Ray actor) does with its share of the plan; the same code
+runs under ``local`` and ``ray`` (``runtime.launch``, ``runtime.ray_scheduler``).
+
+* :func:`run_generation_replica`: takes prompt groups from the router, generates them
+  with the ``generate`` node's executor (continuous batching), runs the ``group`` nodes
+  placed with it on each finished group (calls), and sends the group's values to the next
+  worker groups (channels). Between engine steps it polls the weight channel: a new
+  version pauses in-flight sequences, loads and resumes them (nothing is discarded), and
+  is reported to the router, which admits by it.
+* :func:`run_stage_worker`: joins the groups arriving from its upstream worker groups by
+  admission index, runs its ``group`` nodes, and either forwards them or — in the group
+  that hosts ``batch`` nodes, the trainer — takes the ``B`` groups of step ``s`` in
+  admission order (``runtime.staleness.OrderedExperienceBuffer`` checks every sample's
+  staleness ``s - start_version <= k``), runs the batch nodes (advantage, every
+  train_step), publishes each trained policy on its weight routes, writes trajectories and
+  checkpoints, and reports the step's metrics. One loop for every world size: a
+  multi-rank train_step runs it on rank 0 (``runtime.parallel_trainer.run_ranks``).
+
+A group a ``group`` node drops (a filter) is reported so the router resamples its slot;
+a late duplicate of a group already held (sent twice around a replica restart) is dropped
+and counted, never trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from areal_flow.ops.registry import FunctionExecutor, lookup
+from areal_flow.types import Trajectory
+from compiler.plan import Plan, decode_value
+from runtime.channels import MessageReceiver, MessageSender
+from runtime.context import WorkerContext
+from runtime.staleness import OrderedExperienceBuffer
+from runtime.weights import WeightPublisher, WeightSubscriber
+
+
+@dataclass
+class GroupItem:
+    """One prompt group travelling through the graph: its admission ``index``, the
+    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``)."""
+
+    index: int
+    attempt: int
+    values: dict = field(default_factory=dict)
+
+    def rollouts(self, plan: Plan) -> list[Trajectory]:
+        gen = next(n for n in plan.nodes if n.op == "generate")
+        return self.values[f"{gen.name}.rollouts"]
+
+
+@dataclass
+class WorkerSpec:
+    """What one worker needs: the plan, the model folders, its group and rank, addresses.
+
+    Attributes:
+        inbox: address it binds (prompts for a replica, groups for a stage worker).
+        control: the router's address. downstream: group name -> its inbox address.
+        weights: a replica's weight-channel address (it binds); routes: for a trainer,
+            train_step name -> the weight addresses of every replica of its target.
+        threads: torch intra-op threads. recv_timeout_s: seconds without experience
+            before a trainer gives up.
+    """
+
+    plan: Plan
+    folders: dict
+    out_dir: str
+    group: str
+    rank: int
+    inbox: str
+    control: str
+    downstream: dict = field(default_factory=dict)
+    weights: str = ""
+    routes: dict = field(default_factory=dict)
+    threads: int = 1
+    recv_timeout_s: float = 600.0
+
+
+def register_plan_ops(plan: Plan) -> None:
+    """Register the user ops the plan carries (so their executors can be built here)."""
+    from areal_flow.ops.registry import define
+
+    for encoded in plan.ops.values():
+        define(decode_value(encoded))
+
+
+def _context(spec: WorkerSpec) -> WorkerContext:
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.plan.run["seed"] + spec.rank)
+    register_plan_ops(spec.plan)
+    plan = spec.plan
+    decoded = tuple(n.__class__(**{**n.__dict__, "attrs": decode_value(n.attrs)}) for n in plan.nodes)
+    plan = plan.__class__(**{**plan.__dict__, "nodes": decoded})
+    return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank)
+
+
+def make_executor(node, ctx: WorkerContext):
+    impl = lookup(node.op).load_executor()
+    return impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
+
+
+def _inputs(node, values: dict) -> dict:
+    return {port: values[f"{src}.{src_port}"] for port, (src, src_port) in node.inputs.items()}
+
+
+def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
+    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it."""
+    for node in nodes:
+        out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
+        if out is None:
+            return False
+        item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
+    return True
+
+
+def run_generation_replica(spec: WorkerSpec) -> dict:
+    """Replica ``spec.rank`` of the generation group, until the router says stop."""
+    from runtime.executors.generate import GenerateExecutor
+
+    ctx = _context(spec)
+    nodes = [ctx.node(n) for n in _group(spec).nodes]
+    gen = GenerateExecutor(next(n for n in nodes if n.op == "generate"), ctx, threads=spec.threads)
+    local = [n for n in nodes if n.op != "generate"]
+    executors = {n.name: make_executor(n, ctx) for n in local}
+    inbox, control = MessageReceiver(spec.inbox), MessageSender(spec.control)
+    outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
+    weights = WeightSubscriber(spec.weights)
+    counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
+    control.send(("ready", spec.rank, gen.version))
+    stop = False
+    try:
+        while not stop:
+            update = weights.poll()
+            if update is not None:
+                gen.update_weights(update[1], update[0])
+                counts["weight_updates"] += 1
+                control.send(("version", spec.rank, gen.version))
+            msg = inbox.recv(timeout_s=0 if gen.has_work() else 0.05)
+            while msg is not None:
+                if msg[0] == "stop":
+                    stop = True
+                    break
+                gen.submit(*msg[1:])
+                msg = inbox.recv(timeout_s=0)
+            if stop or not gen.has_work():
+                continue
+            for index, attempt, trajectories in gen.step():
+                item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
+                if not run_group_nodes(item, local, executors):
+                    counts["dropped"] += 1
+                    control.send(("dropped", spec.rank, index, attempt))
+                    continue
+                for out in outs:
+                    out.send(item)
+                counts["groups"] += 1
+                control.send(("sent", spec.rank, index, attempt))
+    finally:
+        for sock in (*outs, control):
+            sock.close()
+        inbox.close()
+        weights.close()
+    return {**counts, "final_version": gen.version}
+
+
+def _group(spec: WorkerSpec):
+    from runtime.topology import build_topology
+
+    return build_topology(spec.plan).groups[spec.group]
+
+
+def run_stage_worker(spec: WorkerSpec, report=None) -> dict:
+    """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
+    metrics (a trainer). A multi-rank policy train_step spawns its ranks here."""
+    group = _group(spec)
+    if group.batch_nodes and group.strategy.world_size > 1:
+        from runtime.executors.train import TrainSettings
+        from runtime.parallel_trainer import run_ranks
+
+        ctx = _context(spec)
+        policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
+                      ctx.policy_name())
+        settings = TrainSettings.from_node(ctx.node(policy), ctx)
+        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report), spec.recv_timeout_s + 120.0)
+    return _Stage(spec, _context(spec), group, report).run()
+
+
+def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report) -> dict:
+    ctx = _context(spec)
+    ctx.rank_trainer = rank_trainer
+    return _Stage(spec, ctx, _group(spec), report).run()
+
+
+class _Stage:
+    def __init__(self, spec: WorkerSpec, ctx: WorkerContext, group, report) -> None:
+        from runtime.topology import build_topology
+
+        self.spec, self.ctx, self.group, self.report = spec, ctx, group, report
+        self.topo = build_topology(spec.plan)
+        nodes = [ctx.node(n) for n in group.nodes]
+        self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
+        self.batch_nodes = [n for n in nodes if n.name in group.batch_nodes]
+        self.executors = {n.name: make_executor(n, ctx) for n in nodes}
+        self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
+        self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
+        self.joining: dict[tuple[int, int], list] = {}
+        self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
+
+    def _receive(self, timeout_s: float) -> GroupItem | None:
+        """The next fully joined, processed item (None on timeout or a dropped group)."""
+        msg = self.inbox.recv(timeout_s=timeout_s)
+        if msg is None:
+            return None
+        parts = self.joining.setdefault((msg.index, msg.attempt), [])
+        parts.append(msg)
+        if len(parts) < max(1, len(self.group.upstream)):
+            return None
+        item = GroupItem(msg.index, msg.attempt)
+        for part in self.joining.pop((msg.index, msg.attempt)):
+            item.values.update(part.values)
+        if not run_group_nodes(item, self.group_nodes, self.executors):
+            self.counts["dropped"] += 1
+            self.control.send(("resample", item.index, item.attempt))
+            return None
+        return item
+
+    def run(self) -> dict:
+        try:
+            if not self.batch_nodes:
+                while True:
+                    item = self._receive(timeout_s=self.spec.recv_timeout_s)
+                    if item is not None:
+                        for out in self.outs:
+                            out.send(item)
+            return self._train()
+        finally:
+            for sock in (*self.outs, self.control):
+                sock.close()
+            self.inbox.close()
+
+    def _train(self) -> dict:
+        topo, out = self.topo, Path(self.spec.out_dir)
+        buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
+        items: dict[int, GroupItem] = {}
+        publishers = {ts: WeightPublisher(addrs) for ts, addrs in self.spec.routes.items()}
+        checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
+                                if self.ctx.node(n).op == "train_step"), default=0)
+        (out / "trajectories").mkdir(parents=True, exist_ok=True)
+        try:
+            with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
+                for step in range(topo.steps):
+                    waited = time.perf_counter()
+                    while not buffer.ready(step):
+                        item = self._receive(timeout_s=1.0)
+                        if item is None:
+                            if time.perf_counter() - waited > self.spec.recv_timeout_s:
+                                raise TimeoutError(f"trainer step {step}: no experience for "
+                                                   f"{self.spec.recv_timeout_s} s")
+                            continue
+                        if item.index in items or item.index in buffer.consumed_indices:
+                            self.counts["duplicates"] += 1
+                            continue
+                        items[item.index] = item
+                        buffer.put(item.index, item.rollouts(self.ctx.plan))
+                    wait_s = time.perf_counter() - waited
+                    started = time.perf_counter()
+                    buffer.take_batch(step)
+                    batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
+                    checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
+                    stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
+                                                        checkpoint=checkpoint, publishers=publishers)
+                    train_s = time.perf_counter() - started
+                    self.counts["groups"] += len(batch_items)
+                    for t in advantage["trajectories"]:
+                        log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
+                    log.flush()
+                    metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
+                    if checkpoint:
+                        metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
+                    if self.report is not None:
+                        self.report(metrics)
+            self._save_final(out / "model")
+        finally:
+            for p in publishers.values():
+                p.close()
+        return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
+                "world_size": self.group.strategy.world_size}
+
+    def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
+                    publishers: dict) -> tuple[dict, dict]:
+        values: dict = {}
+        stats: dict = {}
+        advantage = None
+        for node in self.batch_nodes:
+            inputs = {}
+            for port, (src, src_port) in node.inputs.items():
+                key = f"{src}.{src_port}"
+                inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
+            is_step = node.op == "train_step"
+            info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint)}
+            result = self.executors[node.name].run(inputs, info)
+            values.update({f"{node.name}.{port}": v for port, v in result.items()})
+            if is_step:
+                stats.update(result["stats"])
+                advantage = inputs["advantages"]
+                if publish and node.name in publishers:
+                    publishers[node.name].publish(result["weights"], step + 1)
+                if checkpoint:
+                    self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
+                                   result["weights"])
+        return stats, advantage
+
+    def _save_one(self, node, folder: Path, state) -> None:
+        name = folder if node.model == self.ctx.policy_name() else folder / node.model
+        self.executors[node.name].save(name, state)
+
+    def _save_final(self, folder: Path) -> None:
+        for node in self.batch_nodes:
+            if node.op == "train_step":
+                ex = self.executors[node.name]
+                self._save_one(node, folder if node.model == self.ctx.policy_name() else folder.parent / node.model,
+                               ex.final_state())
+
+
+def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
+                 wait_s: float) -> dict:
+    """The launcher's metrics of one step: ``train/*`` from the train_steps, reward, accuracy,
+    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
+    staleness = [t.staleness(step) for t in trajectories]
+    n_tokens = int(batch["attention_mask"].sum())
+    return {
+        "step": step, "version": step + 1, **{f"train/{k}": float(v) for k, v in stats.items()},
+        "reward": float(batch["rewards"].mean()),
+        "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
+        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+        "staleness": staleness, "samples": len(trajectories),
+        "response_len": float(batch["loss_mask"].sum(1).mean()),
+        "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
+    }
