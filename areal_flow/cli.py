@@ -88,14 +88,16 @@ def _check_viz_path(path: str | None) -> None:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from compiler import compile_plan, format_table
+    from compiler import format_table
 
     _check_viz_path(args.viz)
     flow = load_flow(args.file, args.flow)
     cfg = _config(flow, args)
     if args.allocation:
         cfg.compile.allocation = args.allocation
-    plan = compile_plan(flow(cfg), cfg.cluster, cfg.compile)
+    from areal_flow.program import compile_program
+
+    plan = compile_program(flow(cfg), cfg)
     print(format_table(plan))
     if args.plan:
         Path(args.output).write_text(plan.to_json())
@@ -109,6 +111,20 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.plan:
+        from compiler.plan import Plan
+        from runtime.launch import run
+
+        if args.file or args.overrides:
+            raise CLIError("run --plan PLAN.json takes no graph file or overrides: the plan is the whole program "
+                           "(edit it, or compile a new one)")
+        path = Path(args.plan)
+        if not path.is_file():
+            raise CLIError(f"plan file not found: {path}")
+        run(Plan.from_json(path.read_text()))
+        return 0
+    if not args.file:
+        raise CLIError("run needs a graph file, or --plan PLAN.json")
     flow = load_flow(args.file, args.flow)
     return run_flow(flow, _config(flow, args))
 
@@ -116,7 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def run_flow(flow: Flow, cfg) -> int:
     from runtime.launch import run_experiment
 
-    run_experiment(flow(cfg), cfg)
+    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
     return 0
 
 
@@ -133,8 +149,8 @@ def _cmd_viz(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_graph_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="graph file (graphs/*.py) holding one @flow")
+def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("file", nargs="?" if optional else None, help="graph file (graphs/*.py) holding one @flow")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
     p.add_argument("--config", help="YAML config (default: the .yaml beside the graph file)")
     p.add_argument("--flow", help="which @flow, when the file holds several")
@@ -153,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocation", help='manual allocation, e.g. "gen:d4t2 + train:d2t2p2"')
     p.add_argument("--viz", help="also draw the placement graph (.html, .svg, .png or .dot)")
     p.set_defaults(func=_cmd_compile)
-    p = sub.add_parser("run", help="run a graph (scheduler.type=local or ray)")
-    _add_graph_args(p)
+    p = sub.add_parser("run", help="run a graph (compile + run), or a saved plan with --plan")
+    _add_graph_args(p, optional=True)
+    p.add_argument("--plan", help="run this plan.json (from 'areal-flow compile --plan'); nothing else is read")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("viz", help="draw a plan.json as a placement graph")
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")

@@ -34,10 +34,10 @@ def arith_dapo(cfg):
         rollout,
         fn="arithmetic",
         overlong=(cfg.gen.max_new_tokens, cfg.reward.overlong_cache),  # L_max, L_cache (eq. 13)
-        keep="informative",  # dynamic sampling: drop all-equal groups, resample the slot
-        max_attempts=cfg.reward.max_attempts,
     )
-    adv = ops.advantage(rollout, reward, estimator="grpo")
+    # dynamic sampling (§3.2): drop all-equal groups; the router gives the slot a new prompt
+    kept = ops.filter(rollout, reward, keep="informative", max_attempts=cfg.reward.max_attempts)
+    adv = ops.advantage(kept, reward, estimator="grpo")
     return train_policy(policy, adv, rollout, cfg, algorithm="dapo")
 
 

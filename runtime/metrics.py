@@ -36,7 +36,7 @@ class RunLogger:
         self.writer.add_scalar(tag, value, step)
 
     def log_step(self, metrics: dict) -> None:
-        """Record one trainer step's metrics (see ``runtime.trainer_worker``)."""
+        """Record one trainer step's metrics (see ``runtime.workers.step_metrics``)."""
         step = metrics["step"]
         self.samples += metrics["samples"]
         self.staleness.update(metrics["staleness"])
