@@ -18,6 +18,7 @@ REINFORCE++'s std are over the step):
 
 from __future__ import annotations
 
+from areal_flow.algorithms.catalog import ESTIMATORS
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 
@@ -49,8 +50,8 @@ def advantage(
         **estimator_kwargs: knobs of the estimator.
 
     Raises:
-        GraphError: both ``critic`` and ``ref``, or a ``ref`` declared trainable (naming
-            the node and line).
+        GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, or an
+            unknown estimator (naming the node and line).
     """
     node = record(
         SPEC,
@@ -67,8 +68,6 @@ def advantage(
         node.attrs["model_role"] = "ref"
     elif critic is not None:
         node.attrs["model_role"] = "critic"
-    from areal_flow.algorithms.advantages import ESTIMATORS
-
     if estimator not in ESTIMATORS:
         raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     return outputs(node, SPEC)

@@ -8,6 +8,7 @@ policy version. The update itself is ``areal_flow.algorithms`` (picked by ``algo
 
 from __future__ import annotations
 
+from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 
@@ -40,7 +41,8 @@ def train_step(
         Handle of type ``stats``.
 
     Raises:
-        GraphError: negative or non-integer ``max_staleness`` (naming the node and line).
+        GraphError: negative or non-integer ``max_staleness``, or an algorithm that is
+            neither built in nor registered (naming the node and line).
     """
     node = record(
         SPEC,
@@ -52,8 +54,6 @@ def train_step(
     )
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise GraphError(f"{node.where()}: max_staleness must be an int >= 0, got {max_staleness!r}")
-    from areal_flow.algorithms.registry import registered_algorithms
-
-    if algorithm not in registered_algorithms():
-        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(registered_algorithms())}")
+    if algorithm_info(algorithm) is None:
+        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(algorithm_names())}")
     return outputs(node, SPEC)
