@@ -189,7 +189,6 @@ def _guarded(fn, args) -> int:
     from compiler.models import ModelSpecError
     from compiler.plan import PlanSchemaError
     from compiler.strategy import StrategyError
-    from runtime.launch import WorkerFailed
 
     user_errors = (CLIError, ConfigError, GraphError, AllocationError, CompileConfigError, InfeasiblePlanError,
                    ModelSpecError, PlanSchemaError, StrategyError)
@@ -198,7 +197,12 @@ def _guarded(fn, args) -> int:
     except user_errors as exc:
         print(f"areal-flow: error: {exc}", file=sys.stderr)
         return 2
-    except WorkerFailed as exc:  # the worker's own traceback is in the message; ours adds nothing
+    except Exception as exc:
+        # Only a run imports the runtime (torch); a worker can have failed only if it did.
+        launch = sys.modules.get("runtime.launch")
+        if launch is None or not isinstance(exc, launch.WorkerFailed):
+            raise
+        # The worker's own traceback is in the message; ours adds nothing.
         print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

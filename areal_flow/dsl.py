@@ -60,7 +60,7 @@ def current_graph() -> Graph:
     return graph
 
 
-def _user_source() -> str:
+def user_source() -> str:
     """``file:line`` of the first stack frame outside areal_flow: the graph file's line."""
     here = os.path.dirname(os.path.abspath(__file__))
     for frame in inspect.stack()[2:]:
@@ -86,7 +86,7 @@ def record(
             or a port name is unknown.
     """
     graph = current_graph()
-    source = _user_source()
+    source = user_source()
     if model is not None:
         if not isinstance(model, Model):
             raise GraphError(f"{spec.name} at {source}: expected a Model, got {type(model).__name__}")

@@ -13,16 +13,21 @@ Validation (:meth:`Graph.validate`) raises one :class:`GraphError` per defect, n
 the node, the port and the line of the graph file that created the node:
 unknown op, missing producer, port type mismatch, two ``train_step`` nodes updating
 one model, a cycle with neither a weight edge nor a staleness >= 1 in it (a deadlock:
-every node on it waits for the others), and ``sync_weights`` whose target is not a
-``generate`` of the same model.
+every node on it waits for the others), ``sync_weights`` whose target is not a
+``generate`` of the same model; then the RL rules of ``areal_flow.graph_rules``: an
+algorithm, its advantage estimator and the critic/reference model they need must agree,
+and a generator of a trained model receives its weights from exactly one ``sync_weights``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Iterator
 
 import networkx as nx
+
+from areal_flow.graph_rules import training_defects, weight_channel_defects
 
 DATA = "data"
 WEIGHTS = "weights"
@@ -187,6 +192,9 @@ class Graph:
             self._check_edge(edge)
         self._check_writers()
         self._check_cycles()
+        defect = next(chain(training_defects(self), weight_channel_defects(self)), None)
+        if defect is not None:
+            raise GraphError(defect)
         return self
 
     def _check_node(self, node: Node) -> None:

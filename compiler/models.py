@@ -13,7 +13,8 @@ Active parameters (the ones a token's FLOPs see) count ``k`` routed experts of `
 
 Presets are ``config.json`` excerpts of the published models (Hugging Face model cards),
 so presets and files go through the same parser. ``tiny-arith`` is this project's
-arithmetic model (``areal_flow.models.tiny``: Qwen2, hidden 128, 4 layers, vocab 32).
+arithmetic model (``areal_flow.models.presets``, plain data: Qwen2, hidden 128, 4 layers,
+vocab 50, the character tokenizer's), read without importing torch.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
-from areal_flow.models.tiny import PRESETS as TINY_PRESETS
-from areal_flow.models.tokenizer import ALPHABET, SPECIAL_TOKENS
-
-# The project's tiny presets (areal_flow.models.tiny) with the character tokenizer's vocabulary.
-CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(ALPHABET)
+from areal_flow.models.presets import CHAR_VOCAB_SIZE
+from areal_flow.models.presets import PRESETS as TINY_PRESETS
 
 
 class ModelSpecError(ValueError):

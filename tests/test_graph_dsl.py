@@ -206,16 +206,3 @@ def test_unknown_algorithm_and_estimator_are_caught_while_tracing():
     with pytest.raises(GraphError, match=r"node 'advantage' .*unknown advantage estimator 'gea'; known: .*gae"):
         bad_estimator(CFG)
 
-
-def test_local_runtime_needs_the_weight_channel():
-    from runtime.launch import local_roles
-
-    @flow
-    def no_sync(cfg):
-        policy = Model("policy", "tiny-arith")
-        rollout = ops.generate(policy, ops.dataset(cfg.dataset))
-        return ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)), max_staleness=1)
-
-    with pytest.raises(GraphError, match=r"no ops.sync_weights\(policy, to=...\) routes the new weights to node 'generate'"):
-        local_roles(no_sync(CFG))
-    assert local_roles(grpo(CFG)).generate.name == "generate"

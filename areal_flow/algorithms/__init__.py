@@ -7,29 +7,37 @@ Build an algorithm by name::
     adv = compute_advantages(algo.default_estimator, rewards=r, group_ids=g, loss_mask=m)
     metrics = algo.update_parameters({... , "advantages": adv.advantages})
 
-Importing this package registers exactly the built-in algorithms (``builtin.py``).
+Importing this package imports no torch: the names below load their module on first
+use (PEP 562), so tracing a graph (``areal_flow.config`` reads ``algorithms.config``)
+stays light. The registry module registers exactly the built-in algorithms
+(``builtin.py``) when it is first imported; tracing reads their names and metadata from
+the torch-free ``catalog.py``.
 """
 
-from areal_flow.algorithms import builtin  # noqa: F401  (registers the built-in algorithms)
-from areal_flow.algorithms.advantages import ESTIMATORS, AdvantageOutput, compute_advantages
-from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
-from areal_flow.algorithms.base import BaseAlgorithm
-from areal_flow.algorithms.config import AdvantageConfig, LossConfig
-from areal_flow.algorithms.kl import kl_penalty
-from areal_flow.algorithms.registry import build_algorithm, get_algorithm, register_algorithm, registered_algorithms
+from importlib import import_module
 
-__all__ = [
-    "ESTIMATORS",
-    "AdvantageConfig",
-    "AdvantageOutput",
-    "BaseAlgorithm",
-    "LossConfig",
-    "aggregate_loss",
-    "build_algorithm",
-    "compute_advantages",
-    "get_algorithm",
-    "kl_penalty",
-    "register_algorithm",
-    "registered_algorithms",
-    "step_normalisers",
-]
+_EXPORTS = {
+    "ESTIMATORS": "advantages",
+    "AdvantageOutput": "advantages",
+    "compute_advantages": "advantages",
+    "aggregate_loss": "aggregation",
+    "step_normalisers": "aggregation",
+    "BaseAlgorithm": "base",
+    "AdvantageConfig": "config",
+    "LossConfig": "config",
+    "kl_penalty": "kl",
+    "build_algorithm": "registry",
+    "get_algorithm": "registry",
+    "register_algorithm": "registry",
+    "registered_algorithms": "registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Load the submodule that defines ``name``. Raises AttributeError for other names."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_flow.algorithms' has no attribute {name!r}")
+    return getattr(import_module(f"areal_flow.algorithms.{module}"), name)

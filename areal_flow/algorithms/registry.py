@@ -1,8 +1,9 @@
 """Name -> algorithm class registry, so a config can say ``train.algorithm=grpo``.
 
 A plain dict filled only by ``@register_algorithm`` decorators: this package's own
-algorithms register in ``builtin.py`` (imported explicitly by the package
-``__init__``); a user's subclass registers when the user's module is imported.
+algorithms register in ``builtin.py`` (imported at the end of this module, so every
+user of the registry sees them); a user's subclass registers when the user's module is
+imported. Their torch-free names and metadata for tracing are ``catalog.py``.
 """
 
 from __future__ import annotations
@@ -90,3 +91,7 @@ def build_algorithm(
         raise ValueError("build_algorithm: pass loss_cfg or loss_overrides, not both")
     cfg = loss_cfg if loss_cfg is not None else cls.default_loss_config(**(loss_overrides or {}))
     return cls(cfg, model, optimizer, **kwargs)
+
+
+# After the registry exists: the built-ins register themselves through it.
+from areal_flow.algorithms import builtin  # noqa: E402,F401

@@ -1,5 +1,8 @@
 """Tiny causal LMs built in code from a ``transformers`` Qwen2 config (no download).
 
+The presets' shapes are plain data in ``areal_flow.models.presets`` (the compiler reads
+them without importing torch).
+
 Presets are sized for CPU experiments: ``tiny-s`` (~78 k parameters) reaches partial
 competence on 2-digit arithmetic in well under a minute on one core; ``tiny-arith``
 (~1 M) learns more per example but costs ~5x more per step. Models are
@@ -8,42 +11,12 @@ fp32: bf16 matmuls are 16-25x slower on the CPUs this project targets.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-
-@dataclass(frozen=True)
-class TinyPreset:
-    """Architecture of one tiny preset (Qwen2: RMSNorm, RoPE, SwiGLU MLP, GQA).
-
-    Attributes:
-        hidden_size: model width (residual stream), elements.
-        intermediate_size: SwiGLU MLP width, elements.
-        num_hidden_layers: decoder layers.
-        num_attention_heads: query heads; ``hidden_size`` must be a multiple of it.
-        num_key_value_heads: key/value heads (grouped-query attention).
-        max_position_embeddings: longest sequence (prompt + response), tokens.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int = 256
-
-
-PRESETS: dict[str, TinyPreset] = {
-    # ~78 k parameters: unit tests (milliseconds per step) and the fast arithmetic demo
-    # (2-digit +/-: ~30 % greedy accuracy after a ~35 s SFT on one core).
-    "tiny-s": TinyPreset(64, 128, 2, 4, 2),
-    # ~1.0 M parameters: the arithmetic RL demo (SFT warm start + RL on CPU).
-    "tiny-arith": TinyPreset(128, 512, 4, 4, 2),
-    # ~2.6 M parameters: same depth, wider; for longer runs.
-    "tiny-arith-wide": TinyPreset(192, 768, 5, 6, 2),
-}
+from areal_flow.models.presets import PRESETS
 
 
 def build_model(

@@ -9,15 +9,10 @@ with ``AutoTokenizer.from_pretrained(folder)`` like any Hub tokenizer.
 
 from __future__ import annotations
 
-import string
-
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-# Ordinary symbols, one token each; ids follow the special tokens in this order.
-ALPHABET = string.digits + "+-*/=()., " + string.ascii_lowercase
+from areal_flow.models.presets import ALPHABET, BOS, EOS, PAD, SPECIAL_TOKENS, UNK
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

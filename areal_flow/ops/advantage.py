@@ -27,6 +27,7 @@ KL term in the loss (``train.loss.kl_coef`` with ``kl_in_reward=false``).
 
 from __future__ import annotations
 
+from areal_flow.algorithms.catalog import ESTIMATORS
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, define
@@ -69,8 +70,6 @@ def advantage(
         GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, an unknown
             estimator, or ``kl_coef`` without ``ref_logprobs`` (naming the node and line).
     """
-    from areal_flow.algorithms.advantages import ESTIMATORS
-
     node = record(
         SPEC,
         {"rollouts": rollouts, "rewards": rewards, "ref_logprobs": ref_logprobs},

@@ -11,6 +11,7 @@ The staleness bound k is an attribute of the data edge into this node, nowhere e
 
 from __future__ import annotations
 
+from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define
@@ -45,7 +46,8 @@ def train_step(
         Handle of type ``stats``.
 
     Raises:
-        GraphError: negative or non-integer ``max_staleness`` (naming the node and line).
+        GraphError: negative or non-integer ``max_staleness``, or an algorithm that is
+            neither built in nor registered (naming the node and line).
     """
     node = record(
         SPEC,
@@ -57,8 +59,6 @@ def train_step(
     )
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise GraphError(f"{node.where()}: max_staleness must be an int >= 0, got {max_staleness!r}")
-    from areal_flow.algorithms.registry import registered_algorithms
-
-    if algorithm not in registered_algorithms():
-        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(registered_algorithms())}")
+    if algorithm_info(algorithm) is None:
+        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(algorithm_names())}")
     return outputs(node, SPEC)
