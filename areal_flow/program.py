@@ -87,7 +87,13 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
         the compiler's errors (``compiler.compile_plan``), each naming its culprit.
     """
     from compiler import compile_plan
+    from compiler.config import CompileConfigError
 
+    bounds = {e.dst: e.max_staleness for e in graph.edges if e.max_staleness is not None}
+    if cfg.compile.mode == "sync" and any(bounds.values()):
+        step, k = next((d, k) for d, k in bounds.items() if k)
+        raise CompileConfigError(f"compile.mode=sync, but the edge into '{step}' allows staleness k={k}: set k=0 on "
+                                 "that edge (async.max_staleness=0 in the graphs here) for a synchronous run")
     lower_attrs(graph, cfg)
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None:

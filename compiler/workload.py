@@ -160,12 +160,10 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
 
 def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
     """k of the data edge into the policy's train_step, else the smallest bound on a data
-    edge into a train_step, else 1 (the IR edge is the one source of k)."""
-    k = _edge_staleness(graph, train)
-    if cfg.mode == "sync" and k:
-        raise CompileConfigError(f"compile.mode=sync, but the edge into '{train}' allows staleness k={k}: set k=0 on "
-                                 "that edge (async.max_staleness=0 in the graphs here) for a synchronous run")
-    return k
+    edge into a train_step, else 1 (the IR edge is the one source of k); 0 for the time
+    model of ``compile.mode=sync`` (``areal_flow.program`` refuses a runnable plan whose
+    mode and edge disagree)."""
+    return 0 if cfg.mode == "sync" else _edge_staleness(graph, train)
 
 
 def _edge_staleness(graph, train: str | None) -> int:

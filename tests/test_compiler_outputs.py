@@ -47,7 +47,7 @@ def test_json_round_trip(plan):
     text = plan.to_json()
     again = Plan.from_json(text)
     assert again == plan and again.to_json() == text
-    assert json.loads(text)["schema_version"] == 1
+    assert json.loads(text)["schema_version"] == 2
     assert again.node("train_step").parallel.tp == plan.node("train_step").parallel.tp
 
 

@@ -23,10 +23,14 @@ from areal_flow.graph import GraphError
 from areal_flow.models.critic import ValueModel
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
-from areal_flow.ops.reward import DynamicSamplingError, RewardRunner
+from types import SimpleNamespace
+
+from areal_flow.ops.filter import DynamicSamplingError, FilterExecutor
+from areal_flow.ops.reward import RewardExecutor
+from areal_flow.program import compile_program
 from areal_flow.types import Trajectory
 from compiler import compile_plan
-from runtime.launch import local_roles
+from runtime.topology import build_topology
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -56,9 +60,9 @@ def test_one_graph_per_algorithm():
 @pytest.mark.parametrize("path", GRAPHS, ids=lambda p: p.stem)
 def test_every_graph_compiles(path):
     graph, cfg = _graph(path)
-    plan = compile_plan(graph, cfg.cluster, cfg.compile)
+    plan = compile_program(graph, cfg)
     assert plan.to_json()  # serialisable
-    local_roles(graph)  # the local runtime accepts its shape
+    build_topology(plan)  # the runtime accepts its shape
     roles = {n.name: n.role for n in plan.nodes}
     assert roles["generate"] == "generation" and roles["train_step"] == "training"
     if path.stem == "arith_ppo":  # the critic is read (GAE values) and trained
@@ -68,44 +72,23 @@ def test_every_graph_compiles(path):
 
 
 def test_ppo_graph_trains_policy_and_critic_and_reads_the_critic():
-    graph, _ = _graph(REPO / "graphs/arith_ppo.py")
-    roles = local_roles(graph)
-    assert (roles.train_step.model, roles.critic_step.model, roles.advantage.model) == ("policy", "critic", "critic")
-    assert roles.advantage.attrs["estimator"] == "gae"
+    graph, cfg = _graph(REPO / "graphs/arith_ppo.py")
+    plan = compile_program(graph, cfg)
+    trainer = next(g for g in build_topology(plan).groups.values() if g.batch_nodes)  # one worker group runs all three
+    assert trainer.batch_nodes == ["advantage", "train_step", "critic_step"]
+    assert [plan.node(n).model for n in trainer.batch_nodes] == ["critic", "policy", "critic"]
+    assert plan.models["critic"]["head"] == "value" and plan.node("advantage").attrs["estimator"] == "gae"
 
 
 def test_reinforce_pp_graph_reads_a_frozen_reference():
     graph, _ = _graph(REPO / "graphs/arith_reinforce_pp.py")
     assert graph.models["ref"].trainable is False
-    assert local_roles(graph).advantage.attrs["model_role"] == "ref"
+    assert graph.nodes["advantage"].attrs["model_role"] == "ref"
 
 
 def test_graph_algorithm_must_match_config():
     with pytest.raises(GraphError, match="trains with algorithm 'gspo' but train.algorithm='grpo'"):
         _graph(REPO / "graphs/arith_gspo.py", ("train.algorithm=grpo",))
-
-
-def test_critic_without_train_step_and_mismatched_critic_step_are_rejected():
-    @flow
-    def no_critic_step(cfg):
-        policy, critic = Model("policy", "tiny-arith"), Model("critic", "tiny-arith")
-        rollout = sample_groups(policy, cfg)
-        adv = ops.advantage(rollout, ops.reward(rollout), estimator="gae", critic=critic)
-        return train_policy(policy, adv, rollout, cfg, algorithm="grpo")
-
-    @flow
-    def other_algorithm(cfg):
-        policy, critic = Model("policy", "tiny-arith"), Model("critic", "tiny-arith")
-        rollout = sample_groups(policy, cfg)
-        adv = ops.advantage(rollout, ops.reward(rollout), estimator="gae", critic=critic)
-        ops.train_step(critic, adv, algorithm="grpo", max_staleness=0)
-        return train_policy(policy, adv, rollout, cfg, algorithm="grpo")
-
-    cfg = load_config(None)
-    with pytest.raises(GraphError, match="critic 'critic' has no train_step"):
-        local_roles(no_critic_step(cfg))
-    with pytest.raises(GraphError, match="max_staleness=0 must equal the policy train_step's"):
-        local_roles(other_algorithm(cfg))
 
 
 def test_advantage_reads_one_model_and_ref_must_be_frozen():
@@ -149,32 +132,37 @@ def _half_answers_constant(output_text: str, answer: str) -> float:
     return 1.0 if int(answer) % 2 == 0 else float(len(output_text) % 2)
 
 
+def _reward_node(**attrs):
+    return SimpleNamespace(name="reward", model=None, attrs={"fn": _half_answers_constant, "overlong": None, **attrs})
+
+
 def test_dynamic_sampling_drops_all_equal_groups_and_bounds_attempts():
-    runner = RewardRunner({"fn": _half_answers_constant, "keep": "informative", "max_attempts": 2})
+    reward = RewardExecutor(_reward_node(), SimpleNamespace(pad_id=0))
+    keep = FilterExecutor(SimpleNamespace(name="filter", attrs={"keep": "informative", "max_attempts": 2}), None)
     informative = [_traj(0, 0, "7", "7"), _traj(0, 1, "78", "7")]  # odd answer, lengths 1, 2: rewards 1, 0
-    assert runner(informative, slot=0, attempt=1) is True
-    assert [t.reward for t in informative] == [1.0, 0.0]
+    rewards = reward.run({"rollouts": informative}, {})["rewards"]
+    assert rewards == [1.0, 0.0]
+    assert keep.run({"rollouts": informative, "rewards": rewards}, {"index": 0, "attempt": 1}) is not None
     constant = [_traj(1, 0, "x", "4"), _traj(1, 1, "y", "4")]  # even answer: rewards 1, 1
-    assert runner(constant, slot=1, attempt=1) is False  # dropped: the slot gets a new prompt
-    with pytest.raises(DynamicSamplingError, match="batch slot 1 drew 2 prompt groups in a row .* raise reward.max_attempts"):
-        runner(constant, slot=1, attempt=2)
-    keep_all = RewardRunner({"fn": _half_answers_constant})
-    assert keep_all(constant, slot=1, attempt=1) is True  # no filter: all-equal groups are sent
+    rewards = reward.run({"rollouts": constant}, {})["rewards"]
+    assert keep.run({"rollouts": constant, "rewards": rewards}, {"index": 1, "attempt": 1}) is None  # dropped
+    with pytest.raises(DynamicSamplingError, match="batch slot 1 drew 2 prompt groups in a row .* max_attempts"):
+        keep.run({"rollouts": constant, "rewards": rewards}, {"index": 1, "attempt": 2})
 
 
 def test_overlong_shaping_in_the_reward_node():
-    runner = RewardRunner({"fn": _half_answers_constant, "overlong": [8, 3]})
+    reward = RewardExecutor(_reward_node(overlong=[8, 3]), SimpleNamespace(pad_id=0))
     group = [_traj(0, j, "z", "2", n_tokens=n) for j, n in enumerate((5, 6, 7, 8))]  # even answer: reward 1.0
-    runner(group, slot=0, attempt=1)
+    rewards = reward.run({"rollouts": group}, {})["rewards"]
     # L_max - L_cache = 5: 5 tokens -> 0; 6 -> (5-6)/3; 7 -> (5-7)/3; 8 -> (5-8)/3 = -1; added to reward 1.0
-    assert [t.reward for t in group] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    assert rewards == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
 
 
-def test_reward_node_rejects_bad_filter_arguments():
+def test_filter_node_rejects_bad_arguments():
     @flow
     def bad(cfg):
         rollout = sample_groups(Model("policy", "tiny-arith"), cfg)
-        ops.reward(rollout, keep="informative", max_attempts=0)
+        ops.filter(rollout, ops.reward(rollout, fn="arithmetic"), keep="informative", max_attempts=0)
 
     with pytest.raises(GraphError, match="max_attempts=0"):
         bad(load_config(None))
@@ -241,8 +229,9 @@ def half_constant_dapo(cfg):
     """DAPO's graph with a reward that makes every even-answer group all-equal."""
     policy = Model("policy", cfg.model)
     rollout = sample_groups(policy, cfg)
-    reward = ops.reward(rollout, fn=_half_answers_constant, keep="informative", max_attempts=cfg.reward.max_attempts)
-    adv = ops.advantage(rollout, reward, estimator="grpo")
+    reward = ops.reward(rollout, fn=_half_answers_constant)
+    kept = ops.filter(rollout, reward, keep="informative", max_attempts=cfg.reward.max_attempts)
+    adv = ops.advantage(kept, reward, estimator="grpo")
     return train_policy(policy, adv, rollout, cfg, algorithm="grpo")
 
 
@@ -253,7 +242,7 @@ def test_runtime_replaces_dropped_groups_under_the_same_slot(tmp_path, warm_cach
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "reward.max_attempts=16"])
     summary = run_experiment(half_constant_dapo(cfg), cfg, show_progress=False)
     groups = _groups(tmp_path / cfg.name)
-    assert summary["workers"]["run_rollout_worker"]["dropped_groups"] >= 1
+    assert summary["workers"]["generate/0"]["dropped"] >= 1 and summary["workers"]["router"]["resampled"] >= 1
     assert sorted(groups) == [0, 1, 2, 3]  # admission indices stay 0..3: replacements reuse the slot
     assert all(int(g[0]["meta"]["answer"]) % 2 == 1 for g in groups.values())  # no all-equal group was trained
     assert any(g[0]["meta"]["attempt"] > 1 for g in groups.values())

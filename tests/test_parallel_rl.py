@@ -43,7 +43,7 @@ from runtime.model_source import load_pretrained
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.parallel_trainer import RankTrainer
-from runtime.trainer_worker import TrainerSpec
+from runtime.executors.train import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 LR, EPS = 1e-3, 1e-8  # EPS: torch.optim.AdamW's default, which the trainer uses
@@ -58,12 +58,9 @@ CASES = {  # case -> (algorithm, strategy); Dr.GRPO normalises by the step's seq
 }
 
 
-def _spec(folder: Path, algorithm: str) -> TrainerSpec:
-    return TrainerSpec(
-        model_folder=str(folder), algorithm=algorithm, estimator="grpo", estimator_kwargs={}, loss_overrides={},
-        steps=1, batch_groups=2, max_staleness=0, lr=LR, weight_decay=0.01, max_grad_norm=1.0, micro_batch_size=2,
-        temperature=1.0, seed=0, experience_address="unused", weight_address="unused", out_dir="unused",
-    )
+def _spec(folder: Path, algorithm: str) -> TrainSettings:
+    return TrainSettings(model_folder=str(folder), algorithm=algorithm, loss_overrides={}, lr=LR, weight_decay=0.01,
+                         max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0)
 
 
 def _batch(folder: Path) -> dict[str, torch.Tensor]:
@@ -178,7 +175,8 @@ def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path,
     plan = json.loads((out / "plan.json").read_text())
     strategy = {n["name"]: n["strategy"] for n in plan["nodes"]}["train_step"]
     assert ParallelStrategy.parse(strategy) == ParallelStrategy.parse(allocation.split()[0].removeprefix("train:"))
-    assert summary["workers"]["run_parallel_trainer"] == {"steps": 3, "consumed": 3 * 2 * 4, "world_size": 2}
+    trainer = summary["workers"]["train_step/0"]
+    assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (3, 3 * 2 * 4, 2)
     records = _records(out)
     # every sample of the 3 steps x 2 groups x 4 samples trained exactly once, in its step's slot
     assert sorted((r["group_id"], r["sample_id"]) for r in records) == sorted(
@@ -186,7 +184,7 @@ def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path,
     assert len(records) == 3 * 2 * 4
     assert all(r["group_id"] // 2 == r["step"] for r in records)
     # k = 1: step 2's groups are admitted only once version 1 arrived, so versions advanced
-    rollout = summary["workers"]["run_rollout_worker"]
+    rollout = summary["workers"]["generate/0"]
     assert rollout["weight_updates"] >= 1 and rollout["final_version"] >= 1
     assert all(min(r["versions"]) >= 1 for r in records if r["step"] == 2)
     assert all(r["staleness"] <= 1 for r in records)
@@ -212,7 +210,7 @@ def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, w
     def refuse(*args, **kwargs):
         raise AssertionError("worker processes were started")
 
-    monkeypatch.setattr(launch, "_run_workers", refuse)
+    monkeypatch.setattr(launch._LocalRun, "_run", refuse)
     flow = load_flow(REPO / "graphs/arith_grpo.py")
     cfg = load_config(default_config_path(flow, None), [*TINY_RUN, *overrides, f"out_dir={tmp_path}"])
     with pytest.raises(StrategyError, match=rule):

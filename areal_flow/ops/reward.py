@@ -56,22 +56,25 @@ def reward(
     """Declare the reward of ``rollouts``: a rule ``fn`` or a reward ``model``.
 
     Args:
-        fn: reward function name (:data:`REWARD_FNS`) or ``fn(output_text, answer) -> float``.
+        fn: reward function name (:data:`REWARD_FNS`) or ``fn(output_text, answer) -> float``;
+            ``"arithmetic"`` when neither ``fn`` nor ``model`` is given.
         model: a frozen reward model (``Model(..., trainable=False)``), instead of ``fn``.
         overlong: ``(L_max, L_cache)`` in tokens for DAPO's soft overlong punishment, or
             None (also when ``L_cache`` is 0) for none.
 
     Raises:
-        GraphError: neither or both of ``fn`` and ``model``, ``fn`` neither a known name
+        GraphError: both ``fn`` and ``model``, ``fn`` neither a known name
             nor callable, a trainable reward model, or ``overlong`` not
             ``0 < L_cache <= L_max`` (naming the node and line).
     """
     if overlong is not None and not overlong[1]:
         overlong = None
+    if fn is None and model is None:
+        fn = "arithmetic"
     attrs = {"fn": fn, "overlong": None if overlong is None else list(overlong)}
     node = record(SPEC, {"rollouts": rollouts}, model=model, attrs=attrs, name=name)
-    if (fn is None) == (model is None):
-        raise GraphError(f"{node.where()}: give the reward either fn= (a rule) or model= (a reward model)")
+    if fn is not None and model is not None:
+        raise GraphError(f"{node.where()}: give the reward either fn= (a rule) or model= (a reward model), not both")
     if model is not None and model.trainable:
         raise GraphError(f"{node.where()}: reward model '{model.name}' must be declared Model(..., trainable=False)")
     if fn is not None and not callable(fn) and fn not in REWARD_FNS:

@@ -86,7 +86,7 @@ class GenerateExecutor:
             if len(group["results"]) == self.attrs["n_samples"]:
                 del self._groups[key]
                 results = sorted(group["results"], key=lambda r: r.meta["sample"])
-                done.append((*key, [_trajectory(r, key[0], group["problem"]) for r in results]))
+                done.append((*key, [_trajectory(r, key, group["problem"]) for r in results]))
         return done
 
     def update_weights(self, state_dict, version: int) -> None:
@@ -94,10 +94,11 @@ class GenerateExecutor:
         self.engine.update_weights(state_dict, version)
 
 
-def _trajectory(result: GenerationResult, index: int, problem: dict) -> Trajectory:
+def _trajectory(result: GenerationResult, key: tuple[int, int], problem: dict) -> Trajectory:
+    index, attempt = key
     return Trajectory(
         sample_id=f"{index}:{result.meta['sample']}", group_id=index, prompt_ids=list(result.prompt_ids),
         output_ids=list(result.output_ids), behavior_logprobs=list(result.behavior_logprobs),
         versions=list(result.versions), finish_reason=result.finish_reason, prompt_text=problem["prompt"],
-        output_text=result.output_text, meta={"answer": problem["answer"], "problem_id": problem["id"]},
+        output_text=result.output_text, meta={"answer": problem["answer"], "problem_id": problem["id"], "attempt": attempt},
     )
