@@ -88,6 +88,7 @@ class _RayRun:
         self.resource = device_resource(cfg)
         self.pgs: dict = {}
         self.actors: dict[str, object] = {}
+        self.steps_done, self.last_checkpoint = 0, None
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan (fails when taken)."""
@@ -132,17 +133,26 @@ class _RayRun:
         logger = RunLogger(setup.out_dir, topo.steps, setup.show_progress)
         try:
             workers = self._drive(specs, logger)
+        except KeyboardInterrupt:
+            logger.close()
+            self.cleanup()
+            note = (f"last checkpoint: {self.last_checkpoint}" if self.last_checkpoint else
+                    "no checkpoint was saved (train.checkpoint_every)")
+            print(f"\nareal-flow: interrupted after {self.steps_done} of {topo.steps} steps; {note}", file=sys.stderr)
+            raise
         except BaseException:
             logger.close()
             raise
         finally:
             stop.set()
             router_thread.join(timeout=10)
-        placement = {name: ray.get(a.where.remote()) for name, a in self.actors.items()}
+        placement = {name: {**ray.get(a.where.remote()), "mesh": topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
+                     for name, a in self.actors.items()}
         self.cleanup()  # free the cluster before the held-out evaluation
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
                              "redispatched": router.redispatched}
-        return setup.finish(logger, workers, ray={"address": connection.address or "local", "placement": placement})
+        return setup.finish(logger, workers, ray={"address": connection.address or "local", "placement": placement,
+                                                  "last_checkpoint": self.last_checkpoint})
 
     def _drive(self, specs, logger: RunLogger) -> dict:
         topo = self.setup.topo
@@ -168,6 +178,8 @@ class _RayRun:
         try:
             for metrics in ray.get(self.actors[trainer].metrics.remote(), timeout=60):
                 logger.log_step(metrics)
+                self.steps_done = metrics["step"] + 1
+                self.last_checkpoint = metrics.get("checkpoint", self.last_checkpoint)
         except (RayActorError, GetTimeoutError):
             return
 
