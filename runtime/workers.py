@@ -323,8 +323,8 @@ class _Stage:
         for node in self.batch_nodes:
             if node.op == "train_step":
                 ex = self.executors[node.name]
-                self._save_one(node, folder if node.model == self.ctx.policy_name() else folder.parent / node.model,
-                               ex.final_state())
+                path = folder if node.model == self.ctx.policy_name() else folder.parent / node.model
+                ex.save(path, ex.final_state())
 
 
 def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
