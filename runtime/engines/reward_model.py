@@ -50,8 +50,10 @@ _OPERATION = re.compile(r"(\d+)\s*([+-])\s*(\d+)")  # "37+58=" and "What is 37 +
 class RewardModelConfig:
     """RM training hyper-parameters (all part of the cache key).
 
-    Defaults measured on ``ArithmeticTask(max_digits=2)`` on 2 cores: see the module README
-    numbers in ``tests/test_reward_model.py`` and the report of the change.
+    Not yet tuned to reach 90 %. Measured on ``ArithmeticTask(max_digits=2)``, 500 held-out
+    problems, one thread of a loaded 2-core machine: 400 steps x 64 pairs (~65 s) from a
+    fresh ``tiny-s`` gave 51.7 %, from the ``tiny-s`` default warm start 51.6 % (loss stays
+    at ln 2). 1-digit sums from a fresh ``tiny-s`` do learn (loss 0.58 after 400 steps).
 
     Attributes:
         steps: optimizer steps.
