@@ -47,7 +47,7 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
     GGUF preset or file is converted once (cached); an HF folder is used as it is. A critic
     (head ``value``) starts from its spec's LM folder (the value head is added on load); a
     reward model whose spec is ``<preset>-rm`` is trained in code on the task from the
-    preset's warm start (``areal_flow.models.reward_model_training``, cached).
+    preset's warm start (``runtime.engines.reward_model``, cached).
 
     Raises:
         ValueError / OSError: from the loaders, naming the spec.
@@ -60,7 +60,7 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
         base = spec.removesuffix(RM_SUFFIX) if info["head"] == "reward" else spec
         folder = _initial_folder(base, ws, seed, task, progress)
         if info["head"] == "reward" and spec.endswith(RM_SUFFIX):
-            from areal_flow.models.reward_model_training import RewardModelConfig, train_reward_model
+            from runtime.engines.reward_model import RewardModelConfig, train_reward_model
 
             folder = train_reward_model(task, folder, RewardModelConfig(seed=seed), progress=progress)
         folders[name] = str(folder)
