@@ -68,6 +68,8 @@ class GenerationConfig:
     """Nucleus sampling mass."""
     max_batch_size: int = 64
     """Sequences decoded together by the engine (continuous batching slots)."""
+    engine: str = "embedded"
+    """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
 
 
 @dataclass
@@ -127,6 +129,8 @@ class AdvantageKnobs:
     """Discount per token (GAE, REINFORCE++), in [0, 1]."""
     lam: float = 1.0
     """GAE lambda (Schulman et al. 2016), in [0, 1]; 1 = Monte-Carlo returns minus V."""
+    kl_coef: float = 0.0
+    """beta of the KL to a reference folded into the reward by graphs that pass it (ops.advantage kl_coef)."""
 
     def __post_init__(self) -> None:
         for key in ("gamma", "lam"):
@@ -143,6 +147,10 @@ class RewardKnobs:
     + replacements) before the run stops with an error."""
     overlong_cache: int = 0
     """Soft overlong punishment window L_cache, tokens (DAPO eq. 13); 0 = off."""
+    model_steps: int = 400
+    """Reward model '<preset>-rm': optimizer steps of its training in code (cached)."""
+    model_lr: float = 1e-3
+    """Reward model '<preset>-rm': peak learning rate of its training."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

@@ -43,6 +43,7 @@ class RunSpec:
         eval: ``eval.*`` (held-out greedy accuracy before and after RL).
         scheduler: ``scheduler.*`` (local or ray, addresses, restarts).
         dtype: ``model.dtype`` for the engines and trainers.
+        reward_model: training of a ``<preset>-rm`` reward model (``steps``, ``lr``).
     """
 
     name: str
@@ -53,13 +54,14 @@ class RunSpec:
     eval: dict = field(default_factory=dict)
     scheduler: dict = field(default_factory=dict)
     dtype: str = "float32"
+    reward_model: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
         asdict = dataclasses.asdict
         return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
                    warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
-                   dtype=cfg.model.dtype)
+                   dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr})
 
 
 def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:

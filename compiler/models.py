@@ -200,11 +200,15 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
 
 def resolve_model(spec: str) -> ModelSpec:
     """A preset name (case-insensitive, a hub prefix such as ``Qwen/`` ignored), a
-    ``config.json`` path, or a folder holding one.
+    ``config.json`` path, or a folder holding one. ``<preset>-rm`` (a reward model the
+    runtime trains from the preset) has the preset's shape: its scalar head is noise next
+    to the backbone.
 
     Raises:
         ModelSpecError: unknown preset and no such file; the message lists the presets.
     """
+    if spec.lower().endswith("-rm") and not Path(spec).exists():
+        return resolve_model(spec[:-3])
     presets = {key.lower(): key for key in MODEL_PRESETS}
     key = presets.get(spec.lower()) or presets.get(spec.rsplit("/", 1)[-1].lower())
     if key is not None:

@@ -62,7 +62,8 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
         if info["head"] == "reward" and spec.endswith(RM_SUFFIX):
             from runtime.engines.reward_model import RewardModelConfig, train_reward_model
 
-            folder = train_reward_model(task, folder, RewardModelConfig(seed=seed), progress=progress)
+            rm = plan.run.get("reward_model", {})
+            folder = train_reward_model(task, folder, RewardModelConfig(seed=seed, **rm), progress=progress)
         folders[name] = str(folder)
     return folders
 

@@ -125,6 +125,11 @@ def build_topology(plan: Plan) -> Topology:
         group.nodes.append(node.name)
         if node.grain == BATCH:
             group.batch_nodes.append(node.name)
+    for key, g in list(groups.items()):  # a trainer's group is named after its (first) train_step
+        step = next((n for n in g.nodes if plan.node(n).op == "train_step"), None)
+        if step is not None and step != key:
+            g.name = step
+            groups[step] = groups.pop(key)
     group_of = {n: g.name for g in groups.values() for n in g.nodes}
     rank = {name: i for i, name in enumerate(sorted(groups, key=lambda g: order.index(groups[g].nodes[0])))}
     for g in groups.values():

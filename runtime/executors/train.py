@@ -108,6 +108,8 @@ class TrainStepExecutor:
             self.algorithm.micro_batch_size = micro_batch_size(rows, 1, self.micro_batches)
             stats = self.algorithm.update_parameters(batch)
         stats = {**stats, **adv.get("stats", {})}
+        if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
+            stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
         return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}
 
     def _critic_step(self, batch: dict, rows: int) -> dict:

@@ -1,0 +1,166 @@
+"""The plan is the program: any graph runs as the plan places it (``runtime.topology``,
+``runtime.router``, ``runtime.workers``).
+
+* a node kind defined here, in the test file, runs with no edit to ``runtime/``;
+* a saved ``plan.json`` edited by hand (k, micro-batches, generation replicas) is what runs;
+* the reference + reward model + filter graph runs with two generation replicas, with the
+  same accounting as with one: every sample trained exactly once, in its step's slot, with
+  staleness <= k;
+* PPO's critic is a train_step node of its own, trained in the trainer's worker group.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from areal_flow import Model, flow, ops
+from areal_flow.config import load_config
+from areal_flow.ops import register_op
+from areal_flow.tasks.arithmetic import ArithmeticTask
+from compiler.plan import Plan
+from runtime.launch import run_experiment
+from runtime.topology import TopologyError, build_topology
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
+COEF = 0.25
+
+
+@register_op("length_penalty", inputs={"rollouts": "rollouts", "rewards": "rewards"}, outputs={"rewards": "rewards"})
+def length_penalty(rollouts, rewards, coef=0.0):
+    """A user node between reward and advantage: ``r - coef * response tokens``."""
+    return [r - coef * len(t.output_ids) for t, r in zip(rollouts, rewards)]
+
+
+@flow
+def grpo_with_penalty(cfg):
+    policy = Model("policy", cfg.model)
+    rollout = ops.generate(policy, ops.dataset(cfg.dataset), n_samples=cfg.gen.n_samples,
+                           max_new_tokens=cfg.gen.max_new_tokens)
+    penalized = length_penalty(rollout, ops.reward(rollout, fn="arithmetic"), coef=COEF)
+    adv = ops.advantage(rollout, penalized, estimator="grpo")
+    stats = ops.train_step(policy, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness)
+    ops.sync_weights(policy, to=rollout)
+    return stats
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
+
+
+def _exactly_once(out: Path, steps: int, batch: int, n: int, k: int) -> list[dict]:
+    records = _records(out)
+    ids = [r["sample_id"] for r in records]
+    assert len(ids) == steps * batch * n == len(set(ids))
+    assert Counter(r["group_id"] for r in records) == {i: n for i in range(steps * batch)}
+    assert all(r["step"] == r["group_id"] // batch for r in records)  # index i trained at step i // B
+    assert all(r["step"] - min(r["versions"]) <= k for r in records)
+    return records
+
+
+def _scalars(out: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(glob.glob(str(out / "events*"))[-1])
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+def test_user_op_is_in_the_plan_and_the_topology():
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
+    from areal_flow.program import compile_program
+
+    plan = compile_program(grpo_with_penalty(cfg), cfg)
+    node = plan.node("length_penalty")
+    assert (node.grain, node.placed_with, node.inputs["rewards"]) == ("group", "generate", ["reward", "rewards"])
+    assert "length_penalty" in plan.ops  # the definition travels with the plan
+    assert build_topology(plan).generation.nodes == ["generate", "reward", "length_penalty"]
+
+
+@pytest.mark.slow
+def test_user_op_defined_in_a_test_file_runs(tmp_path, warm_cache):
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=penalty"])
+    run_experiment(grpo_with_penalty(cfg), cfg, show_progress=False)
+    records = _exactly_once(tmp_path / "penalty", 3, 2, 4, k=2)
+    for r in records:  # the trained reward is the rule's minus the penalty, by hand from the sample
+        rule = ArithmeticTask.reward(r["output_text"], r["meta"]["answer"])
+        assert r["reward"] == pytest.approx(rule - COEF * len(r["output_ids"]))
+
+
+@pytest.mark.slow
+def test_an_edited_plan_is_what_runs(tmp_path, warm_cache):
+    """Compile, then edit k (2 -> 0), the train_step's micro-batches (1 -> 2) and the
+    allocation (one generation replica -> two) in plan.json; ``run --plan`` follows it."""
+    plan_path = tmp_path / "plan.json"
+    cli = [sys.executable, "-m", "areal_flow.cli"]
+    subprocess.run([*cli, "compile", "graphs/arith_grpo.py", *TINY, f"out_dir={tmp_path}", "--plan", "-o",
+                    str(plan_path)], cwd=REPO, check=True, capture_output=True)
+    data = json.loads(plan_path.read_text())
+    assert data["cluster"]["n_gpus_per_node"] == 2
+    data["cluster"]["n_gpus_per_node"] = 3
+    for node in data["nodes"]:
+        if node["name"] == "generate":
+            node["strategy"] = "d2"
+        if node["mesh"]["first_device"] == 0:  # generate and the nodes placed with it
+            node["mesh"]["n_devices"] = 2
+        elif node["mesh"]["first_device"] == 1:  # the trainer's mesh moves to device 2
+            node["mesh"]["first_device"] = 2
+        if node["name"] == "train_step":
+            assert node["micro_batches"] == 1
+            node["micro_batches"] = 2
+    for edge in data["edges"]:
+        if edge["dst"] == "train_step" and edge["kind"] == "data":
+            assert edge["max_staleness"] == 2
+            edge["max_staleness"] = 0
+    plan_path.write_text(json.dumps(data))
+    Plan.from_json(plan_path.read_text())  # still a valid plan
+    done = subprocess.run([*cli, "run", "--plan", str(plan_path)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "arith_grpo"
+    records = _exactly_once(out, 3, 2, 4, k=0)
+    assert all(r["staleness"] == 0 for r in records)  # k = 0: the synchronous baseline
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"generate/0", "generate/1"} <= set(summary["workers"])  # two replicas ...
+    assert summary["workers"]["generate/0"]["groups"] + summary["workers"]["generate/1"]["groups"] == 6
+    assert _scalars(out, "train/micro_batch_size") == [4.0] * 3  # 2 groups x 4 samples in 2 micro-batches
+
+
+def _ref_rm(tmp_path: Path, name: str, *overrides: str):
+    from areal_flow.cli import load_flow
+
+    fl = load_flow(REPO / "graphs/arith_grpo_ref_rm.py")
+    cfg = load_config(REPO / "graphs/arith_grpo_ref_rm.yaml",
+                      [*TINY, "model.path=tiny-s", "reward.model_steps=10", f"out_dir={tmp_path}", f"name={name}",
+                       *overrides])
+    return run_experiment(fl(cfg), cfg, show_progress=False)
+
+
+@pytest.mark.slow
+def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
+    two = _ref_rm(tmp_path, "two", "cluster.n_gpus_per_node=3", "compile.allocation=gen:d2 + train:d1")
+    one = _ref_rm(tmp_path, "one")
+    for name, summary in (("two", two), ("one", one)):
+        records = _exactly_once(tmp_path / name, 3, 2, 4, k=2)
+        assert all(0.0 <= r["reward"] <= 1.0 for r in records)  # sigmoid of the reward model's score
+        assert all(len({x["reward"] for x in records if x["group_id"] == g}) > 1 for g in range(6))  # filter
+        assert summary["samples_trained"] == 24
+    assert {w for w in two["workers"] if w.startswith("generate/")} == {"generate/0", "generate/1"}
+    assert all(v > -1e9 for v in _scalars(tmp_path / "two", "train/kl_ref_in_reward"))
+
+
+def test_a_critic_train_step_on_several_processes_is_refused(tmp_path):
+    from areal_flow.cli import load_flow
+    from areal_flow.program import compile_program
+
+    fl = load_flow(REPO / "graphs/arith_ppo.py")
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
+                      [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
+    with pytest.raises(TopologyError, match="critic_step.*a critic's train_step runs on one process"):
+        build_topology(compile_program(fl(cfg), cfg))
