@@ -6,8 +6,10 @@ version-0 models (``runtime.model_source.prepare_models``), held-out accuracy be
 after RL, the router (``runtime.router``, a thread of this process), progress, and the
 summary. The local scheduler starts every worker as an OS process joined by pyzmq
 ``ipc://`` channels: ``dp`` generation replicas and one process per other worker group (a
-multi-rank trainer spawns its ranks). A worker's failure stops the others and is
-re-raised with its traceback; what was already written (events, trajectories) stays.
+multi-rank trainer spawns its ranks). A generation replica that dies is started again
+(``scheduler.max_restarts``; its groups are re-sent under their indices, and it resumes at
+the trainer's version); any other worker's failure stops the others and is re-raised with
+its traceback; what was already written (events, trajectories) stays.
 
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
@@ -20,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import threading
 import traceback
@@ -185,6 +188,7 @@ def _child(target, spec, results, *extra) -> None:
 class _LocalRun:
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup
+        self.restarts = 0
 
     def execute(self) -> dict:
         setup, topo = self.setup, self.setup.topo
@@ -196,7 +200,7 @@ class _LocalRun:
         cores = os.cpu_count() or 2
         threads = cores if topo.max_staleness == 0 else max(1, cores // n_procs)
         specs = setup.specs(addresses, control, threads)
-        router = setup.router(addresses[topo.generation.name], control)
+        router = self.router = setup.router(addresses[topo.generation.name], control)
         logger = RunLogger(setup.out_dir, topo.steps, setup.show_progress)
         stop = threading.Event()
         router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
@@ -206,8 +210,39 @@ class _LocalRun:
         finally:
             stop.set()
             router_thread.join(timeout=10)
-        workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled}
+        workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
+                             "redispatched": router.redispatched, "replica_restarts": self.restarts}
         return setup.finish(logger, workers)
+
+    def _restart(self, name: str, proc, specs: list[WorkerSpec], topo: Topology, ctx, results):
+        """Start a dead generation replica again (``scheduler.max_restarts`` in all): it waits
+        for the trainer's current version (resync), and the router sends it again every group
+        it held, under the same indices. Any other worker's death fails the run.
+
+        Raises:
+            WorkerFailed: a non-generation worker died, or too many restarts.
+        """
+        from dataclasses import replace
+
+        from runtime.channels import MessageSender
+
+        spec = next(s for s in specs if f"{s.group}/{s.rank}" == name)
+        limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
+        if topo.groups[spec.group].kind != "generation" or self.restarts >= limit:
+            raise WorkerFailed(f"worker {name} died (exit code {proc.exitcode}); restarts so far {self.restarts}, "
+                               f"scheduler.max_restarts={limit}")
+        self.restarts += 1
+        version = self.router.versions.get(spec.rank, 0)
+        print(f"areal-flow: {name} died (exit code {proc.exitcode}); restarting it at policy version {version} "
+              f"({self.restarts}/{limit})", file=sys.stderr)
+        spec = replace(spec, resume_version=version)
+        new = ctx.Process(target=_child, args=(run_generation_replica, spec, results), name=name)
+        new.start()
+        self.router.replace_replica(spec.rank, spec.inbox)
+        resync = MessageSender(self.trainer_inbox)
+        resync.send(("resync", spec.weights))
+        resync.close()
+        return new
 
     def _run(self, specs: list[WorkerSpec], logger: RunLogger, topo: Topology, stop: threading.Event,
              router_thread: threading.Thread) -> dict:
@@ -234,6 +269,7 @@ class _LocalRun:
             if previous is None:
                 del os.environ["OMP_WAIT_POLICY"]
         done: dict = {}
+        self.trainer_inbox = next(s.inbox for s in specs if topo.groups[s.group].batch_nodes)
         try:
             while trainer not in done:
                 try:
@@ -245,9 +281,9 @@ class _LocalRun:
                     name, status, payload = results.get_nowait()
                 except queue.Empty:
                     dead = [n for n, p in procs.items() if not p.is_alive() and p.exitcode not in (0, None)]
-                    if dead:
-                        raise WorkerFailed(f"worker(s) {dead} died without a report (exit codes "
-                                           f"{[procs[n].exitcode for n in dead]})")
+                    for name in dead:
+                        procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
+                    continue
                     continue
                 if status == "error":
                     raise WorkerFailed(f"{name} failed:\n{payload}")

@@ -193,6 +193,9 @@ def _follow(trainer: RankTrainer) -> None:
     """A rank other than 0: step on every broadcast batch until the ``None`` command."""
     while (command := broadcast_command(None)) is not None:
         batch = command["batch"]
+        if batch is None:  # between steps: only the weights (a restarted replica's resync)
+            trainer.gather_weights()
+            continue
         trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
                                                               command["micro_batches"])
         trainer.step(batch)

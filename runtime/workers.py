@@ -20,12 +20,15 @@ runs under ``local`` and ``ray`` (``runtime.launch``, ``runtime.ray_scheduler``)
 
 A group a ``group`` node drops (a filter) is reported so the router resamples its slot;
 a late duplicate of a group already held (sent twice around a replica restart) is dropped
-and counted, never trained twice.
+and counted, never trained twice. A restarted replica gets the trainer's current version
+(``("resync", weight_address)`` on the trainer's inbox) and waits for it before it reports
+ready, so the groups the router sends it again keep the staleness bound.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +69,9 @@ class WorkerSpec:
             train_step name -> the weight addresses of every replica of its target.
         threads: torch intra-op threads. recv_timeout_s: seconds without experience
             before a trainer gives up.
+        resume_version: a restarted replica waits for this policy version on its weight
+            channel before it reports ready (its groups were admitted at versions up to
+            it, so the staleness proof needs their tokens from versions >= it).
     """
 
     plan: Plan
@@ -80,6 +86,7 @@ class WorkerSpec:
     routes: dict = field(default_factory=dict)
     threads: int = 1
     recv_timeout_s: float = 600.0
+    resume_version: int = 0
 
 
 def register_plan_ops(plan: Plan) -> None:
@@ -132,6 +139,13 @@ def run_generation_replica(spec: WorkerSpec) -> dict:
     outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
     weights = WeightSubscriber(spec.weights)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
+    if spec.resume_version > 0:
+        update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
+        if update is None:
+            raise TimeoutError(f"restarted replica {spec.rank}: policy version {spec.resume_version} did not arrive "
+                               f"on {spec.weights} within {spec.recv_timeout_s} s")
+        gen.update_weights(update[1], update[0])
+        counts["weight_updates"] += 1
     control.send(("ready", spec.rank, gen.version))
     stop = False
     try:
@@ -209,12 +223,16 @@ class _Stage:
         self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
         self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
+        self.version = 0  # policy versions published so far
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
 
     def _receive(self, timeout_s: float) -> GroupItem | None:
         """The next fully joined, processed item (None on timeout or a dropped group)."""
         msg = self.inbox.recv(timeout_s=timeout_s)
         if msg is None:
+            return None
+        if isinstance(msg, tuple) and msg[0] == "resync":
+            self._resync(msg[1])
             return None
         parts = self.joining.setdefault((msg.index, msg.attempt), [])
         parts.append(msg)
@@ -228,6 +246,16 @@ class _Stage:
             self.control.send(("resample", item.index, item.attempt))
             return None
         return item
+
+    def _resync(self, address: str) -> None:
+        """Publish the current policy version to a restarted replica's weight ``address``
+        (between steps, the model holds exactly the last published version)."""
+        for node in self.batch_nodes:
+            if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
+                publisher = WeightPublisher(address)
+                publisher.publish(self.executors[node.name].current_state(), self.version)
+                threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
+        self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
 
     def run(self) -> dict:
         try:
@@ -310,6 +338,7 @@ class _Stage:
                 advantage = inputs["advantages"]
                 if publish and node.name in publishers:
                     publishers[node.name].publish(result["weights"], step + 1)
+                    self.version = step + 1
                 if checkpoint:
                     self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
                                    result["weights"])

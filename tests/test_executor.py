@@ -164,3 +164,43 @@ def test_a_critic_train_step_on_several_processes_is_refused(tmp_path):
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
     with pytest.raises(TopologyError, match="critic_step.*a critic's train_step runs on one process"):
         build_topology(compile_program(fl(cfg), cfg))
+
+
+def _kill_replica_when(out: Path, n_records: int, died: list) -> None:
+    """Kill the process bound to the ``generate-0`` inbox once ``n_records`` samples trained."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 300
+    trajectories = out / "trajectories" / "trajectories.jsonl"
+    while time.monotonic() < deadline:
+        if trajectories.is_file() and len(trajectories.read_text().splitlines()) >= n_records:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    if any(str(c.laddr).endswith("generate-0") for c in child.net_connections(kind="unix")):
+                        child.kill()
+                        died.append(child.pid)
+                        return
+                except psutil.Error:
+                    continue
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_killed_generation_replica_restarts_and_no_group_is_lost(tmp_path, warm_cache):
+    import threading
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml",
+                      ["train.steps=6", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10",
+                       "eval.enabled=false", f"out_dir={tmp_path}", "name=killed", "scheduler.max_restarts=2",
+                       "cluster.n_gpus_per_node=3", "compile.allocation=gen:d2 + train:d1"])
+    from areal_flow.cli import load_flow
+
+    died: list = []
+    killer = threading.Thread(target=_kill_replica_when, args=(tmp_path / "killed", 8, died), daemon=True)
+    killer.start()
+    summary = run_experiment(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg, show_progress=False)
+    assert died, "the replica was not killed"
+    assert summary["workers"]["router"]["replica_restarts"] == 1
+    _exactly_once(tmp_path / "killed", 6, 2, 4, k=2)  # nothing lost, nothing trained twice, bound kept

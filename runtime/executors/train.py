@@ -127,6 +127,14 @@ class TrainStepExecutor:
             return self.ranks.gather_weights()
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def current_state(self) -> dict[str, torch.Tensor]:
+        """The weights now, between steps (asks the other ranks to join the gather)."""
+        if self.ranks is not None:
+            from runtime.parallel_trainer import broadcast_command
+
+            broadcast_command({"batch": None, "gather": True, "micro_batches": self.micro_batches})
+        return self.state_dict()
+
     def final_state(self) -> dict[str, torch.Tensor] | None:
         """The weights after the last step; on several ranks this also ends their loop."""
         if self.ranks is not None:
