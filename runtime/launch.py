@@ -104,14 +104,13 @@ class RunSetup:
         self.task = build_task(self.topo.dataset.attrs, self.plan.run["seed"])
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
-        if self.topo.generation.replicas * 0 == 0 and self.topo.train_steps:
-            from runtime.parallel_trainer import check_parallel_training
+        from runtime.parallel_trainer import check_parallel_training
 
-            for node in self.topo.train_steps:
-                if node.parallel.world_size > 1:
-                    rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
-                    check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
-                                            critic=self.plan.models[node.model]["head"] != "lm")
+        for node in self.topo.train_steps:  # before any worker starts, naming the broken rule
+            if node.parallel.world_size > 1:
+                rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
+                check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
+                                        critic=self.plan.models[node.model]["head"] != "lm")
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])

@@ -15,16 +15,18 @@ semantics the runtime relies on (FIFO with back-pressure, admission indices, exa
 checks, versioned and checksummed weight buckets) are the channels', and the driver stays
 out of the data path except for the router's small messages and per-step metrics.
 
-Fault tolerance: a worker's death fails the run, naming it (the router can re-send a dead
-replica's groups, ``Router.replace_replica``, and the trainer drops duplicates, but the
-trainer does not yet republish its version to a restarted replica, without which the
-staleness bound would not hold: restart is the reliability issue's work).
+Fault tolerance: Ray restarts a dead generation replica in its bundle (up to
+``scheduler.max_restarts`` times); the driver reruns it on the same addresses, waiting for
+the trainer's current version (which the trainer republishes on a ``resync`` message), and
+the router sends it again every group it held, under the same indices; a group delivered
+twice is dropped by the trainer. Any other actor's death fails the run.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -37,12 +39,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
 from runtime.launch import RunSetup, WorkerFailed
+from runtime.channels import MessageSender
 from runtime.metrics import RunLogger
 from runtime.ray_cluster import connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 
 NAMESPACE = "areal_flow"
 POLL_S = 0.5
+RESTART_TIMEOUT_S = 300.0  # seconds for Ray to bring a dead replica back
 
 
 def share_pickle_by_value() -> None:
@@ -89,6 +93,7 @@ class _RayRun:
         self.pgs: dict = {}
         self.actors: dict[str, object] = {}
         self.steps_done, self.last_checkpoint = 0, None
+        self.restarts = 0
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan (fails when taken)."""
@@ -98,9 +103,9 @@ class _RayRun:
                     node.mesh, nodes, self.resource, f"{NAMESPACE}/{self.cfg.name}/{node.mesh.label()}",
                     self.cfg.scheduler.placement_timeout_s)
 
-    def _actor(self, name: str, mesh, share: int):
+    def _actor(self, name: str, mesh, share: int, restarts: int = 0):
         amount = mesh.n_devices / share
-        opts: dict = dict(name=f"{self.cfg.name}/{name}", namespace=NAMESPACE, max_concurrency=4,
+        opts: dict = dict(name=f"{self.cfg.name}/{name}", namespace=NAMESPACE, max_concurrency=4, max_restarts=restarts,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[mesh],
                                                                                placement_group_bundle_index=0))
         if self.resource == "CPU":
@@ -118,7 +123,8 @@ class _RayRun:
             sharing[g.mesh] = sharing.get(g.mesh, 0) + g.replicas
         for g in topo.groups.values():
             for r in range(g.replicas):
-                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh])
+                restarts = int(self.cfg.scheduler.max_restarts) if g.kind == "generation" else 0
+                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
         addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote()) for r in range(g.replicas)]
                      for g in topo.groups.values()}
         gen = topo.generation
@@ -132,7 +138,7 @@ class _RayRun:
         router_thread.start()
         logger = RunLogger(setup.out_dir, topo.steps, setup.show_progress)
         try:
-            workers = self._drive(specs, logger)
+            workers = self._drive(specs, logger, router)
         except KeyboardInterrupt:
             logger.close()
             self.cleanup()
@@ -152,9 +158,10 @@ class _RayRun:
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
                              "redispatched": router.redispatched}
         return setup.finish(logger, workers, ray={"address": connection.address or "local", "placement": placement,
-                                                  "last_checkpoint": self.last_checkpoint})
+                                                  "last_checkpoint": self.last_checkpoint,
+                                                  "replica_restarts": self.restarts})
 
-    def _drive(self, specs, logger: RunLogger) -> dict:
+    def _drive(self, specs, logger: RunLogger, router) -> dict:
         topo = self.setup.topo
         by_name = {f"{s.group}/{s.rank}": s for s in specs}
         trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
@@ -170,9 +177,37 @@ class _RayRun:
                 except RayTaskError as exc:
                     raise WorkerFailed(f"{name} failed:\n{exc}") from None
                 except RayActorError as exc:
-                    raise WorkerFailed(f"the {name} actor died: {exc}") from None
+                    spec = by_name[name]
+                    if topo.groups[spec.group].kind != "generation":
+                        raise WorkerFailed(f"the {name} actor died: {exc}") from None
+                    spec = by_name[name] = self._restart(name, spec, router, by_name[trainer].inbox, exc)
+                    pending[self.actors[name].run.remote(spec, True)] = name
         self._pull(logger, trainer)
         return results
+
+    def _restart(self, name: str, spec, router, trainer_inbox: str, exc: Exception):
+        """Wait for Ray to bring the replica back; its spec with the version to resume at."""
+        self.restarts += 1
+        limit = int(self.cfg.scheduler.max_restarts)
+        if self.restarts > limit:
+            raise WorkerFailed(f"generation replicas died {self.restarts} times (scheduler.max_restarts={limit}): {exc}")
+        version = router.versions.get(spec.rank, 0)
+        print(f"areal-flow: {name} died; Ray restarts it at policy version {version} ({self.restarts}/{limit})",
+              file=sys.stderr)
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:  # calls fail until Ray marks the actor restarting; then they wait for it
+            try:
+                ray.get(self.actors[name].where.remote(), timeout=RESTART_TIMEOUT_S)
+                break
+            except (RayActorError, GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"{name} did not come back within {RESTART_TIMEOUT_S:g} s: {exc}") from None
+                time.sleep(POLL_S)
+        router.replace_replica(spec.rank, spec.inbox)
+        resync = MessageSender(trainer_inbox)
+        resync.send(("resync", spec.weights))
+        resync.close()
+        return replace(spec, resume_version=version)
 
     def _pull(self, logger: RunLogger, trainer: str) -> None:
         try:

@@ -210,6 +210,33 @@ def test_cluster_too_small_fails_before_any_work(tmp_path, two_nodes):
     assert not (tmp_path / "arith_grpo" / "trajectories").exists()
 
 
+@pytest.mark.slow
+def test_killed_generation_actor_restarts_and_no_group_is_lost(tmp_path, two_nodes):
+    import ray
+
+    from runtime.ray_scheduler import NAMESPACE
+
+    # k = 0: step s trains exactly the groups generated with version s, so after step 0 the
+    # replica still has steps 1-3 to produce when it is killed.
+    graph, cfg = _config(ARITH, tmp_path, "train.steps=4", "train.batch_size=2", "async.max_staleness=0",
+                         "cluster.n_nodes=2", "cluster.n_gpus_per_node=1", "scheduler.device_resource=gpu_slot",
+                         f"scheduler.address={two_nodes.address}")
+    log = tmp_path / "arith_grpo" / "trajectories" / "trajectories.jsonl"
+
+    def kill_after_first_step():
+        _wait_for(lambda: log.is_file() and log.read_text().strip())
+        ray.kill(ray.get_actor(f"{cfg.name}/generate/0", namespace=NAMESPACE), no_restart=False)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    summary = run_experiment(graph, cfg, show_progress=False)
+    killer.join(timeout=5)
+    assert summary["ray"]["replica_restarts"] == 1
+    records = _assert_each_sample_trained_once(tmp_path / "arith_grpo", steps=4, batch=2, n=4)
+    assert {r["staleness"] for r in records} == {0}  # the restarted replica resumed at the trainer's version
+    assert summary["workers"]["train_step/0"]["resyncs"] == 1
+
+
 def test_ctrl_c_stops_cleanly_and_names_the_checkpoint(tmp_path, two_nodes, capsys):
     graph, cfg = _config(ARITH, tmp_path, "train.steps=40", "train.batch_size=2", "train.checkpoint_every=1",
                          "cluster.n_nodes=2", "cluster.n_gpus_per_node=1", "scheduler.device_resource=gpu_slot",
