@@ -237,6 +237,7 @@ def test_killed_generation_actor_restarts_and_no_group_is_lost(tmp_path, two_nod
     assert summary["workers"]["train_step/0"]["resyncs"] == 1
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_names_the_checkpoint(tmp_path, two_nodes, capsys):
     graph, cfg = _config(ARITH, tmp_path, "train.steps=40", "train.batch_size=2", "train.checkpoint_every=1",
                          "cluster.n_nodes=2", "cluster.n_gpus_per_node=1", "scheduler.device_resource=gpu_slot",
