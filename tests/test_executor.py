@@ -204,3 +204,45 @@ def test_killed_generation_replica_restarts_and_no_group_is_lost(tmp_path, warm_
     assert died, "the replica was not killed"
     assert summary["workers"]["router"]["replica_restarts"] == 1
     _exactly_once(tmp_path / "killed", 6, 2, 4, k=2)  # nothing lost, nothing trained twice, bound kept
+
+
+def test_vllm_with_top_p_below_one_is_refused_naming_the_node():
+    from types import SimpleNamespace
+
+    from runtime.executors.generate import EngineRefused, GenerateExecutor
+
+    node = SimpleNamespace(attrs={"engine": "vllm", "top_p": 0.9}, where=lambda: "node 'generate' (generate, g.py:7)")
+    with pytest.raises(EngineRefused, match=r"node 'generate' \(generate, g.py:7\): engine='vllm' with top_p=0.9"):
+        GenerateExecutor(node, ctx=None)
+
+
+OWN_REWARD_GRAPH = '''
+from areal_flow import Model, flow, ops
+
+
+def own_reward(output_text, answer):  # defined here: worker processes cannot import this file
+    return 1.0 if output_text.strip() == answer else 0.0
+
+
+@flow
+def own_reward_grpo(cfg):
+    policy = Model("policy", cfg.model)
+    rollout = ops.generate(policy, ops.dataset(cfg.dataset), n_samples=cfg.gen.n_samples,
+                           max_new_tokens=cfg.gen.max_new_tokens)
+    adv = ops.advantage(rollout, ops.reward(rollout, fn=own_reward), estimator="grpo")
+    stats = ops.train_step(policy, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness)
+    ops.sync_weights(policy, to=rollout)
+    return stats
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_function_defined_in_the_graph_file_runs_locally(tmp_path, warm_cache):
+    graph = tmp_path / "own.py"
+    graph.write_text(OWN_REWARD_GRAPH)
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(graph), "--config",
+                           str(REPO / "graphs/arith_grpo.yaml"), *TINY, f"out_dir={tmp_path}", "name=own"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = _exactly_once(tmp_path / "own", 3, 2, 4, k=2)
+    assert all(r["reward"] == (1.0 if r["output_text"].strip() == r["meta"]["answer"] else 0.0) for r in records)

@@ -35,6 +35,10 @@ class GenerateExecutor:
 
     def __init__(self, node, ctx, threads: int = 1) -> None:
         a = node.attrs
+        if a.get("engine", "embedded") == "vllm" and a["top_p"] < 1:
+            raise EngineRefused(f"{node.where()}: engine='vllm' with top_p={a['top_p']} reports truncated "
+                                "log-probs (the importance ratio would be the kept mass); use top_p=1 or the "
+                                "embedded engine")
         self.node, self.attrs = node, a
         self.params = SamplingParams(temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["max_new_tokens"])
         tokenizer = ctx.tokenizer
@@ -42,10 +46,6 @@ class GenerateExecutor:
         seed = ctx.seed + 1000 * ctx.rank  # replicas must not draw the same samples
         folder = ctx.folders[node.model]
         if a.get("engine", "embedded") == "vllm":
-            if a["top_p"] < 1:
-                raise EngineRefused(f"{node.where()}: engine='vllm' with top_p={a['top_p']} reports truncated "
-                                    "log-probs (the importance ratio would be the kept mass); use top_p=1 or the "
-                                    "embedded engine")
             from runtime.engines.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(folder, tokenizer, max_batch_size=a["max_batch_size"], seed=seed,
