@@ -12,8 +12,10 @@ reach it.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import queue
 import socket
+import threading
 
 import ray
 
@@ -58,7 +60,25 @@ class WorkerActor:
     def run(self, spec: WorkerSpec, generation: bool) -> dict:
         if generation:
             return run_generation_replica(spec)
-        return run_stage_worker(spec, self._metrics.put)
+        # A multi-rank trainer reports from its rank 0, a child process: through a process
+        # queue, drained into this actor's queue by a thread.
+        inbox = mp.get_context("spawn").Queue()
+        done = threading.Event()
+
+        def drain() -> None:
+            while not done.is_set() or not inbox.empty():
+                try:
+                    self._metrics.put(inbox.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+
+        thread = threading.Thread(target=drain, daemon=True)
+        thread.start()
+        try:
+            return run_stage_worker(spec, inbox.put)
+        finally:
+            done.set()
+            thread.join(timeout=5)
 
     def metrics(self) -> list[dict]:
         """Per-step metrics put since the last call, oldest first."""
