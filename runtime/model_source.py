@@ -37,8 +37,34 @@ def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -
     return resolve_folder(spec)
 
 
-def load_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` from a ``transformers`` folder, on CPU, in eval mode."""
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``model.dtype`` (any spelling ``areal_flow.config.DTYPES`` accepts) -> ``torch.dtype``.
+
+    Raises:
+        ValueError: an unknown name, naming ``model.dtype`` and the accepted names.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    from areal_flow.config import DTYPES
+
+    canonical = DTYPES.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"model.dtype={name!r}: expected one of {', '.join(DTYPES)}")
+    return getattr(torch, canonical)
+
+
+def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a ``transformers`` folder, on CPU, in eval mode.
+
+    Args:
+        folder: a ``save_pretrained`` folder (``prepare_initial_model``'s result).
+        dtype: parameter dtype, a ``torch.dtype`` or a ``model.dtype`` name (``"bf16"``,
+            ``"float32"``, ...); the weights are cast to it on load.
+
+    Raises:
+        ValueError: an unknown dtype name; OSError: from ``from_pretrained``.
+    """
+    dtype = torch_dtype(dtype)
     transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(folder)
