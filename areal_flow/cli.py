@@ -174,6 +174,28 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from areal_flow.config import load_config
+    from runtime.engines.evaluate import evaluate_model
+
+    _check_output_folder(args.out)
+    cfg = load_config(args.config, args.overrides)
+    max_digits = cfg.dataset.max_digits if args.config or any(o.startswith("dataset.max_digits=")
+                                                               for o in args.overrides) else 2
+    try:
+        result = evaluate_model(args.model, args.task, n=args.n, samples=args.samples, temperature=args.temperature,
+                                cfg=cfg, max_digits=max_digits)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
+        raise CLIError(str(exc).splitlines()[0]) from None
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def _add_graph_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="graph file (graphs/*.py) holding one @flow")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
@@ -201,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
     p.add_argument("-o", "--output", default="placement.html", help="output .html, .svg, .png or .dot")
     p.set_defaults(func=_cmd_viz)
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
+    p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
+    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat"), help="test set and reward")
+    p.add_argument("--n", type=int, default=500, help="test problems (default 500)")
+    p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
+    p.add_argument("--out", help="also write the JSON result here")
+    p.add_argument("--config", help="YAML config for seed, model.dtype, warm_start (tiny presets), dataset.*")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=2 model.dtype=bf16")
+    p.set_defaults(func=_cmd_eval)
     p = sub.add_parser("config", help="list every config key (type, default, meaning) and the aliases; "
                                       "with a YAML file or overrides, print the resolved config")
     p.add_argument("file", nargs="?", help="YAML config to resolve (optional)")
