@@ -1,4 +1,4 @@
-"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run`` and ``viz``.
+"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``eval`` and ``config``.
 
 Owns argument parsing and the loading of graph files; the work is the compiler's
 (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
@@ -7,6 +7,8 @@ Owns argument parsing and the loading of graph files; the work is the compiler's
     areal-flow compile graphs/gsm8k_grpo.py cluster.n_nodes=4 cluster.n_gpus_per_node=8 --plan
     areal-flow run graphs/arith_grpo.py async.max_staleness=0   # the synchronous baseline
     areal-flow viz plan.json -o placement.html
+    areal-flow eval runs/arith_grpo/model --task arith --samples 8   # greedy accuracy, pass@k
+    areal-flow config                                            # every key, its default, aliases
 
 A graph file's config defaults to the YAML file of the same name beside it.
 """
@@ -14,7 +16,9 @@ A graph file's config defaults to the YAML file of the same name beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -85,12 +89,30 @@ VIZ_SUFFIXES = (".html", ".svg", ".png", ".dot")
 def _check_viz_path(path: str | None) -> None:
     if path is not None and Path(path).suffix not in VIZ_SUFFIXES:
         raise CLIError(f"{path}: the placement graph is written as {', '.join(VIZ_SUFFIXES)}; pick one of these suffixes")
+    _check_output_folder(path)
+
+
+def _check_output_folder(path: str | None) -> None:
+    """Raises CLIError when ``path``'s folder does not exist (before any work is done)."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise CLIError(f"{path}: output folder {Path(path).parent} does not exist")
+
+
+def _render(plan, path: str) -> None:
+    """``compiler.viz.render`` with its errors (no Graphviz ``dot`` for .svg/.png) as CLIError."""
+    from compiler.viz import render
+
+    try:
+        render(plan, path)
+    except (RuntimeError, ValueError) as exc:
+        raise CLIError(f"{path}: {exc}") from None
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler import format_table
 
     _check_viz_path(args.viz)
+    _check_output_folder(args.output if args.plan else None)
     flow = load_flow(args.file, args.flow)
     cfg = _config(flow, args)
     if args.allocation:
@@ -103,9 +125,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         Path(args.output).write_text(plan.to_json())
         print(f"plan written to {args.output} (id {plan.id})")
     if args.viz:
-        from compiler.viz import render
-
-        render(plan, args.viz)
+        _render(plan, args.viz)
         print(f"placement graph written to {args.viz}")
     return 0
 
@@ -137,15 +157,58 @@ def run_flow(flow: Flow, cfg) -> int:
 
 
 def _cmd_viz(args: argparse.Namespace) -> int:
-    from compiler.plan import Plan
-    from compiler.viz import render
+    from compiler.plan import Plan, PlanSchemaError
 
     _check_viz_path(args.output)
     path = Path(args.plan)
     if not path.is_file():
         raise CLIError(f"plan file not found: {path}")
-    render(Plan.from_json(path.read_text()), args.output)
+    try:
+        plan = Plan.from_json(path.read_text())
+    except (PlanSchemaError, UnicodeDecodeError) as exc:
+        message = str(exc).removeprefix("plan.json ")
+        raise CLIError(f"{path}: not a plan from 'areal-flow compile --plan': {message}") from None
+    _render(plan, args.output)
     print(f"placement graph written to {args.output}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from areal_flow.config import ExperimentConfig, load_config
+    from areal_flow.config_keys import format_listing
+
+    if args.file or args.overrides:  # show the resolved values of a graph's config
+        import yaml
+
+        from areal_flow.config import _yaml_key
+
+        cfg = load_config(args.file, args.overrides)
+        data = {_yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+        return 0
+    print(format_listing(ExperimentConfig))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from areal_flow.config import load_config
+    from runtime.engines.evaluate import evaluate_model
+
+    _check_output_folder(args.out)
+    cfg = load_config(args.config, args.overrides)
+    max_digits = cfg.dataset.max_digits if args.config or any(o.startswith("dataset.max_digits=")
+                                                               for o in args.overrides) else 2
+    try:
+        result = evaluate_model(args.model, args.task, n=args.n, samples=args.samples, temperature=args.temperature,
+                                cfg=cfg, max_digits=max_digits)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
+        raise CLIError(str(exc).splitlines()[0]) from None
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
     return 0
 
 
@@ -177,6 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
     p.add_argument("-o", "--output", default="placement.html", help="output .html, .svg, .png or .dot")
     p.set_defaults(func=_cmd_viz)
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
+    p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
+    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat"), help="test set and reward")
+    p.add_argument("--n", type=int, default=500, help="test problems (default 500)")
+    p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
+    p.add_argument("--out", help="also write the JSON result here")
+    p.add_argument("--config", help="YAML config for seed, model.dtype, warm_start (tiny presets), dataset.*")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=2 model.dtype=bf16")
+    p.set_defaults(func=_cmd_eval)
+    p = sub.add_parser("config", help="list every config key (type, default, meaning) and the aliases; "
+                                      "with a YAML file or overrides, print the resolved config")
+    p.add_argument("file", nargs="?", help="YAML config to resolve (optional)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides to resolve, e.g. training.seed=3")
+    p.set_defaults(func=_cmd_config)
     return parser
 
 
@@ -193,7 +271,9 @@ def _guarded(fn, args) -> int:
     user_errors = (CLIError, ConfigError, GraphError, AllocationError, CompileConfigError, InfeasiblePlanError,
                    ModelSpecError, PlanSchemaError, StrategyError)
     try:
-        return fn(args)
+        code = fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
     except user_errors as exc:
         print(f"areal-flow: error: {exc}", file=sys.stderr)
         return 2
@@ -205,6 +285,10 @@ def _guarded(fn, args) -> int:
         # The worker's own traceback is in the message; ours adds nothing.
         print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `areal-flow config | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        print("areal-flow: error: output pipe closed before all output was written", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("areal-flow: interrupted; outputs written so far are kept", file=sys.stderr)
         return 130

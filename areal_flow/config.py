@@ -5,7 +5,11 @@ OmegaConf's (structured configs); this module adds what users need from the erro
 the dotted key, the YAML file and line it came from (or "command line"), the expected
 type, and the nearest valid key for a typo. It must not act on the config.
 
-The YAML key ``async`` (a Python keyword) is the field ``async_``.
+The YAML key ``async`` (a Python keyword) is the field ``async_``. Names users know from
+AReaL and Hugging Face (``training.seed``, ``training.bf16``, ``actor.optimizer.lr``, ...)
+are aliases of our keys (``areal_flow.config_keys.ALIASES``; ``areal-flow config`` lists
+them); a mistyped key gets the nearest key by meaning (``learning_rate`` -> ``lr``) or
+spelling.
 
 A YAML file may start from another one: ``base: arith_grpo.yaml`` (a path relative to
 the file) loads that file first and then merges this file's keys over it, so a graph's
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from areal_flow.algorithms.config import LossConfig
+from areal_flow.config_keys import rewrite_mapping, rewrite_override, suggest
 from compiler.config import ClusterConfig, CompileConfig
 
 
@@ -39,7 +46,21 @@ class ModelConfig:
     path: str = "tiny-arith"
     """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
     dtype: str = "float32"
-    """Parameter dtype; float32 on CPU (bf16 autocast was 16-25x slower on this CPU)."""
+    """Parameter dtype of the policy as loaded: float32 (fp32), bfloat16 (bf16) or float16
+    (fp16); spellings are normalised to the torch name. The runtime loads the policy in it
+    (runtime.model_source.load_pretrained(dtype=...)); keep float32 on CPU (bf16 autocast was
+    16-25x slower on this CPU). Aliases: training.bf16 / training.fp16 = true."""
+
+    def __post_init__(self) -> None:
+        canonical = DTYPES.get(str(self.dtype).lower())
+        if canonical is None:
+            raise ConfigError(f"model.dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        self.dtype = canonical
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+"""Accepted ``model.dtype`` spellings -> the torch dtype name."""
 
 
 @dataclass
@@ -95,7 +116,12 @@ class TrainConfig:
     batch_size: int = 8
     """Prompt groups per optimizer step (B)."""
     micro_batch_size: int = 32
-    """Sequences per forward/backward micro-batch."""
+    """Sequences per forward/backward micro-batch; gradients of a step's micro-batches are summed
+    before the one optimizer step."""
+    gradient_accumulation_steps: int = 0
+    """Micro-batches per optimizer step, as HF/AReaL users give it; 0 = use micro_batch_size.
+    N > 0 sets micro_batch_size = ceil(batch_size * gen.n_samples / N), the rows of one step
+    split into N micro-batches (the last may be smaller)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -190,6 +216,33 @@ class EvalConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where run metrics go besides TensorBoard (runtime.metrics.RunLogger)."""
+
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'areal-flow[wandb]')."""
+    wandb_mode: str = "offline"
+    """online, offline (files under <run>/wandb, no network; `wandb sync` later) or disabled."""
+    wandb_project: str = "areal-flow"
+    """W&B project name."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("online", "offline", "disabled"):
+            raise ConfigError(f"logging.wandb_mode={self.wandb_mode!r}: expected online, offline or disabled")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("logging.wandb=true needs the wandb package: pip install 'areal-flow[wandb]'")
+
+
+@dataclass
+class DebugConfig:
+    """Debugging aids (off by default; each costs time or memory)."""
+
+    memory_profiler: bool = False
+    """Write a memory profile of the trainer per step to <run>/memory.jsonl: process RSS and the bytes of its
+    tensors (parameters, gradients, optimizer state); on CUDA also torch's allocator figures."""
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     """Run name: outputs go to <out_dir>/<name>/."""
@@ -209,8 +262,15 @@ class ExperimentConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self) -> None:
+        if self.train.gradient_accumulation_steps < 0:
+            raise ConfigError(f"train.gradient_accumulation_steps={self.train.gradient_accumulation_steps}: must be >= 0")
+        if self.train.gradient_accumulation_steps:
+            rows = self.train.batch_size * self.gen.n_samples
+            self.train.micro_batch_size = math.ceil(rows / self.train.gradient_accumulation_steps)
         if self.compile.prompts_per_step is None:
             self.compile.prompts_per_step = self.train.batch_size
         if self.scheduler.type not in ("local", "ray"):
@@ -299,7 +359,12 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"override {item!r} (command line): expected key=value, e.g. train.lr=1e-4")
         key, value = item.split("=", 1)
-        layers.append((OmegaConf.from_dotlist([f"{_field_key(key)}={value}"]), "command line", {}))
+        try:
+            pairs = rewrite_override(key, value)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (command line)") from None
+        for key, value in pairs:
+            layers.append((OmegaConf.from_dotlist([f"{_field_key(key)}={value}"]), "command line", {}))
 
     merged = base
     for layer, source, lines in layers:
@@ -337,6 +402,10 @@ def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str
         if not isinstance(parent, str) or not parent:
             raise ConfigError(f"{path}:{lines.get('base', '?')}: 'base' must be a YAML file path, got {parent!r}")
         layers = _file_layers(path.parent / parent, chain + [path])
+    try:
+        data = rewrite_mapping(data, lines)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return layers + [(OmegaConf.create(_rename_async(data)), str(path), lines)]
 
 
@@ -344,9 +413,8 @@ def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], sc
     key = _yaml_key(str(getattr(exc, "full_key", "") or ""))
     where = f"{source}:{lines[key]}" if key in lines else source
     if isinstance(exc, ConfigKeyError):
-        valid = [_yaml_key(k) for k in _all_keys(schema)]
-        near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-        hint = f"; did you mean '{near[0]}'?" if near else ""
+        near = suggest(key, [_yaml_key(k) for k in _all_keys(schema)])
+        hint = f"; did you mean '{near}'?" if near else ""
         return ConfigError(f"unknown config key '{key}' ({where}){hint}")
     message = str(exc).splitlines()[0]
     expected = _expected_type(schema, key)

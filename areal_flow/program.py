@@ -44,6 +44,7 @@ class RunSpec:
         scheduler: ``scheduler.*`` (local or ray, addresses, restarts).
         dtype: ``model.dtype`` for the engines and trainers.
         reward_model: training of a ``<preset>-rm`` reward model (``steps``, ``lr``).
+        logging / debug: ``logging.*`` (W&B beside TensorBoard), ``debug.*`` (memory profile).
     """
 
     name: str
@@ -55,13 +56,16 @@ class RunSpec:
     scheduler: dict = field(default_factory=dict)
     dtype: str = "float32"
     reward_model: dict = field(default_factory=dict)
+    logging: dict = field(default_factory=dict)
+    debug: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
         asdict = dataclasses.asdict
         return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
                    warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
-                   dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr})
+                   dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr},
+                   logging=asdict(cfg.logging), debug=asdict(cfg.debug))
 
 
 def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:

@@ -16,10 +16,6 @@ import torch
 
 from compiler.plan import NodePlan, Plan
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
 @dataclass
 class WorkerContext:
     """One worker's view of the run.
@@ -45,7 +41,10 @@ class WorkerContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.plan.run.get("dtype", "float32")]
+        """``model.dtype`` of the run: the generation engine's parameter dtype."""
+        from runtime.model_source import torch_dtype
+
+        return torch_dtype(self.plan.run.get("dtype", "float32"))
 
     @property
     def tokenizer(self):

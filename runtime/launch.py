@@ -87,11 +87,24 @@ class RunSetup:
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "plan.json").write_text(plan.to_json())
+        from compiler.device_check import device_mismatch_warning
+
         if show_progress:
             print(format_table(plan))
             for note in topo.notes:
                 print(f"note: {note}")
+        warning = device_mismatch_warning(plan.cluster["gpu"])
+        if warning:
+            print(f"areal-flow: warning: {warning}", file=sys.stderr)
         return cls(plan, topo, out_dir, show_progress)
+
+    def logger(self) -> RunLogger:
+        """TensorBoard (and W&B when ``logging.wandb``) + progress bar for this run."""
+        from types import SimpleNamespace
+
+        wandb = SimpleNamespace(**self.plan.run["logging"]) if self.plan.run.get("logging") else None
+        return RunLogger(self.out_dir, self.topo.steps, self.show_progress, wandb=wandb,
+                         run_name=self.plan.run["name"], config={"plan_id": self.plan.id, **self.plan.run})
 
     @property
     def eval_enabled(self) -> bool:
@@ -200,7 +213,7 @@ class _LocalRun:
         threads = cores if topo.max_staleness == 0 else max(1, cores // n_procs)
         specs = setup.specs(addresses, control, threads)
         router = self.router = setup.router(addresses[topo.generation.name], control)
-        logger = RunLogger(setup.out_dir, topo.steps, setup.show_progress)
+        logger = setup.logger()
         stop = threading.Event()
         router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
         router_thread.start()

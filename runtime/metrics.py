@@ -15,17 +15,65 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 
+EXTRA_TAGS = {"eval/accuracy": "eval/accuracy", "lr": "train/lr", "train/lr": "train/lr",
+              "weights/sync_s": "weights/sync_s", "weights/bytes": "weights/bytes", "reward/failures": "reward/failures"}
+"""Optional keys of a step's metrics dict -> their tag (logged only in the steps that carry them)."""
+
+
+class WandbWriter:
+    """The ``add_scalar``/``flush``/``close`` face of a Weights & Biases run, so ``RunLogger``
+    writes to it as to TensorBoard's ``SummaryWriter``.
+
+    Args:
+        out_dir: run folder; W&B files go to ``<out_dir>/wandb`` (offline: nothing leaves
+            the machine; ``wandb sync`` uploads later).
+        project, mode: ``logging.wandb_project``, ``logging.wandb_mode`` (online, offline, disabled).
+        config: the run's config as a dict (shown in the W&B run).
+
+    Raises:
+        ModuleNotFoundError: wandb is not installed, with the pip command (one line).
+    """
+
+    def __init__(self, out_dir: Path, project: str, mode: str = "offline", name: str | None = None,
+                 config: dict | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise ModuleNotFoundError("logging.wandb=true needs the wandb package: pip install 'areal-flow[wandb]'") from None
+        self.run = wandb.init(project=project, name=name, mode=mode, dir=str(out_dir), config=config or {},
+                              settings=wandb.Settings(silent=True))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run.log({tag: value}, step=step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class RunLogger:
-    """TensorBoard writer + tqdm bar + counters for one run.
+    """TensorBoard writer (and optionally W&B) + tqdm bar + counters for one run.
 
     Args:
         out_dir: run folder; event files are written there.
         total_steps: optimizer steps expected (the bar's length).
+        wandb: a ``LoggingConfig`` with ``wandb=True`` adds a ``WandbWriter`` beside
+            TensorBoard (every scalar goes to both); None or ``wandb=False``: TensorBoard only.
+        run_name, config: the W&B run's name and config.
+
+    Raises:
+        ModuleNotFoundError: W&B asked for but not installed (see ``WandbWriter``).
     """
 
-    def __init__(self, out_dir: Path, total_steps: int, show_progress: bool = True):
+    def __init__(self, out_dir: Path, total_steps: int, show_progress: bool = True, wandb=None,
+                 run_name: str | None = None, config: dict | None = None):
         self.out_dir = out_dir
-        self.writer = SummaryWriter(log_dir=str(out_dir))
+        self.writers = [SummaryWriter(log_dir=str(out_dir))]
+        if wandb is not None and wandb.wandb:
+            self.writers.append(WandbWriter(out_dir, wandb.wandb_project, wandb.wandb_mode, run_name, config))
+        self.writer = self.writers[0]
         self.bar = tqdm(total=total_steps, desc="rl", unit="step", disable=not show_progress, dynamic_ncols=True)
         self.start = time.perf_counter()
         self.samples = 0
@@ -33,10 +81,18 @@ class RunLogger:
         self.history: list[dict] = []
 
     def log_scalar(self, tag: str, value: float, step: int) -> None:
-        self.writer.add_scalar(tag, value, step)
+        """One scalar at any step (e.g. ``eval/accuracy`` of a mid-run evaluation), to every writer."""
+        for writer in self.writers:
+            writer.add_scalar(tag, value, step)
 
     def log_step(self, metrics: dict) -> None:
-        """Record one trainer step's metrics (see ``runtime.workers.step_metrics``)."""
+        """Record one trainer step's metrics (see ``runtime.workers.step_metrics``).
+
+        Numeric keys go to ``rl/<key>`` unless they hold a ``/``; the optional keys of
+        ``EXTRA_TAGS`` (``eval/accuracy``, ``lr`` or ``train/lr``, ``weights/sync_s``,
+        ``weights/bytes`` (bytes), ``reward/failures`` (count)) are logged under their tag
+        in the steps that carry them.
+        """
         step = metrics["step"]
         self.samples += metrics["samples"]
         self.staleness.update(metrics["staleness"])
@@ -44,7 +100,7 @@ class RunLogger:
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         scalars["samples_per_s"] = self.samples / max(elapsed, 1e-9)
         for key, value in scalars.items():
-            self.writer.add_scalar(key if "/" in key else f"rl/{key}", value, step)
+            self.log_scalar(EXTRA_TAGS.get(key, key if "/" in key else f"rl/{key}"), value, step)
         self.history.append({"step": step, **scalars})
         self.bar.set_postfix(
             reward=f"{metrics['reward']:.2f}",
@@ -57,8 +113,9 @@ class RunLogger:
 
     def close(self) -> None:
         self.bar.close()
-        self.writer.flush()
-        self.writer.close()
+        for writer in self.writers:
+            writer.flush()
+            writer.close()
 
     def summary(self, **extra) -> dict:
         """The end-of-run record; also written to ``summary.json``."""

@@ -136,7 +136,7 @@ class _RayRun:
         stop = threading.Event()
         router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
         router_thread.start()
-        logger = RunLogger(setup.out_dir, topo.steps, setup.show_progress)
+        logger = setup.logger()
         try:
             workers = self._drive(specs, logger, router)
         except KeyboardInterrupt:

@@ -310,6 +310,8 @@ class _Stage:
                     metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
                     if checkpoint:
                         metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
+                    if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
+                        self._memory_profile(step, out / "memory.jsonl")
                     if self.report is not None:
                         self.report(metrics)
             self._save_final(out / "model")
@@ -318,6 +320,27 @@ class _Stage:
                 p.close()
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
                 "world_size": self.group.strategy.world_size}
+
+    def _memory_profile(self, step: int, path: Path) -> None:
+        """Append this step's memory to ``path``: process RSS and the bytes of the tensors of
+        every trained model (parameters, gradients, optimizer state); CUDA allocator figures
+        when the plan runs on CUDA (bytes)."""
+        import psutil
+
+        record = {"step": step, "rss_bytes": psutil.Process().memory_info().rss}
+        for node in self.batch_nodes:
+            ex = self.executors[node.name]
+            if node.op != "train_step":
+                continue
+            tensors = [p for p in ex.model.parameters()] + [p.grad for p in ex.model.parameters() if p.grad is not None]
+            optimizer = getattr(ex, "optimizer", None) or ex.algorithm.optimizer
+            tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+            record[f"{node.name}/tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+        if torch.cuda.is_available() and self.ctx.plan.device_type == "cuda":
+            record.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                          cuda_reserved_bytes=torch.cuda.memory_reserved())
+        with path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
                     publishers: dict) -> tuple[dict, dict]:
@@ -337,8 +360,14 @@ class _Stage:
                 stats.update(result["stats"])
                 advantage = inputs["advantages"]
                 if publish and node.name in publishers:
-                    publishers[node.name].publish(result["weights"], step + 1)
+                    publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
+                        time.perf_counter()
+                    publisher.publish(result["weights"], step + 1)
                     self.version = step + 1
+                    stats["weights/sync_s"] = time.perf_counter() - started
+                    stats["weights/bytes"] = float(publisher.published_bytes - sent)
+                if "lr" in node.attrs and node.model == self.ctx.policy_name():
+                    stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
                     self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
                                    result["weights"])
@@ -363,7 +392,7 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
     staleness = [t.staleness(step) for t in trajectories]
     n_tokens = int(batch["attention_mask"].sum())
     return {
-        "step": step, "version": step + 1, **{f"train/{k}": float(v) for k, v in stats.items()},
+        "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
         "reward": float(batch["rewards"].mean()),
         "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
         "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),

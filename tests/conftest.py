@@ -1,4 +1,10 @@
-"""Fixtures shared by the run tests."""
+"""Fixtures shared by the tests, and the test cache.
+
+The suite never writes into the user's cache (``~/.cache/areal_flow``): unless
+``$AREAL_FLOW_CACHE`` is set explicitly, it is pointed at ``<repo>/.cache/areal_flow``
+(git-ignored) for the whole session, workers included, so the run tests share one
+warm-start cache (SFT once per clone) and GGUF conversion.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TEST_CACHE = REPO / ".cache" / "areal_flow"
+
+
+def pytest_configure(config):
+    os.environ.setdefault("AREAL_FLOW_CACHE", str(TEST_CACHE))
 
 
 @pytest.fixture
-def warm_cache(monkeypatch):
-    """Point ``$AREAL_FLOW_CACHE`` at ``<repo>/.cache/areal_flow`` unless it is set, so the
-    run tests share one warm-start cache (SFT once per machine)."""
-    if "AREAL_FLOW_CACHE" not in os.environ:
-        monkeypatch.setenv("AREAL_FLOW_CACHE", str(REPO / ".cache" / "areal_flow"))
+def warm_cache() -> Path:
+    """The session's cache root (see the module doc); run tests name it to say they use it."""
+    return Path(os.environ["AREAL_FLOW_CACHE"])

@@ -1,5 +1,6 @@
 """The command line: one-line errors naming the culprit, and the graph listing."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,50 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         out = _cli(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_viz_polish_errors_name_the_file(tmp_path):
+    bad = tmp_path / "not_a_plan.json"
+    bad.write_text("nope\n")
+    plan = tmp_path / "plan.json"
+    assert _cli("compile", "graphs/arith_grpo.py", "--plan", "-o", str(plan)).returncode == 0
+    cases = [
+        (("viz", str(bad), "-o", str(tmp_path / "x.html")), f"{bad}: not a plan"),  # this file, not "plan.json"
+        (("viz", str(plan), "-o", str(tmp_path / "no" / "x.html")), "output folder"),
+        (("compile", "graphs/arith_grpo.py", "--plan", "-o", str(tmp_path / "no" / "p.json")), "output folder"),
+    ]
+    for args, message in cases:
+        out = _cli(*args)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_svg_without_graphviz_dot_is_one_line(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert _cli("compile", "graphs/arith_grpo.py", "--plan", "-o", str(plan)).returncode == 0
+    env = {"PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}  # a PATH without the `dot` program
+    out = subprocess.run([sys.executable, "-m", "areal_flow.cli", "viz", str(plan), "-o", str(tmp_path / "p.svg")],
+                         cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "Graphviz 'dot'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_closed_pipe_is_one_line():
+    # `areal-flow config | head -1` once head has left: a pipe whose reading end is closed
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    cli = subprocess.run([sys.executable, "-m", "areal_flow.cli", "config"], cwd=ROOT, stdout=write_end,
+                         stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert cli.returncode == 2
+    assert cli.stderr.strip() == "areal-flow: error: output pipe closed before all output was written"
+
+
+def test_config_lists_keys_defaults_docs_and_aliases():
+    out = _cli("config")
+    assert out.returncode == 0, out.stderr
+    assert "  train.lr: float = 0.001\n      AdamW learning rate." in out.stdout
+    assert "  async.max_staleness: int = 2" in out.stdout  # the YAML name, not the field async_
+    assert "training.seed" in out.stdout and "-> seed" in out.stdout
+    resolved = _cli("config", "graphs/arith_grpo.yaml", "training.seed=7", "actor.optimizer.lr=0.5")
+    assert resolved.returncode == 0, resolved.stderr
+    assert "\nseed: 7\n" in resolved.stdout and "  lr: 0.5\n" in resolved.stdout

@@ -2,7 +2,7 @@
 support they need (critic, reference model, DAPO's reward-side filter, config ``base``).
 
 The run tests use tiny settings and one warm start shared by every run (cached under
-``$AREAL_FLOW_CACHE``, default ``<repo>/.cache/areal_flow``), so SFT runs once.
+``$AREAL_FLOW_CACHE``; the suite sets ``<repo>/.cache/areal_flow``, tests/conftest.py), so SFT runs once.
 """
 
 from __future__ import annotations

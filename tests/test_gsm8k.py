@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 
+pytest.importorskip("datasets", reason="GSM8K is read with the 'datasets' package (a dependency: pip install -e .)")
+
+import areal_flow
 from areal_flow.tasks.arithmetic import TEST_ID_OFFSET
 from areal_flow.tasks.gsm8k import (
     GSM8KConfig,
@@ -17,9 +23,16 @@ from areal_flow.tasks.gsm8k import (
 )
 
 
-def test_default_dir_holds_both_splits():
+def test_default_dir_is_shipped_in_the_package():
     folder = default_data_dir()
-    assert (folder / "train.jsonl").is_file() and (folder / "test.jsonl").is_file()
+    package = Path(areal_flow.__file__).parent
+    assert folder.parent.parent == package
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["LICENSE", "test.jsonl", "train.jsonl"]
+    # pyproject's package-data carries every one of them into a wheel (pip install .)
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["areal_flow"]
+    assert all(any(fnmatch(f"data/gsm8k/{name}", g) for g in globs) for name in files)
 
 
 def test_train_split_size_and_known_lines():
@@ -54,6 +67,28 @@ def test_path_override_file_and_folder(tmp_path):
     assert read_gsm8k_jsonl(tmp_path / "train.jsonl") == expected
 
 
+def test_parquet_file_and_folder(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow", reason="parquet needs pyarrow (a dependency of datasets)")
+    import pyarrow.parquet as pq
+
+    table = pyarrow.table({"question": ["a", "b"], "answer": ["#### 3", "x\n#### 4,000"]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    pq.write_table(table.slice(1), tmp_path / "test.parquet")
+    assert load_gsm8k(GSM8KConfig(path=str(tmp_path / "train.parquet"))) == [
+        {"prompt": "a", "answer": "3", "id": 0}, {"prompt": "b", "answer": "4000", "id": 1}]
+    task = GSM8KTask(path=str(tmp_path))
+    assert task.test_set() == [{"prompt": "b", "answer": "4000", "id": TEST_ID_OFFSET}]
+
+
+def test_hub_name_unavailable_offline_names_the_key(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # never reach the network here
+    monkeypatch.setenv("HF_DATASETS_CACHE", "/nonexistent-areal-flow-test")
+    with pytest.raises(RuntimeError, match=r"dataset.path='nobody/no-such-gsm8k'.*hub") as info:
+        load_gsm8k(GSM8KConfig(path="nobody/no-such-gsm8k"))
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "answer, expected",
     [("a\n#### 72", "72"), ("#### 1,200", "1200"), ("#### -3", "-3"), ("####  2.5 ", "2.5"),
@@ -85,8 +120,10 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
 def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="dataset.split"):
         load_gsm8k(GSM8KConfig(split="validation"))
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(FileNotFoundError, match="dataset.path=.*missing.jsonl"):
         load_gsm8k(GSM8KConfig(path=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(FileNotFoundError, match="holds none of test.jsonl"):
+        load_gsm8k(GSM8KConfig(path=str(tmp_path), split="test"))
 
 
 def test_task_train_draws_are_seeded_shuffles(tmp_path):

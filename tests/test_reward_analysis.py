@@ -96,3 +96,29 @@ def test_bad_line_names_file_and_line(tmp_path, line, message):
     with pytest.raises(ValueError, match=message) as info:
         load_trajectories(path)
     assert f"{path}:2" in str(info.value)
+
+
+def test_smoothed_band_is_clipped_to_the_reward_range():
+    from areal_flow.debug.reward_analysis import smoothed_band
+
+    # step 1: rewards 1, 1, 1, 0 -> mean 0.75, sd sqrt(3/16) = 0.4330, half = 1.96 * 0.4330 / 2 = 0.4244
+    # step 2: all 1 -> mean 1, sd 0: band [1, 1]; with window 0 each step stands alone
+    records = [{"step": 1, "reward": r} for r in (1, 1, 1, 0)] + [{"step": 2, "reward": 1} for _ in range(4)]
+    steps, means, lows, highs = smoothed_band(records, window=0, lo=0.0, hi=1.0)
+    assert steps == [1, 2] and means == [0.75, 1.0]
+    assert lows[0] == pytest.approx(0.75 - 0.42435, abs=1e-4) and highs[0] == 1.0  # 1.174 clipped to 1
+    assert (lows[1], highs[1]) == (1.0, 1.0)
+    # window 1 pools both steps: 7 ones and a zero -> mean 7/8
+    assert smoothed_band(records, window=1, lo=0.0, hi=1.0)[1] == [0.875, 0.875]
+
+
+def test_staleness_within_steps_removes_the_time_trend():
+    from areal_flow.debug.reward_analysis import staleness_within_steps
+
+    # early step 1: low reward, staleness 0 and 1 alike; late step 2: high reward, all staleness 2.
+    # Raw means by staleness would say 0/1 -> 0.25, 2 -> 1.0 (time, not staleness).
+    records = [{"step": 1, "staleness": 0, "reward": 0.0}, {"step": 1, "staleness": 0, "reward": 0.5},
+               {"step": 1, "staleness": 1, "reward": 0.0}, {"step": 1, "staleness": 1, "reward": 0.5},
+               {"step": 2, "staleness": 2, "reward": 1.0}, {"step": 2, "staleness": 2, "reward": 1.0}]
+    # step 1 mean 0.25: staleness 0 deviations -0.25, +0.25 -> 0; same for 1; step 2 has one value: left out
+    assert staleness_within_steps(records) == {0: (0.0, 2), 1: (0.0, 2)}

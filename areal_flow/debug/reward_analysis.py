@@ -154,10 +154,14 @@ def plot(report: RewardReport, records: list[dict], out_path: str | Path) -> Pat
     steps = list(report.by_step)
     means = [s.mean for s in report.by_step.values()]
     stds = [s.std for s in report.by_step.values()]
-    ax_step.plot(steps, means, marker="o", label="mean reward")
-    ax_step.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
-                         alpha=0.25, label="± std")
-    ax_step.plot(steps, [s.pass_rate for s in report.by_step.values()], marker=".", ls="--", label="pass rate")
+    lo, hi = min(float(r["reward"]) for r in records), max(float(r["reward"]) for r in records)
+    centers, smooth, low, high = smoothed_band(records, window=max(1, len(steps) // 20), lo=lo, hi=hi)
+    ax_step.plot(steps, means, lw=0.8, alpha=0.5, label="mean reward")
+    ax_step.plot(centers, smooth, color="C0", lw=2, label="smoothed mean")
+    ax_step.fill_between(centers, low, high, alpha=0.25, label=f"95% CI (clipped to [{lo:g}, {hi:g}])")
+    pass_rates = [s.pass_rate for s in report.by_step.values()]
+    if any(abs(p - m) > 1e-9 for p, m in zip(pass_rates, means)):  # for 0/1 rewards they are one line
+        ax_step.plot(steps, pass_rates, marker=".", ls="--", label="pass rate")
     ax_step.set(title="reward by trainer step", xlabel="step", ylabel="reward")
     ax_step.legend()
     ax_prompt.hist([s.pass_rate for s in report.by_prompt.values()], bins=11, range=(0, 1))
@@ -169,15 +173,63 @@ def plot(report: RewardReport, records: list[dict], out_path: str | Path) -> Pat
     ax_len.set(title=f"response length vs reward (r = {report.length_reward_corr:.2f})",
                xlabel="response length [tokens]", ylabel="reward")
     ax_len.legend()
-    ax_stale.bar([str(k) for k in report.by_staleness], [s.mean for s in report.by_staleness.values()])
-    for i, s in enumerate(report.by_staleness.values()):
-        ax_stale.annotate(f"n={s.n}", (i, s.mean), ha="center", va="bottom", fontsize=8)
-    ax_stale.set(title="staleness vs reward", xlabel="staleness [policy versions]", ylabel="mean reward")
+    matched = staleness_within_steps(records)
+    ax_stale.bar([str(k) for k in matched], [v for v, _ in matched.values()])
+    for i, (value, n) in enumerate(matched.values()):
+        ax_stale.annotate(f"n={n}", (i, value), ha="center", va="bottom", fontsize=8)
+    ax_stale.axhline(0, color="gray", lw=0.8)
+    ax_stale.set(title="staleness vs reward, within the same steps", xlabel="staleness [policy versions]",
+                 ylabel="reward - its step's mean")
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png")
     return out_path
+
+
+def smoothed_band(records: list[dict], window: int, lo: float, hi: float, z: float = 1.96):
+    """Mean reward over a centred window of ``2 * window + 1`` steps, with a normal-approximation
+    confidence band ``mean ± z * sd / sqrt(n)`` (n = samples pooled in the window, sd their
+    population standard deviation) clipped to the reward range ``[lo, hi]``.
+
+    Returns:
+        ``(steps, means, lows, highs)``, one entry per distinct step, ascending.
+    """
+    by_step: dict[int, list[float]] = {}
+    for r in records:
+        by_step.setdefault(int(r["step"]), []).append(float(r["reward"]))
+    steps = sorted(by_step)
+    means, lows, highs = [], [], []
+    for i in range(len(steps)):
+        pooled = [v for s in steps[max(0, i - window): i + window + 1] for v in by_step[s]]
+        mean = sum(pooled) / len(pooled)
+        half = z * math.sqrt(sum((v - mean) ** 2 for v in pooled) / len(pooled)) / math.sqrt(len(pooled))
+        means.append(mean)
+        lows.append(max(lo, mean - half))
+        highs.append(min(hi, mean + half))
+    return steps, means, lows, highs
+
+
+def staleness_within_steps(records: list[dict]) -> dict[int, tuple[float, int]]:
+    """Staleness against reward with time held fixed: each sample's reward minus the mean
+    reward of its own step, averaged per staleness value (so a staleness that only occurs
+    early, when rewards are low, does not look harmful). Steps with a single staleness value
+    contribute 0 to it and are left out.
+
+    Returns:
+        ``{staleness: (mean reward - step mean, samples)}``, ascending staleness.
+    """
+    by_step: dict[int, list[dict]] = {}
+    for r in records:
+        by_step.setdefault(int(r["step"]), []).append(r)
+    sums: dict[int, list[float]] = {}
+    for rows in by_step.values():
+        if len({int(r["staleness"]) for r in rows}) < 2:
+            continue
+        step_mean = sum(float(r["reward"]) for r in rows) / len(rows)
+        for r in rows:
+            sums.setdefault(int(r["staleness"]), []).append(float(r["reward"]) - step_mean)
+    return {k: (sum(v) / len(v), len(v)) for k, v in sorted(sums.items())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ Why the cache is fp32, not bf16: a Q4_1 weight dequantizes to ``d * q + m`` with
 scale ``d`` and offset ``m``; such values generally need more mantissa bits than bf16's 8,
 so a bf16 cache would silently differ from the GGUF conversion (measured: 74% of the
 entries of ``layers.0.mlp.down_proj`` change when rounded to bf16). fp32 keeps the cached model
-bit-identical to a fresh conversion (540 MB on disk for 135M parameters; ``.cache`` is
-git-ignored); ``load_model(..., dtype=torch.bfloat16)`` still casts on load.
+bit-identical to a fresh conversion (540 MB on disk for 135M parameters, under the cache root
+``areal_flow.cache.cache_root()``); ``load_model(..., dtype=torch.bfloat16)`` still casts on load.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_CACHE_ENV = "AREAL_FLOW_CACHE"
 _SOURCE_FILE = "areal_flow_source.json"
 _HUB_ID_RE = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # weights + tokenizer only
@@ -63,9 +63,9 @@ PRESETS: dict[str, GGUFPreset] = {
 
 
 def cache_dir() -> Path:
-    """Root of areal-flow's caches: ``$AREAL_FLOW_CACHE`` if set, else ``<repo>/.cache/areal_flow``."""
-    override = os.environ.get(_CACHE_ENV)
-    return Path(override).expanduser() if override else _REPO_ROOT / ".cache" / "areal_flow"
+    """Root of areal-flow's caches: ``areal_flow.cache.cache_root()`` (``$AREAL_FLOW_CACHE``,
+    else ``$XDG_CACHE_HOME/areal_flow``, else ``~/.cache/areal_flow``)."""
+    return cache_root()
 
 
 def find_packaged_gguf(package: str, filename: str) -> Path:

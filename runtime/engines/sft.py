@@ -23,11 +23,9 @@ import xxhash
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from areal_flow.cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported for callers
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
-
-CACHE_ENV = "AREAL_FLOW_CACHE"
-
 
 @dataclass(frozen=True)
 class SFTConfig:
@@ -61,11 +59,6 @@ class SFTConfig:
     n_problems: int = 20_000
     seed: int = 0
     teacher_bug_rate: float = 0.0
-
-
-def cache_root() -> Path:
-    """``$AREAL_FLOW_CACHE`` if set, else ``./.cache/areal_flow`` (relative to the cwd)."""
-    return Path(os.environ.get(CACHE_ENV, Path.cwd() / ".cache" / "areal_flow"))
 
 
 def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:

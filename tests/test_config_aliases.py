@@ -1,0 +1,127 @@
+"""Aliases of our config keys, suggestions by meaning, model.dtype, and the new sections."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_flow.config import ConfigError, load_config
+from areal_flow.config_keys import ALIASES, describe_keys, field_docs, suggest
+
+
+def test_aliases_on_the_command_line():
+    cfg = load_config(None, ["training.seed=5", "training.bf16=true", "model.activation_checkpointing=false",
+                             "rollout.max_head_offpolicyness=0", "gconfig.n_samples=4", "actor.path=smollm2-135m"])
+    assert (cfg.seed, cfg.model.dtype, cfg.compile.activation_checkpointing) == (5, "bfloat16", False)
+    assert (cfg.async_.max_staleness, cfg.gen.n_samples, cfg.model.path) == (0, 4, "smollm2-135m")
+    assert load_config(None, ["training.fp16=true"]).model.dtype == "float16"
+    assert load_config(None, ["training.fp16=false"]).model.dtype == "float32"  # false changes nothing
+
+
+def test_aliases_in_yaml_with_line_numbers(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  seed: 9\n  bf16: true\nasync:\n  max_staleness: 3\n"
+                    "actor:\n  optimizer:\n    lr: 0.25\n")
+    cfg = load_config(path)
+    assert (cfg.seed, cfg.model.dtype, cfg.async_.max_staleness, cfg.train.lr) == (9, "bfloat16", 3, 0.25)
+    path.write_text("training:\n  seed: nine\n")
+    with pytest.raises(ConfigError, match=rf"'seed' \({path}:2\)"):  # the alias's line
+        load_config(path)
+    path.write_text("training:\n  fp16: maybe\n")
+    with pytest.raises(ConfigError, match=r"training.fp16 \(alias of model.dtype\)"):
+        load_config(path)
+
+
+def test_gradient_accumulation_maps_onto_micro_batches():
+    # 8 prompts x 8 samples = 64 rows; 4 accumulation steps -> micro-batches of 64 / 4 = 16
+    cfg = load_config(None, ["train.batch_size=8", "gen.n_samples=8", "training.gradient_accumulation_steps=4"])
+    assert cfg.train.micro_batch_size == 16
+    # 3 prompts x 5 samples = 15 rows in 4 micro-batches -> ceil(15 / 4) = 4 rows (4 + 4 + 4 + 3)
+    cfg = load_config(None, ["train.batch_size=3", "gen.n_samples=5", "train.gradient_accumulation_steps=4"])
+    assert cfg.train.micro_batch_size == 4
+    assert load_config(None, ["train.micro_batch_size=7"]).train.micro_batch_size == 7  # 0 = off
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("train.learning_rate", "train.lr"), ("train.epochs", "train.steps"), ("train.batch", "train.batch_size"),
+    ("gen.group_size", "gen.n_samples"), ("train.lrr", "train.lr"), ("train.precision", "model.dtype"),
+    ("training.seed", "seed"),
+])
+def test_suggestions_by_meaning_then_spelling(typed, meant):
+    from areal_flow.config import ExperimentConfig, _all_keys, _yaml_key
+
+    assert suggest(typed, [_yaml_key(k) for k in _all_keys(ExperimentConfig)]) == meant
+
+
+def test_unknown_key_error_suggests_by_meaning():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.learning_rate' \(command line\); "
+                                          r"did you mean 'train.lr'\?"):
+        load_config(None, ["train.learning_rate=1e-4"])
+
+
+@pytest.mark.parametrize("given, canonical", [("fp32", "float32"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"),
+                                              ("fp16", "float16"), ("float16", "float16")])
+def test_model_dtype_spellings(given, canonical):
+    assert load_config(None, [f"model.dtype={given}"]).model.dtype == canonical
+
+
+def test_model_dtype_rejects_banana_naming_the_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.dtype=banana"])
+    assert str(info.value).startswith("model.dtype='banana': expected one of") and "\n" not in str(info.value)
+
+
+def test_logging_and_debug_sections():
+    cfg = load_config(None, ["debug.memory_profiler=true", "logging.wandb_mode=disabled"])
+    assert cfg.debug.memory_profiler and cfg.logging.wandb_mode == "disabled" and not cfg.logging.wandb
+    with pytest.raises(ConfigError, match="logging.wandb_mode='sometimes'"):
+        load_config(None, ["logging.wandb_mode=sometimes"])
+
+
+def test_wandb_on_without_the_package_is_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.wandb=true needs the wandb package: pip install"):
+        load_config(None, ["logging.wandb=true"])
+
+
+def test_every_alias_target_is_a_key_and_every_key_is_documented():
+    from areal_flow.config import ExperimentConfig
+
+    rows = describe_keys(ExperimentConfig)
+    keys = {key for key, *_ in rows}
+    assert {a.target for a in ALIASES} <= keys
+    assert [key for key, _, _, doc in rows if not doc] == []
+    assert ("train.lr", "float", "0.001", "AdamW learning rate.") in rows
+
+
+def test_field_docs_reads_attribute_docstrings():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Example:
+        a: int = 1
+        """The a.
+        Two lines."""
+        b: int = 2
+
+    assert field_docs(Example) == {"a": "The a. Two lines."}
+
+
+def test_load_pretrained_honours_the_dtype_name(tmp_path):
+    import torch
+
+    from areal_flow.models.tiny import build_model
+    from areal_flow.models.tokenizer import build_char_tokenizer
+    from runtime.model_source import load_pretrained, torch_dtype
+
+    assert (torch_dtype("bf16"), torch_dtype("float16"), torch_dtype(torch.float32)) == (
+        torch.bfloat16, torch.float16, torch.float32)
+    with pytest.raises(ValueError, match="model.dtype='banana'"):
+        torch_dtype("banana")
+    tokenizer = build_char_tokenizer()
+    build_model("tiny-s", len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, _ = load_pretrained(tmp_path, "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
