@@ -277,6 +277,10 @@ def _guarded(fn, args) -> int:
     except user_errors as exc:
         print(f"areal-flow: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `areal-flow config | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        print("areal-flow: error: output pipe closed before all output was written", file=sys.stderr)
+        return 2
     except Exception as exc:
         # Only a run imports the runtime (torch); a worker can have failed only if it did.
         launch = sys.modules.get("runtime.launch")
@@ -285,10 +289,6 @@ def _guarded(fn, args) -> int:
         # The worker's own traceback is in the message; ours adds nothing.
         print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `areal-flow config | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        print("areal-flow: error: output pipe closed before all output was written", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("areal-flow: interrupted; outputs written so far are kept", file=sys.stderr)
         return 130
