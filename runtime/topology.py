@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_flow.ops.registry import BATCH, GENERATION, GROUP, SOURCE, STREAM
+from areal_flow.ops.registry import BATCH, GENERATION, SOURCE, STREAM
 from compiler.plan import NodePlan, Plan
 from compiler.strategy import ParallelStrategy, StrategyError
 

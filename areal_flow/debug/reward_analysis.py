@@ -153,7 +153,6 @@ def plot(report: RewardReport, records: list[dict], out_path: str | Path) -> Pat
     ax_step, ax_prompt, ax_len, ax_stale = fig.subplots(2, 2).flat
     steps = list(report.by_step)
     means = [s.mean for s in report.by_step.values()]
-    stds = [s.std for s in report.by_step.values()]
     lo, hi = min(float(r["reward"]) for r in records), max(float(r["reward"]) for r in records)
     centers, smooth, low, high = smoothed_band(records, window=max(1, len(steps) // 20), lo=lo, hi=hi)
     ax_step.plot(steps, means, lw=0.8, alpha=0.5, label="mean reward")

@@ -19,60 +19,33 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
+
+from areal_flow.models.scalar_head import ScalarHeadModel
 
 HEAD_FILE = "value_head.pt"
 
 
-class ValueModel(torch.nn.Module):
+class ValueModel(ScalarHeadModel):
     """``critic(input_ids=, attention_mask=) -> values [batch, seq]`` float32.
 
-    Args:
-        backbone: a ``transformers`` decoder without LM head (``AutoModel``) whose output
-            has ``last_hidden_state [batch, seq, hidden]``.
-        seed: seeds the head's initialisation (PyTorch's default ``Linear`` init), so two
-            critics built from one folder are equal.
+    Args: those of :class:`~areal_flow.models.scalar_head.ScalarHeadModel` (the head is
+    ``value_head``, saved as ``value_head.pt``).
     """
 
-    def __init__(self, backbone: torch.nn.Module, *, seed: int = 0) -> None:
-        super().__init__()
-        self.backbone = backbone
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        self.value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
-        torch.random.set_rng_state(generator_state)
+    HEAD_FILE = HEAD_FILE
+    KIND = "critic"
 
     @classmethod
     def from_policy(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> "ValueModel":
-        """A critic whose backbone is the policy's decoder in ``folder``, with a new head.
+        """A critic whose backbone is the policy's decoder in ``folder``, with a new head."""
+        return cls.from_backbone(folder, seed=seed, dtype=dtype)
 
-        Raises:
-            OSError / ValueError: from ``transformers`` when ``folder`` holds no model.
-        """
-        return cls(AutoModel.from_pretrained(folder, dtype=dtype), seed=seed)
-
-    @classmethod
-    def load(cls, folder: str | Path) -> "ValueModel":
-        """A critic saved by :meth:`save`.
-
-        Raises:
-            FileNotFoundError: ``folder`` has no ``value_head.pt``.
-        """
-        folder = Path(folder)
-        if not (folder / HEAD_FILE).is_file():
-            raise FileNotFoundError(f"{folder}: no {HEAD_FILE}; not a critic saved by ValueModel.save")
-        model = cls(AutoModel.from_pretrained(folder))
-        model.value_head.load_state_dict(torch.load(folder / HEAD_FILE, weights_only=True))
-        return model
-
-    def save(self, folder: str | Path) -> None:
-        """Write the backbone (``transformers`` format) and ``value_head.pt`` to ``folder``."""
-        folder = Path(folder)
-        self.backbone.save_pretrained(folder)
-        torch.save(self.value_head.state_dict(), folder / HEAD_FILE)
+    @property
+    def value_head(self) -> torch.nn.Linear:
+        return self.head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Values ``[batch, seq]`` float32 for ``input_ids [batch, seq]`` (layout: module doc)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.value_head(hidden).squeeze(-1).float()
+        v = self.head(hidden).squeeze(-1).float()
         return torch.nn.functional.pad(v[:, :-1], (1, 0))

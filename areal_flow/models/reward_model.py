@@ -20,12 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
+
+from areal_flow.models.scalar_head import ScalarHeadModel
 
 HEAD_FILE = "reward_head.pt"
 
 
-class RewardModel(torch.nn.Module):
+class RewardModel(ScalarHeadModel):
     """``rm(input_ids, attention_mask) -> scores [batch]`` float32 logits.
 
     A score is the logit of P(response is correct | prompt); :meth:`score_probability`
@@ -38,41 +39,17 @@ class RewardModel(torch.nn.Module):
             RMs built from one folder are equal.
     """
 
-    def __init__(self, backbone: torch.nn.Module, *, seed: int = 0) -> None:
-        super().__init__()
-        self.backbone = backbone
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.reward_head = torch.nn.Linear(backbone.config.hidden_size, 1)
+    HEAD_FILE = HEAD_FILE
+    KIND = "reward model"
 
-    @classmethod
-    def from_backbone(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> "RewardModel":
-        """An RM whose backbone is the decoder of the causal LM in ``folder``, with a new head.
-
-        Raises:
-            OSError / ValueError: from ``transformers`` when ``folder`` holds no model.
-        """
-        return cls(AutoModel.from_pretrained(folder, dtype=dtype), seed=seed)
+    @property
+    def reward_head(self) -> torch.nn.Linear:
+        return self.head
 
     @classmethod
     def load(cls, folder: str | Path) -> "RewardModel":
-        """An RM saved by :meth:`save`, fp32, in eval mode.
-
-        Raises:
-            FileNotFoundError: ``folder`` has no ``reward_head.pt``.
-        """
-        folder = Path(folder)
-        if not (folder / HEAD_FILE).is_file():
-            raise FileNotFoundError(f"{folder}: no {HEAD_FILE}; not a reward model saved by RewardModel.save")
-        model = cls(AutoModel.from_pretrained(folder, dtype=torch.float32))
-        model.reward_head.load_state_dict(torch.load(folder / HEAD_FILE, weights_only=True))
-        return model.eval()
-
-    def save(self, folder: str | Path) -> None:
-        """Write the backbone (``transformers`` format) and ``reward_head.pt`` to ``folder``."""
-        folder = Path(folder)
-        self.backbone.save_pretrained(folder)
-        torch.save(self.reward_head.state_dict(), folder / HEAD_FILE)
+        """An RM saved by :meth:`save`, fp32, in eval mode. Raises FileNotFoundError without ``reward_head.pt``."""
+        return super().load(folder).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Scores (logits) ``[batch]`` float32.
@@ -95,7 +72,7 @@ class RewardModel(torch.nn.Module):
                              "with at least one token")
         hidden = self.backbone(input_ids=input_ids, attention_mask=mask).last_hidden_state
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
-        return self.reward_head(last).squeeze(-1).float()
+        return self.head(last).squeeze(-1).float()
 
     def score_probability(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """P(correct) ``[batch]`` float32 in (0, 1): ``sigmoid(forward(...))``; same arguments and errors."""

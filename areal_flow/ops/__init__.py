@@ -11,14 +11,7 @@ import difflib
 
 from areal_flow.dsl import user_source
 from areal_flow.graph import GraphError
-from areal_flow.ops import advantage as _advantage  # noqa: F401  (each module registers its op)
-from areal_flow.ops import dataset as _dataset  # noqa: F401
-from areal_flow.ops import filter as _filter  # noqa: F401
-from areal_flow.ops import generate as _generate  # noqa: F401
-from areal_flow.ops import logprobs as _logprobs  # noqa: F401
-from areal_flow.ops import reward as _reward  # noqa: F401
-from areal_flow.ops import sync_weights as _sync_weights  # noqa: F401
-from areal_flow.ops import train_step as _train_step  # noqa: F401
+# each module registers its op (OP) in areal_flow.ops.registry when imported
 from areal_flow.ops.advantage import advantage
 from areal_flow.ops.dataset import dataset
 from areal_flow.ops.filter import filter  # noqa: A004

@@ -22,25 +22,22 @@ owns a cache under ``runtime.engines.sft.cache_root()``; the library never impor
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import transformers
 import xxhash
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from areal_flow.models.reward_model import RewardModel
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.tasks.arithmetic import buggy_answer
-from runtime.engines.sft import cache_root
+from runtime.engines.sft import cache_root, fit_sampled_batches
 
 STATS_FILE = "rm_stats.json"
 _OPERATION = re.compile(r"(\d+)\s*([+-])\s*(\d+)")  # "37+58=" and "What is 37 + 58? ..."
@@ -147,13 +144,6 @@ def reward_model_key(task, base_folder: str | Path, cfg: RewardModelConfig) -> s
     return digest.hexdigest()
 
 
-def _lr_factor(step: int, steps: int) -> float:
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
 def fit_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig,
                      progress: bool = False) -> tuple[RewardModel, object, dict]:
     """Train an RM from the backbone in ``base_folder`` without touching the cache.
@@ -167,27 +157,13 @@ def fit_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig,
     ids, attn = encode_candidates(tokenizer, pairs := labelled_candidates(
         task.train_problems(cfg.n_problems, seed=cfg.seed), cfg.seed))
     labels = torch.tensor([p["label"] for p in pairs])
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.steps))
-    model.train()
-    start, losses = time.perf_counter(), []
-    for _ in tqdm(range(cfg.steps), desc="reward model (cached after)", unit="step", disable=not progress,
-                  dynamic_ncols=True):
-        idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
-        width = int(attn[idx].sum(1).max())  # trim the all-padding tail of this batch
+    def loss(idx: torch.Tensor, width: int) -> torch.Tensor:
         scores = model(ids[idx, :width], attn[idx, :width])
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(scores, labels[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    model.eval()
-    tail = losses[-20:]
-    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail) if tail else None,
-             "n_params": sum(p.numel() for p in model.parameters())}
+        return torch.nn.functional.binary_cross_entropy_with_logits(scores, labels[idx])
+
+    stats = fit_sampled_batches(model, loss, attn, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                                weight_decay=0.01, warmup_steps=max(1, cfg.steps // 10), seed=cfg.seed,
+                                desc="reward model (cached after)", progress=progress)
     return model, tokenizer, stats
 
 

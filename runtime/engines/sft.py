@@ -100,11 +100,40 @@ def answer_loss(model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, l
     return (nll * target_mask).sum() / target_mask.sum().clamp(min=1.0)
 
 
-def _lr_factor(step: int, cfg: SFTConfig) -> float:
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from 1 to 0.1 (a multiplier of the peak lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    frac = (step - warmup_steps) / max(1, steps - warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def fit_sampled_batches(model: torch.nn.Module, loss_fn, attn: torch.Tensor, *, steps: int, batch_size: int,
+                        lr: float, weight_decay: float, warmup_steps: int, seed: int, desc: str,
+                        progress: bool = False) -> dict:
+    """AdamW (betas 0.9, 0.98; :func:`lr_factor` schedule; grad-norm clip 1) on ``steps`` batches
+    of ``batch_size`` rows drawn with replacement (seeded); ``loss_fn(rows, width)`` is the
+    batch loss, ``width`` the batch's longest row in ``attn [N, T]`` (tokens). Leaves the
+    model in eval mode. Returns ``{"seconds", "final_loss" (mean of the last 20 steps; None
+    after 0 steps), "n_params"}``."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup_steps))
+    model.train()
+    start, losses = time.perf_counter(), []
+    for _ in tqdm(range(steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True):
+        idx = torch.randint(0, attn.shape[0], (batch_size,), generator=gen)
+        loss = loss_fn(idx, int(attn[idx].sum(1).max()))  # trim the all-padding tail of this batch
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    tail = losses[-20:]
+    return {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail) if tail else None,
+            "n_params": sum(p.numel() for p in model.parameters())}
 
 
 def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tuple[PreTrainedModel, object, dict]:
@@ -118,26 +147,12 @@ def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tupl
     problems = (task.demonstrations(cfg.n_problems, cfg.seed, cfg.teacher_bug_rate) if cfg.teacher_bug_rate
                 else task.train_problems(cfg.n_problems, seed=cfg.seed))
     ids, attn, loss_mask = encode_examples(tokenizer, problems)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
-    model.train()
-    start, losses = time.perf_counter(), []
-    for _ in tqdm(range(cfg.steps), desc="warm start (SFT, cached after)", unit="step", disable=not progress,
-                  dynamic_ncols=True):
-        idx = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
-        width = int(attn[idx].sum(1).max())  # trim the all-padding tail of this batch
-        loss = answer_loss(model, ids[idx, :width], attn[idx, :width], loss_mask[idx, :width])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    model.eval()
-    tail = losses[-20:]
-    stats = {"seconds": time.perf_counter() - start, "final_loss": sum(tail) / len(tail) if tail else None,
-             "n_params": sum(p.numel() for p in model.parameters())}
+    def loss(idx: torch.Tensor, width: int) -> torch.Tensor:
+        return answer_loss(model, ids[idx, :width], attn[idx, :width], loss_mask[idx, :width])
+
+    stats = fit_sampled_batches(model, loss, attn, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                                weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, seed=cfg.seed,
+                                desc="warm start (SFT, cached after)", progress=progress)
     return model, tokenizer, stats
 
 
