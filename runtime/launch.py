@@ -236,8 +236,6 @@ class _LocalRun:
         """
         from dataclasses import replace
 
-        from runtime.channels import MessageSender
-
         spec = next(s for s in specs if f"{s.group}/{s.rank}" == name)
         limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
         if topo.groups[spec.group].kind != "generation" or self.restarts >= limit:
@@ -247,13 +245,10 @@ class _LocalRun:
         version = self.router.versions.get(spec.rank, 0)
         print(f"areal-flow: {name} died (exit code {proc.exitcode}); restarting it at policy version {version} "
               f"({self.restarts}/{limit})", file=sys.stderr)
-        spec = replace(spec, resume_version=version)
+        spec = replace(spec, resume_version=version, resync=self.trainer_inbox)
+        self.router.replace_replica(spec.rank, spec.inbox)
         new = ctx.Process(target=_child, args=(run_generation_replica, spec, results), name=name)
         new.start()
-        self.router.replace_replica(spec.rank, spec.inbox)
-        resync = MessageSender(self.trainer_inbox)
-        resync.send(("resync", spec.weights))
-        resync.close()
         return new
 
     def _run(self, specs: list[WorkerSpec], logger: RunLogger, topo: Topology, stop: threading.Event,

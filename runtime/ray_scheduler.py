@@ -39,7 +39,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
 from runtime.launch import RunSetup, WorkerFailed
-from runtime.channels import MessageSender
 from runtime.metrics import RunLogger
 from runtime.ray_cluster import connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
@@ -204,10 +203,7 @@ class _RayRun:
                     raise WorkerFailed(f"{name} did not come back within {RESTART_TIMEOUT_S:g} s: {exc}") from None
                 time.sleep(POLL_S)
         router.replace_replica(spec.rank, spec.inbox)
-        resync = MessageSender(trainer_inbox)
-        resync.send(("resync", spec.weights))
-        resync.close()
-        return replace(spec, resume_version=version)
+        return replace(spec, resume_version=version, resync=trainer_inbox)
 
     def _pull(self, logger: RunLogger, trainer: str) -> None:
         try:

@@ -16,7 +16,8 @@ A group a filter drops (``dropped`` from a replica, ``resample`` from a later wo
 gets a new prompt under the same index (DAPO dynamic sampling), drawn from a separate
 seeded stream. Messages (tuples, ``runtime.channels.MessageSender``): from workers
 ``("ready"|"version", replica, v)``, ``("sent"|"dropped", replica, index, attempt)``,
-``("resample", index, attempt)``; to a replica ``("group", index, attempt, problem)`` or
+``("resample", index, attempt)``, from the trainer ``("received", index, attempt)`` (a group
+is re-sent after a replica's death until the trainer confirms it); to a replica ``("group", index, attempt, problem)`` or
 ``("stop",)``.
 """
 
@@ -52,7 +53,8 @@ class Router:
         self.control = MessageReceiver(control_address)
         self.outs = [MessageSender(a) for a in replicas]
         self.versions: dict[int, int] = {}
-        self.in_flight: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]
+        self.in_flight: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # at the replica (balancing)
+        self.unconfirmed: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # not yet at the trainer
         self.completed: set[int] = set()
         self.dispatched = self.resampled = self.redispatched = 0
         self._lock = threading.Lock()
@@ -66,6 +68,7 @@ class Router:
     def _dispatch(self, index: int, attempt: int, problem: dict) -> None:
         replica = min(range(len(self.outs)), key=lambda r: (len(self.in_flight[r]), r))
         self.in_flight[replica][(index, attempt)] = problem
+        self.unconfirmed[replica][(index, attempt)] = problem
         self.outs[replica].send(("group", index, attempt, problem))
         self.dispatched += 1
 
@@ -77,11 +80,17 @@ class Router:
             _, replica, index, attempt = msg
             self.in_flight[replica].pop((index, attempt), None)
             if kind == "dropped":
+                self.unconfirmed[replica].pop((index, attempt), None)
                 self._resample(index, attempt)
             elif index not in self.completed:
                 self.completed.add(index)
                 self.admission.complete(index)
+        elif kind == "received":  # the trainer holds the group: no replica needs to keep it
+            for held in self.unconfirmed:
+                held.pop((msg[1], msg[2]), None)
         elif kind == "resample":
+            for held in self.unconfirmed:
+                held.pop((msg[1], msg[2]), None)
             self._resample(msg[1], msg[2])
 
     def _resample(self, index: int, attempt: int) -> None:
@@ -89,12 +98,14 @@ class Router:
         self._dispatch(index, attempt + 1, next(self.spares))
 
     def replace_replica(self, replica: int, address: str) -> None:
-        """A replica was restarted at ``address``: send it again every group it held."""
+        """A replica was restarted at ``address``: send it again every group it was given that
+        the trainer has not confirmed (a group it sent just before dying may be lost with its
+        process; one that did arrive is dropped by the trainer as a duplicate)."""
         with self._lock:
             self.outs[replica].close()
             self.outs[replica] = MessageSender(address)
             self.versions.pop(replica, None)
-            held, self.in_flight[replica] = self.in_flight[replica], {}
+            held, self.unconfirmed[replica], self.in_flight[replica] = self.unconfirmed[replica], {}, {}
             for (index, attempt), problem in held.items():
                 self.redispatched += 1
                 self._dispatch(index, attempt, problem)

@@ -72,6 +72,8 @@ class WorkerSpec:
         resume_version: a restarted replica waits for this policy version on its weight
             channel before it reports ready (its groups were admitted at versions up to
             it, so the staleness proof needs their tokens from versions >= it).
+        resync: a restarted replica's trainer inbox: once its weight channel is bound it
+            asks there for the current version (``("resync", weights)``).
     """
 
     plan: Plan
@@ -87,6 +89,7 @@ class WorkerSpec:
     threads: int = 1
     recv_timeout_s: float = 600.0
     resume_version: int = 0
+    resync: str = ""
 
 
 def register_plan_ops(plan: Plan) -> None:
@@ -139,6 +142,10 @@ def run_generation_replica(spec: WorkerSpec) -> dict:
     outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
     weights = WeightSubscriber(spec.weights)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
+    if spec.resync:  # bound above, so the trainer's answer cannot be lost
+        ask = MessageSender(spec.resync)
+        ask.send(("resync", spec.weights))
+        ask.close()
     if spec.resume_version > 0:
         update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
         if update is None:
@@ -252,7 +259,7 @@ class _Stage:
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
             if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
-                publisher = WeightPublisher(address)
+                publisher = WeightPublisher(address, linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
         self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
@@ -290,6 +297,7 @@ class _Stage:
                                 raise TimeoutError(f"trainer step {step}: no experience for "
                                                    f"{self.spec.recv_timeout_s} s")
                             continue
+                        self.control.send(("received", item.index, item.attempt))
                         if item.index in items or item.index in buffer.consumed_indices:
                             self.counts["duplicates"] += 1
                             continue
