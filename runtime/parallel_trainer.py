@@ -122,14 +122,17 @@ class RankTrainer:
     algorithm: BaseAlgorithm
 
     @classmethod
-    def build(cls, spec: TrainSettings, strategy: ParallelStrategy) -> "RankTrainer":
+    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu") -> "RankTrainer":
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``) and
         build the algorithm on the sharded parameters. Every rank calls this (collectives).
         A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
-        mesh = build_device_mesh(strategy, "cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            model = model.cuda()
+        mesh = build_device_mesh(strategy, device_type)
         parallel = parallelize(model.train(), strategy, mesh)
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])
@@ -204,27 +207,30 @@ def _follow(trainer: RankTrainer) -> None:
     trainer.gather_weights()
 
 
-def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, lead, args) -> object:
+def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, device_type: str,
+               lead, args) -> object:
     _die_with_parent()
-    trainer = RankTrainer.build(settings, strategy)
+    trainer = RankTrainer.build(settings, strategy, device_type)
     if rank == 0:
         return lead(trainer, *args)
     _follow(trainer)
     return None
 
 
-def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float) -> object:
+def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
+              device_type: str = "cpu", backend: str = "gloo") -> object:
     """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
     its result is returned, the others follow its broadcasts (:func:`_follow`).
 
     Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
-    rank 0 waits for experience).
+    rank 0 waits for experience). ``device_type``/``backend``: the plan's (``cpu``/``gloo``
+    or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``).
 
     Raises:
         StrategyError: ``strategy`` breaks a model rule (checked before spawning).
         runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
-    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, lead, args), backend="gloo",
-                            timeout_s=timeout_s)
+    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args),
+                            backend=backend, timeout_s=timeout_s)
     return results[0]

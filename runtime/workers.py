@@ -207,7 +207,8 @@ def run_stage_worker(spec: WorkerSpec, report=None) -> dict:
         policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
                       ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
-        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report), spec.recv_timeout_s + 120.0)
+        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report), spec.recv_timeout_s + 120.0,
+                         device_type=spec.plan.device_type, backend=spec.plan.backend)
     return _Stage(spec, _context(spec), group, report).run()
 
 

@@ -149,7 +149,7 @@ class BaseAlgorithm:
         self, model: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """No-grad ``token_logprobs`` over micro-batches: ``[batch, seq]`` float32."""
-        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for sl in self._slices(input_ids.shape[0]):
                 w = self._width(attention_mask[sl])
@@ -169,7 +169,7 @@ class BaseAlgorithm:
         """Critic values ``[batch, seq]`` float32 (no grad), for GAE before the update."""
         if self.critic is None:
             raise ValueError(f"algorithm {self.name!r}: compute_values needs a critic")
-        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for sl in self._slices(input_ids.shape[0]):
                 w = self._width(attention_mask[sl])

@@ -163,7 +163,7 @@ def m2po_keep_mask(log_ratio: torch.Tensor, loss_mask: torch.Tensor, threshold: 
         return mask.clone()
     vals, order = torch.sort(sq, descending=True)
     suffix_sum = torch.flip(torch.cumsum(torch.flip(vals, [0]), 0), [0])
-    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64, device=suffix_sum.device)
     ok = (suffix_mean <= threshold).nonzero()
     n_drop = int(ok[0]) if ok.numel() else n
     keep_flat = torch.ones(n, dtype=torch.bool)

@@ -22,12 +22,14 @@ _OWN = ("estimator", "kl_coef", "model_role")
 _CHUNK = 64  # sequences per no-grad forward (values, reference log-probs)
 
 
-def _no_grad_rows(fn, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def _no_grad_rows(model: torch.nn.Module, fn, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """``fn(ids, attn) -> [rows, T]`` over chunks of rows, on ``model``'s device; ``[N, T]`` float32 on CPU."""
+    device = next(model.parameters()).device
     out = torch.zeros(ids.shape, dtype=torch.float32)
     with torch.no_grad():
         for start in range(0, ids.shape[0], _CHUNK):
             sl = slice(start, start + _CHUNK)
-            out[sl] = fn(ids[sl], attn[sl]).float()
+            out[sl] = fn(ids[sl].to(device), attn[sl].to(device)).float().cpu()
     return out
 
 
@@ -68,7 +70,7 @@ class AdvantageExecutor:
             def forward(ids, attn):
                 return token_logprobs(self.ref, ids, attn, temperature=self.temperature)
 
-            ref = _no_grad_rows(forward, batch["input_ids"], batch["attention_mask"])
+            ref = _no_grad_rows(self.ref, forward, batch["input_ids"], batch["attention_mask"])
             cfg = self.loss_cfg
             coef = cfg.kl_coef if cfg is not None and cfg.kl_in_reward else 0.0
             return ref, coef, cfg.kl_estimator if cfg is not None else "k1"
@@ -97,7 +99,7 @@ class AdvantageExecutor:
             def values(ids, attn):
                 return self.critic(input_ids=ids, attention_mask=attn)
 
-            batch["values"] = args["values"] = _no_grad_rows(values, batch["input_ids"], batch["attention_mask"])
+            batch["values"] = args["values"] = _no_grad_rows(self.critic, values, batch["input_ids"], batch["attention_mask"])
         out = compute_advantages(self.estimator, **args, **self.kwargs)
         batch["advantages"] = out.advantages
         if out.returns is not None:

@@ -75,7 +75,8 @@ class TrainStepExecutor:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
             return
-        self.model = ctx.model(node.model).train()
+        self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
+        self.model = ctx.model(node.model).to(self.device).train()
         if node.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable()
         s = self.settings
@@ -95,6 +96,8 @@ class TrainStepExecutor:
     def run(self, inputs: dict, info: dict) -> dict:
         adv = inputs["advantages"]
         batch = adv["batch"]
+        if self.ranks is None and self.device != "cpu":
+            batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
         if self.critic:
             stats = self._critic_step(batch, rows)
@@ -125,7 +128,7 @@ class TrainStepExecutor:
         """The full weights (every rank joins the gather; rank 0 gets them)."""
         if self.ranks is not None:
             return self.ranks.gather_weights()
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def current_state(self) -> dict[str, torch.Tensor]:
         """The weights now, between steps (asks the other ranks to join the gather)."""
