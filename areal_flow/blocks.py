@@ -29,6 +29,7 @@ def sample_groups(policy: Model, cfg: Any) -> Handle:
         max_new_tokens=cfg.gen.max_new_tokens,
         temperature=cfg.gen.temperature,
         top_p=cfg.gen.top_p,
+        engine=cfg.gen.engine,
     )
 
 

@@ -46,10 +46,10 @@ class ModelConfig:
     path: str = "tiny-arith"
     """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
     dtype: str = "float32"
-    """Parameter dtype of the policy as loaded: float32 (fp32), bfloat16 (bf16) or float16
-    (fp16); spellings are normalised to the torch name. The runtime loads the policy in it
-    (runtime.model_source.load_pretrained(dtype=...)); keep float32 on CPU (bf16 autocast was
-    16-25x slower on this CPU). Aliases: training.bf16 / training.fp16 = true."""
+    """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
+    generation engine holds the policy in it; trainers keep fp32 master weights and optimizer state and run
+    forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16). Keep float32 on this
+    CPU for the tiny models (bf16 autocast was 16-25x slower). Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:
         canonical = DTYPES.get(str(self.dtype).lower())
@@ -211,6 +211,8 @@ class SchedulerConfig:
 class EvalConfig:
     n_test: int = 500
     """Held-out problems for greedy accuracy before and after RL."""
+    every: int = 0
+    """Also measure held-out greedy accuracy every this many steps during RL (TensorBoard eval/accuracy); 0 = only before and after."""
     enabled: bool = True
     """Evaluate before and after training."""
 

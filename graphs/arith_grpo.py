@@ -31,6 +31,7 @@ def arith_grpo(cfg):
         max_new_tokens=cfg.gen.max_new_tokens,
         temperature=cfg.gen.temperature,
         top_p=cfg.gen.top_p,
+        engine=cfg.gen.engine,  # "embedded" or "vllm"
     )
     reward = ops.reward(rollout, fn="arithmetic")
     adv = ops.advantage(rollout, reward, estimator="grpo")

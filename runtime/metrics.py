@@ -86,7 +86,7 @@ class RunLogger:
             writer.add_scalar(tag, value, step)
 
     def log_step(self, metrics: dict) -> None:
-        """Record one trainer step's metrics (see ``runtime.workers.step_metrics``).
+        """Record one trainer step's metrics (see ``runtime.observe.step_metrics``).
 
         Numeric keys go to ``rl/<key>`` unless they hold a ``/``; the optional keys of
         ``EXTRA_TAGS`` (``eval/accuracy``, ``lr`` or ``train/lr``, ``weights/sync_s``,

@@ -201,7 +201,10 @@ def _follow(trainer: RankTrainer) -> None:
             continue
         trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
                                                               command["micro_batches"])
-        trainer.step(batch)
+        dtype = command.get("dtype", torch.float32)  # rank 0's autocast (model.dtype), on every rank
+        device = next(trainer.parallel.module.parameters()).device.type
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            trainer.step(batch)
         if command["gather"]:
             trainer.gather_weights()
     trainer.gather_weights()

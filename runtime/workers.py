@@ -40,6 +40,7 @@ from areal_flow.types import Trajectory
 from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.context import WorkerContext
+from runtime.observe import memory_profile, step_metrics
 from runtime.staleness import OrderedExperienceBuffer
 from runtime.weights import WeightPublisher, WeightSubscriber
 
@@ -232,6 +233,7 @@ class _Stage:
         self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
+        self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
 
     def _receive(self, timeout_s: float) -> GroupItem | None:
@@ -319,8 +321,13 @@ class _Stage:
                     metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
                     if checkpoint:
                         metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
+                    every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
+                    if every and (step + 1) % every == 0 and step + 1 < topo.steps:
+                        metrics["eval/accuracy"] = self._held_out_accuracy()
                     if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
-                        self._memory_profile(step, out / "memory.jsonl")
+                        memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes
+                                                                    if n.op == "train_step"],
+                                       cuda=self.ctx.plan.device_type == "cuda")
                     if self.report is not None:
                         self.report(metrics)
             self._save_final(out / "model")
@@ -330,26 +337,25 @@ class _Stage:
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
                 "world_size": self.group.strategy.world_size}
 
-    def _memory_profile(self, step: int, path: Path) -> None:
-        """Append this step's memory to ``path``: process RSS and the bytes of the tensors of
-        every trained model (parameters, gradients, optimizer state); CUDA allocator figures
-        when the plan runs on CUDA (bytes)."""
-        import psutil
+    def _held_out_accuracy(self) -> float:
+        """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
+        measured in this worker between steps (``eval.every``)."""
+        from areal_flow.ops.dataset import build_task
+        from runtime.engines.evaluate import answer_accuracy, greedy_answers
+        from runtime.model_source import load_pretrained
 
-        record = {"step": step, "rss_bytes": psutil.Process().memory_info().rss}
-        for node in self.batch_nodes:
-            ex = self.executors[node.name]
-            if node.op != "train_step":
-                continue
-            tensors = [p for p in ex.model.parameters()] + [p.grad for p in ex.model.parameters() if p.grad is not None]
-            optimizer = getattr(ex, "optimizer", None) or ex.algorithm.optimizer
-            tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-            record[f"{node.name}/tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
-        if torch.cuda.is_available() and self.ctx.plan.device_type == "cuda":
-            record.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
-                          cuda_reserved_bytes=torch.cuda.memory_reserved())
-        with path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        plan = self.ctx.plan
+        if self._eval is None:
+            task = build_task(self.topo.dataset.attrs, plan.run["seed"])
+            self._eval = (task, task.test_set(plan.run["eval"]["n_test"]))
+        task, problems = self._eval
+        node = next(n for n in self.batch_nodes if n.op == "train_step" and n.model == self.ctx.policy_name())
+        executor = self.executors[node.name]
+        model, _ = load_pretrained(executor.settings.model_folder)
+        model.load_state_dict(executor.current_state())
+        answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
+                                 chat_template=self.topo.generate.attrs.get("chat_template"))
+        return answer_accuracy(task, answers, problems)
 
     def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
                     publishers: dict) -> tuple[dict, dict]:
@@ -392,20 +398,3 @@ class _Stage:
                 ex = self.executors[node.name]
                 path = folder if node.model == self.ctx.policy_name() else folder.parent / node.model
                 ex.save(path, ex.final_state())
-
-
-def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
-                 wait_s: float) -> dict:
-    """The launcher's metrics of one step: ``train/*`` from the train_steps, reward, accuracy,
-    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
-    staleness = [t.staleness(step) for t in trajectories]
-    n_tokens = int(batch["attention_mask"].sum())
-    return {
-        "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
-        "reward": float(batch["rewards"].mean()),
-        "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
-        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-        "staleness": staleness, "samples": len(trajectories),
-        "response_len": float(batch["loss_mask"].sum(1).mean()),
-        "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
-    }

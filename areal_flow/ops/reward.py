@@ -90,10 +90,31 @@ def resolve(fn: str | Callable[[str, str], float]) -> Callable[[str, str], float
 
 
 def score(group: list[Trajectory], fn: Callable[[str, str], float]) -> list[float]:
-    """Rewards of a group; a sample whose reward function raises is logged and scored 0.0."""
+    """Rewards of a group; a sample whose reward function raises or returns a non-finite
+    value is logged, scored 0.0 and marked ``meta["reward_failed"]`` (counted per step as
+    ``reward/failures``)."""
+    import math
+
     from areal_flow.rewards.math import safe_reward
 
-    return [safe_reward(fn, t.output_text, t.meta.get("answer", ""), t.sample_id, logger) for t in group]
+    rewards = []
+    for t in group:
+        failed: list[bool] = []
+
+        def flagged(text: str, answer: str) -> float:
+            try:
+                value = fn(text, answer)
+            except BaseException:
+                failed.append(True)
+                raise
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                failed.append(True)
+            return value
+
+        rewards.append(safe_reward(flagged, t.output_text, t.meta.get("answer", ""), t.sample_id, logger))
+        if failed:
+            t.meta["reward_failed"] = True
+    return rewards
 
 
 class RewardExecutor:

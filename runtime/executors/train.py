@@ -99,21 +99,28 @@ class TrainStepExecutor:
         if self.ranks is None and self.device != "cpu":
             batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
+        dtype = self.ctx.dtype  # model.dtype: bf16/fp16 autocast over fp32 master weights and optimizer state
+        with torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
+            stats = self._step(batch, rows, info)
+        stats = {**stats, **adv.get("stats", {})}
+        if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
+            stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
+        return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}
+
+    def _step(self, batch: dict, rows: int, info: dict) -> dict:
         if self.critic:
             stats = self._critic_step(batch, rows)
         elif self.ranks is not None:
             from runtime.parallel_trainer import broadcast_command
 
-            broadcast_command({"batch": batch, "gather": info["publish"], "micro_batches": self.micro_batches})
+            broadcast_command({"batch": batch, "gather": info["publish"], "micro_batches": self.micro_batches,
+                               "dtype": self.ctx.dtype})
             self.algorithm.micro_batch_size = micro_batch_size(rows, self.ranks.strategy.dp, self.micro_batches)
             stats = self.ranks.step(batch)
         else:
             self.algorithm.micro_batch_size = micro_batch_size(rows, 1, self.micro_batches)
             stats = self.algorithm.update_parameters(batch)
-        stats = {**stats, **adv.get("stats", {})}
-        if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
-            stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
-        return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}
+        return stats
 
     def _critic_step(self, batch: dict, rows: int) -> dict:
         mask = batch["loss_mask"].bool()

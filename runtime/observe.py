@@ -1,0 +1,53 @@
+"""What a trainer reports besides its losses: the step's metrics and the memory profile.
+
+Owns the metrics dict a stage worker sends to the driver each step (``runtime.metrics``
+turns it into TensorBoard/W&B scalars) and ``debug.memory_profiler``'s records. It must not
+train or schedule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from areal_flow.types import Trajectory
+
+
+def memory_profile(step: int, path: Path, executors: list, cuda: bool = False) -> None:
+    """Append this step's memory to ``path`` (JSONL): process RSS and, per train_step
+    executor, the bytes of its model's parameters, gradients and optimizer state; CUDA
+    allocator figures when the plan runs on CUDA (bytes)."""
+    import psutil
+
+    record = {"step": step, "rss_bytes": psutil.Process().memory_info().rss}
+    for ex in executors:
+        params = list(ex.model.parameters())
+        tensors = params + [p.grad for p in params if p.grad is not None]
+        optimizer = getattr(ex, "optimizer", None) or ex.algorithm.optimizer
+        tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        record[f"{ex.node.name}/tensor_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+    if cuda and torch.cuda.is_available():
+        record.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                      cuda_reserved_bytes=torch.cuda.memory_reserved())
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
+                 wait_s: float) -> dict:
+    """The launcher's metrics of one step: ``train/*`` from the train_steps, reward, accuracy,
+    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
+    staleness = [t.staleness(step) for t in trajectories]
+    n_tokens = int(batch["attention_mask"].sum())
+    return {
+        "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
+        "reward": float(batch["rewards"].mean()),
+        "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
+        "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+        "staleness": staleness, "samples": len(trajectories),
+        "response_len": float(batch["loss_mask"].sum(1).mean()),
+        "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
+        "reward/failures": float(sum(bool(t.meta.get("reward_failed")) for t in trajectories)),
+    }
