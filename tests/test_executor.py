@@ -246,3 +246,37 @@ def test_a_reward_function_defined_in_the_graph_file_runs_locally(tmp_path, warm
     assert done.returncode == 0, done.stderr[-2000:]
     records = _exactly_once(tmp_path / "own", 3, 2, 4, k=2)
     assert all(r["reward"] == (1.0 if r["output_text"].strip() == r["meta"]["answer"] else 0.0) for r in records)
+
+
+def test_a_failing_reward_is_scored_zero_and_marked():
+    from areal_flow.ops.reward import score
+    from areal_flow.types import Trajectory
+
+    def flaky(text, answer):
+        if text == "boom":
+            raise RuntimeError("reward service down")
+        return float("nan") if text == "nan" else 1.0
+
+    group = [Trajectory(f"0:{j}", 0, [1], [2], [-0.1], [0], "stop", output_text=text, meta={"answer": "1"})
+             for j, text in enumerate(("ok", "boom", "nan"))]
+    assert score(group, flaky) == [1.0, 0.0, 0.0]
+    assert [t.meta.get("reward_failed", False) for t in group] == [False, True, True]
+
+
+@pytest.mark.slow
+def test_observability_of_a_run(tmp_path, warm_cache):
+    """eval.every, learning rate, weight-sync time and bytes, reward failures, memory profile."""
+    from areal_flow.cli import load_flow
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=seen", "eval.every=1",
+                                                        "eval.n_test=10", "debug.memory_profiler=true"])
+    run_experiment(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg, show_progress=False)
+    out = tmp_path / "seen"
+    assert len(_scalars(out, "eval/accuracy")) == 2  # after steps 1 and 2 (step 3 is the final evaluation)
+    assert _scalars(out, "train/lr") == pytest.approx([cfg.train.lr] * 3)
+    assert len(_scalars(out, "weights/bytes")) == 2  # no publication after the last step
+    assert all(b > 0 for b in _scalars(out, "weights/bytes")) and all(s >= 0 for s in _scalars(out, "weights/sync_s"))
+    assert _scalars(out, "reward/failures") == [0.0] * 3
+    memory = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in memory] == [0, 1, 2] and all(m["rss_bytes"] > m["train_step/tensor_bytes"] > 0
+                                                            for m in memory)
