@@ -200,7 +200,9 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
 
 def resolve_model(spec: str) -> ModelSpec:
     """A preset name (case-insensitive, a hub prefix such as ``Qwen/`` ignored), a
-    ``config.json`` path, or a folder holding one. ``<preset>-rm`` (a reward model the
+    ``config.json`` path, a folder holding one, a ``.gguf`` file (its metadata), or a hub id
+    found in the local Hugging Face cache — the specs the runtime loads
+    (``areal_flow.models.hf.resolve_folder``), read without torch. ``<preset>-rm`` (a reward model the
     runtime trains from the preset) has the preset's shape: its scalar head is noise next
     to the backbone.
 
@@ -214,6 +216,11 @@ def resolve_model(spec: str) -> ModelSpec:
     if key is not None:
         return spec_from_config(MODEL_PRESETS[key], key)
     path = Path(spec)
+    if path.suffix == ".gguf" and path.is_file():
+        return spec_from_config(_gguf_config(path), str(path))
+    cached = _hub_cache_config(spec)
+    if cached is not None:
+        path = cached
     if path.is_dir():
         path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
@@ -226,3 +233,47 @@ def resolve_model(spec: str) -> ModelSpec:
         f"model spec {spec!r}: not a preset and not a config.json file or folder; "
         f"presets: {', '.join(MODEL_PRESETS)}"
     )
+
+
+def _gguf_config(path: Path) -> dict:
+    """The ``transformers``-named shape of a GGUF file, from its metadata (``gguf`` package:
+    ``<arch>.block_count``, ``.embedding_length``, ``.feed_forward_length``,
+    ``.attention.head_count(_kv)``, the token list; tied embeddings = no ``output.weight``).
+
+    Raises:
+        ModelSpecError: a metadata key is missing (named).
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            raise ModelSpecError(f"model {path}: GGUF metadata lacks {key}")
+        return f.parts[f.data[0]]
+
+    arch = bytes(field("general.architecture")).decode()
+    return {
+        "model_type": arch,
+        "hidden_size": int(field(f"{arch}.embedding_length")[0]),
+        "num_hidden_layers": int(field(f"{arch}.block_count")[0]),
+        "num_attention_heads": int(field(f"{arch}.attention.head_count")[0]),
+        "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv")[0]),
+        "intermediate_size": int(field(f"{arch}.feed_forward_length")[0]),
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+    }
+
+
+def _hub_cache_config(spec: str) -> Path | None:
+    """``config.json`` of hub id ``org/name`` in the local Hugging Face cache (newest snapshot), or None."""
+    import os
+
+    if spec.count("/") != 1 or Path(spec).exists():
+        return None
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    hub = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
+    snapshots = sorted((hub / f"models--{spec.replace('/', '--')}" / "snapshots").glob("*/config.json"),
+                       key=lambda p: p.stat().st_mtime)
+    return snapshots[-1] if snapshots else None
