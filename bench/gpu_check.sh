@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"
 AF="$PY -m areal_flow.cli"
 WORK="$(mktemp -d)"
 N_EVAL="${N_EVAL:-100}"
@@ -48,8 +48,8 @@ add install "$PY -m pip install -q -e '.[dev]' && $PY -m pip install -q --no-dep
 add eval_before "$AF eval $MODEL --task gsm8k --n $N_EVAL --out $WORK/eval_before.json model.dtype=bf16"
 add grpo_embedded "$AF run graphs/gsm8k_grpo.py $RUN_KEYS name=embedded"
 add eval_after "$AF eval $WORK/runs/embedded/model --task gsm8k --n $N_EVAL --out $WORK/eval_after.json model.dtype=bf16"
-# the run has no engine switch yet (runtime/): vLLM is checked against the embedded engine on CUDA
 add vllm_engine "$PY -c 'import vllm' && $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
+add grpo_vllm "$PY -c 'import vllm' && $AF run graphs/gsm8k_grpo.py $RUN_KEYS gen.engine=vllm name=vllm"
 add throughput "$PY bench/engine_throughput.py --model $MODEL --batch 64 --max-new-tokens 128 --repeats 2"
 if [ "$N_GPU" -ge 2 ] || [ "$DRY" = 1 ]; then
   add nccl_dp2 "$AF run graphs/arith_grpo.py cluster.gpu=H100 cluster.n_gpus_per_node=3 compile.allocation='train:d2 + gen:d1' train.steps=50 out_dir=$WORK/runs name=dp2"
