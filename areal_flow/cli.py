@@ -135,13 +135,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from compiler.plan import Plan
         from runtime.launch import run
 
-        if args.file or args.overrides:
-            raise CLIError("run --plan PLAN.json takes no graph file or overrides: the plan is the whole program "
-                           "(edit it, or compile a new one)")
+        if args.file or args.overrides or args.config or args.flow:
+            raise CLIError("run --plan PLAN.json takes no graph file, --config, --flow or overrides: the plan is the "
+                           "whole program (edit it, or compile a new one)")
         path = Path(args.plan)
         if not path.is_file():
             raise CLIError(f"plan file not found: {path}")
-        run(Plan.from_json(path.read_text()))
+        run(Plan.from_json(path.read_text(), source=str(path)))
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")
@@ -164,7 +164,7 @@ def _cmd_viz(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise CLIError(f"plan file not found: {path}")
     try:
-        plan = Plan.from_json(path.read_text())
+        plan = Plan.from_json(path.read_text(), source=str(path))
     except (PlanSchemaError, UnicodeDecodeError) as exc:
         message = str(exc).removeprefix("plan.json ")
         raise CLIError(f"{path}: not a plan from 'areal-flow compile --plan': {message}") from None
@@ -177,6 +177,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from areal_flow.config import ExperimentConfig, load_config
     from areal_flow.config_keys import format_listing
 
+    if args.file and "=" in args.file:  # `areal-flow config train.lr=1e-3`: overrides alone
+        args.overrides, args.file = [args.file, *args.overrides], None
+    if args.file and not args.file.endswith((".yaml", ".yml")):
+        raise CLIError(f"{args.file}: config takes a YAML file (a graph's config is the .yaml beside it)")
     if args.file or args.overrides:  # show the resolved values of a graph's config
         import yaml
 

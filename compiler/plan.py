@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from compiler.mesh import MeshError, MeshSpec
+from compiler.plan_check import check_plan
 from compiler.strategy import ParallelStrategy
 
 SCHEMA_VERSION = 2
@@ -65,6 +66,15 @@ class PlanSchemaError(ValueError):
 
 
 _OPTIONAL = ("models", "run", "ops", "device_type", "backend")
+
+
+def _node(data: dict) -> NodePlan:
+    try:
+        return NodePlan(**{**data, "mesh": _mesh(data["mesh"]), "outputs": tuple(data.get("outputs", ()))})
+    except KeyError as err:
+        raise PlanSchemaError(f"plan node '{data.get('name', '?')}' is missing field {err}") from None
+    except TypeError as err:
+        raise PlanSchemaError(f"plan node '{data.get('name', '?')}': {err}") from None
 
 
 def _mesh(data: dict | None) -> MeshSpec | None:
@@ -217,6 +227,14 @@ class Plan:
     device_type: str = "cpu"
     backend: str = "gloo"
 
+    @property
+    def staleness_bound(self) -> int:
+        """k that runs: the smallest bound on the data edges into train_step nodes (the one source
+        of k; ``max_staleness`` is what the compiler's time model assumed)."""
+        steps = {n.name for n in self.nodes if n.op == "train_step"}
+        bounds = [e.max_staleness for e in self.edges if e.dst in steps and e.max_staleness is not None]
+        return min(bounds) if bounds else self.max_staleness
+
     def node(self, name: str) -> NodePlan:
         """The node called ``name``. Raises KeyError naming it."""
         for n in self.nodes:
@@ -241,8 +259,7 @@ class Plan:
             plan = cls(
                 **{k: data[k] for k in cls.__dataclass_fields__
                    if k not in ("nodes", "routes", "edges", "alternatives") and (k in data or k not in _OPTIONAL)},
-                nodes=tuple(NodePlan(**{**n, "mesh": _mesh(n["mesh"]), "outputs": tuple(n.get("outputs", ()))})
-                            for n in data["nodes"]),
+                nodes=tuple(_node(n) for n in data["nodes"]),
                 routes=tuple(
                     SyncRoute(**{**r, "src_mesh": _mesh(r["src_mesh"]), "dst_mesh": _mesh(r["dst_mesh"])})
                     for r in data["routes"]
@@ -260,13 +277,18 @@ class Plan:
                     node.mesh.validate(plan.cluster["n_nodes"], plan.cluster["n_gpus_per_node"])
                 except MeshError as err:
                     raise PlanSchemaError(f"plan node '{node.name}': {err}") from None
+        check_plan(plan, PlanSchemaError)
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        """Parse ``plan.json`` text. Raises PlanSchemaError (also for malformed JSON)."""
+    def from_json(cls, text: str, source: str = "plan.json") -> "Plan":
+        """Parse plan JSON ``text`` (read from ``source``, named in errors). Raises
+        PlanSchemaError (also for malformed JSON)."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise PlanSchemaError(f"plan.json line {err.lineno}: {err.msg}") from None
-        return cls.from_dict(data)
+            raise PlanSchemaError(f"{source} line {err.lineno}: {err.msg}") from None
+        try:
+            return cls.from_dict(data)
+        except PlanSchemaError as err:
+            raise PlanSchemaError(f"{source}: {err}") from None

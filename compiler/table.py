@@ -40,7 +40,9 @@ def format_table(plan: Plan) -> str:
     capacity = d["memory_bytes"] / GIB
     lines = [
         f"plan {plan.id}  graph '{plan.graph}'  {c['n_nodes']} x {c['n_gpus_per_node']} {c['gpu']} "
-        f"({capacity:.1f} GiB each)  mode {plan.mode} (max staleness {plan.max_staleness})",
+        f"({capacity:.1f} GiB each)  mode {plan.mode} (max staleness {plan.staleness_bound})"
+        + (f"; the predictions below assumed k={plan.max_staleness}" if plan.staleness_bound != plan.max_staleness
+           else ""),
         f"allocation: {plan.allocation}",
         "",
     ]

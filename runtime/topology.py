@@ -97,6 +97,7 @@ def build_topology(plan: Plan) -> Topology:
             processes; a train_step without a data edge bound (k, B); a group node whose
             input comes from a later group; no train_step.
     """
+    _check_ops(plan)
     order = [n.name for n in plan.nodes]
     gens = [n for n in plan.nodes if n.grain == STREAM]
     sources = [n for n in plan.nodes if n.grain == SOURCE]
@@ -158,6 +159,24 @@ def build_topology(plan: Plan) -> Topology:
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
                     batch_groups=bounds[0].batch_groups, max_staleness=min(e.max_staleness or 0 for e in bounds),
                     steps=int(plan.run["steps"]), notes=notes)
+
+
+def _check_ops(plan: Plan) -> None:
+    """Every node's op is registered (built-in, or carried by the plan) and its required input
+    ports are wired. Raises TopologyError naming the node."""
+    from areal_flow.graph import GraphError
+    from areal_flow.ops.registry import lookup
+    from runtime.workers import register_plan_ops
+
+    register_plan_ops(plan)
+    for node in plan.nodes:
+        try:
+            op = lookup(node.op)
+        except GraphError as err:
+            raise TopologyError(f"{node.where()}: {err}") from None
+        missing = [p.name for p in op.spec.inputs if p.required and p.kind == "data" and p.name not in node.inputs]
+        if missing:
+            raise TopologyError(f"{node.where()}: input port(s) {', '.join(missing)} of op '{node.op}' are not wired")
 
 
 def _route_target(plan: Plan, sync_node: str) -> str:

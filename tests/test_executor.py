@@ -280,3 +280,64 @@ def test_observability_of_a_run(tmp_path, warm_cache):
     memory = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
     assert [m["step"] for m in memory] == [0, 1, 2] and all(m["rss_bytes"] > m["train_step/tensor_bytes"] > 0
                                                             for m in memory)
+
+
+def _compiled() -> dict:
+    from areal_flow.cli import load_flow
+    from areal_flow.program import compile_program
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
+    return json.loads(compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg).to_json())
+
+
+def _drop_node(data: dict, name: str) -> None:
+    data["nodes"] = [n for n in data["nodes"] if n["name"] != name]
+
+
+def _drop_edge(data: dict, src: str, dst: str) -> None:
+    data["edges"] = [e for e in data["edges"] if (e["src"], e["dst"]) != (src, dst)]
+
+
+def _node(data: dict, name: str) -> dict:
+    return next(n for n in data["nodes"] if n["name"] == name)
+
+
+BROKEN = {  # hand edit -> the error's words
+    "node removed": (lambda d: _drop_node(d, "reward"), "comes from 'reward', which is not a node"),
+    "edge removed": (lambda d: _drop_edge(d, "generate", "reward"), "generate.rollouts -> reward.rollouts has no edge"),
+    "route node removed": (lambda d: _drop_node(d, "sync_weights"), "'sync_weights' is not a node"),
+    "negative k": (lambda d: next(e for e in d["edges"] if e["dst"] == "train_step").update(max_staleness=-1),
+                   "max_staleness=-1 must be an int >= 0"),
+    "run lost": (lambda d: d.update(run={"name": "x"}), "plan.run lacks out_dir, seed, steps"),
+    "steps not a number": (lambda d: d["run"].update(steps="three"), "plan.run.steps='three': must be an int >= 1"),
+    "mesh lost": (lambda d: _node(d, "generate").pop("mesh"), "plan node 'generate' is missing field 'mesh'"),
+}
+
+
+@pytest.mark.parametrize("edit", list(BROKEN))
+def test_a_broken_plan_is_refused_naming_the_culprit(edit):
+    from compiler.plan import PlanSchemaError
+
+    data = _compiled()
+    change, words = BROKEN[edit]
+    change(data)
+    with pytest.raises(PlanSchemaError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Plan.from_dict(data)
+
+
+def test_an_unknown_op_is_refused_before_any_process():
+    data = _compiled()
+    _node(data, "reward")["op"] = "rewrad"
+    with pytest.raises(TopologyError, match=r"node 'reward' \(rewrad, .*\): unknown op 'rewrad'; did you mean 'reward'"):
+        build_topology(Plan.from_dict(data))
+
+
+def test_run_plan_refuses_config_and_names_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 2,')
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(bad)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and f"{bad} line 1" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(bad), "--config", "x.yaml"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "takes no graph file, --config" in done.stderr

@@ -122,8 +122,11 @@ def resolve_folder(spec: str) -> Path:
         return _converted_gguf(path.resolve(), _gguf_cache_name(path.resolve()))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model spec {spec!r}: folder has no config.json (not a HF model folder)")
+            hint = " (a run's model is in its model/ subfolder)" if (path / "model" / "config.json").is_file() else ""
+            raise FileNotFoundError(f"model spec {spec!r}: folder has no config.json (not a HF model folder){hint}")
         return path
+    if spec.startswith((".", "/", "~")) or path.parent.is_dir() and path.parent != Path("."):
+        raise FileNotFoundError(f"model spec {spec!r}: no such file or folder")
     if path.exists() or not _HUB_ID_RE.fullmatch(spec):
         raise ValueError(f"model spec {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), "
                          "a model folder, a .gguf file, or a hub id")

@@ -1,0 +1,59 @@
+"""Consistency of a plan read from disk: what a hand edit can break, caught before any
+process starts, each error naming the node, edge or key.
+
+Owns the structural rules a runnable plan keeps (``Plan.from_dict`` calls :func:`check_plan`):
+node names unique; every input port names an existing node and one of its output ports;
+the data edges are exactly the nodes' input ports (an edge deleted or added by hand would
+make the drawing and the program disagree); every edge's ends exist; a bound ``k`` is an
+int >= 0 and ``B`` an int >= 1; ``run`` holds what the runtime reads, with ``steps`` and
+``seed`` integers. Whether an op exists is the runtime's check (user ops are registered
+from the plan there: ``runtime.topology``).
+"""
+
+from __future__ import annotations
+
+RUN_KEYS = ("name", "out_dir", "seed", "steps", "scheduler", "warm_start", "eval")
+
+
+def check_plan(plan, error) -> None:
+    """Raise ``error(message)`` at the first broken rule of the module doc."""
+    names = [n.name for n in plan.nodes]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise error(f"plan: two nodes named '{dup}'")
+    nodes = {n.name: n for n in plan.nodes}
+    for node in plan.nodes:
+        for port, source in node.inputs.items():
+            if not (isinstance(source, (list, tuple)) and len(source) == 2):
+                raise error(f"plan node '{node.name}': input '{port}' must be [node, port], got {source!r}")
+            src, src_port = source
+            if src not in nodes:
+                raise error(f"plan node '{node.name}': input '{port}' comes from '{src}', which is not a node of "
+                            "the plan")
+            if src_port not in nodes[src].outputs:
+                raise error(f"plan node '{node.name}': input '{port}' reads '{src}.{src_port}', but '{src}' has "
+                            f"outputs {list(nodes[src].outputs)}")
+    wired = {(src, sp, node.name, port) for node in plan.nodes for port, (src, sp) in node.inputs.items()}
+    for edge in plan.edges:
+        for end in (edge.src, edge.dst):
+            if end not in nodes:
+                raise error(f"plan edge {edge.src} -> {edge.dst}: '{end}' is not a node of the plan")
+        if edge.max_staleness is not None and (not isinstance(edge.max_staleness, int) or edge.max_staleness < 0):
+            raise error(f"plan edge {edge.src} -> {edge.dst}: max_staleness={edge.max_staleness!r} must be an int >= 0")
+        if edge.batch_groups is not None and (not isinstance(edge.batch_groups, int) or edge.batch_groups < 1):
+            raise error(f"plan edge {edge.src} -> {edge.dst}: batch_groups={edge.batch_groups!r} must be an int >= 1")
+    drawn = {(e.src, e.src_port, e.dst, e.dst_port) for e in plan.edges if e.kind == "data"}
+    for src, sp, dst, port in sorted(wired ^ drawn):
+        side = "has no edge" if (src, sp, dst, port) in wired else "has an edge but no input port reads it"
+        raise error(f"plan: {src}.{sp} -> {dst}.{port} {side}; edit a node's inputs and its edge together "
+                    "(or re-compile)")
+    if plan.run:
+        missing = [k for k in RUN_KEYS if k not in plan.run]
+        if missing:
+            raise error(f"plan.run lacks {', '.join(missing)} (a plan from 'areal-flow compile' has them)")
+        for key in ("steps", "seed"):
+            value = plan.run[key]
+            if not isinstance(value, int) or isinstance(value, bool) or (key == "steps" and value < 1):
+                raise error(f"plan.run.{key}={value!r}: must be an int" + (" >= 1" if key == "steps" else ""))
+        if not isinstance(plan.run["scheduler"], dict) or "type" not in plan.run["scheduler"]:
+            raise error("plan.run.scheduler must be a mapping with a 'type' (local or ray)")
