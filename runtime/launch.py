@@ -11,6 +11,9 @@ multi-rank trainer spawns its ranks). A generation replica that dies is started 
 the trainer's version); any other worker's failure stops the others and is re-raised with
 its traceback; what was already written (events, trajectories) stays.
 
+Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
+turns: a lock per such mesh is held around each engine step and each train step.
+
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
@@ -190,6 +193,13 @@ def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float,
     return accuracy, {kind: kinds[kind] for kind in task.ANSWER_KINDS}
 
 
+def _time_shared(topo: Topology) -> list:
+    """Meshes the plan gives to generation and to another worker group (``|`` in the
+    allocation): their workers take turns through one lock (local scheduler)."""
+    gen = topo.generation.mesh
+    return [gen] if any(g.mesh == gen for g in topo.groups.values() if g.kind != "generation") else []
+
+
 def _child(target, spec, results, *extra) -> None:
     try:
         results.put((f"{spec.group}/{spec.rank}", "ok", target(spec, *extra)))
@@ -247,7 +257,8 @@ class _LocalRun:
               f"({self.restarts}/{limit})", file=sys.stderr)
         spec = replace(spec, resume_version=version, resync=self.trainer_inbox)
         self.router.replace_replica(spec.rank, spec.inbox)
-        new = ctx.Process(target=_child, args=(run_generation_replica, spec, results), name=name)
+        lease = self.leases.get(topo.groups[spec.group].mesh)
+        new = ctx.Process(target=_child, args=(run_generation_replica, spec, results, lease), name=name)
         new.start()
         return new
 
@@ -259,14 +270,15 @@ class _LocalRun:
         previous = os.environ.get("OMP_WAIT_POLICY")
         os.environ["OMP_WAIT_POLICY"] = previous or "PASSIVE"
         trainer = None
+        self.leases = {mesh: ctx.Lock() for mesh in _time_shared(topo)}
         try:
             for spec in specs:
                 group = topo.groups[spec.group]
+                lease = self.leases.get(group.mesh)
                 if group.kind == "generation":
-                    args = (run_generation_replica, spec, results)
+                    args = (run_generation_replica, spec, results, lease)
                 else:
-                    args = (run_stage_worker, spec, results, metrics.put) if group.batch_nodes else \
-                        (run_stage_worker, spec, results)
+                    args = (run_stage_worker, spec, results, metrics.put if group.batch_nodes else None, lease)
                     if group.batch_nodes:
                         trainer = f"{spec.group}/{spec.rank}"
                 name = f"{spec.group}/{spec.rank}"

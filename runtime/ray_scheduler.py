@@ -10,6 +10,9 @@ progress, and leave no actor or placement group
 behind, also on Ctrl-C. What happens before and after the workers (plan.json, warm start,
 held-out accuracy, summary) is :class:`runtime.launch.RunSetup`, shared with ``local``.
 
+Co-located groups (``|``) share their mesh's bundle on Ray but do not take turns (the local
+scheduler's lock is a process lock); the plan's time-sharing is then only approximate.
+
 Transport: pyzmq channels on TCP between the nodes' IPs (not the object store): the
 semantics the runtime relies on (FIFO with back-pressure, admission indices, exactly-once
 checks, versioned and checksummed weight buckets) are the channels', and the driver stays

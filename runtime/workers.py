@@ -27,6 +27,7 @@ ready, so the groups the router sends it again keep the staleness bound.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -130,8 +131,10 @@ def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
     return True
 
 
-def run_generation_replica(spec: WorkerSpec) -> dict:
-    """Replica ``spec.rank`` of the generation group, until the router says stop."""
+def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
+    """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
+    lock held around each engine step when the plan time-shares this mesh with a trainer
+    (``|`` in the allocation)."""
     from runtime.executors.generate import GenerateExecutor
 
     ctx = _context(spec)
@@ -172,7 +175,9 @@ def run_generation_replica(spec: WorkerSpec) -> dict:
                 msg = inbox.recv(timeout_s=0)
             if stop or not gen.has_work():
                 continue
-            for index, attempt, trajectories in gen.step():
+            with lease if lease is not None else contextlib.nullcontext():
+                finished = gen.step()
+            for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
                 if not run_group_nodes(item, local, executors):
                     counts["dropped"] += 1
@@ -196,9 +201,10 @@ def _group(spec: WorkerSpec):
     return build_topology(spec.plan).groups[spec.group]
 
 
-def run_stage_worker(spec: WorkerSpec, report=None) -> dict:
+def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
     """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
-    metrics (a trainer). A multi-rank policy train_step spawns its ranks here."""
+    metrics (a trainer); ``lease`` is held around each train step when the plan time-shares
+    the mesh with generation. A multi-rank policy train_step spawns its ranks here."""
     group = _group(spec)
     if group.batch_nodes and group.strategy.world_size > 1:
         from runtime.executors.train import TrainSettings
@@ -208,22 +214,23 @@ def run_stage_worker(spec: WorkerSpec, report=None) -> dict:
         policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
                       ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
-        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report), spec.recv_timeout_s + 120.0,
+        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease), spec.recv_timeout_s + 120.0,
                          device_type=spec.plan.device_type, backend=spec.plan.backend)
-    return _Stage(spec, _context(spec), group, report).run()
+    return _Stage(spec, _context(spec), group, report, lease).run()
 
 
-def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report) -> dict:
+def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
     ctx = _context(spec)
     ctx.rank_trainer = rank_trainer
-    return _Stage(spec, ctx, _group(spec), report).run()
+    return _Stage(spec, ctx, _group(spec), report, lease).run()
 
 
 class _Stage:
-    def __init__(self, spec: WorkerSpec, ctx: WorkerContext, group, report) -> None:
+    def __init__(self, spec: WorkerSpec, ctx: WorkerContext, group, report, lease=None) -> None:
         from runtime.topology import build_topology
 
         self.spec, self.ctx, self.group, self.report = spec, ctx, group, report
+        self.lease = lease if lease is not None else contextlib.nullcontext()
         self.topo = build_topology(spec.plan)
         nodes = [ctx.node(n) for n in group.nodes]
         self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
@@ -311,8 +318,9 @@ class _Stage:
                     buffer.take_batch(step)
                     batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
                     checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
-                    stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
-                                                        checkpoint=checkpoint, publishers=publishers)
+                    with self.lease:  # a mesh time-shared with generation: one of them at a time
+                        stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
+                                                            checkpoint=checkpoint, publishers=publishers)
                     train_s = time.perf_counter() - started
                     self.counts["groups"] += len(batch_items)
                     for t in advantage["trajectories"]:

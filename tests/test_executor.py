@@ -341,3 +341,17 @@ def test_run_plan_refuses_config_and_names_the_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(bad), "--config", "x.yaml"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "takes no graph file, --config" in done.stderr
+
+
+def test_colocated_generation_and_training_take_turns_on_one_mesh():
+    from areal_flow.cli import load_flow
+    from areal_flow.program import compile_program
+    from runtime.launch import _time_shared
+
+    def topology(*overrides):
+        cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, *overrides])
+        return build_topology(compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg))
+
+    shared = topology("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1")
+    assert _time_shared(shared) == [shared.generation.mesh]  # one lock: engine steps and train steps alternate
+    assert _time_shared(topology("compile.allocation=gen:d1 + train:d1")) == []
