@@ -214,3 +214,12 @@ class MessageReceiver:
 
     def close(self) -> None:
         close_bound(self._sock, self.address)
+
+
+def wait_any(receivers: Sequence, timeout_s: float) -> None:
+    """Block until one of ``receivers`` (``MessageReceiver``/``ExperienceReceiver``/
+    ``runtime.weights.WeightSubscriber``) has a message, or ``timeout_s`` seconds pass."""
+    poller = zmq.Poller()
+    for receiver in receivers:
+        poller.register(receiver._sock, zmq.POLLIN)
+    poller.poll(_timeout_ms(timeout_s))

@@ -39,7 +39,7 @@ import torch
 from areal_flow.ops.registry import FunctionExecutor, lookup
 from areal_flow.types import Trajectory
 from compiler.plan import Plan, decode_value
-from runtime.channels import MessageReceiver, MessageSender
+from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.context import WorkerContext
 from runtime.observe import memory_profile, step_metrics
 from runtime.staleness import OrderedExperienceBuffer
@@ -166,7 +166,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 gen.update_weights(update[1], update[0])
                 counts["weight_updates"] += 1
                 control.send(("version", spec.rank, gen.version))
-            msg = inbox.recv(timeout_s=0 if gen.has_work() else 0.05)
+            if not gen.has_work():  # idle: wake on a prompt or on new weights, whichever comes first
+                wait_any([inbox, weights], timeout_s=0.05)
+            msg = inbox.recv(timeout_s=0)
             while msg is not None:
                 if msg[0] == "stop":
                     stop = True
