@@ -71,11 +71,11 @@ class TrainStepExecutor:
         self.micro_batches = node.micro_batches or 1
         self.critic = ctx.plan.models[node.model]["head"] == "value"
         self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
+        self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
             return
-        self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.model = ctx.model(node.model).to(self.device).train()
         if node.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable()
