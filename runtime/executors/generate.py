@@ -23,7 +23,8 @@ class GenerateExecutor:
 
     Args:
         node: the plan's generate node (``n_samples``, ``max_new_tokens``, ``temperature``,
-            ``top_p``, ``chat_template``, ``engine``, ``max_batch_size``).
+            ``top_p``, ``chat_template``, ``engine``, ``max_batch_size``) and its planned ``concurrent``
+            sequences per replica (the engine gets the smaller of the two as slots).
         ctx: the replica's :class:`runtime.context.WorkerContext`.
         threads: torch threads (vLLM on CPU).
 
@@ -45,10 +46,12 @@ class GenerateExecutor:
         self.tokenizer = tokenizer
         seed = ctx.seed + 1000 * ctx.rank  # replicas must not draw the same samples
         folder = ctx.folders[node.model]
+        # engine slots: the plan's sequences decoded at once per replica, capped by gen.max_batch_size
+        slots = min(a["max_batch_size"], node.concurrent or a["max_batch_size"])
         if a.get("engine", "embedded") == "vllm":
             from runtime.engines.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(folder, tokenizer, max_batch_size=a["max_batch_size"], seed=seed,
+            self.engine = VLLMEngine(folder, tokenizer, max_batch_size=slots, seed=seed,
                                      dtype=ctx.plan.run.get("dtype", "float32"), threads=threads)
         else:
             from runtime.engines.generation import GenerationEngine
@@ -56,7 +59,7 @@ class GenerateExecutor:
 
             model, _ = load_pretrained(folder, dtype=ctx.dtype)
             device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
-            self.engine = GenerationEngine(model, tokenizer, max_batch_size=a["max_batch_size"], device=device,
+            self.engine = GenerationEngine(model, tokenizer, max_batch_size=slots, device=device,
                                            seed=seed)
         self._groups: dict[tuple[int, int], dict] = {}
 
