@@ -96,6 +96,7 @@ class _RayRun:
         self.actors: dict[str, object] = {}
         self.steps_done, self.last_checkpoint = 0, None
         self.restarts = 0
+        self.trainer: str | None = None
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan (fails when taken)."""
@@ -142,6 +143,8 @@ class _RayRun:
         try:
             workers = self._drive(specs, logger, router)
         except KeyboardInterrupt:
+            if self.trainer is not None:  # the metrics (and checkpoints) the trainer has reported but we not yet read
+                self._pull(logger, self.trainer, timeout_s=10)
             logger.close()
             self.cleanup()
             note = (f"last checkpoint: {self.last_checkpoint}" if self.last_checkpoint else
@@ -166,7 +169,7 @@ class _RayRun:
     def _drive(self, specs, logger: RunLogger, router) -> dict:
         topo = self.setup.topo
         by_name = {f"{s.group}/{s.rank}": s for s in specs}
-        trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
+        trainer = self.trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
         pending = {self.actors[n].run.remote(s, topo.groups[s.group].kind == "generation"): n for n, s in by_name.items()}
         results: dict = {}
         while trainer not in results:
@@ -208,9 +211,9 @@ class _RayRun:
         router.replace_replica(spec.rank, spec.inbox)
         return replace(spec, resume_version=version, resync=trainer_inbox)
 
-    def _pull(self, logger: RunLogger, trainer: str) -> None:
+    def _pull(self, logger: RunLogger, trainer: str, timeout_s: float = 60) -> None:
         try:
-            for metrics in ray.get(self.actors[trainer].metrics.remote(), timeout=60):
+            for metrics in ray.get(self.actors[trainer].metrics.remote(), timeout=timeout_s):
                 logger.log_step(metrics)
                 self.steps_done = metrics["step"] + 1
                 self.last_checkpoint = metrics.get("checkpoint", self.last_checkpoint)
