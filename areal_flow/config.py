@@ -66,7 +66,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 @dataclass
 class DatasetConfig:
     name: str = "arithmetic"
-    """Task: arithmetic (synthetic, seeded) or gsm8k."""
+    """Task: arithmetic (synthetic, seeded), gsm8k, or the env tasks support_desk and guess_number."""
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
@@ -91,6 +91,18 @@ class GenerationConfig:
     """Sequences decoded together by the engine (continuous batching slots)."""
     engine: str = "embedded"
     """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
+
+
+@dataclass
+class EnvConfig:
+    name: str = ""
+    """Environment of graphs with ops.rollout: a name registered with areal_flow.envs.register_env."""
+    max_turns: int = 8
+    """Policy turns per episode at most."""
+    gamma: float = 1.0
+    """Discount per turn of the episode return (Sutton & Barto eq. 3.8, one step per turn)."""
+    step_timeout_s: float = 30.0
+    """Seconds one env.reset / env.step may take; past it the episode fails (counted, left out)."""
 
 
 @dataclass
@@ -215,6 +227,8 @@ class EvalConfig:
     """Also measure held-out greedy accuracy every this many steps during RL (TensorBoard eval/accuracy); 0 = only before and after."""
     enabled: bool = True
     """Evaluate before and after training."""
+    temperature: float = 0.0
+    """Sampling temperature of held-out episodes (graphs with ops.rollout); 0 = greedy."""
 
 
 @dataclass
@@ -255,6 +269,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     advantage: AdvantageKnobs = field(default_factory=AdvantageKnobs)
@@ -285,7 +300,8 @@ class ExperimentConfig:
                 raise ConfigError(f"{key}={value}: must be >= 0")
         for key, value in (("train.batch_size", self.train.batch_size), ("gen.n_samples", self.gen.n_samples),
                            ("train.steps", self.train.steps), ("gen.max_new_tokens", self.gen.max_new_tokens),
-                           ("warm_start.batch_size", self.warm_start.batch_size)):
+                           ("warm_start.batch_size", self.warm_start.batch_size),
+                           ("env.max_turns", self.env.max_turns)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
         if not 0 <= self.warm_start.teacher_bug_rate <= 1:

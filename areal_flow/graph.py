@@ -165,6 +165,15 @@ class Graph:
     def nodes_of(self, op: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.op == op]
 
+    def generators(self) -> list[Node]:
+        """The nodes that sample with a policy: those whose op takes a ``weights`` input
+        (``generate``, ``rollout``), the targets of ``sync_weights``."""
+        return [n for n in self.nodes.values() if self._takes_weights(n.op)]
+
+    def _takes_weights(self, op: str) -> bool:
+        spec = self.op_specs.get(op)
+        return op == "generate" if spec is None else spec.input("weights") is not None
+
     def producer(self, node: str, port: str) -> Node:
         """The node feeding ``node``'s input ``port``. Raises GraphError if unconnected."""
         for e in self.in_edges(node):
@@ -258,9 +267,9 @@ class Graph:
                 target = self.nodes.get(e.dst)
                 if target is None:
                     continue  # reported as a missing node by the edge check
-                if target.op != "generate" or target.model != node.model:
+                if not self._takes_weights(target.op) or target.model != node.model:
                     raise GraphError(
-                        f"{node.where()}: target {target.where()} must be a generate node of model "
+                        f"{node.where()}: target {target.where()} must be a generate or rollout node of model "
                         f"'{node.model}' (it is {target.op} of model '{target.model}')"
                     )
 

@@ -73,7 +73,7 @@ def training_defects(graph: Graph) -> Iterator[str]:
 def weight_channel_defects(graph: Graph) -> Iterator[str]:
     """Messages for a trained model's generator without weights, or with two weight routes."""
     writers = {n.model: n for n in graph.nodes_of("train_step")}
-    for gen in graph.nodes_of("generate"):
+    for gen in graph.generators():
         routes = [e for e in graph.in_edges(gen.name) if e.dst_port == "weights"]
         step = writers.get(gen.model)
         if step is not None and not routes:

@@ -71,7 +71,7 @@ class RunSpec:
 def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     """Write the config's per-node settings into the nodes' attributes (module doc)."""
     for node in graph.nodes.values():
-        if node.op == "generate":
+        if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
         elif node.op == "train_step":
             t = cfg.train
@@ -81,7 +81,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:
     """Micro-batches per step from ``train.micro_batch_size`` (at least 1)."""
-    gens = graph.nodes_of("generate")
+    gens = graph.generators()
     samples = gens[0].attrs.get("n_samples", 1) if gens else 1
     return max(1, math.ceil(cfg.train.batch_size * samples / cfg.train.micro_batch_size))
 

@@ -26,8 +26,14 @@ class Trajectory:
             interrupted by a weight update.
         finish_reason: ``"stop"`` (EOS) or ``"length"`` (hit ``max_new_tokens``).
         prompt_text / output_text: decoded text.
-        reward: scalar reward, filled by the ``reward`` node.
+        reward: scalar reward, filled by the ``reward`` node (a multi-turn episode: its
+            discounted return ``sum_k gamma^k R_k``).
         meta: task data (e.g. the reference answer), never used by the trainer.
+        loss_mask: multi-turn only, ``[response_len]``: 1 on tokens the policy sampled, 0 on
+            observation (env, tool, user) tokens between turns; None = every response
+            token is the policy's. Observation tokens have log-prob 0 and version -1.
+        turn_ids: multi-turn only, ``[response_len]``: the turn index of each token.
+        turn_rewards: multi-turn only, ``[n_turns]``: the env's reward for each policy turn.
     """
 
     sample_id: str
@@ -41,11 +47,15 @@ class Trajectory:
     output_text: str = ""
     reward: float | None = None
     meta: dict = field(default_factory=dict)
+    loss_mask: list[int] | None = None
+    turn_ids: list[int] | None = None
+    turn_rewards: list[float] | None = None
 
     @property
     def start_version(self) -> int:
-        """Version that generated the first response token (the oldest); staleness is measured from it."""
-        return min(self.versions) if self.versions else -1
+        """Version that generated the first policy token (the oldest); staleness is measured from it."""
+        sampled = [v for v in self.versions if v >= 0]
+        return min(sampled) if sampled else -1
 
     def staleness(self, trainer_version: int) -> int:
         """Policy versions between generation and training: ``trainer_version - start_version``."""

@@ -131,7 +131,7 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         tasks.append(DeviceTask(node.name, node.op, role, ref.name, models[ref.name]))
     if not tasks:
         raise WorkloadError(f"graph '{graph.name}' has no node that needs devices (generate, train_step)")
-    gens = [n for n in graph.nodes.values() if n.op == "generate"]
+    gens = graph.generators()
     aliases = {}
     if gens:
         aliases["gen"] = gens[0].name
@@ -140,7 +140,8 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
             aliases["train"] = policy_train[0].name
     gen_attrs = gens[0].attrs if gens else {}
     samples = cfg.samples_per_prompt or gen_attrs.get("n_samples") or 1
-    new_tokens = cfg.max_new_tokens or gen_attrs.get("max_new_tokens")
+    # a multi-turn rollout samples up to max_turns policy turns of max_new_tokens each
+    new_tokens = cfg.max_new_tokens or (gen_attrs.get("max_new_tokens") or 0) * gen_attrs.get("max_turns", 1)
     if not new_tokens:
         raise CompileConfigError("compile.max_new_tokens is null and no generate node sets max_new_tokens")
     device_nodes = {t.node for t in tasks}

@@ -38,6 +38,9 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tens
         ``loss_mask [B, T]`` float32 (1 on response tokens), ``behavior_logprobs [B, T]``
         float32 (0 off the response), ``versions [B, T]`` int64 (-1 off the response),
         ``rewards [B]`` float32, ``group_ids [B]`` int64. ``T`` = longest prompt+response.
+        Multi-turn trajectories (``turn_ids`` set) add ``turn_ids [B, T]`` int64 (0 off the
+        response) and ``turn_rewards [B, n_turns]`` float32 (0 past a row's last turn);
+        their ``loss_mask`` is 0 on observation tokens.
 
     Raises:
         ValueError: an empty list, a trajectory without a reward, or behavior log-probs
@@ -56,10 +59,10 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tens
         if len(t.behavior_logprobs) != len(t.output_ids) or len(t.versions) != len(t.output_ids):
             raise ValueError(f"collate: sample {t.sample_id}: behavior_logprobs/versions do not match its response")
         p, r = len(t.prompt_ids), len(t.output_ids)
-        loss_mask[row, p : p + r] = 1.0
+        loss_mask[row, p : p + r] = 1.0 if t.loss_mask is None else torch.tensor(t.loss_mask, dtype=torch.float32)
         behavior[row, p : p + r] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
         versions[row, p : p + r] = torch.tensor(t.versions, dtype=torch.long)
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
@@ -68,3 +71,20 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tens
         "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         "group_ids": torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
     }
+    if any(t.turn_ids is not None for t in trajectories):
+        out.update(_turns(trajectories, length))
+    return out
+
+
+def _turns(trajectories: list[Trajectory], length: int) -> dict[str, torch.Tensor]:
+    n_turns = max(len(t.turn_rewards or ()) for t in trajectories)
+    turn_ids = torch.zeros((len(trajectories), length), dtype=torch.long)
+    turn_rewards = torch.zeros((len(trajectories), max(n_turns, 1)), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        if t.turn_ids is None or len(t.turn_ids) != len(t.output_ids):
+            raise ValueError(f"collate: sample {t.sample_id}: turn_ids do not match its response (single- and "
+                             "multi-turn trajectories cannot share a batch)")
+        p = len(t.prompt_ids)
+        turn_ids[row, p : p + len(t.turn_ids)] = torch.tensor(t.turn_ids, dtype=torch.long)
+        turn_rewards[row, : len(t.turn_rewards)] = torch.tensor(t.turn_rewards, dtype=torch.float32)
+    return {"turn_ids": turn_ids, "turn_rewards": turn_rewards}

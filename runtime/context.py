@@ -32,6 +32,7 @@ class WorkerContext:
     folders: dict[str, str]
     out_dir: Path
     rank: int = 0
+    threads: int = 1
     models: dict = field(default_factory=dict)
     _tokenizer: object = None
 
@@ -61,8 +62,12 @@ class WorkerContext:
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def policy_name(self) -> str:
-        """The model of the (first) generate node."""
-        return next(n.model for n in self.plan.nodes if n.op == "generate")
+        """The model of the generator (the ``stream`` node: generate or rollout)."""
+        return self.generator().model
+
+    def generator(self) -> NodePlan:
+        """The plan's generator node (grain ``stream``)."""
+        return next(n for n in self.plan.nodes if n.grain == "stream")
 
     def node(self, name: str) -> NodePlan:
         return self.plan.node(name)

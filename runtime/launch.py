@@ -130,13 +130,36 @@ class RunSetup:
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
-            self.extra["accuracy_before"], kinds = _evaluate(self.folders[policy], self.task, self.test_set,
-                                                             self.topo.generate.attrs.get("chat_template"))
-            if kinds:
-                self.extra["answer_kinds_before"] = kinds
+            self._held_out(self.folders[policy], "before")
             if self.show_progress:
-                print(f"held-out greedy accuracy before RL: {self.extra['accuracy_before']:.1%} "
+                print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
+
+    def _held_out(self, folder, when: str) -> None:
+        """``accuracy_<when>`` on the held-out set (and the answer kinds, or for episodes of a
+        rollout node ``episodes_<when>``: return, turns, env info means)."""
+        gen = self.topo.generate
+        temperature = float(self.plan.run["eval"].get("temperature", 0.0))
+        sampled = f"sampled at temperature {temperature:g}" if temperature else "greedy"
+        self.extra["eval_kind"] = f"{sampled} episode success rate" if gen.op == "rollout" else "greedy accuracy"
+        if gen.op == "rollout":
+            from compiler.plan import decode_value
+            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.executors.rollout import model_context
+            from runtime.model_source import load_pretrained
+
+            attrs = decode_value(gen.attrs)
+            model, tokenizer = load_pretrained(folder)
+            stats = evaluate_episodes(model, tokenizer, attrs, self.test_set,
+                                      temperature=temperature,
+                                      max_context=int(attrs.get("max_context") or model_context(folder)))
+            self.extra[f"accuracy_{when}"] = stats.pop("accuracy")
+            self.extra[f"episodes_{when}"] = stats
+            return
+        self.extra[f"accuracy_{when}"], kinds = _evaluate(folder, self.task, self.test_set,
+                                                          gen.attrs.get("chat_template"))
+        if kinds:
+            self.extra[f"answer_kinds_{when}"] = kinds
 
     def router(self, replicas: list[str], control: str) -> Router:
         """The router over the dataset's prompts (a separate seeded stream for resampled slots)."""
@@ -168,10 +191,7 @@ class RunSetup:
         self.extra.update(model_dir=str(self.out_dir / "model"), trajectories=str(self.out_dir / "trajectories"),
                           workers=workers, **extra)
         if self.eval_enabled:
-            self.extra["accuracy_after"], kinds = _evaluate(self.out_dir / "model", self.task, self.test_set,
-                                                            self.topo.generate.attrs.get("chat_template"))
-            if kinds:
-                self.extra["answer_kinds_after"] = kinds
+            self._held_out(self.out_dir / "model", "after")
         summary = logger.summary(**self.extra)
         if self.show_progress:
             print(format_summary(summary))

@@ -134,7 +134,11 @@ def format_summary(summary: dict) -> str:
     lines = ["", "=== run summary ==="]
     if "accuracy_before" in summary:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        lines.append(f"held-out greedy accuracy: before RL {before:.1%}  after RL {after:.1%}  ({100 * (after - before):+.1f} points)")
+        lines.append(f"held-out {summary.get('eval_kind', 'greedy accuracy')}: before RL {before:.1%}  after RL {after:.1%}  ({100 * (after - before):+.1f} points)")
+    if "episodes_before" in summary and "episodes_after" in summary:
+        before, after = summary["episodes_before"], summary["episodes_after"]
+        lines.append("held-out episodes, before -> after RL: " + ", ".join(
+            f"{key} {before[key]:.3g} -> {after[key]:.3g}" for key in before if key in after))
     if "answer_kinds_before" in summary and "answer_kinds_after" in summary:
         before, after = summary["answer_kinds_before"], summary["answer_kinds_after"]
         lines.append("held-out greedy answers by kind, before -> after RL: "

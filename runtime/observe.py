@@ -41,7 +41,7 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
     staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
     staleness = [t.staleness(step) for t in trajectories]
     n_tokens = int(batch["attention_mask"].sum())
-    return {
+    return {**_episode_metrics(trajectories), 
         "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
         "reward": float(batch["rewards"].mean()),
         "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
@@ -51,3 +51,23 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
         "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
         "reward/failures": float(sum(bool(t.meta.get("reward_failed")) for t in trajectories)),
     }
+
+
+def _episode_metrics(trajectories: list[Trajectory]) -> dict:
+    """Multi-turn episodes (``ops.rollout``): ``episode/return`` (the discounted return),
+    ``episode/turns``, ``episode/tool_call_error_rate`` (malformed tool calls per turn),
+    ``env/failures`` (failed episodes in the step's groups, left out of training) and the
+    per-episode mean of every numeric ``info`` key the env reported (``env/<key>``, summed
+    over an episode's steps). Empty for single-turn rollouts."""
+    episodes = [t for t in trajectories if t.turn_rewards is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    turns = sum(t.meta.get("turns", len(t.turn_rewards)) for t in episodes)
+    groups = {t.group_id: t.meta.get("group_failed", 0) for t in episodes}
+    out = {"episode/return": sum(float(t.reward) for t in episodes) / n, "episode/turns": turns / n,
+           "episode/tool_call_error_rate": sum(t.meta.get("tool_errors", 0) for t in episodes) / max(turns, 1),
+           "env/failures": float(sum(groups.values()))}
+    for key in sorted({k for t in episodes for k in t.meta.get("env", {})}):
+        out[f"env/{key}"] = sum(t.meta.get("env", {}).get(key, 0.0) for t in episodes) / n
+    return out

@@ -56,7 +56,7 @@ class GroupItem:
     values: dict = field(default_factory=dict)
 
     def rollouts(self, plan: Plan) -> list[Trajectory]:
-        gen = next(n for n in plan.nodes if n.op == "generate")
+        gen = next(n for n in plan.nodes if n.grain == "stream")
         return self.values[f"{gen.name}.rollouts"]
 
 
@@ -109,7 +109,7 @@ def _context(spec: WorkerSpec) -> WorkerContext:
     plan = spec.plan
     decoded = tuple(n.__class__(**{**n.__dict__, "attrs": decode_value(n.attrs)}) for n in plan.nodes)
     plan = plan.__class__(**{**plan.__dict__, "nodes": decoded})
-    return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank)
+    return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank, threads=spec.threads)
 
 
 def make_executor(node, ctx: WorkerContext):
@@ -135,12 +135,10 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
     lock held around each engine step when the plan time-shares this mesh with a trainer
     (``|`` in the allocation)."""
-    from runtime.executors.generate import GenerateExecutor
-
     ctx = _context(spec)
     nodes = [ctx.node(n) for n in _group(spec).nodes]
-    gen = GenerateExecutor(next(n for n in nodes if n.op == "generate"), ctx, threads=spec.threads)
-    local = [n for n in nodes if n.op != "generate"]
+    gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
+    local = [n for n in nodes if n.grain != "stream"]
     executors = {n.name: make_executor(n, ctx) for n in local}
     inbox, control = MessageReceiver(spec.inbox), MessageSender(spec.control)
     outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
@@ -181,7 +179,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 finished = gen.step()
             for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
-                if not run_group_nodes(item, local, executors):
+                if not trajectories or not run_group_nodes(item, local, executors):  # no episode of it survived
                     counts["dropped"] += 1
                     control.send(("dropped", spec.rank, index, attempt))
                     continue
@@ -194,7 +192,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
             sock.close()
         inbox.close()
         weights.close()
-    return {**counts, "final_version": gen.version}
+        if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
+            gen.close()
+    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version}
 
 
 def _group(spec: WorkerSpec):
@@ -363,6 +363,14 @@ class _Stage:
         executor = self.executors[node.name]
         model, _ = load_pretrained(executor.settings.model_folder)
         model.load_state_dict(executor.current_state())
+        gen = self.ctx.generator()
+        if gen.op == "rollout":
+            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.executors.rollout import model_context
+
+            limit = gen.attrs.get("max_context") or model_context(executor.settings.model_folder)
+            return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=int(limit),
+                                     temperature=float(plan.run["eval"].get("temperature", 0.0)))["accuracy"]
         answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
                                  chat_template=self.topo.generate.attrs.get("chat_template"))
         return answer_accuracy(task, answers, problems)

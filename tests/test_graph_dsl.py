@@ -137,7 +137,7 @@ def test_sync_weights_target_must_be_generate_of_same_model():
         ops.sync_weights(policy, to=reward)
         return stats
 
-    with pytest.raises(GraphError, match=r"sync_weights.*target node 'reward' \(reward.*must be a generate node of model 'policy'"):
+    with pytest.raises(GraphError, match=r"sync_weights.*target node 'reward' \(reward.*must be a generate or rollout node of model 'policy'"):
         bad_target(CFG)
 
     @flow
@@ -148,7 +148,7 @@ def test_sync_weights_target_must_be_generate_of_same_model():
         ops.sync_weights(policy, to=rollout)
         return stats
 
-    with pytest.raises(GraphError, match=r"must be a generate node of model 'policy' \(it is generate of model 'actor'\)"):
+    with pytest.raises(GraphError, match=r"must be a generate or rollout node of model 'policy' \(it is generate of model 'actor'\)"):
         other_model(CFG)
 
 

@@ -171,26 +171,39 @@ def multi_turn(
     loss_mask: torch.Tensor,
     *,
     gamma: float = 1.0,
+    mode: str = "turn",
+    group_ids: torch.Tensor | None = None,
+    baseline: str = "none",
 ) -> AdvantageOutput:
     """Discounted returns across the turns of a multi-turn trajectory.
 
-    ``G_k = sum_{j >= k} gamma^(j-k) R_j`` for turn rewards ``R_j`` (the turn-level
-    discounted return, Sutton & Barto 2018 eq. 3.8, with one step per turn); every
-    response token of turn k gets advantage ``G_k``. Subtract a baseline afterwards if
-    wanted.
+    ``mode="turn"``: one step per turn, ``G_k = sum_{j >= k} gamma^(j-k) R_j`` for turn
+    rewards ``R_j`` (the discounted return, Sutton & Barto 2018 eq. 3.8); every policy
+    token of turn k gets ``G_k``. ``mode="token"``: one step per policy token, ``R_k`` is
+    credited to the last policy token of turn k and ``G_t = r_t + gamma * G_next`` over
+    policy tokens only (``discounted_returns``), so observation tokens between turns
+    neither reset nor discount the return. ``baseline="group"``: subtract from every token
+    the mean over the episode's group (``group_ids``) of the episodes' returns at their
+    first policy token (``G_0``), the group baseline of GRPO/RLOO over whole episodes;
+    the value targets (``returns``) stay without it.
 
     Args:
         turn_rewards: ``[batch, n_turns]`` float; turns a trajectory does not have hold 0.
         turn_ids: ``[batch, seq]`` int64, the turn index (0-based) of each token; read
             only where ``loss_mask`` is 1.
         loss_mask: ``[batch, seq]``, 1 on trainable (model-generated) tokens.
-        gamma: discount per turn.
+        gamma: discount per turn (``"turn"``) or per policy token (``"token"``).
+        mode: ``"turn"`` or ``"token"``.
+        group_ids: ``[batch]`` int64 episode group of each row (``baseline="group"``).
+        baseline: ``"none"`` or ``"group"``.
 
     Returns:
-        ``AdvantageOutput(advantages, returns)``, both ``[batch, seq]`` float32 = ``G_k``.
+        ``AdvantageOutput(advantages, returns)``, both ``[batch, seq]`` float32, 0 where
+        ``loss_mask`` is 0.
 
     Raises:
-        ValueError: a turn id outside ``[0, n_turns)`` on a valid token, or shape mismatch.
+        ValueError: a turn id outside ``[0, n_turns)`` on a valid token, shape mismatch,
+            an unknown ``mode``/``baseline``, or ``baseline="group"`` without ``group_ids``.
     """
     mask = loss_mask.bool()
     if turn_rewards.dim() != 2 or turn_rewards.shape[0] != mask.shape[0] or turn_ids.shape != mask.shape:
@@ -198,18 +211,42 @@ def multi_turn(
             f"multi_turn: turn_rewards {tuple(turn_rewards.shape)} must be [batch, n_turns] and turn_ids "
             f"{tuple(turn_ids.shape)} must match loss_mask {tuple(mask.shape)}"
         )
+    if mode not in ("turn", "token") or baseline not in ("none", "group"):
+        raise ValueError(f"multi_turn: mode must be 'turn' or 'token' (got {mode!r}), baseline 'none' or 'group' "
+                         f"(got {baseline!r})")
     n_turns = turn_rewards.shape[1]
     ids = turn_ids[mask]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_turns):
         got = ids.unique().tolist()
         raise ValueError(f"multi_turn: turn_ids on response tokens must be in [0, {n_turns}), got {got}")
-    g = torch.zeros(turn_rewards.shape, dtype=torch.float64)
-    running = torch.zeros(turn_rewards.shape[0], dtype=torch.float64)
-    for k in range(n_turns - 1, -1, -1):
-        running = turn_rewards[:, k].double() + gamma * running
-        g[:, k] = running
     if n_turns == 0:
-        out = torch.zeros(mask.shape, dtype=torch.float32)
+        returns = torch.zeros(mask.shape, dtype=torch.float64)
+    elif mode == "turn":
+        g = torch.zeros(turn_rewards.shape, dtype=torch.float64)
+        running = torch.zeros(turn_rewards.shape[0], dtype=torch.float64)
+        for k in range(n_turns - 1, -1, -1):
+            running = turn_rewards[:, k].double() + gamma * running
+            g[:, k] = running
+        returns = _zeros_where_invalid(g.gather(1, turn_ids.clamp(0, n_turns - 1)), mask)
     else:
-        out = _zeros_where_invalid(g.gather(1, turn_ids.clamp(0, n_turns - 1)), mask).float()
-    return AdvantageOutput(out, out.clone())
+        r = torch.zeros(mask.shape, dtype=torch.float64)
+        pos = torch.arange(mask.shape[1]).expand_as(mask)
+        for k in range(n_turns):
+            last = torch.where(mask & (turn_ids == k), pos, torch.full_like(pos, -1)).amax(dim=1)
+            rows = (last >= 0).nonzero().flatten()
+            r[rows, last[rows]] += turn_rewards[rows, k].double()
+        returns = discounted_returns(r, mask, gamma)
+    adv = returns
+    if baseline == "group":
+        if group_ids is None or group_ids.shape != (mask.shape[0],):
+            raise ValueError("multi_turn: baseline='group' needs group_ids [batch]")
+        first = torch.where(mask, torch.arange(mask.shape[1]).expand_as(mask), mask.shape[1]).amin(dim=1)
+        has = first < mask.shape[1]
+        g0 = torch.zeros(mask.shape[0], dtype=torch.float64)
+        g0[has] = returns[has.nonzero().flatten(), first[has]]
+        _, index = torch.unique(group_ids, return_inverse=True)
+        n = int(index.max()) + 1 if index.numel() else 0
+        count = torch.zeros(n, dtype=torch.float64).index_add_(0, index, has.double())
+        mean = torch.zeros(n, dtype=torch.float64).index_add_(0, index, g0) / count.clamp(min=1)
+        adv = _zeros_where_invalid(returns - mean[index][:, None], mask)
+    return AdvantageOutput(adv.float(), returns.float())

@@ -19,6 +19,7 @@ from areal_flow.ops.generate import generate
 from areal_flow.ops.logprobs import logprobs
 from areal_flow.ops.registry import OPS, register_op
 from areal_flow.ops.reward import reward
+from areal_flow.ops.rollout import rollout
 from areal_flow.ops.sync_weights import sync_weights
 from areal_flow.ops.train_step import train_step
 
@@ -37,5 +38,5 @@ def __getattr__(name: str):
     raise UnknownOpError(f"ops.{name} ({user_source()}): no such op; {hint}ops: {', '.join(sorted(OPS))}")
 
 
-__all__ = ["OPS", "UnknownOpError", "advantage", "dataset", "filter", "generate", "logprobs", "register_op", "reward",
+__all__ = ["OPS", "UnknownOpError", "advantage", "dataset", "filter", "generate", "logprobs", "register_op", "reward", "rollout",
            "sync_weights", "train_step"]

@@ -28,13 +28,13 @@ KL term in the loss (``train.loss.kl_coef`` with ``kl_in_reward=false``).
 from __future__ import annotations
 
 from areal_flow.algorithms.catalog import ESTIMATORS
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.dsl import Handle, Model, current_graph, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, define
 
 SPEC = OpSpec(
     "advantage",
-    inputs=(PortSpec("rollouts", "rollouts"), PortSpec("rewards", "rewards"),
+    inputs=(PortSpec("rollouts", "rollouts"), PortSpec("rewards", "rewards", required=False),
             PortSpec("ref_logprobs", "logprobs", required=False)),
     outputs=(PortSpec("advantages", "advantages"),),
 )
@@ -44,7 +44,7 @@ OP = define(OpDef(SPEC, BATCH, lambda node: INFERENCE if node.model else CPU,
 
 def advantage(
     rollouts: Handle,
-    rewards: Handle,
+    rewards: Handle | None = None,
     *,
     estimator: str = "grpo",
     critic: Model | None = None,
@@ -58,7 +58,9 @@ def advantage(
 
     Args:
         rollouts: ``rollouts`` handle from ``ops.generate`` (or ``ops.filter``).
-        rewards: ``rewards`` handle from ``ops.reward`` (or a user op).
+        rewards: ``rewards`` handle from ``ops.reward`` (or a user op); None when the
+            rollouts are episodes of ``ops.rollout`` (scored by their env: the discounted
+            return of each episode; ``estimator="multi_turn"`` reads the turn rewards).
         estimator: estimator name (``grpo``, ``dr_grpo``, ``rloo``, ``gae``, ...).
         critic: the value model for GAE (PPO); it is read, not updated, here.
         ref: the frozen reference policy whose KL is folded into the reward (REINFORCE++).
@@ -68,7 +70,8 @@ def advantage(
 
     Raises:
         GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, an unknown
-            estimator, or ``kl_coef`` without ``ref_logprobs`` (naming the node and line).
+            estimator, ``kl_coef`` without ``ref_logprobs``, no ``rewards`` for rollouts no
+            env scored, or ``multi_turn`` on single-turn rollouts (naming the node and line).
     """
     node = record(
         SPEC,
@@ -87,6 +90,27 @@ def advantage(
         node.attrs["model_role"] = "ref"
     elif critic is not None:
         node.attrs["model_role"] = "critic"
+    episodes = _from_rollout(rollouts)
+    if rewards is None and not episodes:
+        raise GraphError(f"{node.where()}: no rewards= for rollouts that no env scored; pass ops.reward(...) "
+                         "(or take the rollouts from ops.rollout)")
+    if estimator == "multi_turn" and not episodes:
+        raise GraphError(f"{node.where()}: estimator 'multi_turn' needs the episodes of an ops.rollout (turn rewards)")
     if estimator not in ESTIMATORS:
         raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     return outputs(node, SPEC)
+
+
+def _from_rollout(handle: Handle) -> bool:
+    """Whether ``handle``'s rollouts are episodes of an ``ops.rollout`` (through filters/user ops)."""
+    graph = current_graph()
+    name = handle.node
+    while name in graph.nodes:
+        node = graph.nodes[name]
+        if node.op == "rollout":
+            return True
+        feeding = next((e for e in graph.in_edges(name) if e.dst_port == "rollouts"), None)
+        if feeding is None:
+            return False
+        name = feeding.src
+    return False

@@ -17,7 +17,7 @@ from areal_flow.ops.registry import CPU, SOURCE, OpDef, define
 SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
 OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
 
-TASKS = ("arithmetic", "gsm8k")
+TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number")
 
 
 def dataset(cfg: Any, *, name: str | None = None) -> Handle:
@@ -50,4 +50,12 @@ def build_task(attrs: dict, seed: int) -> Any:
         from areal_flow.tasks.gsm8k import GSM8KTask
 
         return GSM8KTask(path=attrs.get("path") or None, seed=seed)
+    if kind == "support_desk":
+        from areal_flow.tasks.support_desk import SupportDeskTask
+
+        return SupportDeskTask(seed=seed)
+    if kind == "guess_number":
+        from areal_flow.tasks.guess_number import GuessNumberTask
+
+        return GuessNumberTask(seed=seed)
     raise ValueError(f"dataset.name={kind!r}: unknown task; known: {', '.join(TASKS)}")

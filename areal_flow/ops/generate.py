@@ -61,14 +61,24 @@ def generate(
                    chat_template=chat_template, engine=engine),
         name=name,
     )
-    for bad, rule in ((n_samples < 1, f"n_samples={n_samples}: must be >= 1"),
-                      (max_new_tokens < 1, f"max_new_tokens={max_new_tokens}: must be >= 1"),
-                      (temperature < 0, f"temperature={temperature}: must be >= 0"),
-                      (not 0 < top_p <= 1, f"top_p={top_p}: must be in (0, 1]"),
-                      (engine not in ENGINES, f"engine={engine!r}: expected one of {', '.join(ENGINES)}")):
+    check_sampling(node)
+    return outputs(node, SPEC)
+
+
+def check_sampling(node) -> None:
+    """The sampling attributes every generator shares (``generate``, ``rollout``).
+
+    Raises:
+        GraphError: naming the node and line, when one is out of range.
+    """
+    a = node.attrs
+    for bad, rule in ((a["n_samples"] < 1, f"n_samples={a['n_samples']}: must be >= 1"),
+                      (a["max_new_tokens"] < 1, f"max_new_tokens={a['max_new_tokens']}: must be >= 1"),
+                      (a["temperature"] < 0, f"temperature={a['temperature']}: must be >= 0"),
+                      (not 0 < a["top_p"] <= 1, f"top_p={a['top_p']}: must be in (0, 1]"),
+                      (a["engine"] not in ENGINES, f"engine={a['engine']!r}: expected one of {', '.join(ENGINES)}")):
         if bad:
             raise GraphError(f"{node.where()}: {rule}")
-    return outputs(node, SPEC)
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool | None = None) -> list[int]:

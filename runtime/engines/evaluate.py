@@ -198,3 +198,40 @@ def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, te
         "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in counts) / len(counts) for k in ks},
         "wall_s": round(time.perf_counter() - start, 2),
     }
+
+
+def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temperature: float = 0.0,
+                      max_context: int, seed: int = 0) -> dict:
+    """Held-out episodes of ``model`` for a rollout node: one episode per row, sampled at
+    ``temperature`` (0 = greedy) on the embedded engine.
+
+    Args:
+        attrs: the rollout node's attributes (env or agent, ``max_turns``, ``gamma``, ...).
+        rows: the held-out dataset rows.
+        max_context: tokens of prompt + turns at most.
+
+    Returns:
+        ``{"accuracy": fraction of rows whose episode the env reported a ``success`` (or
+        ``resolved``) > 0 for (agent episodes: a return > 0), "return": mean discounted
+        return, "turns": mean policy turns, "env/<key>": mean per episode of each numeric
+        info key, "failed": episodes that failed}``.
+    """
+    from runtime.engines.generation import GenerationEngine
+    from runtime.executors.rollout import play_episodes
+
+    engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
+    trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context)
+    n = max(len(trajs), 1)
+
+    def success(t) -> bool:
+        if attrs.get("agent") is not None:  # an agent program reports no env info
+            return t.reward > 0
+        env = t.meta.get("env", {})
+        return env.get("success", env.get("resolved", 0.0)) > 0
+
+    out = {"accuracy": sum(success(t) for t in trajs) / max(len(rows), 1),
+           "return": sum(float(t.reward) for t in trajs) / n, "turns": sum(t.meta["turns"] for t in trajs) / n,
+           "failed": len(rows) - len(trajs)}
+    for key in sorted({k for t in trajs for k in t.meta.get("env", {})}):
+        out[f"env/{key}"] = sum(t.meta["env"].get(key, 0.0) for t in trajs) / n
+    return out

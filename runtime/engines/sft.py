@@ -1,8 +1,11 @@
 """Supervised warm start: teach a tiny model the task format (and some of the skill)
 before RL, cached on disk by the hash of everything that determines the weights.
 
-Each example is ``<bos> prompt answer <eos>`` (character tokens); the loss is the mean
-next-token cross-entropy over the answer characters and EOS only (the prompt is context).
+Each example is ``<bos> prompt answer <eos>`` (character tokens), or a scripted multi-turn
+dialogue (a row with ``segments``) in the rollout's token layout
+(``areal_flow.envs.episode.encode_dialogue``); the loss is the mean next-token
+cross-entropy over the answer (policy-turn) characters and their EOS only (the rest is
+context).
 The defaults are tuned to stop at *partial* competence, leaving RL room to improve: see
 ``SFTConfig``.
 """
@@ -24,6 +27,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from areal_flow.cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported for callers
+from areal_flow.envs.episode import encode_dialogue
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
 
@@ -48,7 +52,9 @@ class SFTConfig:
         seed: seeds the problem draw, the model init and the batch order.
         teacher_bug_rate: fraction of the problems needing a carry or borrow whose
             demonstrated answer follows a buggy column procedure
-            (``ArithmeticTask.demonstrations``); 0 = a perfect teacher.
+            (``ArithmeticTask.demonstrations``); for a multi-turn task, the fraction of
+            sloppy scripted dialogues (e.g. ``SupportDeskTask.demonstrations``); 0 = a
+            perfect teacher.
     """
 
     steps: int = 1200
@@ -68,7 +74,9 @@ def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
 
 
 def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``<bos> prompt answer <eos>`` batch.
+    """Right-padded ``<bos> prompt answer <eos>`` batch; a row with ``"segments"``
+    (``[(text, is_policy), ...]``) is a dialogue, encoded by ``encode_dialogue`` (its
+    policy turns and their EOS are the targets).
 
     Returns:
         ``input_ids [N, T]`` int64, ``attention_mask [N, T]`` int64, ``loss_mask [N, T]``
@@ -76,6 +84,11 @@ def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torc
     """
     rows, masks = [], []
     for p in problems:
+        if "segments" in p:
+            row, mask = encode_dialogue(tokenizer, p["segments"])
+            rows.append(row)
+            masks.append(mask)
+            continue
         prompt = tokenizer.encode(p["prompt"])
         answer = tokenizer.encode(p["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)

@@ -50,7 +50,7 @@ class AdvantageExecutor:
         self.critic = ctx.model(node.model) if role == "critic" else None
         self.ref = ctx.model(node.model) if role == "ref" else None
         self.takes_kl = "kl" in inspect.signature(ESTIMATORS[self.estimator]).parameters
-        gen = next(n for n in ctx.plan.nodes if n.op == "generate")
+        gen = ctx.generator()
         self.temperature = gen.attrs.get("temperature") or 1.0
         consumer = next((n for n in ctx.plan.nodes if n.op == "train_step" and n.inputs.get("advantages", [None])[0]
                          == node.name and ctx.plan.models[n.model]["head"] == "lm"), None)
@@ -79,11 +79,14 @@ class AdvantageExecutor:
     def run(self, inputs: dict, info: dict) -> dict:
         """Raises ValueError: a critic with an estimator that gives no returns."""
         trajectories = [t for group in inputs["rollouts"] for t in group]
-        for t, r in zip(trajectories, (r for group in inputs["rewards"] for r in group)):
-            t.reward = float(r)
+        if "rewards" in inputs:  # else a rollout node scored its episodes (their discounted returns)
+            for t, r in zip(trajectories, (r for group in inputs["rewards"] for r in group)):
+                t.reward = float(r)
         batch = collate(trajectories, self.ctx.pad_id)
         mask = batch["loss_mask"]
         args = dict(rewards=batch["rewards"], group_ids=batch["group_ids"], loss_mask=mask)
+        if "turn_ids" in batch:
+            args.update(turn_ids=batch["turn_ids"], turn_rewards=batch["turn_rewards"])
         stats: dict[str, float] = {}
         ref, coef, estimator = self._reference(inputs, trajectories, batch)
         if ref is not None:

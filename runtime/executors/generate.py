@@ -26,7 +26,6 @@ class GenerateExecutor:
             ``top_p``, ``chat_template``, ``engine``, ``max_batch_size``) and its planned ``concurrent``
             sequences per replica (the engine gets the smaller of the two as slots).
         ctx: the replica's :class:`runtime.context.WorkerContext`.
-        threads: torch threads (vLLM on CPU).
 
     Raises:
         EngineRefused: ``engine="vllm"`` with ``top_p < 1`` (vLLM reports the nucleus-
@@ -34,33 +33,11 @@ class GenerateExecutor:
             the kept mass; see ``runtime.engines.vllm_engine``).
     """
 
-    def __init__(self, node, ctx, threads: int = 1) -> None:
-        a = node.attrs
-        if a.get("engine", "embedded") == "vllm" and a["top_p"] < 1:
-            raise EngineRefused(f"{node.where()}: engine='vllm' with top_p={a['top_p']} reports truncated "
-                                "log-probs (the importance ratio would be the kept mass); use top_p=1 or the "
-                                "embedded engine")
-        self.node, self.attrs = node, a
-        self.params = SamplingParams(temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["max_new_tokens"])
-        tokenizer = ctx.tokenizer
-        self.tokenizer = tokenizer
-        seed = ctx.seed + 1000 * ctx.rank  # replicas must not draw the same samples
-        folder = ctx.folders[node.model]
-        # engine slots: the plan's sequences decoded at once per replica, capped by gen.max_batch_size
-        slots = min(a["max_batch_size"], node.concurrent or a["max_batch_size"])
-        if a.get("engine", "embedded") == "vllm":
-            from runtime.engines.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(folder, tokenizer, max_batch_size=slots, seed=seed,
-                                     dtype=ctx.plan.run.get("dtype", "float32"), threads=threads)
-        else:
-            from runtime.engines.generation import GenerationEngine
-            from runtime.model_source import load_pretrained
-
-            model, _ = load_pretrained(folder, dtype=ctx.dtype)
-            device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
-            self.engine = GenerationEngine(model, tokenizer, max_batch_size=slots, device=device,
-                                           seed=seed)
+    def __init__(self, node, ctx) -> None:
+        self.node, self.attrs = node, node.attrs
+        self.engine = build_engine(node, ctx)
+        self.params = sampling_params(node)
+        self.tokenizer = ctx.tokenizer
         self._groups: dict[tuple[int, int], dict] = {}
 
     @property
@@ -95,6 +72,42 @@ class GenerateExecutor:
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume (the engines' interruptible update)."""
         self.engine.update_weights(state_dict, version)
+
+
+def sampling_params(node) -> SamplingParams:
+    """The engine's per-request settings from a generator node's attributes."""
+    a = node.attrs
+    return SamplingParams(temperature=a["temperature"], top_p=a["top_p"], max_new_tokens=a["max_new_tokens"])
+
+
+def build_engine(node, ctx):
+    """The generation engine of a generator node (``generate`` or ``rollout``) on this replica.
+
+    Slots: the plan's ``concurrent`` sequences per replica, capped by ``max_batch_size``;
+    the seed differs per replica (replicas must not draw the same samples).
+
+    Raises:
+        EngineRefused: ``engine="vllm"`` with ``top_p < 1`` (class doc).
+    """
+    a = node.attrs
+    if a.get("engine", "embedded") == "vllm" and a["top_p"] < 1:
+        raise EngineRefused(f"{node.where()}: engine='vllm' with top_p={a['top_p']} reports truncated "
+                            "log-probs (the importance ratio would be the kept mass); use top_p=1 or the "
+                            "embedded engine")
+    seed = ctx.seed + 1000 * ctx.rank
+    folder = ctx.folders[node.model]
+    slots = min(a["max_batch_size"], node.concurrent or a["max_batch_size"])
+    if a.get("engine", "embedded") == "vllm":
+        from runtime.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(folder, ctx.tokenizer, max_batch_size=slots, seed=seed,
+                          dtype=ctx.plan.run.get("dtype", "float32"), threads=ctx.threads)
+    from runtime.engines.generation import GenerationEngine
+    from runtime.model_source import load_pretrained
+
+    model, _ = load_pretrained(folder, dtype=ctx.dtype)
+    device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
+    return GenerationEngine(model, ctx.tokenizer, max_batch_size=slots, device=device, seed=seed)
 
 
 def _trajectory(result: GenerationResult, key: tuple[int, int], problem: dict) -> Trajectory:

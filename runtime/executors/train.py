@@ -47,7 +47,7 @@ class TrainSettings:
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
         a = node.attrs
-        gen = next(n for n in ctx.plan.nodes if n.op == "generate")
+        gen = ctx.generator()
         return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss_overrides=dict(a.get("loss", {})),
                    lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
                    temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed)

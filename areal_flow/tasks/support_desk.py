@@ -1,0 +1,164 @@
+"""Scenarios of the ``support_desk`` env, and a scripted (optionally sloppy) agent's dialogues.
+
+A scenario row is ``{"id", "prompt", "answer", "intent", "order", "explicit", "template",
+"segments"}``: ``prompt`` is the customer's first message, ``answer`` (``"refund 4821"``)
+names the hidden case for logs, ``intent`` / ``order`` / ``explicit`` / ``template`` are what
+the env (:class:`~areal_flow.envs.support_desk.SupportDeskEnv`) and the teacher read, and
+``segments`` is the optimal teacher's dialogue (``[(text, is_policy), ...]``, played
+against the env) so a supervised warm start on ``train_problems`` imitates a good agent.
+A rollout reads only ``prompt`` and the hidden fields.
+
+The teacher (:meth:`SupportDeskTask.demonstrations`) acts optimally -- the resolving call
+at once after an explicit message; ``lookup`` first after a vague one (it resolves a
+``track`` case, else reveals the intent) -- or, with probability ``bug_rate`` per
+episode, sloppily, in one of three ways (weights :data:`SLOPPY_KINDS`): ``wrong`` calls
+a wrong terminal tool at once (unresolved, 1 turn), ``ask`` asks ``"how can i help"``
+first, ``lookup`` looks up first even when the message is explicit (both resolve, with
+an extra turn where it was not needed). So the teacher resolves ``1 - bug_rate / 2`` of
+the cases in expectation.
+"""
+
+from __future__ import annotations
+
+import random
+
+from areal_flow.envs.support_desk import EXPLICIT, INTENTS, RESOLVING_TOOL, VAGUE, SupportDeskEnv, first_message
+from areal_flow.envs.tools import parse_tool_call
+
+TEST_ID_OFFSET = 1_000_000_000
+"""Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
+SLOPPY_KINDS = (("wrong", 0.5), ("ask", 0.25), ("lookup", 0.25))
+"""A sloppy episode's kind and its probability."""
+QUESTION = "how can i help"
+MAX_TURNS = 8
+
+
+def teacher_turn(row: dict, kind: str, turn: int, rng: random.Random) -> str:
+    """The scripted agent's ``turn``-th (0-based) turn text for ``row`` in mode ``kind``
+    (``"optimal"`` or a :data:`SLOPPY_KINDS` name); ``rng`` picks the wrong tool."""
+    order, intent = row["order"], row["intent"]
+    right = f"{RESOLVING_TOOL[intent]}({order})"
+    if turn > 0:
+        return right
+    if kind == "wrong":
+        return f"{rng.choice([t for t in ('refund', 'escalate') if t != RESOLVING_TOOL[intent]])}({order})"
+    if kind == "ask":
+        return QUESTION
+    if kind == "lookup" or not row["explicit"]:
+        return f"lookup({order})"
+    return right
+
+
+def play(row: dict, kind: str, rng: random.Random, max_turns: int = MAX_TURNS) -> tuple[list, dict]:
+    """Play the teacher against a fresh env, as the rollout loop does (the observation after
+    the last turn is not included). Returns ``(segments, {"resolved", "turns", "return"})``
+    (``return``: undiscounted sum of the turn rewards)."""
+    env = SupportDeskEnv(row)
+    obs = env.reset()
+    segments, total, info = [(obs, False)], 0.0, {"resolved": 0}
+    for turn in range(max_turns):
+        text = teacher_turn(row, kind, turn, rng)
+        segments.append((text, True))
+        obs, reward, done, info = env.step(parse_tool_call(text, env.tools))
+        total += reward
+        if done or turn + 1 == max_turns:
+            break
+        segments.append((obs, False))
+    env.close()
+    return segments, {"resolved": info["resolved"], "turns": turn + 1, "return": total}
+
+
+class SupportDeskTask:
+    """Support-desk scenarios: intents uniform over :data:`INTENTS`, 4-digit order numbers,
+    an explicit first message with probability ``explicit_rate``.
+
+    Args:
+        seed: fixes the held-out test set (its own random stream).
+        explicit_rate: probability that the first message reveals the intent, in [0, 1].
+
+    Raises:
+        ValueError: ``explicit_rate`` outside [0, 1].
+    """
+
+    name = "support_desk"
+    env = "support_desk"
+    max_answer_tokens = 16
+    """Per-turn token budget: ``escalate(4821)`` is 14 characters + EOS."""
+    max_turns = MAX_TURNS
+
+    def __init__(self, seed: int = 0, explicit_rate: float = 0.5) -> None:
+        if not 0.0 <= explicit_rate <= 1.0:
+            raise ValueError(f"SupportDeskTask: explicit_rate must be in [0, 1], got {explicit_rate}")
+        self.seed = seed
+        self.explicit_rate = explicit_rate
+        self._test_cache: dict[int, list[dict]] = {}
+
+    def spec(self) -> dict:
+        """The parameters that define the data (cache keys)."""
+        return {"name": self.name, "seed": self.seed, "explicit_rate": self.explicit_rate, "version": 1}
+
+    def _draw(self, rng: random.Random, scenario_id: int) -> dict:
+        intent = rng.choice(INTENTS)
+        order = rng.randint(1000, 9999)
+        explicit = rng.random() < self.explicit_rate
+        template = rng.randrange(len(EXPLICIT[intent]) if explicit else len(VAGUE))
+        row = {"id": scenario_id, "prompt": first_message(intent, order, explicit, template),
+               "answer": f"{intent} {order}", "intent": intent, "order": order, "explicit": explicit,
+               "template": template}
+        row["segments"] = play(row, "optimal", rng)[0]
+        return row
+
+    def test_set(self, n: int = 500) -> list[dict]:
+        """The fixed held-out scenarios (ids ``TEST_ID_OFFSET + i``); ``test_set(m)`` for
+        ``m < n`` is a prefix of ``test_set(n)``."""
+        if n not in self._test_cache:
+            rng = random.Random(f"support-desk-test:{self.seed}")
+            self._test_cache[n] = [self._draw(rng, TEST_ID_OFFSET + i) for i in range(n)]
+        return [dict(r) for r in self._test_cache[n]]
+
+    def train_problems(self, n: int, seed: int, exclude_test: int = 500) -> list[dict]:
+        """``n`` training scenarios drawn from ``seed`` (ids ``0 .. n-1``); a scenario of
+        ``test_set(exclude_test)`` (same prompt and intent) is redrawn."""
+        rng = random.Random(f"support-desk-train:{self.seed}:{seed}")
+        held_out = {(r["prompt"], r["intent"]) for r in self.test_set(exclude_test)} if exclude_test else set()
+        out = []
+        for i in range(n):
+            row = self._draw(rng, i)
+            while (row["prompt"], row["intent"]) in held_out:
+                row = self._draw(rng, i)
+            out.append(row)
+        return out
+
+    def demonstrations(self, n: int, seed: int, bug_rate: float = 0.0) -> list[dict]:
+        """``train_problems(n, seed)`` played by the teacher, sloppy with probability
+        ``bug_rate`` (:meth:`teach`).
+
+        Raises:
+            ValueError: ``bug_rate`` outside [0, 1].
+        """
+        return self.teach(self.train_problems(n, seed), bug_rate, seed)
+
+    def teach(self, rows: list[dict], bug_rate: float, seed: int = 0) -> list[dict]:
+        """``rows`` with ``segments`` replaced by the teacher's dialogue (sloppy with
+        probability ``bug_rate`` per episode, module doc; seeded by ``seed``) and
+        ``teacher`` = ``{"kind", "resolved", "turns", "return"}`` added.
+
+        Raises:
+            ValueError: ``bug_rate`` outside [0, 1].
+        """
+        if not 0.0 <= bug_rate <= 1.0:
+            raise ValueError(f"bug_rate must be in [0, 1], got {bug_rate}")
+        rng = random.Random(f"support-desk-teacher:{self.seed}:{seed}")
+        kinds, weights = zip(*SLOPPY_KINDS)
+        out = []
+        for row in rows:
+            kind = rng.choices(kinds, weights)[0] if rng.random() < bug_rate else "optimal"
+            segments, stats = play(row, kind, rng)
+            out.append({**row, "segments": segments, "teacher": {"kind": kind, **stats}})
+        return out
+
+    @staticmethod
+    def reward(output_text: str, answer: str) -> float:
+        """Always 0.0: the rewards of this task come from the env, turn by turn (the task
+        interface requires the method)."""
+        return 0.0

@@ -1,0 +1,348 @@
+"""The ``rollout`` node's executor: multi-turn episodes on the generation engine.
+
+Owns the episode loop of ``areal_flow.ops.rollout``: every episode runs as ordinary
+blocking code in its own thread (``env.reset``, then per turn: ask the engine for the
+policy's turn, parse it, ``env.step``), while the replica's thread owns the engine:
+``step`` submits the turns the episodes asked for, runs one engine step and hands the
+finished turns back. So many env instances run at once, a slow env stalls only its
+episode, and weight updates (``update_weights``, between engine steps) land between
+turns or inside one; each token keeps the version that sampled it.
+
+An agent program (``attrs["agent"]``, ``agent(base_url, row) -> reward | None``) instead
+of an env runs in the episode's thread against this runner's OpenAI-compatible endpoint
+(``runtime.executors.agent_endpoint``, one loopback server per runner, started with the
+first agent episode, stopped by :meth:`EpisodeRunner.close`): each chat completion call is
+one policy turn, the agent's own time between calls is the env phase, and its return
+value (when not ``None``) is added to the last turn's reward.
+
+An episode whose env (or agent) raises, or whose ``reset``/``step`` (the agent's time
+between policy turns) takes more than ``step_timeout_s``, ends as failed: it is left
+out of its group (its group's statistics are over the others; a group with no surviving
+episode is dropped and its slot resampled), counted, and the first failure of each kind
+is printed with its traceback. A hung env (agent) thread cannot be killed; it is
+abandoned (a daemon thread) and its late result ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_flow.envs.base import env_class
+from areal_flow.envs.episode import Episode
+from areal_flow.envs.tools import ToolCallError, parse_tool_call
+from areal_flow.types import Trajectory
+from runtime.engines.generation import GenerationRequest, SamplingParams
+from runtime.executors.generate import build_engine, sampling_params
+
+_IDLE_WAIT_S = 0.005  # how long step() waits for a turn request when only envs are busy
+
+
+class _Abandoned(Exception):
+    """The episode was ended (timed out) while its thread was away."""
+
+
+@dataclass
+class _Run:
+    """One episode in flight."""
+
+    index: int
+    attempt: int
+    sample: int
+    row: dict
+    episode: Episode
+    phase: str = "env"  # env | policy | done
+    since: float = field(default_factory=time.monotonic)
+    failed: str = ""
+    tool_errors: int = 0
+    info: dict = field(default_factory=dict)
+    done: bool = False
+
+
+class EpisodeRunner:
+    """Plays episodes of env ``attrs["env"]`` (or agent program ``attrs["agent"]``) on
+    ``engine`` (module doc).
+
+    Args:
+        engine: an engine with ``submit``/``step``/``has_work``/``update_weights``/``version``.
+        tokenizer: the policy's tokenizer.
+        attrs: the rollout node's attributes (``env`` or ``agent``, ``env_config``,
+            ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``).
+        params: sampling settings of every policy turn.
+        max_context: tokens of prompt + turns at most.
+
+    Raises:
+        EnvError: no ``attrs["agent"]`` and ``attrs["env"]`` names no registered env.
+    """
+
+    def __init__(self, engine, tokenizer, attrs: dict, params: SamplingParams, max_context: int) -> None:
+        self.engine, self.tokenizer, self.attrs, self.params = engine, tokenizer, attrs, params
+        self.agent = attrs.get("agent")
+        self.env_cls = None if self.agent is not None else attrs.get("env_class") or env_class(attrs["env"])
+        chat = attrs.get("chat_template")
+        self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else bool(chat)
+        self.max_context = max_context
+        self._requests: queue.Queue = queue.Queue()
+        self._waiting: dict[str, tuple[_Run, list]] = {}
+        self._groups: dict[tuple[int, int], list[_Run]] = {}
+        self._serial = 0
+        self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
+        self._reported: set[str] = set()
+        self._endpoint = None  # the agent endpoint, started with the first agent episode
+        self._endpoint_lock = threading.Lock()
+
+    # -- the episode side (one thread per episode) ------------------------------------
+    def _env_call(self, run: _Run, fn):
+        run.phase, run.since = "env", time.monotonic()
+        out = fn()
+        if run.failed:
+            raise _Abandoned
+        return out
+
+    def _policy_turn(self, run: _Run, ids: list[int], max_new_tokens: int | None = None):
+        """The engine's answer to context ``ids`` (blocks; ``max_new_tokens`` may only lower
+        the node's budget). Raises _Abandoned when the episode failed meanwhile."""
+        run.phase = "policy"
+        box: list = []
+        ready = threading.Event()
+        self._requests.put((run, ids, box, ready, max_new_tokens))
+        ready.wait()
+        if run.failed:
+            raise _Abandoned
+        return box[0]
+
+    def _play(self, run: _Run) -> None:
+        env = None
+        a = self.attrs
+        try:
+            env = self._env_call(run, lambda: self.env_cls({**a.get("env_config", {}), **run.row}))
+            run.episode.tools = env.tools
+            run.episode.observe(_checked(env, self._env_call(run, env.reset)))
+            for turn in range(a["max_turns"]):
+                ids = run.episode.context_ids
+                if len(ids) >= self.max_context - 1:
+                    run.episode.finish_reason = "length"
+                    break
+                result = self._policy_turn(run, ids)
+                text = result.output_text.strip()
+                run.episode.act(result.output_ids, result.behavior_logprobs, result.versions, text,
+                                result.finish_reason)
+                action = parse_tool_call(text, env.tools) if env.tools else text
+                if isinstance(action, ToolCallError) and action.is_call_attempt:  # plain text is no error
+                    run.tool_errors += 1
+                obs, reward, done, info = self._env_call(run, lambda: env.step(action))
+                run.episode.reward(float(reward))
+                for key, value in (info or {}).items():
+                    if isinstance(value, (int, float)):
+                        run.info[key] = run.info.get(key, 0.0) + float(value)
+                if done or turn + 1 == a["max_turns"]:
+                    break
+                run.episode.observe(_checked(env, obs))
+        except _Abandoned:
+            return
+        except Exception as exc:  # an env (or tokenizer) failure ends this episode only
+            run.failed = f"{type(exc).__name__}: {exc}"
+            self._report(type(exc).__name__, traceback.format_exc())
+        finally:
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # closing a failed env must not hide its failure
+                    pass
+            run.done = True
+
+    def _play_agent(self, run: _Run) -> None:
+        """One episode of the agent program: ``agent(base_url, row)`` in this thread (``row``:
+        the dataset row over ``env_config``); its chat calls are the policy turns
+        (``agent_endpoint``); time-outs and failures as ``_play``."""
+        endpoint, key = None, ""
+        try:
+            endpoint = self._agent_endpoint()
+            key, url = endpoint.open(run)
+            run.phase, run.since = "env", time.monotonic()
+            value = self.agent(url, {**(self.attrs.get("env_config") or {}), **run.row})
+            if run.failed:
+                raise _Abandoned
+            endpoint.end(key)  # no call of this episode is in flight any more
+            if not run.episode.n_turns:
+                raise RuntimeError(f"agent {_name(self.agent)} returned without a chat completion call: an episode "
+                                   "needs at least one policy turn")
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"agent {_name(self.agent)} returned {value!r:.80}: a reward (float) or None")
+                run.episode.reward(float(value))
+        except _Abandoned:
+            return
+        except Exception as exc:  # the agent failed (or timed out and then failed): this episode only
+            if not run.failed:
+                run.failed = f"{type(exc).__name__}: {exc}"
+                self._report(type(exc).__name__, traceback.format_exc())
+        finally:
+            if endpoint is not None and key:
+                endpoint.end(key)
+            run.done = True
+
+    def _agent_endpoint(self):
+        with self._endpoint_lock:
+            if self._endpoint is None:
+                from runtime.executors.agent_endpoint import AgentEndpoint
+
+                model = getattr(getattr(self, "node", None), "model", None) or "policy"
+                self._endpoint = AgentEndpoint(self, model=str(model))
+            return self._endpoint
+
+    def close(self) -> None:
+        """Stop the agent endpoint, if one started (idempotent)."""
+        with self._endpoint_lock:
+            endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            endpoint.close()
+
+    def _report(self, kind: str, detail: str) -> None:
+        if kind not in self._reported:
+            self._reported.add(kind)
+            what = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{self.attrs['env']}'"
+            print(f"areal-flow: rollout {what}: an episode failed ({kind}); it is left out of its "
+                  f"group; later failures of this kind are only counted\n{detail}", file=sys.stderr)
+
+    # -- the engine side (the replica's thread) --------------------------------------
+    def submit(self, index: int, attempt: int, row: dict) -> None:
+        """Start the ``n_samples`` episodes of row ``index`` (its ``attempt``-th row)."""
+        runs = []
+        for j in range(self.attrs["n_samples"]):
+            run = _Run(index, attempt, j, dict(row), Episode(self.tokenizer, self.chat))
+            play = self._play if self.agent is None else self._play_agent
+            threading.Thread(target=play, args=(run,), daemon=True, name=f"episode-{index}:{j}").start()
+            runs.append(run)
+        self._groups[(index, attempt)] = runs
+
+    def has_work(self) -> bool:
+        return bool(self._groups)
+
+    def _submit_turns(self, block_s: float) -> None:
+        try:
+            item = self._requests.get(timeout=block_s) if block_s > 0 else self._requests.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            run, ids, box, ready, budget = item
+            self._serial += 1
+            rid = f"{run.index}:{run.sample}/{run.attempt}#{self._serial}"
+            budget = min(self.params.max_new_tokens, budget or self.params.max_new_tokens, self.max_context - len(ids))
+            params = SamplingParams(temperature=self.params.temperature, top_p=self.params.top_p,
+                                    max_new_tokens=max(1, budget))
+            self._waiting[rid] = (run, box, ready)
+            self.engine.submit(GenerationRequest(rid, list(ids), params))
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def step(self) -> list[tuple[int, int, list[Trajectory]]]:
+        """Submit the turns asked for, one engine step, time-outs; the groups all of whose
+        episodes ended: ``(index, attempt, surviving trajectories)``."""
+        self._submit_turns(0 if self.engine.has_work() else _IDLE_WAIT_S)
+        if self.engine.has_work():
+            for result in self.engine.step():
+                run, box, ready = self._waiting.pop(result.request_id)
+                box.append(result)
+                ready.set()
+        now, limit = time.monotonic(), float(self.attrs.get("step_timeout_s", 30.0))
+        done = []
+        for key, runs in list(self._groups.items()):
+            for run in runs:
+                if not (run.done or run.failed) and run.phase == "env" and now - run.since > limit:
+                    run.failed = (f"TimeoutError: env step took more than {limit:g} s" if self.agent is None else
+                                  f"TimeoutError: the agent took more than {limit:g} s between policy turns")
+                    self.counts["env_timeouts"] += 1
+                    self._report("TimeoutError", f"step_timeout_s={limit:g} exceeded\n")
+            if all(run.done or run.failed for run in runs):
+                del self._groups[key]
+                done.append((*key, self._finish(runs)))
+        return done
+
+    def _finish(self, runs: list[_Run]) -> list[Trajectory]:
+        failed = sum(bool(r.failed) for r in runs)
+        self.counts["episodes"] += len(runs)
+        self.counts["episodes_failed"] += failed
+        out = []
+        for run in runs:
+            if run.failed:
+                continue
+            self.counts["tool_call_errors"] += run.tool_errors
+            ep = run.episode
+            meta = {"answer": run.row.get("answer"), "problem_id": run.row.get("id"), "attempt": run.attempt,
+                    "turns": ep.n_turns, "tool_errors": run.tool_errors, "env": dict(run.info),
+                    "group_failed": failed}
+            out.append(ep.to_trajectory(f"{run.index}:{run.sample}", run.index, self.attrs["gamma"], meta))
+        return out
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def update_weights(self, state_dict, version: int) -> None:
+        """Pause, load ``version``, resume: in-flight turns continue under the new weights."""
+        self.engine.update_weights(state_dict, version)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _checked(env, obs):
+    """``obs`` when it fits ``env.observation_space`` (``"text"``: a str; ``"messages"``: a chat
+    message dict or a list of them). Raises TypeError naming the env."""
+    space = getattr(env, "observation_space", "text")
+    ok = isinstance(obs, str) if space == "text" else (
+        isinstance(obs, dict) or (isinstance(obs, list) and all(isinstance(m, dict) for m in obs)))
+    if not ok:
+        raise TypeError(f"{type(env).__name__}: observation {obs!r:.80} does not fit observation_space={space!r}")
+    return obs
+
+
+def model_context(folder: str | Path) -> int:
+    """``max_position_embeddings`` of the model in ``folder`` (tokens; 2048 when unstated)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 2048)
+
+
+class RolloutExecutor(EpisodeRunner):
+    """Grain ``stream`` executor of a ``rollout`` node on one generation replica.
+
+    Args:
+        node: the plan's rollout node (``areal_flow.ops.rollout`` attributes, ``max_batch_size``)
+            and its planned ``concurrent`` sequences per replica.
+        ctx: the replica's :class:`runtime.context.WorkerContext`.
+
+    Raises:
+        EnvError: unknown env name. EngineRefused: as ``GenerateExecutor``.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        self.node = node
+        limit = node.attrs.get("max_context") or model_context(ctx.folders[node.model])
+        super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node), int(limit))
+
+
+def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int) -> list[Trajectory]:
+    """Play one episode per row to the end (held-out evaluation); trajectories in row order
+    (failed episodes left out)."""
+    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1}, SamplingParams(
+        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context)
+    finished: dict[int, list[Trajectory]] = {}
+    try:
+        for i, row in enumerate(rows):
+            runner.submit(i, 1, row)
+        while runner.has_work():
+            finished.update((index, trajs) for index, _, trajs in runner.step())
+    finally:
+        runner.close()
+    return [t for i in range(len(rows)) for t in finished[i]]
+
