@@ -7,12 +7,9 @@ rollout node runs an agent, end to end through the CLI."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -21,8 +18,8 @@ from areal_flow.envs.agent import set_reward
 from areal_flow.models.tokenizer import build_char_tokenizer
 from runtime.engines.generation import GenerationResult, SamplingParams
 from runtime.executors.rollout import EpisodeRunner
+from runs import REPO, cli_run, records
 
-REPO = Path(__file__).resolve().parents[1]
 ALPHABET = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyz"
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }} {{ m['content'] }}={% endfor %}"
             "{% if add_generation_prompt %}a {% endif %}")
@@ -293,53 +290,16 @@ def test_streaming_answers_one_content_chunk_and_the_finish():
     assert done[0][0].output_ids == [cid("7"), EOS]
 
 
-AGENT_GRAPH = '''
-import openai
-
-from areal_flow import Model, flow, ops
-from areal_flow.envs.agent import set_reward
-
-
-def my_agent(base_url, row):
-    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
-    reply = client.chat.completions.create(model="policy", messages=messages)
-    if reply.choices[0].message.content.strip() == row["answer"]:
-        return 1.0
-    set_reward(base_url, -0.1)  # the first turn missed
-    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                 {"role": "user", "content": "again="}]
-    reply = client.chat.completions.create(model="policy", messages=messages)
-    return float(reply.choices[0].message.content.strip() == row["answer"])
-
-
-@flow
-def my_agent_grpo(cfg):
-    policy = Model("policy", cfg.model)
-    episodes = ops.rollout(policy, ops.dataset(cfg.dataset), agent=my_agent, max_turns=2, gamma=0.9,
-                           n_samples=cfg.gen.n_samples, max_new_tokens=cfg.gen.max_new_tokens)
-    adv = ops.advantage(episodes, estimator="grpo")
-    stats = ops.train_step(policy, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness)
-    ops.sync_weights(policy, to=episodes)
-    return stats
-'''
-
-
 @pytest.mark.slow
-def test_an_agent_program_runs_from_a_graph_file(tmp_path, warm_cache):
-    graph = tmp_path / "my_agent_grpo.py"
-    graph.write_text(AGENT_GRAPH)
-    (tmp_path / "my_agent_grpo.yaml").write_text((REPO / "graphs/arith_grpo.yaml").read_text())
-    args = ["train.steps=2", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.n_test=8",
-            f"out_dir={tmp_path}", "name=agent"]
-    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(graph), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_the_shipped_agent_program_trains_from_its_graph_file(tmp_path, warm_cache):
+    """``graphs/arith_openai_agent.py``: an ``openai``-client agent with two tries per problem."""
+    cli_run(REPO / "graphs/arith_openai_agent.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=4",
+            "warm_start.steps=10", "eval.n_test=8", f"out_dir={tmp_path}", "name=agent")
     out = tmp_path / "agent"
-    records = [json.loads(x) for x in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 2 * 4 == len({r["sample_id"] for r in records})  # every sample trained once
-    assert any(len(r["turn_rewards"]) == 2 for r in records)
-    for r in records:
+    trained = records(out)
+    assert len(trained) == 2 * 2 * 4 == len({r["sample_id"] for r in trained})  # every sample trained once
+    assert any(len(r["turn_rewards"]) == 2 for r in trained)
+    for r in trained:
         assert 1 <= len(r["turn_rewards"]) <= 2
         assert r["reward"] == pytest.approx(sum(x * 0.9**k for k, x in enumerate(r["turn_rewards"])))
         if len(r["turn_rewards"]) == 2:  # set_reward credited the missed first turn; "again=" is masked

@@ -27,6 +27,7 @@ from areal_flow.tasks.arithmetic import ArithmeticTask
 from compiler.plan import Plan
 from runtime.launch import run_experiment
 from runtime.topology import TopologyError, build_topology
+from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
@@ -51,12 +52,8 @@ def grpo_with_penalty(cfg):
     return stats
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-
-
 def _exactly_once(out: Path, steps: int, batch: int, n: int, k: int) -> list[dict]:
-    records = _records(out)
+    records = trained_records(out)
     ids = [r["sample_id"] for r in records]
     assert len(ids) == steps * batch * n == len(set(ids))
     assert Counter(r["group_id"] for r in records) == {i: n for i in range(steps * batch)}

@@ -247,3 +247,12 @@ def test_runtime_replaces_dropped_groups_under_the_same_slot(tmp_path, warm_cach
     assert sorted(groups) == [0, 1, 2, 3]  # admission indices stay 0..3: replacements reuse the slot
     assert all(int(g[0]["meta"]["answer"]) % 2 == 1 for g in groups.values())  # no all-equal group was trained
     assert any(g[0]["meta"]["attempt"] > 1 for g in groups.values())
+
+
+def test_the_text_game_config_runs_the_agent_graph_on_guess_number():
+    fl = load_flow(REPO / "graphs/agent_support.py")
+    cfg = load_config(REPO / "graphs/agent_guess_number.yaml", [])
+    plan = compile_program(fl(cfg), cfg)
+    rollout = plan.node("rollout")
+    assert (rollout.attrs["env"], rollout.attrs["max_turns"], rollout.attrs["max_new_tokens"]) == ("guess_number", 8, 4)
+    assert build_topology(plan).generation.nodes == ["rollout"]

@@ -44,6 +44,7 @@ from runtime.parallel.launch import spawn_workers
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.parallel_trainer import RankTrainer
 from runtime.executors.train import TrainSettings
+from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
 LR, EPS = 1e-3, 1e-8  # EPS: torch.optim.AdamW's default, which the trainer uses
@@ -157,10 +158,6 @@ def test_one_rl_step_matches_single_process(one_step, case):
     assert moved > LR / 2
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1"])
 def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path, warm_cache, allocation):
@@ -177,7 +174,7 @@ def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path,
     assert ParallelStrategy.parse(strategy) == ParallelStrategy.parse(allocation.split()[0].removeprefix("train:"))
     trainer = summary["workers"]["train_step/0"]
     assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (3, 3 * 2 * 4, 2)
-    records = _records(out)
+    records = trained_records(out)
     # every sample of the 3 steps x 2 groups x 4 samples trained exactly once, in its step's slot
     assert sorted((r["group_id"], r["sample_id"]) for r in records) == sorted(
         {(r["group_id"], r["sample_id"]) for r in records})

@@ -16,7 +16,6 @@ group with admission index ``i`` trained at step ``i // B``.
 from __future__ import annotations
 
 import _thread
-import json
 import math
 import os
 import socket
@@ -32,6 +31,7 @@ import pytest
 from areal_flow.cli import load_flow
 from areal_flow.config import load_config
 from runtime.launch import run_experiment
+from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
 ARITH = REPO / "graphs" / "arith_grpo.py"
@@ -89,12 +89,8 @@ def _config(graph_file: Path, tmp_path: Path, *overrides: str):
     return fl(cfg), cfg
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-
-
 def _assert_each_sample_trained_once(out: Path, steps: int, batch: int, n: int) -> list[dict]:
-    records = _records(out)
+    records = trained_records(out)
     ids = [r["sample_id"] for r in records]
     assert len(ids) == steps * batch * n and len(set(ids)) == len(ids)
     per_group = Counter(r["group_id"] for r in records)
@@ -320,8 +316,8 @@ def test_dp2_trainer_and_two_replicas_on_ray_match_local(tmp_path, four_slots):
         assert summary["workers"]["train_step/0"]["world_size"] == 2
     assert {"generate/0", "generate/1"} <= set(local["workers"])
     assert set(on_ray["ray"]["placement"]) == {"generate/0", "generate/1", "train_step/0"}
-    ray_records = {r["sample_id"]: r["output_ids"] for r in _records(tmp_path / "ray" / "arith_grpo")}
-    local_records = {r["sample_id"]: r["output_ids"] for r in _records(tmp_path / "local" / "arith_grpo")}
+    ray_records = {r["sample_id"]: r["output_ids"] for r in trained_records(tmp_path / "ray" / "arith_grpo")}
+    local_records = {r["sample_id"]: r["output_ids"] for r in trained_records(tmp_path / "local" / "arith_grpo")}
     assert ray_records == local_records  # the same samples
     assert _losses(tmp_path / "ray" / "arith_grpo") == pytest.approx(_losses(tmp_path / "local" / "arith_grpo"),
                                                                     rel=1e-4)

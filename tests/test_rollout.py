@@ -5,10 +5,7 @@ episode), and the issue's env template run verbatim from a graph file."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +17,8 @@ from areal_flow.models.tokenizer import build_char_tokenizer
 from runtime.batching import collate
 from runtime.engines.generation import GenerationResult, SamplingParams
 from runtime.executors.rollout import EpisodeRunner, play_episodes
+from runs import REPO, cli_run, records
 
-REPO = Path(__file__).resolve().parents[1]
 TOK = build_char_tokenizer()
 
 
@@ -219,13 +216,11 @@ def test_the_env_template_runs_verbatim_from_a_graph_file(tmp_path, warm_cache):
     (tmp_path / "my_env_grpo.yaml").write_text((REPO / "graphs/arith_grpo.yaml").read_text())
     args = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.n_test=8",
             f"out_dir={tmp_path}", "name=template"]
-    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(graph), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli_run(graph, *args)
     out = tmp_path / "template"
-    records = [json.loads(x) for x in (out / "trajectories" / "trajectories.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 2 * 4 == len({r["sample_id"] for r in records})
-    for r in records:
+    trained = records(out)
+    assert len(trained) == 3 * 2 * 4 == len({r["sample_id"] for r in trained})
+    for r in trained:
         policy = [v for v, m in zip(r["versions"], r["loss_mask"]) if m]
         assert r["step"] - min(policy) <= 2  # the staleness bound over policy tokens
         assert 1 <= len(r["turn_rewards"]) <= 2
@@ -244,3 +239,28 @@ def test_the_env_template_runs_verbatim_from_a_graph_file(tmp_path, warm_cache):
     for tag in ("episode/return", "episode/turns", "episode/tool_call_error_rate", "env/failures", "env/success"):
         assert len(events.Scalars(tag)) == 3, tag
     assert all(1 <= e.value <= 2 for e in events.Scalars("episode/turns"))
+
+
+def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
+    """The node's wiring: collated turn rewards and turn ids reach ``multi_turn``; by hand as in
+    ``test_turn_returns_by_hand_with_observations_between_turns`` (G = 0.62, 0.8, 1.0)."""
+    from types import SimpleNamespace
+
+    from runtime.executors.advantage import AdvantageExecutor
+
+    ep = Episode(TOK, chat=False)
+    ep.observe("go")
+    for k, (r, obs) in enumerate(((-0.1, "ab"), (-0.1, "c"), (1.0, None))):
+        ep.act([cid(str(k)), TOK.eos_token_id], [-0.5, -0.5], [0, 0], str(k), "stop")
+        ep.reward(r)
+        if obs:
+            ep.observe(obs)
+    node = SimpleNamespace(name="advantage", model=None, attrs={"estimator": "multi_turn", "gamma": 0.9},
+                           where=lambda: "advantage")
+    ctx = SimpleNamespace(plan=SimpleNamespace(nodes=[]), pad_id=0,
+                          generator=lambda: SimpleNamespace(attrs={"temperature": 1.0}))
+    out = AdvantageExecutor(node, ctx).run({"rollouts": [[ep.to_trajectory("0:0", 0, 0.9, {})]]}, {})
+    batch = out["advantages"]["batch"]
+    adv = batch["advantages"][0][batch["loss_mask"][0].bool()].tolist()
+    assert adv == pytest.approx([0.62, 0.62, 0.8, 0.8, 1.0, 1.0])
+    assert batch["advantages"][0][~batch["loss_mask"][0].bool()].abs().sum() == 0  # observation tokens: none
