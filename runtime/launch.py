@@ -141,7 +141,7 @@ class RunSetup:
         gen = self.topo.generate
         temperature = float(self.plan.run["eval"].get("temperature", 0.0))
         sampled = f"sampled at temperature {temperature:g}" if temperature else "greedy"
-        self.extra["eval_kind"] = f"{sampled} episode success rate" if gen.op == "rollout" else "greedy accuracy"
+        self.extra["eval_kind"] = f"episode success rate ({sampled})" if gen.op == "rollout" else "greedy accuracy"
         if gen.op == "rollout":
             from compiler.plan import decode_value
             from runtime.engines.evaluate import evaluate_episodes
