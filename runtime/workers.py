@@ -42,18 +42,29 @@ from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.context import WorkerContext
 from runtime.observe import memory_profile, step_metrics
+from runtime.record import EdgeRecorder, check_edges
 from runtime.staleness import OrderedExperienceBuffer
+from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.weights import WeightPublisher, WeightSubscriber
 
 
 @dataclass
 class GroupItem:
     """One prompt group travelling through the graph: its admission ``index``, the
-    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``)."""
+    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``);
+    ``origin`` / ``sent_us``: the worker group that sent it and when (``runtime.trace.now_us``),
+    set just before each send (the receiver times the group's wait on the channel)."""
 
     index: int
     attempt: int
     values: dict = field(default_factory=dict)
+    origin: str = ""
+    sent_us: int = 0
+
+    def stamp(self, origin: str) -> "GroupItem":
+        """Mark the item as sent now by worker group ``origin``."""
+        self.origin, self.sent_us = origin, now_us()
+        return self
 
     def rollouts(self, plan: Plan) -> list[Trajectory]:
         gen = next(n for n in plan.nodes if n.grain == "stream")
@@ -102,7 +113,9 @@ def register_plan_ops(plan: Plan) -> None:
         define(decode_value(encoded))
 
 
-def _context(spec: WorkerSpec) -> WorkerContext:
+def worker_context(spec: WorkerSpec) -> WorkerContext:
+    """The context of the worker ``spec`` describes: its torch threads, the seed ``seed + rank``,
+    the plan's ops registered and node attributes decoded."""
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.plan.run["seed"] + spec.rank)
     register_plan_ops(spec.plan)
@@ -121,10 +134,13 @@ def _inputs(node, values: dict) -> dict:
     return {port: values[f"{src}.{src_port}"] for port, (src, src_port) in node.inputs.items()}
 
 
-def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
-    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it."""
+def run_group_nodes(item: GroupItem, nodes: list, executors: dict, trace: TraceRecorder | None = None) -> bool:
+    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it. Each
+    node's run is a span of ``trace`` (track ``groups``)."""
     for node in nodes:
-        out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
+        with trace.span(node.name, "groups", index=item.index, attempt=item.attempt) if trace else \
+                contextlib.nullcontext():
+            out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
         if out is None:
             return False
         item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
@@ -135,7 +151,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
     lock held around each engine step when the plan time-shares this mesh with a trainer
     (``|`` in the allocation)."""
-    ctx = _context(spec)
+    ctx = worker_context(spec)
     nodes = [ctx.node(n) for n in _group(spec).nodes]
     gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
     local = [n for n in nodes if n.grain != "stream"]
@@ -144,6 +160,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
     weights = WeightSubscriber(spec.weights)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
+    trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
+    sync = _sync_node(spec.plan, gen.node.name)
+    engine_steps = 0
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
         ask = MessageSender(spec.resync)
         ask.send(("resync", spec.weights))
@@ -159,9 +178,12 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     stop = False
     try:
         while not stop:
+            started = now_us()
             update = weights.poll()
             if update is not None:
-                gen.update_weights(update[1], update[0])
+                trace.complete(sync, "weights", started, now_us(), phase="receive", version=update[0])
+                with trace.span(sync, "weights", phase="load", version=update[0]):
+                    gen.update_weights(update[1], update[0])
                 counts["weight_updates"] += 1
                 control.send(("version", spec.rank, gen.version))
             if not gen.has_work():  # idle: wake on a prompt or on new weights, whichever comes first
@@ -171,20 +193,25 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 if msg[0] == "stop":
                     stop = True
                     break
-                gen.submit(*msg[1:])
+                for index, attempt, problem in msg[1]:  # ("groups", [...]): one admission pass
+                    gen.submit(index, attempt, problem)
                 msg = inbox.recv(timeout_s=0)
             if stop or not gen.has_work():
                 continue
             with lease if lease is not None else contextlib.nullcontext():
+                started = now_us()
                 finished = gen.step()
+            trace.complete(gen.node.name, "engine", started, now_us(), step=engine_steps, version=gen.version,
+                           finished=[index for index, _, _ in finished])
+            engine_steps += 1
             for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
-                if not trajectories or not run_group_nodes(item, local, executors):  # no episode of it survived
+                if not trajectories or not run_group_nodes(item, local, executors, trace):  # no episode survived
                     counts["dropped"] += 1
                     control.send(("dropped", spec.rank, index, attempt))
                     continue
                 for out in outs:
-                    out.send(item)
+                    out.send(item.stamp(spec.group))
                 counts["groups"] += 1
                 control.send(("sent", spec.rank, index, attempt))
     finally:
@@ -192,9 +219,17 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
             sock.close()
         inbox.close()
         weights.close()
+        trace.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
     return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version}
+
+
+def _sync_node(plan: Plan, end: str) -> str:
+    """The name of the ``sync_weights`` node on a weight edge from or to node ``end`` (a
+    train_step or a generator): the name of the weight spans."""
+    return next((e.dst if e.src == end else e.src for e in plan.edges if e.kind == "weights" and end in (e.src, e.dst)),
+                "sync_weights")
 
 
 def _group(spec: WorkerSpec):
@@ -212,17 +247,17 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
         from runtime.executors.train import TrainSettings
         from runtime.parallel_trainer import run_ranks
 
-        ctx = _context(spec)
+        ctx = worker_context(spec)
         policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
                       ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
         return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease), spec.recv_timeout_s + 120.0,
                          device_type=spec.plan.device_type, backend=spec.plan.backend)
-    return _Stage(spec, _context(spec), group, report, lease).run()
+    return _Stage(spec, worker_context(spec), group, report, lease).run()
 
 
 def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
-    ctx = _context(spec)
+    ctx = worker_context(spec)
     ctx.rank_trainer = rank_trainer
     return _Stage(spec, ctx, _group(spec), report, lease).run()
 
@@ -244,6 +279,13 @@ class _Stage:
         self.version = 0  # policy versions published so far
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
+        self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
+        self.channels = {u: channel_edge(ctx.plan, group.nodes, self.topo.groups[u].nodes) for u in group.upstream}
+        self.lanes = (self.topo.max_staleness + 1) * self.topo.batch_groups  # groups that can wait at once
+        self.records = [EdgeRecorder.start(Path(spec.out_dir), src, dst, port, threads=spec.threads,
+                                           seed=ctx.seed, folders=spec.folders)
+                        for src, dst, port in check_edges(ctx.plan, ctx.plan.run.get("debug", {}).get("record", []),
+                                                          group.batch_nodes)]
 
     def _receive(self, timeout_s: float) -> GroupItem | None:
         """The next fully joined, processed item (None on timeout or a dropped group)."""
@@ -253,6 +295,10 @@ class _Stage:
         if isinstance(msg, tuple) and msg[0] == "resync":
             self._resync(msg[1])
             return None
+        if msg.origin in self.channels:
+            edge = self.channels[msg.origin]
+            self.trace.complete(edge, f"lane {msg.index % self.lanes}", msg.sent_us, now_us(), cat="edge",
+                                proc=f"edge {edge}", wait="channel", index=msg.index, attempt=msg.attempt)
         parts = self.joining.setdefault((msg.index, msg.attempt), [])
         parts.append(msg)
         if len(parts) < max(1, len(self.group.upstream)):
@@ -260,7 +306,7 @@ class _Stage:
         item = GroupItem(msg.index, msg.attempt)
         for part in self.joining.pop((msg.index, msg.attempt)):
             item.values.update(part.values)
-        if not run_group_nodes(item, self.group_nodes, self.executors):
+        if not run_group_nodes(item, self.group_nodes, self.executors, self.trace):
             self.counts["dropped"] += 1
             self.control.send(("resample", item.index, item.attempt))
             return None
@@ -283,12 +329,13 @@ class _Stage:
                     item = self._receive(timeout_s=self.spec.recv_timeout_s)
                     if item is not None:
                         for out in self.outs:
-                            out.send(item)
+                            out.send(item.stamp(self.spec.group))
             return self._train()
         finally:
             for sock in (*self.outs, self.control):
                 sock.close()
             self.inbox.close()
+            self.trace.close()
 
     def _train(self) -> dict:
         topo, out = self.topo, Path(self.spec.out_dir)
@@ -301,7 +348,7 @@ class _Stage:
         try:
             with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
                 for step in range(topo.steps):
-                    waited = time.perf_counter()
+                    waited, waited_us = time.perf_counter(), now_us()
                     while not buffer.ready(step):
                         item = self._receive(timeout_s=1.0)
                         if item is None:
@@ -316,6 +363,8 @@ class _Stage:
                         items[item.index] = item
                         buffer.put(item.index, item.rollouts(self.ctx.plan))
                     wait_s = time.perf_counter() - waited
+                    self.trace.complete(self._batch_edge(), "batch wait", waited_us, now_us(), cat="edge",
+                                        wait="batch", step=step)
                     started = time.perf_counter()
                     buffer.take_batch(step)
                     batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
@@ -340,6 +389,7 @@ class _Stage:
                                        cuda=self.ctx.plan.device_type == "cuda")
                     if self.report is not None:
                         self.report(metrics)
+                    self.trace.flush()
             self._save_final(out / "model")
         finally:
             for p in publishers.values():
@@ -387,15 +437,24 @@ class _Stage:
                 inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
             is_step = node.op == "train_step"
             info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint)}
-            result = self.executors[node.name].run(inputs, info)
+            for record in self.records:
+                if record.dst == node.name:
+                    record.item(step, inputs[record.port], [it.index for it in batch_items],
+                                [it.attempt for it in batch_items], [t for it in batch_items for t in it.rollouts(
+                                    self.ctx.plan)])
+            with self.trace.span(node.name, "step", step=step, version=self.version):
+                result = self.executors[node.name].run(inputs, info)
             values.update({f"{node.name}.{port}": v for port, v in result.items()})
             if is_step:
                 stats.update(result["stats"])
                 advantage = inputs["advantages"]
+                self._digest(step, node, result["weights"])
                 if publish and node.name in publishers:
                     publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
                         time.perf_counter()
-                    publisher.publish(result["weights"], step + 1)
+                    with self.trace.span(_sync_node(self.ctx.plan, node.name), "weights", phase="publish",
+                                         version=step + 1):
+                        publisher.publish(result["weights"], step + 1)
                     self.version = step + 1
                     stats["weights/sync_s"] = time.perf_counter() - started
                     stats["weights/bytes"] = float(publisher.published_bytes - sent)
@@ -405,6 +464,22 @@ class _Stage:
                     self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
                                    result["weights"])
         return stats, advantage
+
+    def _batch_edge(self) -> str:
+        """The edge the trainer waits on for its batch: into its first batch node, from the
+        latest node (plan order) feeding it."""
+        first = self.batch_nodes[0]
+        order = {n.name: i for i, n in enumerate(self.ctx.plan.nodes)}
+        return f"{max((src for src, _ in first.inputs.values()), key=order.__getitem__)}->{first.name}"
+
+    def _digest(self, step: int, node, weights) -> None:
+        """Record the weights of train_step ``node`` after ``step`` for every recorded edge
+        that replays it (its ``dst`` runs at or before ``node``)."""
+        names = [n.name for n in self.batch_nodes]
+        for record in self.records:
+            if names.index(record.dst) <= names.index(node.name):
+                record.digest(step, node.name, weights if weights is not None else
+                              self.executors[node.name].current_state())
 
     def _save_one(self, node, folder: Path, state) -> None:
         name = folder if node.model == self.ctx.policy_name() else folder / node.model
