@@ -39,7 +39,8 @@ from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
-from runtime.workers import WorkerSpec, run_generation_replica, run_stage_worker
+from runtime.stage_worker import run_stage_worker
+from runtime.workers import WorkerSpec, run_generation_replica
 
 
 class WorkerFailed(RuntimeError):
