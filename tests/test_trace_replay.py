@@ -134,3 +134,20 @@ def test_k0_async_trains_the_synchronous_baselines_weights_bit_for_bit(tmp_path,
     digests = [(run / "record/advantage-train_step/digests.jsonl").read_text() for run in (sync, asyn)]
     assert len(digests[0].splitlines()) == 3 and digests[0] == digests[1]
     assert (sync / "model/model.safetensors").read_bytes() == (asyn / "model/model.safetensors").read_bytes()
+
+
+def test_record_edges_are_checked_before_any_worker_starts():
+    from areal_flow.program import compile_program
+    from compiler.config import CompileConfigError
+    from runtime.record import RecordError, check_edges
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, "debug.record=[advantage->train]"])
+    with pytest.raises(CompileConfigError, match="'advantage->train' is not a data edge.*advantage->train_step"):
+        compile_program(penalized_grpo(cfg), cfg)
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
+    plan = compile_program(penalized_grpo(cfg), cfg)
+    batch = ["advantage", "train_step"]
+    assert check_edges(plan, ["advantage->train_step", "penalty->advantage"], batch) == [
+        ("advantage", "train_step", "advantages"), ("penalty", "advantage", "rewards")]
+    with pytest.raises(RecordError, match="'generate->reward' is not an edge into a batch node"):
+        check_edges(plan, ["generate->reward"], batch)  # reward runs per group on the replica
