@@ -1,4 +1,5 @@
-"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``eval`` and ``config``.
+"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``eval``, ``config``,
+``timeline`` and ``replay``.
 
 Owns argument parsing and the loading of graph files; the work is the compiler's
 (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
@@ -9,6 +10,8 @@ Owns argument parsing and the loading of graph files; the work is the compiler's
     areal-flow viz plan.json -o placement.html
     areal-flow eval runs/arith_grpo/model --task arith --samples 8   # greedy accuracy, pass@k
     areal-flow config                                            # every key, its default, aliases
+    areal-flow timeline runs/arith_grpo                          # busy/idle per node, waits per edge
+    areal-flow replay runs/arith_grpo --from advantage->train_step   # bit-identical weights per step?
 
 A graph file's config defaults to the YAML file of the same name beside it.
 """
@@ -216,6 +219,42 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_folder(path: str) -> Path:
+    folder = Path(path)
+    if not (folder / "plan.json").is_file():
+        raise CLIError(f"{folder}: not a run folder (no plan.json); runs write runs/<name>/")
+    return folder
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from runtime.timeline import TimelineError, format_timeline, summarize, to_html
+
+    folder = _run_folder(args.run)
+    try:
+        timeline = summarize(folder)
+    except TimelineError as exc:
+        raise CLIError(str(exc)) from None
+    print(format_timeline(timeline))
+    out = Path(args.output) if args.output else folder / "timeline.html"
+    _check_output_folder(str(out))
+    out.write_text(to_html(folder, timeline))
+    print(f"\ntimeline graph written to {out}; open {folder / 'trace.json'} in https://ui.perfetto.dev")
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from runtime.record import RecordError
+    from runtime.replay import format_report, replay
+
+    folder = _run_folder(args.run)
+    try:
+        report = replay(folder, args.edge, until=args.until)
+    except RecordError as exc:
+        raise CLIError(str(exc)) from None
+    print(format_report(report))
+    return 0 if report.identical else 1
+
+
 def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("file", nargs="?" if optional else None, help="graph file (graphs/*.py) holding one @flow")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
@@ -259,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", help="YAML config to resolve (optional)")
     p.add_argument("overrides", nargs="*", help="dotted overrides to resolve, e.g. training.seed=3")
     p.set_defaults(func=_cmd_config)
+    p = sub.add_parser("timeline", help="a run's busy/idle per node, waits per edge, staleness; draws timeline.html")
+    p.add_argument("run", help="run folder (runs/<name>) with trace.json or trace/")
+    p.add_argument("-o", "--output", help="HTML path (default <run>/timeline.html)")
+    p.set_defaults(func=_cmd_timeline)
+    p = sub.add_parser("replay", help="re-run the nodes after a recorded edge (debug.record) and compare the weights "
+                                      "bit for bit with the run's; exit 1 when they differ")
+    p.add_argument("run", help="run folder (runs/<name>) with plan.json and record/")
+    p.add_argument("--from", dest="edge", required=True, help="the recorded edge, e.g. advantage->train_step")
+    p.add_argument("--until", type=int, help="last step to replay (default: all recorded steps)")
+    p.set_defaults(func=_cmd_replay)
     return parser
 
 

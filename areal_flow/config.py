@@ -241,6 +241,9 @@ class LoggingConfig:
     """online, offline (files under <run>/wandb, no network; `wandb sync` later) or disabled."""
     wandb_project: str = "areal-flow"
     """W&B project name."""
+    trace: bool = True
+    """Write the run's timeline: spans per worker under <run>/trace/, merged into <run>/trace.json (Chrome/Perfetto
+    trace; `areal-flow timeline <run>` summarises it)."""
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("online", "offline", "disabled"):
@@ -256,6 +259,10 @@ class DebugConfig:
     memory_profiler: bool = False
     """Write a memory profile of the trainer per step to <run>/memory.jsonl: process RSS and the bytes of its
     tensors (parameters, gradients, optimizer state); on CUDA also torch's allocator figures."""
+    record: list[str] = field(default_factory=list)
+    """Edges 'src->dst' into a batch node of the trainer (e.g. advantage->train_step) whose every item is stored
+    under <run>/record/<src>-<dst>/ with a digest of the weights after each step; `areal-flow replay <run> --from
+    src->dst` re-runs the downstream nodes on it and checks the weights bit for bit."""
 
 
 @dataclass

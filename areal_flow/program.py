@@ -44,7 +44,8 @@ class RunSpec:
         scheduler: ``scheduler.*`` (local or ray, addresses, restarts).
         dtype: ``model.dtype`` for the engines and trainers.
         reward_model: training of a ``<preset>-rm`` reward model (``steps``, ``lr``).
-        logging / debug: ``logging.*`` (W&B beside TensorBoard), ``debug.*`` (memory profile).
+        logging / debug: ``logging.*`` (W&B beside TensorBoard, the timeline), ``debug.*`` (memory
+            profile, recorded edges).
     """
 
     name: str
@@ -100,6 +101,11 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
         step, k = next((d, k) for d, k in bounds.items() if k)
         raise CompileConfigError(f"compile.mode=sync, but the edge into '{step}' allows staleness k={k}: set k=0 on "
                                  "that edge (async.max_staleness=0 in the graphs here) for a synchronous run")
+    data_edges = sorted({f"{e.src}->{e.dst}" for e in graph.edges if e.kind != "weights"})
+    for edge in cfg.debug.record:
+        if edge.replace(" ", "") not in data_edges:
+            raise CompileConfigError(f"debug.record: {edge!r} is not a data edge of the graph; edges: "
+                                     f"{', '.join(data_edges)}")
     lower_attrs(graph, cfg)
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None:

@@ -6,6 +6,8 @@ the machines with one cell per device coloured by the node(s) running on it (eac
 has ``data-gpu="n<machine>:g<device>"`` and a tooltip), the weight-sync routes as red
 arrows labelled with bytes and predicted seconds, and the plan table. Hovering a node,
 a table row or a cell highlights everything of the same node (a few lines of inline JS).
+:func:`graph_page` draws the same graph with other node colours and labels (the run's
+timeline, ``runtime.timeline``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,11 @@ def _depths(plan: Plan) -> dict[str, int]:
     return depth
 
 
-def _graph_svg(plan: Plan, colors: dict[str, str]) -> str:
+def _graph_svg(plan: Plan, colors: dict[str, str], lines: dict[str, list[str]] | None = None,
+               edge_labels: dict[str, str] | None = None, ink: dict[str, str] | None = None) -> str:
+    """The graph: nodes by data depth, data edges (with their staleness bound and
+    ``edge_labels["src->dst"]``), weight edges dashed. ``lines``: each node's text (default:
+    name, placement, memory and time); ``ink``: its text colour (default by role)."""
     depth = _depths(plan)
     rows: dict[int, int] = {}
     pos = {}
@@ -88,18 +94,21 @@ def _graph_svg(plan: Plan, colors: dict[str, str]) -> str:
             continue
         sx, sy, tx, ty = x1 + BOX_W, y1 + BOX_H / 2, x2, y2 + BOX_H / 2
         parts.append(f'<line{_attrs(x1=sx, y1=sy, x2=tx, y2=ty, stroke="#555", marker_end="url(#arrow)")}/>')
-        if e.max_staleness is not None:
-            parts.append(_text((sx + tx) / 2, (sy + ty) / 2 - 5, f"staleness <= {e.max_staleness}", text_anchor="middle"))
+        label = [f"staleness <= {e.max_staleness}"] if e.max_staleness is not None else []
+        label += [edge_labels[f"{e.src}->{e.dst}"]] if edge_labels and f"{e.src}->{e.dst}" in edge_labels else []
+        if label:
+            parts.append(_text((sx + tx) / 2, (sy + ty) / 2 - 5, "; ".join(label), text_anchor="middle"))
     for n in plan.nodes:
         x, y = pos[n.name]
-        fill, ink = colors[n.name], ("#222" if n.role == "cpu" else "#fff")
+        fill = colors[n.name]
+        text_color = (ink or {}).get(n.name) or ("#222" if n.role == "cpu" else "#fff")
         parts.append(f"<g{_attrs(data_node=n.name)}>")
         rx = 26 if n.role == "cpu" else 6
         parts.append(f'<rect{_attrs(x=x, y=y, width=BOX_W, height=BOX_H, rx=rx, fill=fill, stroke="#333")}/>')
         where = f"cpu, with {n.placed_with}" if n.role == "cpu" else f"{n.strategy} on {n.mesh.label()}"
         detail = "" if n.role == "cpu" else f"{n.memory_bytes / 2**30:.1f} GiB/dev, {n.time_s:.2f} s"
-        for i, line in enumerate((f"{n.name} ({n.op})", where, detail)):
-            parts.append(_text(x + 8, y + 16 + 15 * i, line, fill=ink))
+        for i, line in enumerate(lines[n.name] if lines else (f"{n.name} ({n.op})", where, detail)):
+            parts.append(_text(x + 8, y + 16 + 15 * i, line, fill=text_color))
         parts.append("</g>")
     return _svg(width, height, parts)
 
@@ -166,6 +175,18 @@ def _node_table(plan: Plan, colors: dict[str, str]) -> str:
         cells = (swatch + escape(n.name), n.op, n.role, mesh, n.strategy or "-", memory, time)
         rows.append(f"<tr{_attrs(data_node=n.name)}>" + "".join(f"<td>{c if i == 0 else escape(str(c))}</td>" for i, c in enumerate(cells)) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def graph_page(title: str, plan: Plan, colors: dict[str, str], lines: dict[str, list[str]],
+               edge_labels: dict[str, str], ink: dict[str, str], body: str) -> str:
+    """A page with the plan's graph drawn as in :func:`to_html` (with the given node
+    colours, text and edge labels; see ``_graph_svg``) above ``body`` (XHTML)."""
+    return "".join([
+        '<!DOCTYPE html>\n<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head><meta charset="utf-8"/>',
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{escape(title)}</h1>", _graph_svg(plan, colors, lines, edge_labels, ink), body,
+        f"<script>//<![CDATA[{_JS}//]]></script></body></html>\n",
+    ])
 
 
 def to_html(plan: Plan) -> str:

@@ -38,7 +38,9 @@ from compiler.plan import Plan
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
 from runtime.topology import Topology, build_topology
-from runtime.workers import WorkerSpec, run_generation_replica, run_stage_worker
+from runtime.trace import TraceRecorder, merge_trace
+from runtime.stage_worker import run_stage_worker
+from runtime.workers import WorkerSpec, run_generation_replica
 
 
 class WorkerFailed(RuntimeError):
@@ -168,7 +170,16 @@ class RunSetup:
         problems = self.task.train_problems(n, seed=seed + 1)
         filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
         spares = iter(self.task.train_problems(n * (max(filters) - 1), seed=seed + 2) if filters else [])
-        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups, replicas, control)
+        trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
+        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups, replicas, control, trace,
+                      admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}")
+
+    def merge_trace(self) -> None:
+        """Merge the workers' spans into ``trace.json`` (``runtime.trace``), on success or failure;
+        its path goes into the summary."""
+        path = merge_trace(self.out_dir) if self.plan.run.get("logging", {}).get("trace", True) else None
+        if path is not None:
+            self.extra["trace"] = str(path)
 
     def specs(self, addresses: dict[str, list[str]], control: str, threads: int) -> list[WorkerSpec]:
         """One spec per worker process: ``addresses[group]`` are its workers' inboxes, and for
@@ -252,6 +263,7 @@ class _LocalRun:
         finally:
             stop.set()
             router_thread.join(timeout=10)
+            setup.merge_trace()
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
                              "redispatched": router.redispatched, "replica_restarts": self.restarts}
         return setup.finish(logger, workers)

@@ -157,6 +157,7 @@ class _RayRun:
         finally:
             stop.set()
             router_thread.join(timeout=10)
+            setup.merge_trace()
         placement = {name: {**ray.get(a.where.remote()), "mesh": topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
                      for name, a in self.actors.items()}
         self.cleanup()  # free the cluster before the held-out evaluation

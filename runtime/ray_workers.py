@@ -19,7 +19,8 @@ import threading
 
 import ray
 
-from runtime.workers import WorkerSpec, run_generation_replica, run_stage_worker
+from runtime.stage_worker import run_stage_worker
+from runtime.workers import WorkerSpec, run_generation_replica
 
 
 def free_tcp_endpoint() -> str:

@@ -17,8 +17,16 @@ gets a new prompt under the same index (DAPO dynamic sampling), drawn from a sep
 seeded stream. Messages (tuples, ``runtime.channels.MessageSender``): from workers
 ``("ready"|"version", replica, v)``, ``("sent"|"dropped", replica, index, attempt)``,
 ``("resample", index, attempt)``, from the trainer ``("received", index, attempt)`` (a group
-is re-sent after a replica's death until the trainer confirms it); to a replica ``("group", index, attempt, problem)`` or
-``("stop",)``.
+is re-sent after a replica's death until the trainer confirms it); to a replica ``("groups", [(index, attempt,
+problem), ...])`` or ``("stop",)``.
+
+Determinism. The groups admitted in one pass of the loop go to each replica as one
+message, so a replica submits them to its engine together, before its next engine step.
+With ``k = 0`` a pass admits the whole batch of a version (after every replica has loaded
+it), so what each engine batches together — and hence the samples its seeded generator
+draws — does not depend on message timing: a ``k = 0`` run is bit-reproducible on one
+machine (the same threads), and ``compile.mode=sync`` runs the same plan. A filter that
+drops a group breaks this: its replacement is admitted while other groups are decoding.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections.abc import Iterator
 
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.staleness import AdmissionController
+from runtime.trace import TraceRecorder, now_us
 
 
 class Router:
@@ -39,6 +48,8 @@ class Router:
         max_staleness / batch_groups: k and B of the edge into the policy's train_step.
         replicas: each replica's prompt address.
         control_address: where workers send their messages (bound here).
+        trace / admission_edge: spans of the time the staleness rule blocks admission (every
+            replica up, prompts left), named by the edge from the source to the generator.
 
     Attributes:
         dispatched: groups sent to replicas (resamples and re-dispatches included).
@@ -47,7 +58,8 @@ class Router:
     """
 
     def __init__(self, problems: list[dict], spares: Iterator[dict], max_staleness: int, batch_groups: int,
-                 replicas: list[str], control_address: str) -> None:
+                 replicas: list[str], control_address: str, trace: TraceRecorder | None = None,
+                 admission_edge: str = "dataset->generate") -> None:
         self.problems, self.spares = problems, spares
         self.admission = AdmissionController(max_staleness, batch_groups)
         self.control = MessageReceiver(control_address)
@@ -57,7 +69,10 @@ class Router:
         self.unconfirmed: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # not yet at the trainer
         self.completed: set[int] = set()
         self.dispatched = self.resampled = self.redispatched = 0
+        self._outbox: list[list[tuple]] = [[] for _ in replicas]
         self._lock = threading.Lock()
+        self.trace, self.admission_edge = trace or TraceRecorder(None, "driver"), admission_edge
+        self._blocked_since: int | None = None  # microseconds (runtime.trace.now_us)
 
     @property
     def min_version(self) -> int | None:
@@ -66,11 +81,19 @@ class Router:
         return min(self.versions.values())
 
     def _dispatch(self, index: int, attempt: int, problem: dict) -> None:
+        """Assign a group to the least loaded replica; :meth:`_flush` sends it."""
         replica = min(range(len(self.outs)), key=lambda r: (len(self.in_flight[r]), r))
         self.in_flight[replica][(index, attempt)] = problem
         self.unconfirmed[replica][(index, attempt)] = problem
-        self.outs[replica].send(("group", index, attempt, problem))
+        self._outbox[replica].append((index, attempt, problem))
         self.dispatched += 1
+
+    def _flush(self) -> None:
+        """Send each replica the groups assigned to it since the last flush, as one message."""
+        for replica, groups in enumerate(self._outbox):
+            if groups:
+                self.outs[replica].send(("groups", groups))
+        self._outbox = [[] for _ in self.outs]
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -109,6 +132,21 @@ class Router:
             for (index, attempt), problem in held.items():
                 self.redispatched += 1
                 self._dispatch(index, attempt, problem)
+            self._flush()
+
+    def _trace_admission(self, version: int | None, closing: bool = False) -> None:
+        """Open a blocked span when prompts remain but the staleness rule lets none start at
+        ``version`` (None: not every replica is up, which is not counted); close it when one may."""
+        left = self.admission.accepted + self.admission.running < len(self.problems)
+        blocked = left and not closing and version is not None and not self.admission.can_admit(version)
+        if blocked and self._blocked_since is None:
+            self._blocked_since = now_us()
+        elif not blocked and self._blocked_since is not None:
+            self.trace.complete(self.admission_edge, "admission", self._blocked_since, now_us(), cat="edge",
+                                proc=f"edge {self.admission_edge}",
+                                wait="admission", admitted=self.admission.accepted + self.admission.running,
+                                version=-1 if version is None else version)
+            self._blocked_since = None
 
     def run(self, stop: threading.Event) -> None:
         """Admit and route until ``stop`` is set, then tell every replica to stop."""
@@ -124,7 +162,11 @@ class Router:
                             and self.admission.can_admit(v):
                         index = self.admission.admit(v)
                         self._dispatch(index, 1, self.problems[index])
+                    self._flush()
+                    self._trace_admission(v)
         finally:
+            self._trace_admission(None, closing=True)
+            self.trace.close()
             for out in self.outs:
                 try:
                     out.send(("stop",), timeout_s=1.0)

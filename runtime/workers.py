@@ -1,37 +1,27 @@
-"""The two worker loops every scheduler runs: a generation replica and a stage worker.
+"""The generation replica, and what every worker shares (items, specs, contexts, group nodes).
 
 Owns what a worker process (or Ray actor) does with its share of the plan; the same code
-runs under ``local`` and ``ray`` (``runtime.launch``, ``runtime.ray_scheduler``).
+runs under ``local`` and ``ray`` (``runtime.launch``, ``runtime.ray_scheduler``). The other
+worker loop, a stage worker and the trainer's step loop, is ``runtime.stage_worker``.
 
-* :func:`run_generation_replica`: takes prompt groups from the router, generates them
-  with the ``generate`` node's executor (continuous batching), runs the ``group`` nodes
-  placed with it on each finished group (calls), and sends the group's values to the next
-  worker groups (channels). Between engine steps it polls the weight channel: a new
-  version pauses in-flight sequences, loads and resumes them (nothing is discarded), and
-  is reported to the router, which admits by it.
-* :func:`run_stage_worker`: joins the groups arriving from its upstream worker groups by
-  admission index, runs its ``group`` nodes, and either forwards them or — in the group
-  that hosts ``batch`` nodes, the trainer — takes the ``B`` groups of step ``s`` in
-  admission order (``runtime.staleness.OrderedExperienceBuffer`` checks every sample's
-  staleness ``s - start_version <= k``), runs the batch nodes (advantage, every
-  train_step), publishes each trained policy on its weight routes, writes trajectories and
-  checkpoints, and reports the step's metrics. One loop for every world size: a
-  multi-rank train_step runs it on rank 0 (``runtime.parallel_trainer.run_ranks``).
+:func:`run_generation_replica` takes prompt groups from the router (one message per
+admission pass), generates them with the ``generate`` node's executor (continuous
+batching), runs the ``group`` nodes placed with it on each finished group (calls), and
+sends the group's values to the next worker groups (channels). Between engine steps it
+polls the weight channel: a new version pauses in-flight sequences, loads and resumes them
+(nothing is discarded), and is reported to the router, which admits by it. Engine steps,
+group nodes and weight receive/load are spans of its timeline (``runtime.trace``).
 
-A group a ``group`` node drops (a filter) is reported so the router resamples its slot;
-a late duplicate of a group already held (sent twice around a replica restart) is dropped
-and counted, never trained twice. A restarted replica gets the trainer's current version
-(``("resync", weight_address)`` on the trainer's inbox) and waits for it before it reports
-ready, so the groups the router sends it again keep the staleness bound.
+A group a ``group`` node drops (a filter) is reported so the router resamples its slot. A
+restarted replica gets the trainer's current version (``("resync", weight_address)`` on
+the trainer's inbox) and waits for it before it reports ready, so the groups the router
+sends it again keep the staleness bound.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import threading
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,19 +31,27 @@ from areal_flow.types import Trajectory
 from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.context import WorkerContext
-from runtime.observe import memory_profile, step_metrics
-from runtime.staleness import OrderedExperienceBuffer
-from runtime.weights import WeightPublisher, WeightSubscriber
+from runtime.trace import TraceRecorder, now_us
+from runtime.weights import WeightSubscriber
 
 
 @dataclass
 class GroupItem:
     """One prompt group travelling through the graph: its admission ``index``, the
-    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``)."""
+    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``);
+    ``origin`` / ``sent_us``: the worker group that sent it and when (``runtime.trace.now_us``),
+    set just before each send (the receiver times the group's wait on the channel)."""
 
     index: int
     attempt: int
     values: dict = field(default_factory=dict)
+    origin: str = ""
+    sent_us: int = 0
+
+    def stamp(self, origin: str) -> "GroupItem":
+        """Mark the item as sent now by worker group ``origin``."""
+        self.origin, self.sent_us = origin, now_us()
+        return self
 
     def rollouts(self, plan: Plan) -> list[Trajectory]:
         gen = next(n for n in plan.nodes if n.grain == "stream")
@@ -102,7 +100,9 @@ def register_plan_ops(plan: Plan) -> None:
         define(decode_value(encoded))
 
 
-def _context(spec: WorkerSpec) -> WorkerContext:
+def worker_context(spec: WorkerSpec) -> WorkerContext:
+    """The context of the worker ``spec`` describes: its torch threads, the seed ``seed + rank``,
+    the plan's ops registered and node attributes decoded."""
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.plan.run["seed"] + spec.rank)
     register_plan_ops(spec.plan)
@@ -121,10 +121,13 @@ def _inputs(node, values: dict) -> dict:
     return {port: values[f"{src}.{src_port}"] for port, (src, src_port) in node.inputs.items()}
 
 
-def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
-    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it."""
+def run_group_nodes(item: GroupItem, nodes: list, executors: dict, trace: TraceRecorder | None = None) -> bool:
+    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it. Each
+    node's run is a span of ``trace`` (track ``groups``)."""
     for node in nodes:
-        out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
+        with trace.span(node.name, "groups", index=item.index, attempt=item.attempt) if trace else \
+                contextlib.nullcontext():
+            out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
         if out is None:
             return False
         item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
@@ -135,8 +138,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
     lock held around each engine step when the plan time-shares this mesh with a trainer
     (``|`` in the allocation)."""
-    ctx = _context(spec)
-    nodes = [ctx.node(n) for n in _group(spec).nodes]
+    ctx = worker_context(spec)
+    nodes = [ctx.node(n) for n in worker_group(spec).nodes]
     gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
     local = [n for n in nodes if n.grain != "stream"]
     executors = {n.name: make_executor(n, ctx) for n in local}
@@ -144,6 +147,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
     weights = WeightSubscriber(spec.weights)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
+    trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
+    sync = sync_node(spec.plan, gen.node.name)
+    engine_steps = 0
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
         ask = MessageSender(spec.resync)
         ask.send(("resync", spec.weights))
@@ -159,9 +165,12 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     stop = False
     try:
         while not stop:
+            started = now_us()
             update = weights.poll()
             if update is not None:
-                gen.update_weights(update[1], update[0])
+                trace.complete(sync, "weights", started, now_us(), phase="receive", version=update[0])
+                with trace.span(sync, "weights", phase="load", version=update[0]):
+                    gen.update_weights(update[1], update[0])
                 counts["weight_updates"] += 1
                 control.send(("version", spec.rank, gen.version))
             if not gen.has_work():  # idle: wake on a prompt or on new weights, whichever comes first
@@ -171,20 +180,25 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 if msg[0] == "stop":
                     stop = True
                     break
-                gen.submit(*msg[1:])
+                for index, attempt, problem in msg[1]:  # ("groups", [...]): one admission pass
+                    gen.submit(index, attempt, problem)
                 msg = inbox.recv(timeout_s=0)
             if stop or not gen.has_work():
                 continue
             with lease if lease is not None else contextlib.nullcontext():
+                started = now_us()
                 finished = gen.step()
+            trace.complete(gen.node.name, "engine", started, now_us(), step=engine_steps, version=gen.version,
+                           finished=[index for index, _, _ in finished])
+            engine_steps += 1
             for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
-                if not trajectories or not run_group_nodes(item, local, executors):  # no episode of it survived
+                if not trajectories or not run_group_nodes(item, local, executors, trace):  # no episode survived
                     counts["dropped"] += 1
                     control.send(("dropped", spec.rank, index, attempt))
                     continue
                 for out in outs:
-                    out.send(item)
+                    out.send(item.stamp(spec.group))
                 counts["groups"] += 1
                 control.send(("sent", spec.rank, index, attempt))
     finally:
@@ -192,227 +206,21 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
             sock.close()
         inbox.close()
         weights.close()
+        trace.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
     return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version}
 
 
-def _group(spec: WorkerSpec):
+def sync_node(plan: Plan, end: str) -> str:
+    """The name of the ``sync_weights`` node on a weight edge from or to node ``end`` (a
+    train_step or a generator): the name of the weight spans."""
+    return next((e.dst if e.src == end else e.src for e in plan.edges if e.kind == "weights" and end in (e.src, e.dst)),
+                "sync_weights")
+
+
+def worker_group(spec: WorkerSpec):
+    """The plan's worker group ``spec`` belongs to (``runtime.topology``)."""
     from runtime.topology import build_topology
 
     return build_topology(spec.plan).groups[spec.group]
-
-
-def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
-    """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
-    metrics (a trainer); ``lease`` is held around each train step when the plan time-shares
-    the mesh with generation. A multi-rank policy train_step spawns its ranks here."""
-    group = _group(spec)
-    if group.batch_nodes and group.strategy.world_size > 1:
-        from runtime.executors.train import TrainSettings
-        from runtime.parallel_trainer import run_ranks
-
-        ctx = _context(spec)
-        policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
-                      ctx.policy_name())
-        settings = TrainSettings.from_node(ctx.node(policy), ctx)
-        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease), spec.recv_timeout_s + 120.0,
-                         device_type=spec.plan.device_type, backend=spec.plan.backend)
-    return _Stage(spec, _context(spec), group, report, lease).run()
-
-
-def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
-    ctx = _context(spec)
-    ctx.rank_trainer = rank_trainer
-    return _Stage(spec, ctx, _group(spec), report, lease).run()
-
-
-class _Stage:
-    def __init__(self, spec: WorkerSpec, ctx: WorkerContext, group, report, lease=None) -> None:
-        from runtime.topology import build_topology
-
-        self.spec, self.ctx, self.group, self.report = spec, ctx, group, report
-        self.lease = lease if lease is not None else contextlib.nullcontext()
-        self.topo = build_topology(spec.plan)
-        nodes = [ctx.node(n) for n in group.nodes]
-        self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
-        self.batch_nodes = [n for n in nodes if n.name in group.batch_nodes]
-        self.executors = {n.name: make_executor(n, ctx) for n in nodes}
-        self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
-        self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
-        self.joining: dict[tuple[int, int], list] = {}
-        self.version = 0  # policy versions published so far
-        self._eval = None  # (task, held-out problems) of eval.every
-        self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
-
-    def _receive(self, timeout_s: float) -> GroupItem | None:
-        """The next fully joined, processed item (None on timeout or a dropped group)."""
-        msg = self.inbox.recv(timeout_s=timeout_s)
-        if msg is None:
-            return None
-        if isinstance(msg, tuple) and msg[0] == "resync":
-            self._resync(msg[1])
-            return None
-        parts = self.joining.setdefault((msg.index, msg.attempt), [])
-        parts.append(msg)
-        if len(parts) < max(1, len(self.group.upstream)):
-            return None
-        item = GroupItem(msg.index, msg.attempt)
-        for part in self.joining.pop((msg.index, msg.attempt)):
-            item.values.update(part.values)
-        if not run_group_nodes(item, self.group_nodes, self.executors):
-            self.counts["dropped"] += 1
-            self.control.send(("resample", item.index, item.attempt))
-            return None
-        return item
-
-    def _resync(self, address: str) -> None:
-        """Publish the current policy version to a restarted replica's weight ``address``
-        (between steps, the model holds exactly the last published version)."""
-        for node in self.batch_nodes:
-            if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
-                publisher = WeightPublisher(address, linger_s=120.0)
-                publisher.publish(self.executors[node.name].current_state(), self.version)
-                threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
-        self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
-
-    def run(self) -> dict:
-        try:
-            if not self.batch_nodes:
-                while True:
-                    item = self._receive(timeout_s=self.spec.recv_timeout_s)
-                    if item is not None:
-                        for out in self.outs:
-                            out.send(item)
-            return self._train()
-        finally:
-            for sock in (*self.outs, self.control):
-                sock.close()
-            self.inbox.close()
-
-    def _train(self) -> dict:
-        topo, out = self.topo, Path(self.spec.out_dir)
-        buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
-        items: dict[int, GroupItem] = {}
-        publishers = {ts: WeightPublisher(addrs) for ts, addrs in self.spec.routes.items()}
-        checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
-                                if self.ctx.node(n).op == "train_step"), default=0)
-        (out / "trajectories").mkdir(parents=True, exist_ok=True)
-        try:
-            with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
-                for step in range(topo.steps):
-                    waited = time.perf_counter()
-                    while not buffer.ready(step):
-                        item = self._receive(timeout_s=1.0)
-                        if item is None:
-                            if time.perf_counter() - waited > self.spec.recv_timeout_s:
-                                raise TimeoutError(f"trainer step {step}: no experience for "
-                                                   f"{self.spec.recv_timeout_s} s")
-                            continue
-                        self.control.send(("received", item.index, item.attempt))
-                        if item.index in items or item.index in buffer.consumed_indices:
-                            self.counts["duplicates"] += 1
-                            continue
-                        items[item.index] = item
-                        buffer.put(item.index, item.rollouts(self.ctx.plan))
-                    wait_s = time.perf_counter() - waited
-                    started = time.perf_counter()
-                    buffer.take_batch(step)
-                    batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
-                    checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
-                    with self.lease:  # a mesh time-shared with generation: one of them at a time
-                        stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
-                                                            checkpoint=checkpoint, publishers=publishers)
-                    train_s = time.perf_counter() - started
-                    self.counts["groups"] += len(batch_items)
-                    for t in advantage["trajectories"]:
-                        log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
-                    log.flush()
-                    metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
-                    if checkpoint:
-                        metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
-                    every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
-                    if every and (step + 1) % every == 0 and step + 1 < topo.steps:
-                        metrics["eval/accuracy"] = self._held_out_accuracy()
-                    if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
-                        memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes
-                                                                    if n.op == "train_step"],
-                                       cuda=self.ctx.plan.device_type == "cuda")
-                    if self.report is not None:
-                        self.report(metrics)
-            self._save_final(out / "model")
-        finally:
-            for p in publishers.values():
-                p.close()
-        return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
-                "world_size": self.group.strategy.world_size}
-
-    def _held_out_accuracy(self) -> float:
-        """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
-        measured in this worker between steps (``eval.every``)."""
-        from areal_flow.ops.dataset import build_task
-        from runtime.engines.evaluate import answer_accuracy, greedy_answers
-        from runtime.model_source import load_pretrained
-
-        plan = self.ctx.plan
-        if self._eval is None:
-            task = build_task(self.topo.dataset.attrs, plan.run["seed"])
-            self._eval = (task, task.test_set(plan.run["eval"]["n_test"]))
-        task, problems = self._eval
-        node = next(n for n in self.batch_nodes if n.op == "train_step" and n.model == self.ctx.policy_name())
-        executor = self.executors[node.name]
-        model, _ = load_pretrained(executor.settings.model_folder)
-        model.load_state_dict(executor.current_state())
-        gen = self.ctx.generator()
-        if gen.op == "rollout":
-            from runtime.engines.evaluate import evaluate_episodes
-            from runtime.executors.rollout import model_context
-
-            limit = gen.attrs.get("max_context") or model_context(executor.settings.model_folder)
-            return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=int(limit),
-                                     temperature=float(plan.run["eval"].get("temperature", 0.0)))["accuracy"]
-        answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
-                                 chat_template=self.topo.generate.attrs.get("chat_template"))
-        return answer_accuracy(task, answers, problems)
-
-    def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
-                    publishers: dict) -> tuple[dict, dict]:
-        values: dict = {}
-        stats: dict = {}
-        advantage = None
-        for node in self.batch_nodes:
-            inputs = {}
-            for port, (src, src_port) in node.inputs.items():
-                key = f"{src}.{src_port}"
-                inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
-            is_step = node.op == "train_step"
-            info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint)}
-            result = self.executors[node.name].run(inputs, info)
-            values.update({f"{node.name}.{port}": v for port, v in result.items()})
-            if is_step:
-                stats.update(result["stats"])
-                advantage = inputs["advantages"]
-                if publish and node.name in publishers:
-                    publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
-                        time.perf_counter()
-                    publisher.publish(result["weights"], step + 1)
-                    self.version = step + 1
-                    stats["weights/sync_s"] = time.perf_counter() - started
-                    stats["weights/bytes"] = float(publisher.published_bytes - sent)
-                if "lr" in node.attrs and node.model == self.ctx.policy_name():
-                    stats["lr"] = float(node.attrs["lr"])
-                if checkpoint:
-                    self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
-                                   result["weights"])
-        return stats, advantage
-
-    def _save_one(self, node, folder: Path, state) -> None:
-        name = folder if node.model == self.ctx.policy_name() else folder / node.model
-        self.executors[node.name].save(name, state)
-
-    def _save_final(self, folder: Path) -> None:
-        for node in self.batch_nodes:
-            if node.op == "train_step":
-                ex = self.executors[node.name]
-                path = folder if node.model == self.ctx.policy_name() else folder.parent / node.model
-                ex.save(path, ex.final_state())

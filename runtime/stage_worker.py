@@ -1,0 +1,292 @@
+"""The stage worker: a non-generation worker group, and in the trainer's group the step loop.
+
+Owns :func:`run_stage_worker` (the same code under ``local`` and ``ray``): it joins the
+groups arriving from its upstream worker groups by admission index, runs its ``group``
+nodes, and either forwards them or — in the group that hosts ``batch`` nodes, the trainer —
+takes the ``B`` groups of step ``s`` in admission order
+(``runtime.staleness.OrderedExperienceBuffer`` checks every sample's staleness
+``s - start_version <= k``), runs the batch nodes (advantage, every train_step), publishes
+each trained policy on its weight routes, writes trajectories, checkpoints and the records
+of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
+step's metrics. One loop for every world size: a multi-rank train_step runs it on rank 0
+(``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
+(``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
+
+A group a ``group`` node drops (a filter) is reported so the router resamples its slot; a
+late duplicate of a group already held (sent twice around a replica restart) is dropped and
+counted, never trained twice. A restarted replica's ``("resync", weight_address)`` on the
+trainer's inbox gets the current version published to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from runtime.channels import MessageReceiver, MessageSender
+from runtime.context import WorkerContext
+from runtime.observe import memory_profile, step_metrics
+from runtime.record import EdgeRecorder, check_edges
+from runtime.staleness import OrderedExperienceBuffer
+from runtime.trace import TraceRecorder, channel_edge, now_us
+from runtime.weights import WeightPublisher
+from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
+                             worker_group)
+
+def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
+    """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
+    metrics (a trainer); ``lease`` is held around each train step when the plan time-shares
+    the mesh with generation. A multi-rank policy train_step spawns its ranks here."""
+    group = worker_group(spec)
+    if group.batch_nodes and group.strategy.world_size > 1:
+        from runtime.executors.train import TrainSettings
+        from runtime.parallel_trainer import run_ranks
+
+        ctx = worker_context(spec)
+        policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
+                      ctx.policy_name())
+        settings = TrainSettings.from_node(ctx.node(policy), ctx)
+        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease), spec.recv_timeout_s + 120.0,
+                         device_type=spec.plan.device_type, backend=spec.plan.backend)
+    return _Stage(spec, worker_context(spec), group, report, lease).run()
+
+
+def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
+    ctx = worker_context(spec)
+    ctx.rank_trainer = rank_trainer
+    return _Stage(spec, ctx, worker_group(spec), report, lease).run()
+
+
+class _Stage:
+    def __init__(self, spec: WorkerSpec, ctx: WorkerContext, group, report, lease=None) -> None:
+        from runtime.topology import build_topology
+
+        self.spec, self.ctx, self.group, self.report = spec, ctx, group, report
+        self.lease = lease if lease is not None else contextlib.nullcontext()
+        self.topo = build_topology(spec.plan)
+        nodes = [ctx.node(n) for n in group.nodes]
+        self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
+        self.batch_nodes = [n for n in nodes if n.name in group.batch_nodes]
+        self.executors = {n.name: make_executor(n, ctx) for n in nodes}
+        self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
+        self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
+        self.joining: dict[tuple[int, int], list] = {}
+        self.version = 0  # policy versions published so far
+        self._eval = None  # (task, held-out problems) of eval.every
+        self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
+        self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
+        self.channels = {u: channel_edge(ctx.plan, group.nodes, self.topo.groups[u].nodes) for u in group.upstream}
+        self.lanes = (self.topo.max_staleness + 1) * self.topo.batch_groups  # groups that can wait at once
+        self.records = [EdgeRecorder.start(Path(spec.out_dir), src, dst, port, threads=spec.threads,
+                                           seed=ctx.seed, folders=spec.folders)
+                        for src, dst, port in check_edges(ctx.plan, ctx.plan.run.get("debug", {}).get("record", []),
+                                                          group.batch_nodes)]
+
+    def _receive(self, timeout_s: float) -> GroupItem | None:
+        """The next fully joined, processed item (None on timeout or a dropped group)."""
+        msg = self.inbox.recv(timeout_s=timeout_s)
+        if msg is None:
+            return None
+        if isinstance(msg, tuple) and msg[0] == "resync":
+            self._resync(msg[1])
+            return None
+        if msg.origin in self.channels:
+            edge = self.channels[msg.origin]
+            self.trace.complete(edge, f"lane {msg.index % self.lanes}", msg.sent_us, now_us(), cat="edge",
+                                proc=f"edge {edge}", wait="channel", index=msg.index, attempt=msg.attempt)
+        parts = self.joining.setdefault((msg.index, msg.attempt), [])
+        parts.append(msg)
+        if len(parts) < max(1, len(self.group.upstream)):
+            return None
+        item = GroupItem(msg.index, msg.attempt)
+        for part in self.joining.pop((msg.index, msg.attempt)):
+            item.values.update(part.values)
+        if not run_group_nodes(item, self.group_nodes, self.executors, self.trace):
+            self.counts["dropped"] += 1
+            self.control.send(("resample", item.index, item.attempt))
+            return None
+        return item
+
+    def _resync(self, address: str) -> None:
+        """Publish the current policy version to a restarted replica's weight ``address``
+        (between steps, the model holds exactly the last published version)."""
+        for node in self.batch_nodes:
+            if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
+                publisher = WeightPublisher(address, linger_s=120.0)
+                publisher.publish(self.executors[node.name].current_state(), self.version)
+                threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
+        self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
+
+    def run(self) -> dict:
+        try:
+            if not self.batch_nodes:
+                while True:
+                    item = self._receive(timeout_s=self.spec.recv_timeout_s)
+                    if item is not None:
+                        for out in self.outs:
+                            out.send(item.stamp(self.spec.group))
+            return self._train()
+        finally:
+            for sock in (*self.outs, self.control):
+                sock.close()
+            self.inbox.close()
+            self.trace.close()
+
+    def _train(self) -> dict:
+        topo, out = self.topo, Path(self.spec.out_dir)
+        buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
+        items: dict[int, GroupItem] = {}
+        publishers = {ts: WeightPublisher(addrs) for ts, addrs in self.spec.routes.items()}
+        checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
+                                if self.ctx.node(n).op == "train_step"), default=0)
+        (out / "trajectories").mkdir(parents=True, exist_ok=True)
+        try:
+            with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
+                for step in range(topo.steps):
+                    waited, waited_us = time.perf_counter(), now_us()
+                    while not buffer.ready(step):
+                        item = self._receive(timeout_s=1.0)
+                        if item is None:
+                            if time.perf_counter() - waited > self.spec.recv_timeout_s:
+                                raise TimeoutError(f"trainer step {step}: no experience for "
+                                                   f"{self.spec.recv_timeout_s} s")
+                            continue
+                        self.control.send(("received", item.index, item.attempt))
+                        if item.index in items or item.index in buffer.consumed_indices:
+                            self.counts["duplicates"] += 1
+                            continue
+                        items[item.index] = item
+                        buffer.put(item.index, item.rollouts(self.ctx.plan))
+                    wait_s = time.perf_counter() - waited
+                    self.trace.complete(self._batch_edge(), "batch wait", waited_us, now_us(), cat="edge",
+                                        wait="batch", step=step)
+                    started = time.perf_counter()
+                    buffer.take_batch(step)
+                    batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
+                    checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
+                    with self.lease:  # a mesh time-shared with generation: one of them at a time
+                        stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
+                                                            checkpoint=checkpoint, publishers=publishers)
+                    train_s = time.perf_counter() - started
+                    self.counts["groups"] += len(batch_items)
+                    for t in advantage["trajectories"]:
+                        log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
+                    log.flush()
+                    metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
+                    if checkpoint:
+                        metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
+                    every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
+                    if every and (step + 1) % every == 0 and step + 1 < topo.steps:
+                        metrics["eval/accuracy"] = self._held_out_accuracy()
+                    if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
+                        memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes
+                                                                    if n.op == "train_step"],
+                                       cuda=self.ctx.plan.device_type == "cuda")
+                    if self.report is not None:
+                        self.report(metrics)
+                    self.trace.flush()
+            self._save_final(out / "model")
+        finally:
+            for p in publishers.values():
+                p.close()
+        return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
+                "world_size": self.group.strategy.world_size}
+
+    def _held_out_accuracy(self) -> float:
+        """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
+        measured in this worker between steps (``eval.every``)."""
+        from areal_flow.ops.dataset import build_task
+        from runtime.engines.evaluate import answer_accuracy, greedy_answers
+        from runtime.model_source import load_pretrained
+
+        plan = self.ctx.plan
+        if self._eval is None:
+            task = build_task(self.topo.dataset.attrs, plan.run["seed"])
+            self._eval = (task, task.test_set(plan.run["eval"]["n_test"]))
+        task, problems = self._eval
+        node = next(n for n in self.batch_nodes if n.op == "train_step" and n.model == self.ctx.policy_name())
+        executor = self.executors[node.name]
+        model, _ = load_pretrained(executor.settings.model_folder)
+        model.load_state_dict(executor.current_state())
+        gen = self.ctx.generator()
+        if gen.op == "rollout":
+            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.executors.rollout import model_context
+
+            limit = gen.attrs.get("max_context") or model_context(executor.settings.model_folder)
+            return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=int(limit),
+                                     temperature=float(plan.run["eval"].get("temperature", 0.0)))["accuracy"]
+        answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
+                                 chat_template=self.topo.generate.attrs.get("chat_template"))
+        return answer_accuracy(task, answers, problems)
+
+    def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
+                    publishers: dict) -> tuple[dict, dict]:
+        values: dict = {}
+        stats: dict = {}
+        advantage = None
+        for node in self.batch_nodes:
+            inputs = {}
+            for port, (src, src_port) in node.inputs.items():
+                key = f"{src}.{src_port}"
+                inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
+            is_step = node.op == "train_step"
+            info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint)}
+            for record in self.records:
+                if record.dst == node.name:
+                    record.item(step, inputs[record.port], [it.index for it in batch_items],
+                                [it.attempt for it in batch_items], [t for it in batch_items for t in it.rollouts(
+                                    self.ctx.plan)])
+            with self.trace.span(node.name, "step", step=step, version=self.version):
+                result = self.executors[node.name].run(inputs, info)
+            values.update({f"{node.name}.{port}": v for port, v in result.items()})
+            if is_step:
+                stats.update(result["stats"])
+                advantage = inputs["advantages"]
+                self._digest(step, node, result["weights"])
+                if publish and node.name in publishers:
+                    publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
+                        time.perf_counter()
+                    with self.trace.span(sync_node(self.ctx.plan, node.name), "weights", phase="publish",
+                                         version=step + 1):
+                        publisher.publish(result["weights"], step + 1)
+                    self.version = step + 1
+                    stats["weights/sync_s"] = time.perf_counter() - started
+                    stats["weights/bytes"] = float(publisher.published_bytes - sent)
+                if "lr" in node.attrs and node.model == self.ctx.policy_name():
+                    stats["lr"] = float(node.attrs["lr"])
+                if checkpoint:
+                    self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
+                                   result["weights"])
+        return stats, advantage
+
+    def _batch_edge(self) -> str:
+        """The edge the trainer waits on for its batch: into its first batch node, from the
+        latest node (plan order) feeding it."""
+        first = self.batch_nodes[0]
+        order = {n.name: i for i, n in enumerate(self.ctx.plan.nodes)}
+        return f"{max((src for src, _ in first.inputs.values()), key=order.__getitem__)}->{first.name}"
+
+    def _digest(self, step: int, node, weights) -> None:
+        """Record the weights of train_step ``node`` after ``step`` for every recorded edge
+        that replays it (its ``dst`` runs at or before ``node``)."""
+        names = [n.name for n in self.batch_nodes]
+        for record in self.records:
+            if names.index(record.dst) <= names.index(node.name):
+                record.digest(step, node.name, weights if weights is not None else
+                              self.executors[node.name].current_state())
+
+    def _save_one(self, node, folder: Path, state) -> None:
+        name = folder if node.model == self.ctx.policy_name() else folder / node.model
+        self.executors[node.name].save(name, state)
+
+    def _save_final(self, folder: Path) -> None:
+        for node in self.batch_nodes:
+            if node.op == "train_step":
+                ex = self.executors[node.name]
+                path = folder if node.model == self.ctx.policy_name() else folder.parent / node.model
+                ex.save(path, ex.final_state())
