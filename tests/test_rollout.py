@@ -180,7 +180,7 @@ def test_play_episodes_with_the_fake_engine_scores_by_the_env():
 
 TEMPLATE_GRAPH = '''
 from areal_flow import Model, flow, ops
-from areal_flow.envs import BaseEnv
+from areal_flow.envs import BaseEnv, register_env
 
 
 @register_env("my_env")
