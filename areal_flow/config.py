@@ -70,7 +70,7 @@ class DatasetConfig:
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
-    """Arithmetic: operands have 1..max_digits digits."""
+    """Arithmetic: operands have 1..max_digits digits; support_desk: order numbers have max_digits digits."""
     ops: str = "+-"
     """Arithmetic: operators drawn from ('+', '-' or '+-')."""
     prompt_style: str = "plain"

@@ -53,7 +53,7 @@ def build_task(attrs: dict, seed: int) -> Any:
     if kind == "support_desk":
         from areal_flow.tasks.support_desk import SupportDeskTask
 
-        return SupportDeskTask(seed=seed)
+        return SupportDeskTask(seed=seed, order_digits=attrs.get("max_digits", 4))
     if kind == "guess_number":
         from areal_flow.tasks.guess_number import GuessNumberTask
 

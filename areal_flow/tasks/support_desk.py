@@ -69,15 +69,18 @@ def play(row: dict, kind: str, rng: random.Random, max_turns: int = MAX_TURNS) -
 
 
 class SupportDeskTask:
-    """Support-desk scenarios: intents uniform over :data:`INTENTS`, 4-digit order numbers,
-    an explicit first message with probability ``explicit_rate``.
+    """Support-desk scenarios: intents uniform over :data:`INTENTS`, ``order_digits``-digit
+    order numbers, an explicit first message with probability ``explicit_rate``.
 
     Args:
         seed: fixes the held-out test set (its own random stream).
         explicit_rate: probability that the first message reveals the intent, in [0, 1].
+        order_digits: digits of an order number (``dataset.max_digits``); the tiny model
+            copies 2 digits across turns reliably after a short warm start, 4 often not
+            (measured: warm starts of 200-400 steps misquoted most 4-digit orders).
 
     Raises:
-        ValueError: ``explicit_rate`` outside [0, 1].
+        ValueError: ``explicit_rate`` outside [0, 1], or ``order_digits`` outside 1..6.
     """
 
     name = "support_desk"
@@ -86,20 +89,24 @@ class SupportDeskTask:
     """Per-turn token budget: ``escalate(4821)`` is 14 characters + EOS."""
     max_turns = MAX_TURNS
 
-    def __init__(self, seed: int = 0, explicit_rate: float = 0.5) -> None:
+    def __init__(self, seed: int = 0, explicit_rate: float = 0.5, order_digits: int = 4) -> None:
         if not 0.0 <= explicit_rate <= 1.0:
             raise ValueError(f"SupportDeskTask: explicit_rate must be in [0, 1], got {explicit_rate}")
+        if not 1 <= order_digits <= 6:
+            raise ValueError(f"SupportDeskTask: order_digits must be in 1..6, got {order_digits}")
         self.seed = seed
         self.explicit_rate = explicit_rate
+        self.order_digits = order_digits
         self._test_cache: dict[int, list[dict]] = {}
 
     def spec(self) -> dict:
         """The parameters that define the data (cache keys)."""
-        return {"name": self.name, "seed": self.seed, "explicit_rate": self.explicit_rate, "version": 1}
+        spec = {"name": self.name, "seed": self.seed, "explicit_rate": self.explicit_rate, "version": 1}
+        return spec if self.order_digits == 4 else {**spec, "order_digits": self.order_digits}
 
     def _draw(self, rng: random.Random, scenario_id: int) -> dict:
         intent = rng.choice(INTENTS)
-        order = rng.randint(1000, 9999)
+        order = rng.randint(10 ** (self.order_digits - 1), 10**self.order_digits - 1)
         explicit = rng.random() < self.explicit_rate
         template = rng.randrange(len(EXPLICIT[intent]) if explicit else len(VAGUE))
         row = {"id": scenario_id, "prompt": first_message(intent, order, explicit, template),
