@@ -13,7 +13,7 @@ import json
 import xxhash
 
 from compiler.allocation import resolve
-from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, check_config
+from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, LengthDistConfig, check_config
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hardware import device_spec
@@ -30,6 +30,8 @@ def _normalize(obj, cls):
     values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
     if "pins" in values:
         values["pins"] = {str(k): str(v) for k, v in dict(values["pins"] or {}).items()}
+    if "length_dist" in values and not isinstance(values["length_dist"], LengthDistConfig):
+        values["length_dist"] = _normalize(values["length_dist"], LengthDistConfig)
     return cls(**values)
 
 
