@@ -201,4 +201,12 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         ops=_user_ops(graph),
         device_type="cuda" if cuda else "cpu",
         backend="nccl" if cuda else "gloo",
+        workload=dict(
+            n_sequences=workload.n_sequences, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
+            samples_per_prompt=workload.n_sequences // (cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
+            batch_groups=cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP,
+            length_dist=dataclasses.asdict(cfg.length_dist), mfu=cfg.mfu,
+            bandwidth_efficiency=cfg.bandwidth_efficiency, dtype=cfg.dtype,
+            decode_step_overhead_s=cfg.decode_step_overhead_s,
+        ),
     )

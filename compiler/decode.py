@@ -188,6 +188,18 @@ class ContinuousBatch:
         self.clock += dt
         self.busy_s += dt
 
+    def next_finish(self) -> float:
+        """Time at which the next response finishes if nothing interrupts (queued responses
+        are admitted first, at the current clock); ``inf`` when nothing is live."""
+        self._admit()
+        if not self._live:
+            return math.inf
+        return self.clock + self.cost.run_s(len(self._live), self._context(), self._live[0][0] - self.steps)
+
+    def wait_until(self, t: float) -> None:
+        """Idle (or paused) until time ``t``."""
+        self.clock = max(self.clock, t)
+
     def advance(self, until: float = math.inf) -> list[int]:
         """Decode up to the next finishing response or to time ``until``, whichever is first.
 
