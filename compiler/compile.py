@@ -22,7 +22,7 @@ from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan,
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload
+from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload, scalar_head_models
 
 
 def _normalize(obj, cls):
@@ -132,12 +132,7 @@ def _node_ir(graph, name: str) -> dict:
 def _models(graph) -> dict:
     """Model name -> spec, trainable and head: ``value`` for a critic (read by an advantage
     node as ``critic=``), ``reward`` for a reward model (``reward(model=)``), else ``lm``."""
-    heads = {}
-    for node in graph.nodes.values():
-        if node.op == "advantage" and node.attrs.get("model_role") == "critic":
-            heads[node.model] = "value"
-        elif node.op == "reward" and node.model:
-            heads[node.model] = "reward"
+    heads = scalar_head_models(graph)
     return {m.name: {"spec": m.spec, "trainable": m.trainable, "head": heads.get(m.name, "lm")}
             for m in graph.models.values()}
 

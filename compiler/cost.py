@@ -88,7 +88,7 @@ class CostModel:
                 raise StrategyError(f"world size dp*tp*pp*cp={s.world_size} != mesh size {size}")
             s.validate_for(
                 n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                n_experts=m.n_experts, gpus_per_node=self.per_node,
+                n_experts=m.n_experts, gpus_per_node=self.per_node, replicate_kv=task.role == GENERATION,
             )
             if task.role == GENERATION and s.cp > 1:
                 raise StrategyError("cp > 1 is not supported for generation (decode is one token at a time)")
@@ -96,16 +96,18 @@ class CostModel:
             raise StrategyError(f"node '{task.node}' ({task.model.name}), strategy {s.short()}: {err}") from None
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
-        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices."""
+        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices,
+        with ``dp`` at most the step's sequences (a rank or replica without one idles)."""
         key = (task.node, size)
         if key not in self._strategies:
             m = task.model
             found = []
             for tp in range(1, min(size, self.per_node) + 1):
-                if size % tp or m.n_heads % tp or m.n_kv_heads % tp:
+                kv_ok = m.n_kv_heads % tp == 0 or (task.role == GENERATION and tp % m.n_kv_heads == 0)
+                if size % tp or m.n_heads % tp or not kv_ok:
                     continue
                 for pp in range(1, m.n_layers + 1):
-                    if m.n_layers % pp == 0 and (size // tp) % pp == 0:
+                    if m.n_layers % pp == 0 and (size // tp) % pp == 0 and size // (tp * pp) <= self.workload.n_sequences:
                         found.append(ParallelStrategy(dp=size // (tp * pp), tp=tp, pp=pp))
             self._strategies[key] = found
         return self._strategies[key]

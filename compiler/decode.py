@@ -58,7 +58,8 @@ class DecodeCost:
         dense_bytes: weight bytes every step reads (non-expert), per replica.
         expert_bytes: routed-expert weight bytes, per replica (0 for dense models).
         expert_share: ``k / E``, the share of experts one token uses.
-        kv_bytes: KV-cache bytes per context token.
+        kv_bytes: KV-cache bytes per context token, summed over the replica's TP ranks (KV
+            heads replicated when ``tp > g``).
         bandwidth: ``tp * HBM`` bytes/s.
         compute: ``tp * peak * MFU`` FLOP/s.
         flops_token: ``2 N_act`` FLOPs per new token.
@@ -94,7 +95,7 @@ class DecodeCost:
             dense_bytes=b * (model.n_params - model.n_expert_params),
             expert_bytes=b * model.n_expert_params,
             expert_share=model.experts_per_token / model.n_experts if model.is_moe else 0.0,
-            kv_bytes=b * model.kv_elements_per_token(),
+            kv_bytes=b * model.kv_elements_per_token() * s.tp / min(s.tp, model.n_kv_heads),  # replicated heads
             bandwidth=s.tp * links.hbm,
             compute=s.tp * links.device.peak_flops * mfu,
             flops_token=2 * model.n_active_params,

@@ -14,7 +14,8 @@ Formulas and sources:
   reduce-scatter ``(n-1)/n`` (Thakur et al. 2005, ring algorithms).
 - Data parallelism: an all-reduce of the gradients; with ZeRO-3/FSDP a reduce-scatter of
   gradients and two all-gathers of weights, 1.5x the all-reduce volume (Rajbhandari et al.
-  2020, section 7.2), once per step. Not overlapped with compute (an upper bound).
+  2020, section 7.2), once per step; dense gradients over the ``dp * cp`` ranks, routed
+  experts' over the ``dp * cp / ep`` ranks that hold the same experts. Not overlapped with compute (an upper bound).
 - Context parallelism (ring attention, Liu et al. 2023): each layer passes the K/V shard
   ``cp-1`` times forward and twice as much backward. Expert parallelism: two all-to-alls
   (dispatch, combine) of ``k`` routed copies per MoE layer forward, twice that backward.
@@ -120,12 +121,16 @@ def training_time(
     dp_n = s.dp * s.cp
     dp_comm = 0.0
     if not forward_only and dp_n > 1:
-        grad_bytes = b * params_per_device(model, s)
+        expert_bytes = b * model.n_expert_params / (s.tp * s.pp * s.ep)
+        groups = ((b * params_per_device(model, s) - expert_bytes, dp_n), (expert_bytes, dp_n // s.ep))
         dp_bw = links.group_bw(s.tp * dp_n, mesh_spans_nodes)
-        if sharded:
-            dp_comm = 3 * ring_gather_s(grad_bytes, dp_n, dp_bw, links.latency)
-        else:
-            dp_comm = ring_all_reduce_s(grad_bytes, dp_n, dp_bw, links.latency)
+        for grad_bytes, ranks in groups:  # dense grads over dp*cp ranks, expert grads over dp*cp/ep
+            if grad_bytes == 0:
+                continue
+            if sharded:
+                dp_comm += 3 * ring_gather_s(grad_bytes, ranks, dp_bw, links.latency)
+            else:
+                dp_comm += ring_all_reduce_s(grad_bytes, ranks, dp_bw, links.latency)
     return dict(compute=compute, tp_comm=tp_comm, cp_comm=cp_comm, ep_comm=ep_comm, bubble=bubble, dp_comm=dp_comm)
 
 
