@@ -1,5 +1,5 @@
-"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``eval``, ``config``,
-``timeline`` and ``replay``.
+"""The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``simulate``, ``eval``,
+``config``, ``timeline`` and ``replay``.
 
 Owns argument parsing and the loading of graph files; the work is the compiler's
 (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
@@ -176,6 +176,28 @@ def _cmd_viz(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from compiler.plan import Plan, PlanSchemaError
+    from compiler.simulate import SimulationError, format_report, simulate, spans_json
+
+    path = Path(args.plan)
+    if not path.is_file():
+        raise CLIError(f"plan file not found: {path}")
+    try:
+        plan = Plan.from_json(path.read_text(), source=str(path))
+        ks = sorted({0, plan.staleness_bound if args.k is None else args.k})
+        results = [simulate(plan, k=k, steps=args.steps, seed=args.seed) for k in ks]
+    except (PlanSchemaError, SimulationError) as exc:
+        raise CLIError(f"{path}: {exc}") from None
+    print(format_report(plan, results))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps({f"k={r.k}": spans_json(r) for r in results}))
+        print(f"spans written to {args.trace}")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from areal_flow.config import ExperimentConfig, load_config
     from areal_flow.config_keys import format_listing
@@ -283,6 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
     p.add_argument("-o", "--output", default="placement.html", help="output .html, .svg, .png or .dot")
     p.set_defaults(func=_cmd_viz)
+    p = sub.add_parser("simulate", help="discrete-event simulation of a plan.json: step time, busy fractions, "
+                                        "bubbles, async/sync ratio")
+    p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
+    p.add_argument("--steps", type=int, default=8, help="train steps to simulate (default 8; the first quarter is warm-up)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled response lengths")
+    p.add_argument("--k", type=int, help="staleness bound to compare with k=0 (default: the plan's)")
+    p.add_argument("--trace", help="also write every span (node, worker, start, end) as JSON here")
+    p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
     p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
     p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat"), help="test set and reward")

@@ -13,7 +13,7 @@ import json
 import xxhash
 
 from compiler.allocation import resolve
-from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, check_config
+from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, LengthDistConfig, check_config
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hardware import device_spec
@@ -22,7 +22,7 @@ from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan,
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload
+from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload, scalar_head_models
 
 
 def _normalize(obj, cls):
@@ -30,6 +30,8 @@ def _normalize(obj, cls):
     values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
     if "pins" in values:
         values["pins"] = {str(k): str(v) for k, v in dict(values["pins"] or {}).items()}
+    if "length_dist" in values and not isinstance(values["length_dist"], LengthDistConfig):
+        values["length_dist"] = _normalize(values["length_dist"], LengthDistConfig)
     return cls(**values)
 
 
@@ -130,12 +132,7 @@ def _node_ir(graph, name: str) -> dict:
 def _models(graph) -> dict:
     """Model name -> spec, trainable and head: ``value`` for a critic (read by an advantage
     node as ``critic=``), ``reward`` for a reward model (``reward(model=)``), else ``lm``."""
-    heads = {}
-    for node in graph.nodes.values():
-        if node.op == "advantage" and node.attrs.get("model_role") == "critic":
-            heads[node.model] = "value"
-        elif node.op == "reward" and node.model:
-            heads[node.model] = "reward"
+    heads = scalar_head_models(graph)
     return {m.name: {"spec": m.spec, "trainable": m.trainable, "head": heads.get(m.name, "lm")}
             for m in graph.models.values()}
 
@@ -199,4 +196,12 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         ops=_user_ops(graph),
         device_type="cuda" if cuda else "cpu",
         backend="nccl" if cuda else "gloo",
+        workload=dict(
+            n_sequences=workload.n_sequences, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
+            samples_per_prompt=workload.n_sequences // (cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
+            batch_groups=cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP,
+            length_dist=dataclasses.asdict(cfg.length_dist), mfu=cfg.mfu,
+            bandwidth_efficiency=cfg.bandwidth_efficiency, dtype=cfg.dtype,
+            decode_step_overhead_s=cfg.decode_step_overhead_s,
+        ),
     )

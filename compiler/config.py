@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 MODES = ("async", "sync")
 DTYPES = ("bf16", "fp16", "fp32")
+LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 
 
 class CompileConfigError(ValueError):
@@ -29,6 +30,22 @@ class ClusterConfig:
 
 
 @dataclass
+class LengthDistConfig:
+    kind: str = "lognormal"
+    """Response-length distribution: fixed, uniform or lognormal (compiler.lengths); lengths are fractions of
+    the response budget (max_new_tokens), clipped to [1 token, the budget]."""
+    mean: float = 0.35
+    """fixed: every response's length; lognormal: mean of the unclipped distribution (clipping at the budget
+    lowers it); fractions of max_new_tokens."""
+    sigma: float = 1.0
+    """lognormal: standard deviation of log(length); larger = longer tail (mean 0.35, sigma 1: ~6% cut at the budget)."""
+    low: float = 0.0
+    """uniform: shortest response, fraction of max_new_tokens."""
+    high: float = 1.0
+    """uniform: longest response, fraction of max_new_tokens."""
+
+
+@dataclass
 class CompileConfig:
     mode: str | None = None
     """'async': generation and training overlap (bounded staleness); 'sync': they alternate; null = from the
@@ -42,6 +59,11 @@ class CompileConfig:
     """Prompt length budget, tokens."""
     max_new_tokens: int | None = None
     """Response length budget, tokens; None = the generate node's max_new_tokens."""
+    length_dist: LengthDistConfig = field(default_factory=LengthDistConfig)
+    """Distribution of response lengths the time model assumes (default: a long tail, lognormal)."""
+    decode_step_overhead_s: float = 0.002
+    """ASSUMED fixed seconds per decode step of an engine besides its memory/compute time (scheduling,
+    sampling, kernel launches; compiler.decode)."""
     micro_batches: int | None = None
     """Micro-batches per DP rank per training step; None = smallest power of two >= 4(pp-1) that fits."""
     activation_checkpointing: bool = True
@@ -88,7 +110,24 @@ def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
         value = getattr(cfg, key)
         if value is not None and value < 1:
             raise bad(f"compile.{key}", value, "must be >= 1 (or null)")
+    if cfg.decode_step_overhead_s < 0:
+        raise bad("compile.decode_step_overhead_s", cfg.decode_step_overhead_s, "must be >= 0")
+    check_length_dist(cfg.length_dist)
     for key in ("mfu", "bandwidth_efficiency", "memory_fraction"):
         value = getattr(cfg, key)
         if not 0 < value <= 1:
             raise bad(f"compile.{key}", value, "must be in (0, 1]")
+
+
+def check_length_dist(d: LengthDistConfig) -> None:
+    """Raises CompileConfigError naming the ``compile.length_dist`` key that is out of range."""
+    key = "compile.length_dist"
+    if d.kind not in LENGTH_KINDS:
+        raise CompileConfigError(f"{key}.kind={d.kind!r}: must be one of {', '.join(LENGTH_KINDS)}")
+    if d.kind in ("fixed", "lognormal") and not 0 < d.mean <= (1 if d.kind == "fixed" else 10):
+        raise CompileConfigError(f"{key}.mean={d.mean!r}: must be in (0, {1 if d.kind == 'fixed' else 10}] "
+                                 "(a fraction of max_new_tokens)")
+    if d.kind == "lognormal" and not 0 < d.sigma <= 5:
+        raise CompileConfigError(f"{key}.sigma={d.sigma!r}: must be in (0, 5]")
+    if d.kind == "uniform" and not 0 <= d.low <= d.high <= 1:
+        raise CompileConfigError(f"{key}.low={d.low!r}, high={d.high!r}: need 0 <= low <= high <= 1")

@@ -2,7 +2,10 @@
 
 Owns :class:`CostModel`: the valid strategies of a node for a mesh size, its memory per
 device (choosing micro-batches or KV-cache slots that fit) and its predicted seconds per
-step, memoized. Costs depend on the mesh only through its size: meshes larger than a
+step, memoized. Memory is sized for the budget (every response at ``max_new_tokens``: a
+KV slot and a micro-batch must hold the longest one); time for the expected lengths
+(``compiler.lengths``): training over ``n * (P + E[L])`` tokens, generation by
+``compiler.timing.generation_time``. Costs depend on the mesh only through its size: meshes larger than a
 machine are whole machines, so whether a group crosses the network follows from sizes.
 It must not choose placements (``compiler.search`` does).
 """
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 from compiler.config import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
+from compiler.lengths import LengthDist
 from compiler.memory import (
     MemoryBreakdown,
     generation_memory,
@@ -71,6 +75,7 @@ class CostModel:
         self.total_devices = cluster.n_nodes * cluster.n_gpus_per_node
         self.usable = device.memory_bytes * cfg.memory_fraction
         self.links = Links(device, cluster.n_gpus_per_node, cfg.bandwidth_efficiency)
+        self.lengths = LengthDist(cfg.length_dist, workload.new_tokens)
         self._costs: dict = {}
         self._strategies: dict = {}
 
@@ -83,7 +88,7 @@ class CostModel:
                 raise StrategyError(f"world size dp*tp*pp*cp={s.world_size} != mesh size {size}")
             s.validate_for(
                 n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                n_experts=m.n_experts, gpus_per_node=self.per_node,
+                n_experts=m.n_experts, gpus_per_node=self.per_node, replicate_kv=task.role == GENERATION,
             )
             if task.role == GENERATION and s.cp > 1:
                 raise StrategyError("cp > 1 is not supported for generation (decode is one token at a time)")
@@ -91,16 +96,18 @@ class CostModel:
             raise StrategyError(f"node '{task.node}' ({task.model.name}), strategy {s.short()}: {err}") from None
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
-        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices."""
+        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices,
+        with ``dp`` at most the step's sequences (a rank or replica without one idles)."""
         key = (task.node, size)
         if key not in self._strategies:
             m = task.model
             found = []
             for tp in range(1, min(size, self.per_node) + 1):
-                if size % tp or m.n_heads % tp or m.n_kv_heads % tp:
+                kv_ok = m.n_kv_heads % tp == 0 or (task.role == GENERATION and tp % m.n_kv_heads == 0)
+                if size % tp or m.n_heads % tp or not kv_ok:
                     continue
                 for pp in range(1, m.n_layers + 1):
-                    if m.n_layers % pp == 0 and (size // tp) % pp == 0:
+                    if m.n_layers % pp == 0 and (size // tp) % pp == 0 and size // (tp * pp) <= self.workload.n_sequences:
                         found.append(ParallelStrategy(dp=size // (tp * pp), tp=tp, pp=pp))
             self._strategies[key] = found
         return self._strategies[key]
@@ -150,13 +157,20 @@ class CostModel:
                 m *= 2
         mem = memory(m)
         times = training_time(
-            task.model, s, n_sequences=w.n_sequences, seq_len=w.seq_len, micro_batches=m, dtype=cfg.dtype,
+            task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=m,
+            dtype=cfg.dtype,
             sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
             forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
         )
         return NodeCost(s, mem, mem.total <= self.usable, times, micro_batches=m)
 
     def _generation(self, task: DeviceTask, s: ParallelStrategy, concurrent: int | None = None) -> NodeCost:
+        key = ("generation", task.node, s, concurrent)
+        if key not in self._costs:
+            self._costs[key] = self._generation_uncached(task, s, concurrent)
+        return self._costs[key]
+
+    def _generation_uncached(self, task: DeviceTask, s: ParallelStrategy, concurrent: int | None) -> NodeCost:
         w, cfg = self.workload, self.cfg
         per_replica = -(-w.n_sequences // s.dp)
         if concurrent is None:
@@ -165,8 +179,9 @@ class CostModel:
             concurrent = max(1, min(per_replica, int((self.usable - weights) // per_seq)))
         mem = generation_memory(task.model, s, concurrent=concurrent, seq_len=w.seq_len, dtype=cfg.dtype)
         times = generation_time(
-            task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, new_tokens=w.new_tokens,
-            concurrent=concurrent, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+            task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
+            concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+            overhead_s=cfg.decode_step_overhead_s,
         )
         return NodeCost(s, mem, mem.total <= self.usable, times, concurrent=concurrent)
 

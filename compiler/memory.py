@@ -9,7 +9,11 @@ Formulas (``P`` parameters held by the device, ``b`` bytes per element of ``dtyp
   gathered layers (the one computing and the one prefetched).
 - ``P`` per device: dense weights / ``(tp * pp)``; routed-expert weights / ``(tp * pp * ep)``
   (Megatron splits every matrix over TP and contiguous layer blocks over PP; the
-  embedding is vocab-parallel and counted as if spread over the stages).
+  embedding is vocab-parallel and counted as if spread over the stages). ZeRO-3 then
+  shards the dense part over ``dp * cp`` ranks and the expert part over the
+  ``dp * cp / ep`` ranks that hold the same experts (expert data parallelism; EP re-uses
+  the DP x CP ranks, so dividing experts by ``ep`` and again by ``dp * cp`` would count EP
+  twice): fully sharded, each device keeps ``experts / (tp * pp * dp * cp)``.
 - Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 5):
   ``34 * s * h / tp`` bytes per layer per token of a micro-batch with sequence
   parallelism; the ``5 * a * s^2`` attention-score term is dropped because FlashAttention
@@ -17,9 +21,10 @@ Formulas (``P`` parameters held by the device, ``b`` bytes per element of ``dtyp
   layer keeps only its input, ``2 * s * h / tp``, plus one layer's full activations while it
   is recomputed. 1F1B pipelining keeps ``min(pp, m)`` micro-batches in flight on the first
   stage (Narayanan et al. 2021, section 2.2). Logits for the loss: fp32 values and their
-  gradient, ``8 * V / tp`` bytes per token. Scaled by ``b / 2`` for fp32.
+  gradient, ``8 * V / tp`` bytes per token (``V = 1`` for a value or reward head). Scaled
+  by ``b / 2`` for fp32.
 - KV cache: ``2 * L * g * d * b`` bytes per token (K and V of every layer), divided by
-  ``tp * pp`` (heads and layers split).
+  ``min(tp, g) * pp`` (heads and layers split; KV heads replicated when ``tp > g``).
 """
 
 from __future__ import annotations
@@ -58,6 +63,16 @@ def params_per_device(model: ModelSpec, s: ParallelStrategy) -> float:
     return dense / (s.tp * s.pp) + model.n_expert_params / (s.tp * s.pp * s.ep)
 
 
+def sharded_params_per_device(model: ModelSpec, s: ParallelStrategy, sharded: bool) -> float:
+    """Parameters whose states one device keeps, elements: :func:`params_per_device`, with
+    ZeRO-3 the dense part over ``dp * cp`` and the experts over ``dp * cp / ep``."""
+    dense = (model.n_params - model.n_expert_params) / (s.tp * s.pp)
+    experts = model.n_expert_params / (s.tp * s.pp * s.ep)
+    if not sharded:
+        return dense + experts
+    return dense / (s.dp * s.cp) + experts / (s.dp * s.cp // s.ep)
+
+
 def _layer_params_per_device(model: ModelSpec, s: ParallelStrategy) -> float:
     per_layer = model.attention_params_per_layer + model.dense_mlp_params_per_layer
     return per_layer / s.tp + model.expert_params_per_layer / (s.tp * s.ep)
@@ -87,14 +102,13 @@ def training_memory(
         checkpointing: full activation recomputation.
     """
     b = DTYPE_BYTES[dtype]
-    p = params_per_device(model, s)
-    shard = s.dp * s.cp if sharded else 1
-    gathered = 2 * b * _layer_params_per_device(model, s) if shard > 1 else 0.0
+    p = sharded_params_per_device(model, s, sharded)
+    gathered = 2 * b * _layer_params_per_device(model, s) if sharded and s.dp * s.cp > 1 else 0.0
     optimizer_bytes = 12 if b == 2 else 8
     return MemoryBreakdown(
-        weights=b * p / shard + gathered,
-        gradients=b * p / shard,
-        optimizer=optimizer_bytes * p / shard,
+        weights=b * p + gathered,
+        gradients=b * p,
+        optimizer=optimizer_bytes * p,
         activations=_activations(model, s, tokens_per_step, micro_batches, b, checkpointing, training=True),
     )
 
@@ -105,11 +119,9 @@ def inference_memory(
     """Peak bytes per device of a forward-only pass over the step's trajectories (reward
     model, critic values, reference log-probs): weights + one layer's activations + logits."""
     b = DTYPE_BYTES[dtype]
-    p = params_per_device(model, s)
-    shard = s.dp * s.cp if sharded else 1
-    gathered = 2 * b * _layer_params_per_device(model, s) if shard > 1 else 0.0
+    gathered = 2 * b * _layer_params_per_device(model, s) if sharded and s.dp * s.cp > 1 else 0.0
     return MemoryBreakdown(
-        weights=b * p / shard + gathered,
+        weights=b * sharded_params_per_device(model, s, sharded) + gathered,
         activations=_activations(model, s, tokens_per_step, micro_batches, b, checkpointing=False, training=False),
     )
 
@@ -120,7 +132,7 @@ def _activations(
     t = micro_batch_tokens(tokens, s, m)
     scale = b / 2
     full_layer = ACT_BYTES_PER_TOKEN_HIDDEN * t * model.hidden * scale / s.tp
-    logits = (8 if training else 4) * t * model.vocab / s.tp
+    logits = (8 if training else 4) * t * model.output_dim / s.tp
     if not training:
         return full_layer + logits
     in_flight = min(s.pp, m)
@@ -132,8 +144,10 @@ def _activations(
 
 
 def kv_bytes_per_sequence(model: ModelSpec, s: ParallelStrategy, seq_len: int, dtype: str) -> float:
-    """KV-cache bytes of one sequence of ``seq_len`` tokens on one device of a replica."""
-    return model.kv_elements_per_token() * DTYPE_BYTES[dtype] * seq_len / (s.tp * s.pp)
+    """KV-cache bytes of one sequence of ``seq_len`` tokens on one device of a replica: heads
+    split over ``min(tp, g)`` ranks (a larger ``tp`` replicates KV heads, as vLLM and SGLang
+    do), layers over ``pp``."""
+    return model.kv_elements_per_token() * DTYPE_BYTES[dtype] * seq_len / (min(s.tp, model.n_kv_heads) * s.pp)
 
 
 def generation_memory(model: ModelSpec, s: ParallelStrategy, *, concurrent: int, seq_len: int, dtype: str) -> MemoryBreakdown:

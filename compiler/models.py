@@ -7,7 +7,8 @@ parameter count of a Llama/Qwen2/Qwen3(-MoE)-style decoder computed from them:
   KV heads, ``d`` head dim) + Q/K/V biases when ``qkv_bias`` (Qwen2) + Q/K norms (Qwen3);
 - per layer, MLP: ``3*h*i`` (SwiGLU gate, up, down); for MoE ``E*3*h*i_e`` + router
   ``h*E`` (+ a shared expert when present); two RMSNorms ``2*h``;
-- embeddings ``V*h``, plus an LM head ``V*h`` unless tied; final norm ``h``.
+- embeddings ``V*h``, plus an LM head ``V*h`` unless tied (a scalar value/reward head:
+  ``h``); final norm ``h``.
 
 Active parameters (the ones a token's FLOPs see) count ``k`` routed experts of ``E``.
 
@@ -52,6 +53,8 @@ class ModelSpec:
         tied_embeddings: LM head shares the embedding matrix.
         qkv_bias: Q/K/V projections have biases (Qwen2).
         qk_norm: per-head RMSNorm on Q and K (Qwen3).
+        head: ``lm`` (a ``V x h`` LM head) or ``scalar`` (a PPO critic's value head or a
+            reward model's score head: ``h x 1``, no vocabulary projection).
     """
 
     name: str
@@ -69,6 +72,12 @@ class ModelSpec:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    head: str = "lm"
+
+    @property
+    def output_dim(self) -> int:
+        """Width of the output head: ``V`` for an LM head, 1 for a scalar head."""
+        return self.vocab if self.head == "lm" else 1
 
     @property
     def is_moe(self) -> bool:
@@ -97,7 +106,10 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        """Embedding + LM head (once if tied) + final norm, elements."""
+        """Embedding + output head (an LM head once if tied; ``h`` for a scalar head) + final
+        norm, elements."""
+        if self.head != "lm":
+            return self.vocab * self.hidden + self.hidden + self.hidden
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
 
     @cached_property
@@ -170,12 +182,21 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
     ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``.
 
     Raises:
-        ModelSpecError: a required key is missing (named, with ``name``).
+        ModelSpecError: a required key is missing (named, with ``name``), or the config uses
+            DeepSeek's MLA (``kv_lora_rank``/``q_lora_rank``) or routed experts
+            (``n_routed_experts``), which are refused rather than read as dense.
     """
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
     missing = [key for key in required if key not in config]
     if missing:
         raise ModelSpecError(f"model {name}: config lacks {', '.join(missing)}")
+    unmodelled = [key for key in ("kv_lora_rank", "q_lora_rank", "n_routed_experts") if config.get(key)]
+    if unmodelled:
+        raise ModelSpecError(
+            f"model {name} ({config.get('model_type', '?')}): {', '.join(unmodelled)} set: DeepSeek-style "
+            "multi-head latent attention / routed experts are not modelled (reading it as a dense model would "
+            "misstate its memory and time); use a Llama/Qwen2/Qwen3(-MoE) config or pin a manual allocation"
+        )
     model_type = config.get("model_type", "")
     heads = int(config["num_attention_heads"])
     n_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)

@@ -65,7 +65,7 @@ class PlanSchemaError(ValueError):
     """A plan.json of another schema version, or missing a field (named)."""
 
 
-_OPTIONAL = ("models", "run", "ops", "device_type", "backend")
+_OPTIONAL = ("models", "run", "ops", "device_type", "backend", "workload")
 
 
 def _node(data: dict) -> NodePlan:
@@ -200,6 +200,10 @@ class Plan:
         run: the run's settings (``areal_flow.program.RunSpec`` as a dict).
         ops: user-registered op name -> its ``OpDef``, encoded.
         device_type / backend: ``cpu``/``gloo`` or ``cuda``/``nccl``.
+        workload: what the time model assumed, for ``compiler.simulate``: ``n_sequences``,
+            ``prompt_len``, ``new_tokens``, ``samples_per_prompt``, ``batch_groups`` (B),
+            ``length_dist`` (``compile.length_dist``), ``mfu``, ``bandwidth_efficiency``,
+            ``dtype``, ``decode_step_overhead_s``.
     """
 
     schema_version: int
@@ -226,6 +230,7 @@ class Plan:
     ops: dict = field(default_factory=dict)
     device_type: str = "cpu"
     backend: str = "gloo"
+    workload: dict = field(default_factory=dict)
 
     @property
     def staleness_bound(self) -> int:

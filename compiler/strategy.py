@@ -10,7 +10,8 @@ Validation rules (each error names the rule it breaks):
 - every degree is a positive integer;
 - ``world_size == dp * tp * pp * cp`` (EP re-uses the DP x CP ranks, as in
   torchtitan, so it does not multiply the world size);
-- ``tp`` divides the number of attention heads and of KV heads;
+- ``tp`` divides the number of attention heads and of KV heads (for generation engines,
+  which replicate KV heads, it may instead be a multiple of the KV heads);
 - ``tp`` stays inside one node (``tp <= gpus_per_node``), since its per-layer
   all-reduces need the intra-node link;
 - ``pp`` divides the number of layers;
@@ -91,16 +92,21 @@ class ParallelStrategy:
         n_kv_heads: int,
         n_experts: int = 0,
         gpus_per_node: int | None = None,
+        replicate_kv: bool = False,
     ) -> None:
         """Check this strategy against a model's shape and the node size.
+
+        Args:
+            replicate_kv: an inference engine (vLLM, SGLang) replicates KV heads when
+                ``tp`` exceeds them, so ``tp`` need only be a multiple of the KV heads.
 
         Raises:
             StrategyError: naming the first rule broken (see the module docstring).
         """
-        if n_heads % self.tp or n_kv_heads % self.tp:
-            raise StrategyError(
-                f"tp={self.tp} must divide the attention heads ({n_heads}) and KV heads ({n_kv_heads})"
-            )
+        kv_ok = n_kv_heads % self.tp == 0 or (replicate_kv and self.tp % n_kv_heads == 0)
+        if n_heads % self.tp or not kv_ok:
+            kv = f"divide or be a multiple of the KV heads ({n_kv_heads})" if replicate_kv else f"KV heads ({n_kv_heads})"
+            raise StrategyError(f"tp={self.tp} must divide the attention heads ({n_heads}) and {kv}")
         if gpus_per_node is not None and self.tp > gpus_per_node:
             raise StrategyError(f"tp={self.tp} must stay inside one node of {gpus_per_node} devices")
         if n_layers % self.pp:

@@ -14,15 +14,16 @@ Formulas and sources:
   reduce-scatter ``(n-1)/n`` (Thakur et al. 2005, ring algorithms).
 - Data parallelism: an all-reduce of the gradients; with ZeRO-3/FSDP a reduce-scatter of
   gradients and two all-gathers of weights, 1.5x the all-reduce volume (Rajbhandari et al.
-  2020, section 7.2), once per step. Not overlapped with compute (an upper bound).
+  2020, section 7.2), once per step; dense gradients over the ``dp * cp`` ranks, routed
+  experts' over the ``dp * cp / ep`` ranks that hold the same experts. Not overlapped with compute (an upper bound).
 - Context parallelism (ring attention, Liu et al. 2023): each layer passes the K/V shard
   ``cp-1`` times forward and twice as much backward. Expert parallelism: two all-to-alls
   (dispatch, combine) of ``k`` routed copies per MoE layer forward, twice that backward.
-- Generation (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2):
-  prefill is compute-bound; each decode step reads the replica's weights and KV cache once,
-  so it takes max(bytes / HBM bandwidth, FLOPs / compute) plus 2 TP all-reduces per layer.
-  Pipeline stages run one after the other for a batch, so PP saves memory, not time. A
-  replica decodes as many sequences at once as its KV cache holds, in waves.
+- Generation: response lengths follow ``compile.length_dist`` (``compiler.lengths``); a
+  replica decodes as many responses at once as its KV cache holds with continuous
+  batching (no waves), each step costing ``compiler.decode.DecodeCost`` (weights and live
+  KV cache read once per step, Pope et al. 2022). With ``k >= 1`` freed slots are refilled
+  (throughput); with ``k = 0`` the batch drains and the step waits for its longest response.
 - Weight sync: every generation device receives its shard of the 16-bit weights; the
   training devices send ``dp_gen`` full copies between them; time = the larger per-device
   volume over the slowest link crossed (NVLink inside one machine, else the network).
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import math
 
+from compiler.decode import DecodeCost, drain_s
 from compiler.hardware import DeviceSpec
+from compiler.lengths import LengthDist
 from compiler.memory import DTYPE_BYTES, micro_batch_tokens, params_per_device
 from compiler.models import ModelSpec
 from compiler.strategy import ParallelStrategy
@@ -118,12 +121,16 @@ def training_time(
     dp_n = s.dp * s.cp
     dp_comm = 0.0
     if not forward_only and dp_n > 1:
-        grad_bytes = b * params_per_device(model, s)
+        expert_bytes = b * model.n_expert_params / (s.tp * s.pp * s.ep)
+        groups = ((b * params_per_device(model, s) - expert_bytes, dp_n), (expert_bytes, dp_n // s.ep))
         dp_bw = links.group_bw(s.tp * dp_n, mesh_spans_nodes)
-        if sharded:
-            dp_comm = 3 * ring_gather_s(grad_bytes, dp_n, dp_bw, links.latency)
-        else:
-            dp_comm = ring_all_reduce_s(grad_bytes, dp_n, dp_bw, links.latency)
+        for grad_bytes, ranks in groups:  # dense grads over dp*cp ranks, expert grads over dp*cp/ep
+            if grad_bytes == 0:
+                continue
+            if sharded:
+                dp_comm += 3 * ring_gather_s(grad_bytes, ranks, dp_bw, links.latency)
+            else:
+                dp_comm += ring_all_reduce_s(grad_bytes, ranks, dp_bw, links.latency)
     return dict(compute=compute, tp_comm=tp_comm, cp_comm=cp_comm, ep_comm=ep_comm, bubble=bubble, dp_comm=dp_comm)
 
 
@@ -133,38 +140,40 @@ def generation_time(
     *,
     n_sequences: int,
     prompt_len: int,
-    new_tokens: int,
+    lengths: LengthDist,
     concurrent: int,
+    refill: bool,
     dtype: str,
     mfu: float,
     links: Links,
+    overhead_s: float,
 ) -> dict[str, float]:
-    """Seconds to generate ``n_sequences`` responses on ``s.dp`` replicas of ``tp * pp``.
+    """Seconds for ``s.dp`` replicas of ``tp * pp`` to generate one step's ``n_sequences``
+    responses, whose lengths follow ``lengths`` (``compiler.decode`` gives the step cost).
 
     Args:
-        concurrent: sequences one replica decodes at once (KV-cache slots), >= 1.
+        concurrent: responses one replica decodes at once (KV-cache slots), >= 1.
+        refill: True when freed slots are refilled from the next step's prompts (async,
+            ``k >= 1``): the replica runs full, at ``c`` live responses whose context is
+            ``P + E[L(L-1)/2] / E[L]`` on average (``LengthDist.mean_age``), for
+            ``ceil(n / dp) * E[L] / c`` steps. False (``k = 0``): the replica's share is a
+            batch that drains: :func:`compiler.decode.drain_s` over its expected sample of
+            lengths (mid-quantiles), so the step waits for the longest response while the
+            live batch shrinks.
 
     Returns:
-        ``{"prefill", "decode"}`` seconds (all waves).
+        ``{"prefill", "decode"}`` seconds.
     """
-    b = DTYPE_BYTES[dtype]
     per_replica = math.ceil(n_sequences / s.dp)
     c = max(1, min(concurrent, per_replica))
-    waves = math.ceil(per_replica / c)
-    d_attn = model.n_heads * model.head_dim
-    compute_rate = s.tp * links.device.peak_flops * mfu  # pipeline stages run in turn
-    prefill_flops = c * prompt_len * (2 * model.n_active_params + 2 * model.n_layers * prompt_len * d_attn)
-    prefill = prefill_flops / compute_rate
-    context = prompt_len + new_tokens / 2  # mean context over the decode
-    expert_frac = min(1.0, c * model.experts_per_token / model.n_experts) if model.is_moe else 0.0
-    weights = b * (model.n_params - model.n_expert_params + model.n_expert_params * expert_frac)
-    kv = c * context * model.kv_elements_per_token() * b
-    read = (weights + kv) / (s.tp * links.hbm)
-    step_flops = c * (2 * model.n_active_params + 2 * model.n_layers * context * d_attn)
-    tp_ar = 2 * model.n_layers * ring_all_reduce_s(c * model.hidden * b, s.tp, links.intra, links.latency)
-    pp_hop = (s.pp - 1) * (links.latency + c * model.hidden * b / links.intra)
-    step = max(read, step_flops / compute_rate) + tp_ar + pp_hop
-    return dict(prefill=waves * prefill, decode=waves * new_tokens * step)
+    cost = DecodeCost.build(model, s, dtype=dtype, mfu=mfu, links=links, overhead_s=overhead_s, prompt_len=prompt_len)
+    prefill = cost.prefill_s(per_replica)
+    if refill:
+        steps = per_replica * lengths.mean / c
+        decode = steps * cost.step_s(c, c * (prompt_len + lengths.mean_age))
+    else:
+        decode = drain_s(cost, lengths.quantiles(per_replica), c) - prefill
+    return dict(prefill=prefill, decode=decode)
 
 
 def weight_sync_time(

@@ -19,6 +19,7 @@ experience channel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from compiler.config import CompileConfig, CompileConfigError
@@ -118,6 +119,7 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         ModelSpecError: a model's spec cannot be resolved.
     """
     models: dict[str, ModelSpec] = {}
+    scalar = scalar_head_models(graph)
     tasks = []
     for node in graph.nodes.values():
         role = _role(node)
@@ -127,7 +129,8 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         if ref is None:
             raise WorkloadError(f"node '{node.name}' ({node.op}): model {node.model!r} is not declared in the graph")
         if ref.name not in models:
-            models[ref.name] = resolve_model(ref.spec)
+            spec = resolve_model(ref.spec)
+            models[ref.name] = dataclasses.replace(spec, head="scalar") if ref.name in scalar else spec
         tasks.append(DeviceTask(node.name, node.op, role, ref.name, models[ref.name]))
     if not tasks:
         raise WorkloadError(f"graph '{graph.name}' has no node that needs devices (generate, train_step)")
@@ -157,6 +160,18 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
     )
+
+
+def scalar_head_models(graph) -> dict[str, str]:
+    """Models read through a scalar head: ``value`` for a critic (an advantage node's
+    ``critic=``), ``reward`` for a reward model (``reward(model=)``)."""
+    heads = {}
+    for node in graph.nodes.values():
+        if node.op == "advantage" and node.attrs.get("model_role") == "critic":
+            heads[node.model] = "value"
+        elif node.op == "reward" and node.model:
+            heads[node.model] = "reward"
+    return heads
 
 
 def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:

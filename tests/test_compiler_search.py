@@ -48,15 +48,17 @@ def _aligned_meshes(n_nodes, per_node):
     return meshes
 
 
-def _all_strategies(task, size, per_node):
+def _all_strategies(task, size, per_node, n_sequences):
+    """Valid strategies: dp at most the step's sequences; generation may replicate KV heads."""
     found = []
     for dp, tp, pp in itertools.product(range(1, size + 1), repeat=3):
-        if dp * tp * pp != size:
+        if dp * tp * pp != size or dp > n_sequences:
             continue
         s = ParallelStrategy(dp=dp, tp=tp, pp=pp)
         try:
             s.validate_for(n_layers=task.model.n_layers, n_heads=task.model.n_heads,
-                           n_kv_heads=task.model.n_kv_heads, gpus_per_node=per_node)
+                           n_kv_heads=task.model.n_kv_heads, gpus_per_node=per_node,
+                           replicate_kv=task.role == GENERATION)
         except StrategyError:
             continue
         found.append(s)
@@ -81,7 +83,8 @@ def brute_force(graph, cluster, cfg):
         if kind == "colocated" and model.device.one_engine_per_device and found["disaggregated"]:
             continue
         for groups_tasks, group_meshes in options:
-            per_task = [[(t, s) for s in _all_strategies(t, m.size, cluster.n_gpus_per_node)]
+            per_task = [[(t, s) for s in _all_strategies(t, m.size, cluster.n_gpus_per_node,
+                                                          model.workload.n_sequences)]
                         for tasks, m in zip(groups_tasks, group_meshes) for t in tasks]
             for combo in itertools.product(*per_task):
                 it = iter(combo)
