@@ -29,6 +29,7 @@ enforced on the receiving side, where superseded versions are dropped and counte
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -38,6 +39,8 @@ import xxhash
 import zmq
 
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 _ALIGN = 64  # bytes; keeps every tensor's offset divisible by its element size
@@ -207,6 +210,9 @@ class WeightSubscriber:
         dropped_versions: versions received (whole or in part) but superseded by a newer
             complete version before being returned.
         checksum_errors: buckets that failed verification.
+        late_versions: versions whose buckets arrived after a version at least as new was
+            complete (e.g. a restarted replica's resync racing the next publication);
+            dropped, counted, and logged once per version.
         received_bytes: payload bytes received.
 
     Raises:
@@ -223,7 +229,10 @@ class WeightSubscriber:
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.dropped_versions = 0
         self.checksum_errors = 0
+        self.late_versions = 0
         self.received_bytes = 0
+        self._late: set[int] = set()
+        self._superseded: set[int] = set()  # counted in dropped_versions already
         self._partial: dict[int, dict[int, tuple[dict, zmq.Frame]]] = {}
         self._rejected: set[int] = set()
         self._ready: tuple[int, dict[int, tuple[dict, zmq.Frame]]] | None = None
@@ -235,8 +244,15 @@ class WeightSubscriber:
         header = json.loads(frames[0].bytes)
         version, b, n = header["version"], header["bucket"], header["n_buckets"]
         newest_ready = self._ready[0] if self._ready else self.version
-        if version <= newest_ready or version in self._rejected:
-            return  # rest of a superseded or rejected version
+        if version in self._rejected:
+            return  # rest of a rejected version
+        if version <= newest_ready:
+            if version not in self._late and version not in self._superseded:
+                self._late.add(version)
+                self.late_versions += 1
+                logger.warning("weight channel %s: version %d arrived after version %d; dropped", self.address,
+                               version, newest_ready)
+            return
         payload = frames[1].buffer
         self.received_bytes += len(payload)
         if len(payload) != header["payload_bytes"] or xxhash.xxh64(payload).intdigest() != header["checksum"]:
@@ -254,6 +270,7 @@ class WeightSubscriber:
             del self._partial[version]
             older = [v for v in self._partial if v < version]
             self.dropped_versions += len(older) + (self._ready is not None)
+            self._superseded.update(older)
             for v in older:
                 del self._partial[v]
             self._ready = (version, parts)

@@ -131,6 +131,18 @@ def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
     return True
 
 
+def file_group(item: GroupItem, items: dict, buffer: OrderedExperienceBuffer, counts: dict, plan: Plan) -> bool:
+    """Hold ``item`` for its train step (``items`` by index, rollouts in ``buffer``); False
+    for a late duplicate of a held or trained index (sent twice around a replica restart),
+    which is dropped and counted in ``counts["duplicates"]``."""
+    if item.index in items or item.index in buffer.consumed_indices:
+        counts["duplicates"] += 1
+        return False
+    items[item.index] = item
+    buffer.put(item.index, item.rollouts(plan))
+    return True
+
+
 def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
     lock held around each engine step when the plan time-shares this mesh with a trainer
@@ -194,7 +206,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         weights.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
-    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version}
+    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
+            "weights_late_versions": weights.late_versions}
 
 
 def _group(spec: WorkerSpec):
@@ -310,11 +323,7 @@ class _Stage:
                                                    f"{self.spec.recv_timeout_s} s")
                             continue
                         self.control.send(("received", item.index, item.attempt))
-                        if item.index in items or item.index in buffer.consumed_indices:
-                            self.counts["duplicates"] += 1
-                            continue
-                        items[item.index] = item
-                        buffer.put(item.index, item.rollouts(self.ctx.plan))
+                        file_group(item, items, buffer, self.counts, self.ctx.plan)
                     wait_s = time.perf_counter() - waited
                     started = time.perf_counter()
                     buffer.take_batch(step)

@@ -157,6 +157,18 @@ def test_weight_newest_version_wins(weight_pair):
         pub.publish(_state(0), version=3)
 
 
+def test_weight_older_version_arriving_late_is_dropped_and_counted(weight_pair):
+    pub, sub = weight_pair(bucket_bytes=1024)
+    pub.publish(_state(2), version=2)
+    assert sub.wait(2, timeout_s=5)[0] == 2
+    late = WeightPublisher(sub.address, bucket_bytes=1024, linger_s=0)  # e.g. a resync racing the next version
+    late.publish(_state(1), version=1)  # 2 buckets of an older version
+    time.sleep(0.3)
+    assert sub.poll() is None and sub.version == 2 and sub.late_versions == 1
+    _assert_equal(sub.state_dict, _state(2))
+    late.close()
+
+
 def test_weight_corrupted_bucket_raises_and_keeps_previous(weight_pair):
     def flip_first_byte(header, payload):
         if header["version"] == 2 and header["bucket"] == 1:
