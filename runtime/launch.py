@@ -22,6 +22,7 @@ needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
+from runtime.run_dir import fresh_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.workers import WorkerSpec, run_generation_replica, run_stage_worker
 
@@ -83,12 +86,15 @@ class RunSetup:
 
     @classmethod
     def create(cls, plan: Plan, show_progress: bool = True) -> "RunSetup":
-        """Check the topology and write ``plan.json`` (no model is touched: cheap)."""
+        """Check the topology, start an empty run folder (an earlier run's is moved aside,
+        ``runtime.run_dir``) and write ``plan.json`` (no model is touched: cheap)."""
         from compiler import format_table
 
         topo = build_topology(plan)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
-        out_dir.mkdir(parents=True, exist_ok=True)
+        moved = fresh_run_dir(out_dir)
+        if moved is not None:
+            print(f"areal-flow: {out_dir} held an earlier run; moved it to {moved.name}", file=sys.stderr)
         (out_dir / "plan.json").write_text(plan.to_json())
         from compiler.device_check import device_mismatch_warning
 
@@ -167,8 +173,9 @@ class RunSetup:
         seed = self.plan.run["seed"]
         problems = self.task.train_problems(n, seed=seed + 1)
         filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
-        spares = iter(self.task.train_problems(n * (max(filters) - 1), seed=seed + 2) if filters else [])
-        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups, replicas, control)
+        chunk = n * max(max(filters, default=2) - 1, 1)
+        return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
+                      replicas, control)
 
     def specs(self, addresses: dict[str, list[str]], control: str, threads: int) -> list[WorkerSpec]:
         """One spec per worker process: ``addresses[group]`` are its workers' inboxes, and for
@@ -198,6 +205,13 @@ class RunSetup:
         return summary
 
 
+def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
+    """Endless prompts for resampled slots (a filter's drop, a group whose every sample failed):
+    ``chunk`` problems from seed ``seed + 2``, then further chunks from further seeds."""
+    for round_ in itertools.count():
+        yield from task.train_problems(chunk, seed=seed + 2 + 10_000 * round_)
+
+
 def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:
     """Held-out greedy accuracy of the policy in ``folder``, and the count of each
     ``task.answer_kind`` (None when the task does not classify its answers)."""
@@ -224,7 +238,8 @@ def _child(target, spec, results, *extra) -> None:
     try:
         results.put((f"{spec.group}/{spec.rank}", "ok", target(spec, *extra)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        trace = "" if getattr(exc, "brief", False) else f"\n{traceback.format_exc()}"  # a deliberate stop: one line
+        results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}{trace}"))
 
 
 class _LocalRun:
@@ -323,9 +338,9 @@ class _LocalRun:
                     for name in dead:
                         procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
                     continue
-                    continue
                 if status == "error":
-                    raise WorkerFailed(f"{name} failed:\n{payload}")
+                    sep = "\n" if "\n" in payload else " "  # a brief error is one line
+                    raise WorkerFailed(f"{name} failed:{sep}{payload}")
                 done[name] = payload
             while True:
                 try:

@@ -18,7 +18,9 @@ runs under ``local`` and ``ray`` (``runtime.launch``, ``runtime.ray_scheduler``)
   checkpoints, and reports the step's metrics. One loop for every world size: a
   multi-rank train_step runs it on rank 0 (``runtime.parallel_trainer.run_ranks``).
 
-A group a ``group`` node drops (a filter) is reported so the router resamples its slot;
+What happens to one group (its nodes, its failed samples, its filing for a step) is
+``runtime.groups``. A group a ``group`` node drops (a filter, or no sample left after
+failed rewards) is reported so the router resamples its slot;
 a late duplicate of a group already held (sent twice around a replica restart) is dropped
 and counted, never trained twice. A restarted replica gets the trainer's current version
 (``("resync", weight_address)`` on the trainer's inbox) and waits for it before it reports
@@ -37,27 +39,13 @@ from pathlib import Path
 import torch
 
 from areal_flow.ops.registry import FunctionExecutor, lookup
-from areal_flow.types import Trajectory
 from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.context import WorkerContext
+from runtime.groups import GroupItem, failure_counts, file_group, run_group_nodes
 from runtime.observe import memory_profile, step_metrics
 from runtime.staleness import OrderedExperienceBuffer
 from runtime.weights import WeightPublisher, WeightSubscriber
-
-
-@dataclass
-class GroupItem:
-    """One prompt group travelling through the graph: its admission ``index``, the
-    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``)."""
-
-    index: int
-    attempt: int
-    values: dict = field(default_factory=dict)
-
-    def rollouts(self, plan: Plan) -> list[Trajectory]:
-        gen = next(n for n in plan.nodes if n.grain == "stream")
-        return self.values[f"{gen.name}.rollouts"]
 
 
 @dataclass
@@ -115,32 +103,6 @@ def _context(spec: WorkerSpec) -> WorkerContext:
 def make_executor(node, ctx: WorkerContext):
     impl = lookup(node.op).load_executor()
     return impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
-
-
-def _inputs(node, values: dict) -> dict:
-    return {port: values[f"{src}.{src_port}"] for port, (src, src_port) in node.inputs.items()}
-
-
-def run_group_nodes(item: GroupItem, nodes: list, executors: dict) -> bool:
-    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it."""
-    for node in nodes:
-        out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
-        if out is None:
-            return False
-        item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
-    return True
-
-
-def file_group(item: GroupItem, items: dict, buffer: OrderedExperienceBuffer, counts: dict, plan: Plan) -> bool:
-    """Hold ``item`` for its train step (``items`` by index, rollouts in ``buffer``); False
-    for a late duplicate of a held or trained index (sent twice around a replica restart),
-    which is dropped and counted in ``counts["duplicates"]``."""
-    if item.index in items or item.index in buffer.consumed_indices:
-        counts["duplicates"] += 1
-        return False
-    items[item.index] = item
-    buffer.put(item.index, item.rollouts(plan))
-    return True
 
 
 def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
@@ -207,7 +169,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
     return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
-            "weights_late_versions": weights.late_versions}
+            "weights_late_versions": weights.late_versions, **failure_counts(executors)}
 
 
 def _group(spec: WorkerSpec):
@@ -354,7 +316,7 @@ class _Stage:
             for p in publishers.values():
                 p.close()
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
-                "world_size": self.group.strategy.world_size}
+                "world_size": self.group.strategy.world_size, **failure_counts(self.executors)}
 
     def _held_out_accuracy(self) -> float:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
