@@ -224,6 +224,8 @@ class SchedulerConfig:
     """Ray cluster address; empty = RAY_ADDRESS or a new local cluster."""
     node_ip: str = ""
     """This machine's IP as the Ray cluster sees it (like ray start --node-ip-address); empty = Ray's choice."""
+    bind_host: str = ""
+    """Where Ray workers' channels bind: empty = loopback 127.0.0.1 (one machine), 'node' = each worker's node IP as Ray knows it (a multi-node cluster), or an interface's IP."""
     device_resource: str = ""
     """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
     max_restarts: int = 3

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
+from runtime.channel_auth import new_secret
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir
@@ -83,6 +84,8 @@ class RunSetup:
     folders: dict = field(default_factory=dict)
     test_set: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    secret: bytes = field(default_factory=new_secret, repr=False)
+    """The run's channel secret (``runtime.channel_auth``): drawn here, given to every worker."""
 
     @classmethod
     def create(cls, plan: Plan, show_progress: bool = True) -> "RunSetup":
@@ -175,14 +178,14 @@ class RunSetup:
         filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
         chunk = n * max(max(filters, default=2) - 1, 1)
         return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
-                      replicas, control)
+                      replicas, control, secret=self.secret)
 
     def specs(self, addresses: dict[str, list[str]], control: str, threads: int) -> list[WorkerSpec]:
         """One spec per worker process: ``addresses[group]`` are its workers' inboxes, and for
         the generation group also ``addresses["weights"]`` its replicas' weight channels."""
         specs = []
         common = dict(plan=self.plan, folders=self.folders, out_dir=str(self.out_dir), control=control,
-                      threads=threads)
+                      threads=threads, secret=self.secret)
         for g in self.topo.groups.values():
             downstream = {d: addresses[d][0] for d in g.downstream}
             for r in range(g.replicas):
@@ -268,7 +271,8 @@ class _LocalRun:
             stop.set()
             router_thread.join(timeout=10)
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched, "replica_restarts": self.restarts}
+                             "redispatched": router.redispatched, "replica_restarts": self.restarts,
+                             "rejected_messages": router.rejected}
         return setup.finish(logger, workers)
 
     def _restart(self, name: str, proc, specs: list[WorkerSpec], topo: Topology, ctx, results):

@@ -64,6 +64,8 @@ class WorkerSpec:
             it, so the staleness proof needs their tokens from versions >= it).
         resync: a restarted replica's trainer inbox: once its weight channel is bound it
             asks there for the current version (``("resync", weights)``).
+        secret: the run's channel secret (``runtime.channel_auth``): every message it sends
+            is signed with it, every message it receives is verified before use.
     """
 
     plan: Plan
@@ -80,6 +82,7 @@ class WorkerSpec:
     recv_timeout_s: float = 600.0
     resume_version: int = 0
     resync: str = ""
+    secret: bytes = b""
 
 
 def register_plan_ops(plan: Plan) -> None:
@@ -114,12 +117,13 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
     local = [n for n in nodes if n.grain != "stream"]
     executors = {n.name: make_executor(n, ctx) for n in local}
-    inbox, control = MessageReceiver(spec.inbox), MessageSender(spec.control)
-    outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
-    weights = WeightSubscriber(spec.weights)
+    key = spec.secret
+    inbox, control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
+    outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
+    weights = WeightSubscriber(spec.weights, secret=key)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
-        ask = MessageSender(spec.resync)
+        ask = MessageSender(spec.resync, secret=key)
         ask.send(("resync", spec.weights))
         ask.close()
     if spec.resume_version > 0:
@@ -169,7 +173,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
     return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
-            "weights_late_versions": weights.late_versions, **failure_counts(executors)}
+            "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
+            **failure_counts(executors)}
 
 
 def _group(spec: WorkerSpec):
@@ -213,8 +218,9 @@ class _Stage:
         self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
         self.batch_nodes = [n for n in nodes if n.name in group.batch_nodes]
         self.executors = {n.name: make_executor(n, ctx) for n in nodes}
-        self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
-        self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
+        key = spec.secret
+        self.inbox, self.control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
+        self.outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
         self._eval = None  # (task, held-out problems) of eval.every
@@ -246,7 +252,7 @@ class _Stage:
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
             if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
-                publisher = WeightPublisher(address, linger_s=120.0)
+                publisher = WeightPublisher(address, secret=self.spec.secret, linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
         self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
@@ -269,7 +275,7 @@ class _Stage:
         topo, out = self.topo, Path(self.spec.out_dir)
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
         items: dict[int, GroupItem] = {}
-        publishers = {ts: WeightPublisher(addrs) for ts, addrs in self.spec.routes.items()}
+        publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).op == "train_step"), default=0)
         (out / "trajectories").mkdir(parents=True, exist_ok=True)
@@ -316,7 +322,8 @@ class _Stage:
             for p in publishers.values():
                 p.close()
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
-                "world_size": self.group.strategy.world_size, **failure_counts(self.executors)}
+                "world_size": self.group.strategy.world_size, "rejected_messages": self.inbox.rejected,
+                **failure_counts(self.executors)}
 
     def _held_out_accuracy(self) -> float:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
