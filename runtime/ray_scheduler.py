@@ -169,15 +169,15 @@ class _RayRun:
                                                   "replica_restarts": self.restarts})
 
     def _bind_host(self) -> str:
-        """``scheduler.bind_host``; loopback (empty) only when every actor is on this node.
+        """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
+        (its node's IP is the driver's: raylets sharing one machine qualify).
 
         Raises:
-            ClusterMismatchError: actors on other nodes with channels bound to loopback.
+            ClusterMismatchError: actors on other machines with channels bound to loopback.
         """
         host = getattr(self.cfg.scheduler, "bind_host", "")
-        here = ray.get_runtime_context().get_node_id()
-        away = sorted({w["ip"] for w in ray.get([a.where.remote() for a in self.actors.values()])
-                       if w["node_id"] != here})
+        here = ray.util.get_node_ip_address()
+        away = sorted({w["ip"] for w in ray.get([a.where.remote() for a in self.actors.values()]) if w["ip"] != here})
         if not host and away:
             raise ClusterMismatchError(f"workers placed on other nodes ({', '.join(away)}) cannot reach channels bound "
                                        "to loopback: set scheduler.bind_host=node (or an interface's IP)")

@@ -297,3 +297,10 @@ def test_a_missing_secret_is_refused_naming_the_channel():
 
     with pytest.raises(ValueError, match=r"channel tcp://127.0.0.1:9: channel secret must be bytes of length >= 16"):
         MessageSender("tcp://127.0.0.1:9", secret=b"")
+
+
+def test_ray_channels_bind_loopback_unless_an_interface_is_named():
+    from runtime.ray_workers import bind_ip, free_tcp_endpoint
+
+    assert bind_ip("") == "127.0.0.1" and bind_ip("10.1.2.3") == "10.1.2.3"
+    assert free_tcp_endpoint("").startswith("tcp://127.0.0.1:")
