@@ -189,8 +189,21 @@ class RewardKnobs:
     """Reward model '<preset>-rm': optimizer steps of its training in code (cached)."""
     model_lr: float = 1e-3
     """Reward model '<preset>-rm': peak learning rate of its training."""
+    timeout_s: float = 10.0
+    """Seconds one rule-reward call may run; past it the sample counts as failed (its thread is abandoned)."""
+    workers: int = 4
+    """Threads calling a rule reward function (calls of a group in flight at once)."""
+    max_failure_fraction: float = 0.5
+    """The run stops when more than this fraction of the last failure_window samples' rewards failed."""
+    failure_window: int = 200
+    """Samples in the sliding window of max_failure_fraction."""
 
     def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or self.workers < 1 or self.failure_window < 1:
+            raise ConfigError(f"reward.timeout_s={self.timeout_s}, reward.workers={self.workers}, "
+                              f"reward.failure_window={self.failure_window}: must be > 0, >= 1 and >= 1")
+        if not 0 < self.max_failure_fraction <= 1:
+            raise ConfigError(f"reward.max_failure_fraction={self.max_failure_fraction}: must be in (0, 1]")
         if self.max_attempts < 1:
             raise ConfigError(f"reward.max_attempts={self.max_attempts}: must be >= 1")
         if self.overlong_cache < 0:
@@ -211,6 +224,8 @@ class SchedulerConfig:
     """Ray cluster address; empty = RAY_ADDRESS or a new local cluster."""
     node_ip: str = ""
     """This machine's IP as the Ray cluster sees it (like ray start --node-ip-address); empty = Ray's choice."""
+    bind_host: str = ""
+    """Where Ray workers' channels bind: empty = loopback 127.0.0.1 (one machine), 'node' = each worker's node IP as Ray knows it (a multi-node cluster), or an interface's IP."""
     device_resource: str = ""
     """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
     max_restarts: int = 3

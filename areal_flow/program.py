@@ -7,7 +7,9 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``;
+  ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
+  ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
+  ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
   ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
   writes the count per DP rank into the plan and the trainer follows the plan;
@@ -78,6 +80,10 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                               loss=dict(t.loss), checkpoint_every=t.checkpoint_every)
+        elif node.op == "reward" and node.attrs.get("fn") is not None:
+            r = cfg.reward
+            node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,
+                              failure_window=r.failure_window)
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:

@@ -9,6 +9,11 @@ connection is reliable and FIFO while both ends live, and PUSH queues messages u
 the receiver is up, so a late-binding trainer loses nothing. A message is the pickled
 tuple ``(admission_index, list[Trajectory])``; trajectories are plain records (no tensors)
 so standard ``pickle`` is cheap and sufficient.
+
+Every message travels as two frames, ``[HMAC-SHA256, pickle]`` under the run's secret
+(``runtime.channel_auth``); a receiver unpickles nothing whose MAC does not verify: such a
+message is dropped and counted (``rejected``). Receivers bind to loopback unless given
+an address on another interface.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 
 import zmq
 
 from areal_flow.types import Trajectory
+from runtime.channel_auth import Verifier, check_secret, sign
 
 DEFAULT_LINGER_S = 5.0
 """Seconds :meth:`close` waits for queued messages to be delivered before dropping them."""
@@ -75,17 +82,37 @@ def _timeout_ms(timeout_s: float | None) -> int:
     return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
 
 
+def _send_signed(sock: zmq.Socket, secret: bytes, payload: bytes) -> None:
+    sock.send_multipart([sign(secret, payload), payload])
+
+
+def _recv_verified(sock: zmq.Socket, verifier: Verifier, timeout_s: float | None) -> object | None:
+    """The next message whose MAC verifies, unpickled; None after ``timeout_s`` seconds.
+    Messages that fail verification are dropped (counted by ``verifier``) unread."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not sock.poll(_timeout_ms(remaining), zmq.POLLIN):
+            return None
+        frames = sock.recv_multipart(copy=False)
+        if verifier.accept(frames, 2):
+            return pickle.loads(frames[1].buffer)
+
+
 class ExperienceSender:
     """Generator side of the experience channel (PUSH, connects to the receiver's address).
 
     Args:
         address: the receiver's endpoint (``tcp://127.0.0.1:PORT`` or ``ipc://PATH``).
+        secret: the run's channel secret (``runtime.channel_auth``).
         linger_s: seconds :meth:`close` waits to deliver queued messages (then drops them).
         high_water_mark: messages queued before :meth:`send` blocks.
     """
 
-    def __init__(self, address: str, linger_s: float = DEFAULT_LINGER_S, high_water_mark: int = 1000) -> None:
+    def __init__(self, address: str, *, secret: bytes, linger_s: float = DEFAULT_LINGER_S,
+                 high_water_mark: int = 1000) -> None:
         self.address = address
+        self._secret = check_secret(secret, f"experience channel {address}")
         self._ctx = zmq.Context()  # own context: close() terminates it to flush the queue
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
@@ -110,7 +137,7 @@ class ExperienceSender:
         payload = pickle.dumps((int(index), group), protocol=pickle.HIGHEST_PROTOCOL)
         self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
         try:
-            self._sock.send(payload)
+            _send_signed(self._sock, self._secret, payload)
         except zmq.Again as e:
             raise TimeoutError(
                 f"experience channel {self.address}: could not send group {index} within {timeout_s} s"
@@ -132,17 +159,24 @@ class ExperienceReceiver:
     Args:
         address: endpoint to bind; ``None`` binds a random loopback TCP port. The bound
             endpoint is in :attr:`address`; give it to the senders.
+        secret: the run's channel secret; :attr:`rejected` counts messages that failed it.
 
     Raises:
-        ValueError: the address cannot be bound.
+        ValueError: the address cannot be bound, or a malformed secret.
     """
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, secret: bytes) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self._sock, address)
+        self._verifier = Verifier(secret, f"experience channel {self.address}")
         self.received = 0
+
+    @property
+    def rejected(self) -> int:
+        """Messages dropped unread because their MAC did not verify."""
+        return self._verifier.rejected
 
     def recv(self, timeout_s: float | None = 0.0) -> tuple[int, list[Trajectory]] | None:
         """Return the next ``(admission_index, group)``, or ``None`` after ``timeout_s`` seconds.
@@ -152,9 +186,9 @@ class ExperienceReceiver:
         Raises:
             ValueError: the message is not an ``(int, list[Trajectory])`` pair.
         """
-        if not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
+        item = _recv_verified(self._sock, self._verifier, timeout_s)
+        if item is None:
             return None
-        item = pickle.loads(self._sock.recv())
         if not (
             isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
             and isinstance(item[1], list) and all(isinstance(t, Trajectory) for t in item[1])
@@ -173,11 +207,14 @@ class MessageSender:
     object, FIFO, with back-pressure after ``high_water_mark`` messages.
 
     Args:
-        address: the receiver's endpoint. linger_s: seconds :meth:`close` waits to deliver.
+        address: the receiver's endpoint. secret: the run's channel secret.
+        linger_s: seconds :meth:`close` waits to deliver.
     """
 
-    def __init__(self, address: str, linger_s: float = DEFAULT_LINGER_S, high_water_mark: int = 1000) -> None:
+    def __init__(self, address: str, *, secret: bytes, linger_s: float = DEFAULT_LINGER_S,
+                 high_water_mark: int = 1000) -> None:
         self.address = address
+        self._secret = check_secret(secret, f"channel {address}")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
@@ -188,7 +225,7 @@ class MessageSender:
         """Raises TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled)."""
         self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
         try:
-            self._sock.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            _send_signed(self._sock, self._secret, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except zmq.Again as e:
             raise TimeoutError(f"channel {self.address}: message not accepted within {timeout_s} s") from e
 
@@ -198,19 +235,25 @@ class MessageSender:
 
 
 class MessageReceiver:
-    """PULL end of a runtime message channel (binds; ``None`` = a random loopback TCP port)."""
+    """PULL end of a runtime message channel (binds; ``None`` = a random loopback TCP port);
+    ``secret``: the run's channel secret, :attr:`rejected` counts messages that failed it."""
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, secret: bytes) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self._sock, address)
+        self._verifier = Verifier(secret, f"channel {self.address}")
+
+    @property
+    def rejected(self) -> int:
+        """Messages dropped unread because their MAC did not verify."""
+        return self._verifier.rejected
 
     def recv(self, timeout_s: float | None = 0.0) -> object | None:
-        """The next message, or None after ``timeout_s`` seconds (0 polls; None waits forever)."""
-        if not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
-            return None
-        return pickle.loads(self._sock.recv())
+        """The next authentic message, or None after ``timeout_s`` seconds (0 polls; None
+        waits forever); messages failing their MAC are dropped unread and counted."""
+        return _recv_verified(self._sock, self._verifier, timeout_s)
 
     def close(self) -> None:
         close_bound(self._sock, self.address)

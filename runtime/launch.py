@@ -22,6 +22,7 @@ needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -30,13 +31,16 @@ import tempfile
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
+from runtime.channel_auth import new_secret
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
+from runtime.run_dir import fresh_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
 from runtime.stage_worker import run_stage_worker
@@ -82,15 +86,20 @@ class RunSetup:
     folders: dict = field(default_factory=dict)
     test_set: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    secret: bytes = field(default_factory=new_secret, repr=False)
+    """The run's channel secret (``runtime.channel_auth``): drawn here, given to every worker."""
 
     @classmethod
     def create(cls, plan: Plan, show_progress: bool = True) -> "RunSetup":
-        """Check the topology and write ``plan.json`` (no model is touched: cheap)."""
+        """Check the topology, start an empty run folder (an earlier run's is moved aside,
+        ``runtime.run_dir``) and write ``plan.json`` (no model is touched: cheap)."""
         from compiler import format_table
 
         topo = build_topology(plan)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
-        out_dir.mkdir(parents=True, exist_ok=True)
+        moved = fresh_run_dir(out_dir)
+        if moved is not None:
+            print(f"areal-flow: {out_dir} held an earlier run; moved it to {moved.name}", file=sys.stderr)
         (out_dir / "plan.json").write_text(plan.to_json())
         from compiler.device_check import device_mismatch_warning
 
@@ -169,10 +178,11 @@ class RunSetup:
         seed = self.plan.run["seed"]
         problems = self.task.train_problems(n, seed=seed + 1)
         filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
-        spares = iter(self.task.train_problems(n * (max(filters) - 1), seed=seed + 2) if filters else [])
+        chunk = n * max(max(filters, default=2) - 1, 1)
         trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
-        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups, replicas, control, trace,
-                      admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}")
+        return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
+                      replicas, control, trace, admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}",
+                      secret=self.secret)
 
     def merge_trace(self) -> None:
         """Merge the workers' spans into ``trace.json`` (``runtime.trace``), on success or failure;
@@ -186,7 +196,7 @@ class RunSetup:
         the generation group also ``addresses["weights"]`` its replicas' weight channels."""
         specs = []
         common = dict(plan=self.plan, folders=self.folders, out_dir=str(self.out_dir), control=control,
-                      threads=threads)
+                      threads=threads, secret=self.secret)
         for g in self.topo.groups.values():
             downstream = {d: addresses[d][0] for d in g.downstream}
             for r in range(g.replicas):
@@ -207,6 +217,13 @@ class RunSetup:
         if self.show_progress:
             print(format_summary(summary))
         return summary
+
+
+def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
+    """Endless prompts for resampled slots (a filter's drop, a group whose every sample failed):
+    ``chunk`` problems from seed ``seed + 2``, then further chunks from further seeds."""
+    for round_ in itertools.count():
+        yield from task.train_problems(chunk, seed=seed + 2 + 10_000 * round_)
 
 
 def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:
@@ -235,7 +252,8 @@ def _child(target, spec, results, *extra) -> None:
     try:
         results.put((f"{spec.group}/{spec.rank}", "ok", target(spec, *extra)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        trace = "" if getattr(exc, "brief", False) else f"\n{traceback.format_exc()}"  # a deliberate stop: one line
+        results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}{trace}"))
 
 
 class _LocalRun:
@@ -265,7 +283,8 @@ class _LocalRun:
             router_thread.join(timeout=10)
             setup.merge_trace()
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched, "replica_restarts": self.restarts}
+                             "redispatched": router.redispatched, "replica_restarts": self.restarts,
+                             "rejected_messages": router.rejected}
         return setup.finish(logger, workers)
 
     def _restart(self, name: str, proc, specs: list[WorkerSpec], topo: Topology, ctx, results):
@@ -335,9 +354,9 @@ class _LocalRun:
                     for name in dead:
                         procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
                     continue
-                    continue
                 if status == "error":
-                    raise WorkerFailed(f"{name} failed:\n{payload}")
+                    sep = "\n" if "\n" in payload else " "  # a brief error is one line
+                    raise WorkerFailed(f"{name} failed:{sep}{payload}")
                 done[name] = payload
             while True:
                 try:

@@ -38,7 +38,10 @@ def memory_profile(step: int, path: Path, executors: list, cuda: bool = False) -
 def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
                  wait_s: float) -> dict:
     """The launcher's metrics of one step: ``train/*`` from the train_steps, reward, accuracy,
-    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds)."""
+    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds);
+    ``reward/failures``: samples of the step's groups whose reward failed (left out of
+    training, ``runtime.groups.drop_failed_samples``; a group with none left was resampled
+    and is counted only in the worker's ``<reward node>/failures``)."""
     staleness = [t.staleness(step) for t in trajectories]
     n_tokens = int(batch["attention_mask"].sum())
     return {**_episode_metrics(trajectories), 
@@ -49,7 +52,7 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
         "staleness": staleness, "samples": len(trajectories),
         "response_len": float(batch["loss_mask"].sum(1).mean()),
         "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
-        "reward/failures": float(sum(bool(t.meta.get("reward_failed")) for t in trajectories)),
+        "reward/failures": float(sum({t.group_id: t.meta.get("reward_failures", 0) for t in trajectories}.values())),
     }
 
 

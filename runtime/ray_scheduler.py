@@ -43,7 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from compiler.plan import Plan
 from runtime.launch import RunSetup, WorkerFailed
 from runtime.metrics import RunLogger
-from runtime.ray_cluster import connect, create_placement_group, device_resource, plan_nodes
+from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 
 NAMESPACE = "areal_flow"
@@ -128,11 +128,13 @@ class _RayRun:
             for r in range(g.replicas):
                 restarts = int(self.cfg.scheduler.max_restarts) if g.kind == "generation" else 0
                 self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
-        addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote()) for r in range(g.replicas)]
+        host = self._bind_host()
+        addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote(host)) for r in range(g.replicas)]
                      for g in topo.groups.values()}
         gen = topo.generation
-        addresses["weights"] = [ray.get(self.actors[f"{gen.name}/{r}"].endpoint.remote()) for r in range(gen.replicas)]
-        control = free_tcp_endpoint()
+        addresses["weights"] = [ray.get(self.actors[f"{gen.name}/{r}"].endpoint.remote(host))
+                                for r in range(gen.replicas)]
+        control = free_tcp_endpoint(host)
         specs = setup.specs(addresses, control, threads=1)
         specs = [replace(s, out_dir=str(setup.out_dir)) for s in specs]
         router = setup.router(addresses[gen.name], control)
@@ -162,10 +164,25 @@ class _RayRun:
                      for name, a in self.actors.items()}
         self.cleanup()  # free the cluster before the held-out evaluation
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched}
+                             "redispatched": router.redispatched, "rejected_messages": router.rejected}
         return setup.finish(logger, workers, ray={"address": connection.address or "local", "placement": placement,
                                                   "last_checkpoint": self.last_checkpoint,
                                                   "replica_restarts": self.restarts})
+
+    def _bind_host(self) -> str:
+        """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
+        (its node's IP is the driver's: raylets sharing one machine qualify).
+
+        Raises:
+            ClusterMismatchError: actors on other machines with channels bound to loopback.
+        """
+        host = getattr(self.cfg.scheduler, "bind_host", "")
+        here = ray.util.get_node_ip_address()
+        away = sorted({w["ip"] for w in ray.get([a.where.remote() for a in self.actors.values()]) if w["ip"] != here})
+        if not host and away:
+            raise ClusterMismatchError(f"workers placed on other nodes ({', '.join(away)}) cannot reach channels bound "
+                                       "to loopback: set scheduler.bind_host=node (or an interface's IP)")
+        return host
 
     def _drive(self, specs, logger: RunLogger, router) -> dict:
         topo = self.setup.topo

@@ -6,8 +6,10 @@ the driver's small calls. The actor is a plain class here; ``runtime.ray_schedul
 it with ``ray.remote`` and its options.
 
 Channel endpoints: a worker binds the receiving ends of its channels (inbox, weights) on
-its node's IP as Ray knows it (``ray.util.get_node_ip_address``), so peers on other nodes
-reach it.
+loopback unless ``scheduler.bind_host`` names an interface: ``"node"`` is its node's IP as
+Ray knows it (``ray.util.get_node_ip_address``), so peers on other nodes reach it; any
+other value is taken as the IP to bind. Every message is authenticated either way
+(``runtime.channel_auth``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,25 @@ from runtime.stage_worker import run_stage_worker
 from runtime.workers import WorkerSpec, run_generation_replica
 
 
-def free_tcp_endpoint() -> str:
-    """``tcp://<this node's IP>:<port>`` with a port the OS reported free just now.
+LOOPBACK = "127.0.0.1"
+
+
+def bind_ip(bind_host: str) -> str:
+    """The IP ``scheduler.bind_host`` names on this node: ``""`` loopback, ``"node"`` the node's
+    IP as Ray knows it, else the value itself."""
+    if not bind_host:
+        return LOOPBACK
+    return ray.util.get_node_ip_address() if bind_host == "node" else bind_host
+
+
+def free_tcp_endpoint(bind_host: str = "") -> str:
+    """``tcp://<IP>:<port>`` (IP from :func:`bind_ip`) with a port the OS reported free just now.
 
     The port is bound again by the worker a moment later; another process taking it in
     between makes the worker fail with ``ValueError`` naming the address (not seen in
     practice: the OS hands out ephemeral ports round-robin).
     """
-    ip = ray.util.get_node_ip_address()
+    ip = bind_ip(bind_host)
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((ip, 0))
@@ -54,9 +67,9 @@ class WorkerActor:
         """``{"node_id", "ip"}`` of the node it runs on."""
         return _where()
 
-    def endpoint(self) -> str:
+    def endpoint(self, bind_host: str = "") -> str:
         """A fresh channel address on this node (see :func:`free_tcp_endpoint`)."""
-        return free_tcp_endpoint()
+        return free_tcp_endpoint(bind_host)
 
     def run(self, spec: WorkerSpec, generation: bool) -> dict:
         if generation:

@@ -50,20 +50,21 @@ class Router:
         control_address: where workers send their messages (bound here).
         trace / admission_edge: spans of the time the staleness rule blocks admission (every
             replica up, prompts left), named by the edge from the source to the generator.
+        secret: the run's channel secret (``runtime.channel_auth``).
 
     Attributes:
         dispatched: groups sent to replicas (resamples and re-dispatches included).
         resampled: slots given a new prompt. redispatched: groups sent again after a
-        replica was replaced.
+        replica was replaced. rejected: control messages dropped unread (MAC failed).
     """
 
     def __init__(self, problems: list[dict], spares: Iterator[dict], max_staleness: int, batch_groups: int,
                  replicas: list[str], control_address: str, trace: TraceRecorder | None = None,
-                 admission_edge: str = "dataset->generate") -> None:
-        self.problems, self.spares = problems, spares
+                 admission_edge: str = "dataset->generate", *, secret: bytes) -> None:
+        self.problems, self.spares, self.secret = problems, spares, secret
         self.admission = AdmissionController(max_staleness, batch_groups)
-        self.control = MessageReceiver(control_address)
-        self.outs = [MessageSender(a) for a in replicas]
+        self.control = MessageReceiver(control_address, secret=secret)
+        self.outs = [MessageSender(a, secret=secret) for a in replicas]
         self.versions: dict[int, int] = {}
         self.in_flight: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # at the replica (balancing)
         self.unconfirmed: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # not yet at the trainer
@@ -73,6 +74,10 @@ class Router:
         self._lock = threading.Lock()
         self.trace, self.admission_edge = trace or TraceRecorder(None, "driver"), admission_edge
         self._blocked_since: int | None = None  # microseconds (runtime.trace.now_us)
+
+    @property
+    def rejected(self) -> int:
+        return self.control.rejected
 
     @property
     def min_version(self) -> int | None:
@@ -126,7 +131,7 @@ class Router:
         process; one that did arrive is dropped by the trainer as a duplicate)."""
         with self._lock:
             self.outs[replica].close()
-            self.outs[replica] = MessageSender(address)
+            self.outs[replica] = MessageSender(address, secret=self.secret)
             self.versions.pop(replica, None)
             held, self.unconfirmed[replica], self.in_flight[replica] = self.unconfirmed[replica], {}, {}
             for (index, attempt), problem in held.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.context import WorkerContext
+from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
 from runtime.record import EdgeRecorder, check_edges
 from runtime.staleness import OrderedExperienceBuffer
@@ -72,8 +73,9 @@ class _Stage:
         self.group_nodes = [n for n in nodes if n.name not in group.batch_nodes]
         self.batch_nodes = [n for n in nodes if n.name in group.batch_nodes]
         self.executors = {n.name: make_executor(n, ctx) for n in nodes}
-        self.inbox, self.control = MessageReceiver(spec.inbox), MessageSender(spec.control)
-        self.outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
+        key = spec.secret
+        self.inbox, self.control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
+        self.outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
         self._eval = None  # (task, held-out problems) of eval.every
@@ -116,7 +118,7 @@ class _Stage:
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
             if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
-                publisher = WeightPublisher(address, linger_s=120.0)
+                publisher = WeightPublisher(address, secret=self.spec.secret, linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
         self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
@@ -140,7 +142,7 @@ class _Stage:
         topo, out = self.topo, Path(self.spec.out_dir)
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
         items: dict[int, GroupItem] = {}
-        publishers = {ts: WeightPublisher(addrs) for ts, addrs in self.spec.routes.items()}
+        publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).op == "train_step"), default=0)
         (out / "trajectories").mkdir(parents=True, exist_ok=True)
@@ -156,11 +158,7 @@ class _Stage:
                                                    f"{self.spec.recv_timeout_s} s")
                             continue
                         self.control.send(("received", item.index, item.attempt))
-                        if item.index in items or item.index in buffer.consumed_indices:
-                            self.counts["duplicates"] += 1
-                            continue
-                        items[item.index] = item
-                        buffer.put(item.index, item.rollouts(self.ctx.plan))
+                        file_group(item, items, buffer, self.counts, self.ctx.plan)
                     wait_s = time.perf_counter() - waited
                     self.trace.complete(self._batch_edge(), "batch wait", waited_us, now_us(), cat="edge",
                                         wait="batch", step=step)
@@ -194,7 +192,8 @@ class _Stage:
             for p in publishers.values():
                 p.close()
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
-                "world_size": self.group.strategy.world_size}
+                "world_size": self.group.strategy.world_size, "rejected_messages": self.inbox.rejected,
+                **failure_counts(self.executors)}
 
     def _held_out_accuracy(self) -> float:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),

@@ -49,6 +49,11 @@ class StalenessViolation(RuntimeError):
     """
 
 
+class VersionAheadError(RuntimeError):
+    """A sample carries a policy version the trainer has not published yet (versions only
+    grow: at step ``s`` the newest published version is ``s``); a broken invariant upstream."""
+
+
 class ExactlyOnceError(ValueError):
     """A group index or sample id was delivered, completed or consumed more than once."""
 
@@ -199,6 +204,8 @@ class OrderedExperienceBuffer:
             ValueError: ``step`` is not :attr:`next_step`, or some of its groups are missing.
             StalenessViolation: a sample has ``step - start_version > max_staleness``
                 (names the sample id); nothing is consumed then.
+            VersionAheadError: a sample has a token of a version ``> step`` (names the
+                sample id, the version and the step); nothing is consumed then.
             ExactlyOnceError: a sample id was already consumed.
         """
         if step != self.next_step:
@@ -219,6 +226,11 @@ class OrderedExperienceBuffer:
                 seen.add(traj.sample_id)
                 if not traj.versions:
                     continue
+                if max(traj.versions) > step:
+                    raise VersionAheadError(
+                        f"sample {traj.sample_id!r} (group index {index}) carries policy version "
+                        f"{max(traj.versions)}, ahead of trainer step {step} (newest published: {step})"
+                    )
                 staleness = traj.staleness(step)
                 if staleness > self.max_staleness:
                     raise StalenessViolation(

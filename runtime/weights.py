@@ -5,12 +5,16 @@ polls between decode steps and swaps in the newest complete, checksum-verified v
 Policy versions travel only here (the experience channel carries groups only).
 
 Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
-tensor larger than that travels alone). One bucket = one two-frame ZeroMQ message:
+tensor larger than that travels alone). One bucket = one three-frame ZeroMQ message:
 
-* frame 0, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
+* frame 0, MAC: HMAC-SHA256 of frames 1 and 2 under the run's secret
+  (``runtime.channel_auth``), computed once per bucket for every subscriber; a bucket
+  whose MAC does not verify is dropped before its header is parsed, and counted
+  (``rejected``);
+* frame 1, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
   ``payload_bytes`` and ``checksum`` (xxHash64 of the payload);
-* frame 1, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
+* frame 2, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
 
 Tensors are copied once into the payload (a snapshot, so an optimizer step right after
 :meth:`WeightPublisher.publish` cannot tear the message) and sent zero-copy; tensors are
@@ -29,6 +33,7 @@ enforced on the receiving side, where superseded versions are dropped and counte
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -37,7 +42,10 @@ import torch
 import xxhash
 import zmq
 
+from runtime.channel_auth import Verifier, check_secret, sign
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 _ALIGN = 64  # bytes; keeps every tensor's offset divisible by its element size
@@ -115,6 +123,7 @@ class WeightPublisher:
     Args:
         address: one subscriber endpoint, or a list for fan-out (every subscriber gets
             every bucket).
+        secret: the run's channel secret (``runtime.channel_auth``).
         bucket_bytes: largest bucket payload, bytes (default 64 MiB).
         high_water_mark: buckets queued per subscriber before :meth:`publish` blocks.
         send_timeout_s: seconds :meth:`publish` waits on a full queue before failing.
@@ -126,6 +135,8 @@ class WeightPublisher:
     def __init__(
         self,
         address: str | Sequence[str],
+        *,
+        secret: bytes,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         high_water_mark: int = 16,
         send_timeout_s: float = 60.0,
@@ -135,6 +146,7 @@ class WeightPublisher:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.addresses = [address] if isinstance(address, str) else list(address)
+        self._secret = check_secret(secret, f"weight channel {self.addresses}")
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
@@ -170,9 +182,10 @@ class WeightPublisher:
             if self._tamper is not None:
                 self._tamper(header, data)
             frame0 = json.dumps(header).encode()
+            mac = sign(self._secret, frame0, data)
             for addr, sock in zip(self.addresses, self._socks):
                 try:
-                    sock.send_multipart([frame0, data], copy=False)
+                    sock.send_multipart([mac, frame0, data], copy=False)
                 except zmq.Again as e:
                     raise TimeoutError(
                         f"weight channel {addr}: bucket {b}/{len(buckets)} of version {version} "
@@ -198,6 +211,7 @@ class WeightSubscriber:
     Args:
         address: endpoint to bind; ``None`` binds a random loopback TCP port (see
             :attr:`address`).
+        secret: the run's channel secret (``runtime.channel_auth``).
         high_water_mark: buckets queued on this side before the publisher is throttled.
 
     Attributes:
@@ -207,36 +221,58 @@ class WeightSubscriber:
         dropped_versions: versions received (whole or in part) but superseded by a newer
             complete version before being returned.
         checksum_errors: buckets that failed verification.
+        rejected: buckets dropped unread because their MAC did not verify (forged, from
+            another run, or corrupted in transit).
+        late_versions: versions whose buckets arrived after a version at least as new was
+            complete (e.g. a restarted replica's resync racing the next publication);
+            dropped, counted, and logged once per version.
         received_bytes: payload bytes received.
 
     Raises:
         ValueError: the address cannot be bound.
     """
 
-    def __init__(self, address: str | None = None, high_water_mark: int = 16) -> None:
+    def __init__(self, address: str | None = None, *, secret: bytes, high_water_mark: int = 16) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, high_water_mark)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self._sock, address)
+        self._verifier = Verifier(secret, f"weight channel {self.address}")
         self.version = -1
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.dropped_versions = 0
         self.checksum_errors = 0
+        self.late_versions = 0
         self.received_bytes = 0
+        self._late: set[int] = set()
+        self._superseded: set[int] = set()  # counted in dropped_versions already
         self._partial: dict[int, dict[int, tuple[dict, zmq.Frame]]] = {}
         self._rejected: set[int] = set()
         self._ready: tuple[int, dict[int, tuple[dict, zmq.Frame]]] | None = None
 
+    @property
+    def rejected(self) -> int:
+        """Buckets dropped unread because their MAC did not verify."""
+        return self._verifier.rejected
+
     def _receive_one(self, frames: list[zmq.Frame]) -> None:
-        """Verify one bucket and file it under its version; may complete a version."""
-        if len(frames) != 2:
-            raise ValueError(f"weight channel {self.address}: expected 2 frames, got {len(frames)}")
+        """Authenticate one bucket, verify it, and file it under its version; may complete a version."""
+        if not self._verifier.accept(frames, 3):
+            return
+        frames = frames[1:]
         header = json.loads(frames[0].bytes)
         version, b, n = header["version"], header["bucket"], header["n_buckets"]
         newest_ready = self._ready[0] if self._ready else self.version
-        if version <= newest_ready or version in self._rejected:
-            return  # rest of a superseded or rejected version
+        if version in self._rejected:
+            return  # rest of a rejected version
+        if version <= newest_ready:
+            if version not in self._late and version not in self._superseded:
+                self._late.add(version)
+                self.late_versions += 1
+                logger.warning("weight channel %s: version %d arrived after version %d; dropped", self.address,
+                               version, newest_ready)
+            return
         payload = frames[1].buffer
         self.received_bytes += len(payload)
         if len(payload) != header["payload_bytes"] or xxhash.xxh64(payload).intdigest() != header["checksum"]:
@@ -254,6 +290,7 @@ class WeightSubscriber:
             del self._partial[version]
             older = [v for v in self._partial if v < version]
             self.dropped_versions += len(older) + (self._ready is not None)
+            self._superseded.update(older)
             for v in older:
                 del self._partial[v]
             self._ready = (version, parts)

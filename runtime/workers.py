@@ -12,8 +12,9 @@ polls the weight channel: a new version pauses in-flight sequences, loads and re
 (nothing is discarded), and is reported to the router, which admits by it. Engine steps,
 group nodes and weight receive/load are spans of its timeline (``runtime.trace``).
 
-A group a ``group`` node drops (a filter) is reported so the router resamples its slot. A
-restarted replica gets the trainer's current version (``("resync", weight_address)`` on
+What happens to one group (its nodes, its failed samples, its filing for a step) is
+``runtime.groups``. A group a ``group`` node drops (a filter, or no sample left after
+failed rewards) is reported so the router resamples its slot. A restarted replica gets the trainer's current version (``("resync", weight_address)`` on
 the trainer's inbox) and waits for it before it reports ready, so the groups the router
 sends it again keep the staleness bound.
 """
@@ -27,35 +28,12 @@ from pathlib import Path
 import torch
 
 from areal_flow.ops.registry import FunctionExecutor, lookup
-from areal_flow.types import Trajectory
 from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.context import WorkerContext
+from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.trace import TraceRecorder, now_us
 from runtime.weights import WeightSubscriber
-
-
-@dataclass
-class GroupItem:
-    """One prompt group travelling through the graph: its admission ``index``, the
-    ``attempt``-th prompt of that slot, and the values produced so far (``"node.port"``);
-    ``origin`` / ``sent_us``: the worker group that sent it and when (``runtime.trace.now_us``),
-    set just before each send (the receiver times the group's wait on the channel)."""
-
-    index: int
-    attempt: int
-    values: dict = field(default_factory=dict)
-    origin: str = ""
-    sent_us: int = 0
-
-    def stamp(self, origin: str) -> "GroupItem":
-        """Mark the item as sent now by worker group ``origin``."""
-        self.origin, self.sent_us = origin, now_us()
-        return self
-
-    def rollouts(self, plan: Plan) -> list[Trajectory]:
-        gen = next(n for n in plan.nodes if n.grain == "stream")
-        return self.values[f"{gen.name}.rollouts"]
 
 
 @dataclass
@@ -74,6 +52,8 @@ class WorkerSpec:
             it, so the staleness proof needs their tokens from versions >= it).
         resync: a restarted replica's trainer inbox: once its weight channel is bound it
             asks there for the current version (``("resync", weights)``).
+        secret: the run's channel secret (``runtime.channel_auth``): every message it sends
+            is signed with it, every message it receives is verified before use.
     """
 
     plan: Plan
@@ -90,6 +70,7 @@ class WorkerSpec:
     recv_timeout_s: float = 600.0
     resume_version: int = 0
     resync: str = ""
+    secret: bytes = b""
 
 
 def register_plan_ops(plan: Plan) -> None:
@@ -117,23 +98,6 @@ def make_executor(node, ctx: WorkerContext):
     return impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
 
 
-def _inputs(node, values: dict) -> dict:
-    return {port: values[f"{src}.{src_port}"] for port, (src, src_port) in node.inputs.items()}
-
-
-def run_group_nodes(item: GroupItem, nodes: list, executors: dict, trace: TraceRecorder | None = None) -> bool:
-    """Run ``nodes`` (group grain, in order) on ``item``; False when one dropped it. Each
-    node's run is a span of ``trace`` (track ``groups``)."""
-    for node in nodes:
-        with trace.span(node.name, "groups", index=item.index, attempt=item.attempt) if trace else \
-                contextlib.nullcontext():
-            out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
-        if out is None:
-            return False
-        item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
-    return True
-
-
 def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     """Replica ``spec.rank`` of the generation group, until the router says stop. ``lease``: a
     lock held around each engine step when the plan time-shares this mesh with a trainer
@@ -143,15 +107,16 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
     local = [n for n in nodes if n.grain != "stream"]
     executors = {n.name: make_executor(n, ctx) for n in local}
-    inbox, control = MessageReceiver(spec.inbox), MessageSender(spec.control)
-    outs = [MessageSender(a, linger_s=120.0) for a in spec.downstream.values()]
-    weights = WeightSubscriber(spec.weights)
+    key = spec.secret
+    inbox, control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
+    outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
+    weights = WeightSubscriber(spec.weights, secret=key)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps = 0
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
-        ask = MessageSender(spec.resync)
+        ask = MessageSender(spec.resync, secret=key)
         ask.send(("resync", spec.weights))
         ask.close()
     if spec.resume_version > 0:
@@ -209,7 +174,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         trace.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
-    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version}
+    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
+            "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
+            **failure_counts(executors)}
 
 
 def sync_node(plan: Plan, end: str) -> str:

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from areal_flow.types import Trajectory
+from runtime.channel_auth import new_secret
 from runtime.channels import ExperienceReceiver, ExperienceSender, free_tcp_address, ipc_address
 from runtime.weights import WeightChecksumError, WeightPublisher, WeightSubscriber, split_buckets
+
+
+KEY = b"k" * 32  # the run's channel secret in these tests
 
 
 def _group(index: int, n: int = 2) -> list[Trajectory]:
@@ -26,7 +30,7 @@ def _group(index: int, n: int = 2) -> list[Trajectory]:
 def _send_shuffled(address: str, n_groups: int, seed: int) -> None:
     order = list(range(n_groups))
     random.Random(seed).shuffle(order)
-    sender = ExperienceSender(address)
+    sender = ExperienceSender(address, secret=KEY)
     for i in order:
         sender.send(i, _group(i))
     sender.close()  # linger lets the queued groups reach the receiver before exit
@@ -35,7 +39,7 @@ def _send_shuffled(address: str, n_groups: int, seed: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_experience_round_trip_across_processes_exactly_once(transport):
-    receiver = ExperienceReceiver(None if transport == "tcp" else ipc_address("exp"))
+    receiver = ExperienceReceiver(None if transport == "tcp" else ipc_address("exp"), secret=KEY)
     n_groups = 40
     proc = mp.get_context("spawn").Process(target=_send_shuffled, args=(receiver.address, n_groups, 7))
     proc.start()
@@ -57,10 +61,10 @@ def test_experience_round_trip_across_processes_exactly_once(transport):
 
 def test_experience_sender_before_receiver_binds_loses_nothing():
     address = free_tcp_address()
-    sender = ExperienceSender(address)
+    sender = ExperienceSender(address, secret=KEY)
     for i in range(3):
         sender.send(i, _group(i, n=1))  # queued by PUSH; no peer yet
-    receiver = ExperienceReceiver(address)
+    receiver = ExperienceReceiver(address, secret=KEY)
     got = [receiver.recv(timeout_s=5) for _ in range(3)]
     assert [g[0] for g in got] == [0, 1, 2]
     assert receiver.recv(timeout_s=0) is None and receiver.received == 3
@@ -69,7 +73,7 @@ def test_experience_sender_before_receiver_binds_loses_nothing():
 
 
 def test_experience_send_rejects_non_trajectories():
-    sender = ExperienceSender(free_tcp_address(), linger_s=0)
+    sender = ExperienceSender(free_tcp_address(), secret=KEY, linger_s=0)
     with pytest.raises(TypeError, match="group 5"):
         sender.send(5, [{"sample_id": "x"}])
     sender.close()
@@ -80,8 +84,8 @@ def weight_pair():
     subs, pubs = [], []
 
     def make(**kw):
-        sub = WeightSubscriber(ipc_address("w"))
-        pub = WeightPublisher(sub.address, linger_s=0, **kw)
+        sub = WeightSubscriber(ipc_address("w"), secret=KEY)
+        pub = WeightPublisher(sub.address, secret=KEY, linger_s=0, **kw)
         subs.append(sub)
         pubs.append(pub)
         return pub, sub
@@ -157,6 +161,21 @@ def test_weight_newest_version_wins(weight_pair):
         pub.publish(_state(0), version=3)
 
 
+def test_weight_older_version_arriving_late_is_dropped_and_counted(weight_pair):
+    pub, sub = weight_pair(bucket_bytes=1024)
+    pub.publish(_state(2), version=2)
+    assert sub.wait(2, timeout_s=5)[0] == 2
+    late = WeightPublisher(sub.address, secret=KEY, bucket_bytes=1024, linger_s=0)  # e.g. a resync racing the next version
+    late.publish(_state(1), version=1)  # 2 buckets of an older version
+    deadline = time.monotonic() + 5
+    while sub.late_versions == 0 and time.monotonic() < deadline:
+        assert sub.poll() is None
+        time.sleep(0.01)
+    assert sub.version == 2 and sub.late_versions == 1
+    _assert_equal(sub.state_dict, _state(2))
+    late.close()
+
+
 def test_weight_corrupted_bucket_raises_and_keeps_previous(weight_pair):
     def flip_first_byte(header, payload):
         if header["version"] == 2 and header["bucket"] == 1:
@@ -184,3 +203,104 @@ def test_weight_wait_times_out(weight_pair):
     t0 = time.monotonic()
     assert sub.wait(0, timeout_s=0.2) is None
     assert 0.15 < time.monotonic() - t0 < 2.0
+
+
+# --- authentication: nothing is unpickled or loaded before its MAC verifies -------------------
+
+
+class _Bomb:
+    """Unpickling it would run code (here: set a flag); a forged message carries it."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_Bomb._explode, ())
+
+    @staticmethod
+    def _explode():
+        _Bomb.ran = True
+
+
+def test_a_forged_message_is_rejected_unread_and_counted():
+    import pickle
+
+    import zmq
+
+    from runtime.channels import MessageReceiver, MessageSender
+
+    receiver = MessageReceiver(ipc_address("ctl"), secret=KEY)
+    raw = zmq.Context.instance().socket(zmq.PUSH)  # an attacker: no secret, a pickle that runs code
+    other_run = MessageSender(receiver.address, secret=new_secret(), linger_s=0)  # another run's secret
+    genuine = MessageSender(receiver.address, secret=KEY, linger_s=0)
+    try:
+        raw.connect(receiver.address)
+        raw.send_multipart([b"\0" * 32, pickle.dumps(_Bomb())])
+        raw.send(pickle.dumps(_Bomb()))  # no MAC frame at all
+        other_run.send(("sent", 0, 1, 1))
+        genuine.send(("version", 0, 3))
+        # the PULL end fair-queues its peers, so the genuine message may come before or after the others
+        assert receiver.recv(timeout_s=5) == ("version", 0, 3)
+        assert receiver.recv(timeout_s=0.5) is None  # drains (and drops) whatever is left
+        assert receiver.rejected == 3 and not _Bomb.ran
+    finally:
+        raw.close(linger=0)
+        for end in (other_run, genuine, receiver):
+            end.close()
+
+
+def test_a_forged_experience_message_is_rejected():
+    import pickle
+
+    import zmq
+
+    receiver = ExperienceReceiver(ipc_address("exp"), secret=KEY)
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        raw.connect(receiver.address)
+        raw.send_multipart([b"\1" * 32, pickle.dumps((0, _group(0)))])  # well-formed, with a wrong MAC
+        assert receiver.recv(timeout_s=1.0) is None and receiver.rejected == 1
+    finally:
+        raw.close(linger=0)
+        receiver.close()
+
+
+def test_a_forged_weight_bucket_is_dropped_before_loading(weight_pair):
+    import json
+
+    import zmq
+
+    pub, sub = weight_pair()
+    pub.publish(_state(1), version=1)
+    assert sub.wait(1, timeout_s=5)[0] == 1
+    forged = _state(9)  # version 2 with the attacker's weights, a valid checksum, no valid MAC
+    good = WeightPublisher(ipc_address("unused"), secret=KEY, linger_s=0)
+    frames = []
+    good._socks[0].send_multipart = lambda f, copy=False: frames.extend(f)  # capture a genuine bucket's frames
+    good.publish(forged, version=2)
+    good.close()
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        raw.connect(sub.address)
+        raw.send_multipart([b"\0" * 32, frames[1], bytes(frames[2])])
+        deadline = time.monotonic() + 5
+        while sub.rejected == 0 and time.monotonic() < deadline:
+            assert sub.poll() is None
+            time.sleep(0.01)
+        assert sub.rejected == 1 and sub.version == 1 and json.loads(frames[1])["version"] == 2
+        _assert_equal(sub.state_dict, _state(1))
+    finally:
+        raw.close(linger=0)
+
+
+def test_a_missing_secret_is_refused_naming_the_channel():
+    from runtime.channels import MessageSender
+
+    with pytest.raises(ValueError, match=r"channel tcp://127.0.0.1:9: channel secret must be bytes of length >= 16"):
+        MessageSender("tcp://127.0.0.1:9", secret=b"")
+
+
+def test_ray_channels_bind_loopback_unless_an_interface_is_named():
+    from runtime.ray_workers import bind_ip, free_tcp_endpoint
+
+    assert bind_ip("") == "127.0.0.1" and bind_ip("10.1.2.3") == "10.1.2.3"
+    assert free_tcp_endpoint("").startswith("tcp://127.0.0.1:")

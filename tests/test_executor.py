@@ -245,8 +245,11 @@ def test_a_reward_function_defined_in_the_graph_file_runs_locally(tmp_path, warm
     assert all(r["reward"] == (1.0 if r["output_text"].strip() == r["meta"]["answer"] else 0.0) for r in records)
 
 
-def test_a_failing_reward_is_scored_zero_and_marked():
+def test_a_failing_reward_is_marked_with_its_kind_and_counted():
+    """Failed samples score a 0.0 placeholder and are marked; the runtime drops them from their
+    group before any statistic (tests/test_reliability.py)."""
     from areal_flow.ops.reward import score
+    from areal_flow.rewards.pool import FailureMonitor, RewardPool
     from areal_flow.types import Trajectory
 
     def flaky(text, answer):
@@ -256,8 +259,10 @@ def test_a_failing_reward_is_scored_zero_and_marked():
 
     group = [Trajectory(f"0:{j}", 0, [1], [2], [-0.1], [0], "stop", output_text=text, meta={"answer": "1"})
              for j, text in enumerate(("ok", "boom", "nan"))]
-    assert score(group, flaky) == [1.0, 0.0, 0.0]
-    assert [t.meta.get("reward_failed", False) for t in group] == [False, True, True]
+    monitor = FailureMonitor("reward node 'reward'", max_fraction=1.0, window=10)
+    assert score(group, RewardPool(flaky, workers=2, timeout_s=5.0), monitor) == [1.0, 0.0, 0.0]
+    assert [t.meta.get("reward_failed", False) for t in group] == [False, "RuntimeError", "non-finite"]
+    assert monitor.kinds == {"RuntimeError": 1, "non-finite": 1} and monitor.samples == 3
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from runtime.staleness import (
     ExactlyOnceError,
     OrderedExperienceBuffer,
     StalenessViolation,
+    VersionAheadError,
 )
 
 
@@ -111,6 +112,16 @@ def test_buffer_staleness_violation_names_sample_and_consumes_nothing():
     with pytest.raises(StalenessViolation, match="'2:1'.*staleness 2 > max_staleness 1"):
         buf.take_batch(2)
     assert buf.pending == 1 and "2:0" not in buf.consumed_ids and buf.next_step == 2
+
+
+def test_buffer_refuses_a_version_ahead_of_the_step_naming_it():
+    buf = OrderedExperienceBuffer(batch_groups=1, max_staleness=2)
+    # step 0: only version 0 exists; a token of version 1 is from the future
+    buf.put(0, [_traj(0, 0, [0]), _traj(0, 1, [0, 1])])
+    with pytest.raises(VersionAheadError, match=r"sample '0:1' \(group index 0\) carries policy version 1, "
+                                                r"ahead of trainer step 0"):
+        buf.take_batch(0)
+    assert buf.next_step == 0 and not buf.consumed_ids
 
 
 def test_buffer_duplicate_sample_id_across_groups_raises():

@@ -140,3 +140,20 @@ def test_update_mid_generation_resumes_with_new_weights_and_version(engine):
         assert 1 <= n_old < 10 and r.versions == [version - 1] * n_old + [version] * (10 - n_old)
         assert r.output_ids[:n_old] == _full_recompute_greedy(old, r.prompt_ids, n_old)
         assert r.output_ids[n_old:] == _full_recompute_greedy(new, r.prompt_ids + r.output_ids[:n_old], 10 - n_old)
+
+
+def test_every_eos_id_stops_a_vllm_sequence(engine):
+    """The engine passes all of ``eos_ids`` (tokenizer + generation_config.json) as vLLM's
+    ``stop_token_ids``: with each prompt's first greedy token declared a second EOS id, every
+    response is that one token, finished by "stop"."""
+    _set_weights(engine, 0)
+    requests = _requests(temperature=0.0, max_new_tokens=6, stop_at_eos=True)
+    firsts = [r.output_ids[0] for r in engine.generate(requests)]
+    saved = engine.eos_ids
+    try:
+        for req, first in zip(requests, firsts):
+            engine.eos_ids = frozenset({TOK.eos_token_id, first})
+            (got,) = engine.generate([req])
+            assert got.output_ids == [first] and got.finish_reason == "stop"
+    finally:
+        engine.eos_ids = saved

@@ -3,8 +3,7 @@
 Port schema: input ``rollouts``; output ``rewards`` (one float per trajectory, in the
 group's order). Either ``fn`` — a name from :data:`REWARD_FNS` or a callable
 ``fn(output_text, answer) -> float`` defined in the graph file (it reaches other processes
-by value through cloudpickle; a reward function that raises is caught per sample, logged
-with the sample id, and scores 0) — or ``model=`` a frozen reward model
+by value through cloudpickle) — or ``model=`` a frozen reward model
 (``areal_flow.models.reward_model.RewardModel``: the sigmoid of its score on prompt +
 response, in [0, 1]). A reward model node is an ``inference`` node for the compiler; a
 rule reward is ``cpu``, placed with its generator, so rewards travel with the experience.
@@ -12,11 +11,17 @@ rule reward is ``cpu``, placed with its generator, so rewards travel with the ex
 ``overlong=(L_max, L_cache)``: DAPO's soft overlong punishment (Yu et al. 2025, §3.4,
 eq. 13) added to every reward (``areal_flow.algorithms.dapo.overlong_penalty``). DAPO's
 dynamic sampling is a node of its own: ``ops.filter``.
+
+Failing rule rewards never poison a batch: calls run in a thread pool with a per-call
+timeout (``reward.timeout_s``, ``reward.workers``); a sample whose call raises, times out or
+returns a non-finite value is marked failed, dropped from its group before any statistic
+(a group left empty is resampled like a filter drop), counted, and logged once per kind;
+the run stops when more than ``reward.max_failure_fraction`` of the last
+``reward.failure_window`` samples failed (``areal_flow.rewards.pool``).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from areal_flow.dsl import Handle, Model, outputs, record
@@ -27,7 +32,6 @@ from areal_flow.types import Trajectory
 SPEC = OpSpec("reward", inputs=(PortSpec("rollouts", "rollouts"),), outputs=(PortSpec("rewards", "rewards"),))
 OP = define(OpDef(SPEC, GROUP, lambda node: INFERENCE if node.model else CPU, "areal_flow.ops.reward:RewardExecutor"))
 
-logger = logging.getLogger(__name__)
 
 
 def _arithmetic(output_text: str, answer: str) -> float:
@@ -89,45 +93,45 @@ def resolve(fn: str | Callable[[str, str], float]) -> Callable[[str, str], float
     return fn if callable(fn) else REWARD_FNS[fn]
 
 
-def score(group: list[Trajectory], fn: Callable[[str, str], float]) -> list[float]:
-    """Rewards of a group; a sample whose reward function raises or returns a non-finite
-    value is logged, scored 0.0 and marked ``meta["reward_failed"]`` (counted per step as
-    ``reward/failures``)."""
-    import math
+def score(group: list[Trajectory], pool, monitor=None) -> list[float]:
+    """Rewards of a group, its calls spread over ``pool`` (``areal_flow.rewards.pool.RewardPool``).
 
-    from areal_flow.rewards.math import safe_reward
-
-    rewards = []
-    for t in group:
-        failed: list[bool] = []
-
-        def flagged(text: str, answer: str) -> float:
-            try:
-                value = fn(text, answer)
-            except BaseException:
-                failed.append(True)
-                raise
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                failed.append(True)
-            return value
-
-        rewards.append(safe_reward(flagged, t.output_text, t.meta.get("answer", ""), t.sample_id, logger))
-        if failed:
-            t.meta["reward_failed"] = True
-    return rewards
+    A sample whose call raised, ran past the pool's timeout or returned a non-finite value
+    is marked ``meta["reward_failed"] = kind`` (exception type name, ``"TimeoutError"`` or
+    ``"non-finite"``) and scored 0.0, a placeholder: the runtime removes it from its group
+    before any group statistic or loss (``runtime.groups.drop_failed_samples``). ``monitor``
+    (``FailureMonitor``) counts and logs failures and raises ``FailureFractionError`` past
+    its fraction.
+    """
+    outcomes = pool.map([(t.output_text, t.meta.get("answer", "")) for t in group])
+    for t, outcome in zip(group, outcomes):
+        if outcome.failed:
+            t.meta["reward_failed"] = outcome.kind
+        if monitor is not None:
+            monitor.record(outcome, t.sample_id)
+    return [0.0 if o.failed else o.value for o in outcomes]
 
 
 class RewardExecutor:
     """Worker side of a reward node (grain ``group``): ``{"rewards": [float] * n}``.
 
-    A rule reward calls ``fn`` per trajectory; a reward model scores prompt + response ids
+    A rule reward calls ``fn`` per trajectory in a pool (:func:`score`); a reward model scores prompt + response ids
     (``[n, T]`` right-padded, one forward) and returns ``sigmoid(score)``. The overlong
     penalty is added last. Each trajectory's ``reward`` is set too (it is logged).
     """
 
     def __init__(self, node, ctx) -> None:
+        from areal_flow.rewards.pool import FailureMonitor, RewardPool
+
         self.node = node
         self.fn = None if node.attrs.get("fn") is None else resolve(node.attrs["fn"])
+        a = node.attrs
+        self.pool = self.monitor = None
+        if self.fn is not None:
+            self.pool = RewardPool(self.fn, workers=a.get("workers", 4), timeout_s=a.get("timeout_s", 10.0))
+            name = a["fn"] if isinstance(a["fn"], str) else getattr(self.fn, "__name__", "callable")
+            self.monitor = FailureMonitor(f"reward node '{node.name}' (fn {name})",
+                                          a.get("max_failure_fraction", 0.5), a.get("failure_window", 200))
         self.model = ctx.model(node.model) if node.model else None
         self.pad_id = ctx.pad_id
         self.overlong = node.attrs.get("overlong")
@@ -139,7 +143,7 @@ class RewardExecutor:
 
         group = inputs["rollouts"]
         if self.fn is not None:
-            rewards = score(group, self.fn)
+            rewards = score(group, self.pool, self.monitor)
         else:
             from runtime.batching import pad_tokens
 

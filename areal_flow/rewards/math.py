@@ -1,4 +1,4 @@
-"""Rule reward for math word problems (GSM8K conventions) and the runtime's safe wrapper.
+"""Rule reward for math word problems (GSM8K conventions).
 
 Owns: pulling the final answer out of a model's free text, normalizing it to an exact
 rational number, and comparing it with the reference answer. LaTeX that is more than a
@@ -22,20 +22,17 @@ Numbers are compared exactly as ``fractions.Fraction`` (``3.50 == 3.5``, ``1/2 =
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import threading
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 from math_verify import parse as _mv_parse
 from math_verify import verify as _mv_verify
 from math_verify.errors import TimeoutException as _MathVerifyTimeout
-
-RewardFn = Callable[[str, str], float]
 
 # A signed decimal number with optional thousands commas and an optional "/denominator".
 # The sign only counts when it does not follow a word character or ")" ("8-5" is 8 and 5,
@@ -136,35 +133,6 @@ def parse_number(text: str) -> Fraction | None:
     if _NUMBER_RE.search(rest) or _LATEX_MATH_RE.search(rest):
         return None
     return _number_value(match)
-
-
-def safe_reward(
-    fn: RewardFn, output_text: str, reference: Any, sample_id: str, logger: logging.Logger
-) -> float:
-    """``float(fn(output_text, reference))``, or 0.0 when ``fn`` fails.
-
-    A reward function that raises, or returns something that is not a finite number,
-    must not kill a rollout worker: the failure is logged on ``logger`` at ERROR level
-    with the sample id and the traceback, and the sample scores 0.0.
-
-    Returns:
-        the reward as a Python float.
-    """
-    try:
-        value = float(fn(output_text, reference))
-    except (Exception, _MathVerifyTimeout) as exc:  # noqa: BLE001 - the point of the wrapper
-        logger.error(
-            "reward fn %s raised on sample %s: %s: %s; reward set to 0.0",
-            getattr(fn, "__name__", repr(fn)), sample_id, type(exc).__name__, exc, exc_info=True,
-        )
-        return 0.0
-    if not math.isfinite(value):
-        logger.error(
-            "reward fn %s returned %r on sample %s; reward set to 0.0",
-            getattr(fn, "__name__", repr(fn)), value, sample_id,
-        )
-        return 0.0
-    return value
 
 
 # ----------------------------------------------------------------------------- helpers

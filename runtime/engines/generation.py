@@ -20,9 +20,11 @@ recomputed with the new weights and the following tokens carry the new version.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,8 @@ class SamplingParams:
         temperature: logits are divided by it; ``0`` means greedy (argmax).
         top_p: nucleus sampling mass in ``(0, 1]``; ignored when greedy.
         max_new_tokens: generation stops with ``"length"`` after this many tokens.
-        stop_at_eos: stop with ``"stop"`` once EOS is sampled (EOS is kept in the output).
+        stop_at_eos: stop with ``"stop"`` once an EOS id is sampled (kept in the output;
+            every id of ``stop_token_ids``).
     """
 
     temperature: float = 1.0
@@ -83,6 +86,20 @@ class GenerationResult:
     finish_reason: str
     output_text: str
     meta: dict
+
+
+def stop_token_ids(tokenizer, generation_eos: int | list[int] | None = None) -> frozenset[int]:
+    """The token ids that end a sequence: the tokenizer's ``eos_token_id`` and every id of the
+    model's ``generation_config.eos_token_id`` (an int or a list: chat models often list their
+    end-of-turn token beside EOS, e.g. ``[151645, 151643]``)."""
+    ids = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else generation_eos
+    return frozenset(int(i) for i in [tokenizer.eos_token_id, *ids] if i is not None)
+
+
+def generation_config_eos(folder: str | Path) -> int | list[int] | None:
+    """``eos_token_id`` of ``folder/generation_config.json`` (None without the file or key)."""
+    path = Path(folder) / "generation_config.json"
+    return json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
 
 
 def run_to_completion(engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -233,7 +250,8 @@ class GenerationEngine:
     Args:
         model: Qwen2 / Llama / Qwen3-style ``PreTrainedModel``; moved to ``device`` and
             put in eval mode. The engine owns it from now on (``update_weights`` writes it).
-        tokenizer: provides ``eos_token_id`` and decodes ``output_text``.
+        tokenizer: provides ``eos_token_id`` and decodes ``output_text``. Every id of
+            :func:`stop_token_ids` (with the model's ``generation_config``) stops a sequence.
         max_batch_size: most sequences decoded at once; more requests wait in FIFO order.
         device: torch device string.
         seed: seeds the sampling generator (same seed + same request order = same samples).
@@ -250,7 +268,8 @@ class GenerationEngine:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
+        self.eos_ids = stop_token_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id",
+                                                         None))
         self.max_batch_size = max_batch_size
         self.device = device
         self.version = 0
@@ -328,7 +347,7 @@ class GenerationEngine:
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
             p = seq.request.params
-            if p.stop_at_eos and tok == self.eos_id:
+            if p.stop_at_eos and tok in self.eos_ids:
                 finished.append(self._result(seq, "stop"))
             elif len(seq.output_ids) >= p.max_new_tokens or len(seq.tokens()) >= self._dec.max_len:
                 finished.append(self._result(seq, "length"))

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.engines.generation import GenerationRequest, GenerationResult, run_to_completion
+from runtime.engines.generation import (GenerationRequest, GenerationResult, generation_config_eos,
+                                        run_to_completion, stop_token_ids)
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -66,7 +67,9 @@ class VLLMEngine:
     Args:
         model_folder: a ``transformers`` model folder (``config.json`` + safetensors) that
             vLLM supports (Qwen2, Llama, ... ); it is the version-0 policy.
-        tokenizer: decodes ``output_text`` and provides ``eos_token_id``.
+        tokenizer: decodes ``output_text`` and provides ``eos_token_id``; it and every id of
+            the folder's ``generation_config.json`` ``eos_token_id`` stop a sequence
+            (vLLM ``stop_token_ids``).
         max_batch_size: most sequences decoded at once (vLLM ``max_num_seqs``).
         seed: vLLM's sampling seed.
         dtype: parameter dtype, ``"float32"`` (matches the trainer on CPU) or ``"bfloat16"``.
@@ -98,7 +101,7 @@ class VLLMEngine:
                           logprobs_mode="processed_logprobs", disable_log_stats=True, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
+        self.eos_ids = stop_token_ids(tokenizer, generation_config_eos(model_folder))
         self.max_batch_size = max_batch_size
         self.max_len = self._engine.model_config.max_model_len
         self.version = 0
@@ -137,7 +140,7 @@ class VLLMEngine:
         params = VSamplingParams(
             temperature=p.temperature, top_p=p.top_p,
             max_tokens=min(p.max_new_tokens - len(seq.output_ids), self.max_len - len(tokens)),
-            logprobs=0, ignore_eos=not p.stop_at_eos, stop_token_ids=[self.eos_id] if p.stop_at_eos else None,
+            logprobs=0, ignore_eos=not p.stop_at_eos, stop_token_ids=sorted(self.eos_ids) if p.stop_at_eos else None,
             detokenize=False, output_kind=RequestOutputKind.DELTA,
         )
         self._seqs[seq.vllm_id] = seq

@@ -5,13 +5,25 @@ Owns the mapping from a generate node of the plan to an engine (``engine="embedd
 and from a prompt group to engine requests and back to trajectories. The replica loop
 (``runtime.workers.run_generation_replica``) drives it: ``submit`` groups, ``step`` the
 engine, ``update_weights`` between steps. It must not admit or route groups.
+
+Empty responses are rejected: a response with no token (the embedded engine always gives
+at least one, EOS included, so only an engine fault or a vLLM corner produces one) has no
+log-prob to train, yet its reward would shift its group's baseline. It is left out of its
+group (a group left empty is resampled), counted (``empty_responses`` in the replica's
+counts) and logged once; more than half of the last 200 responses empty stops the run
+(``areal_flow.rewards.pool.FailureMonitor``).
 """
 
 from __future__ import annotations
 
 from areal_flow.ops.generate import encode_prompt
+from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
 from runtime.engines.generation import GenerationRequest, GenerationResult, SamplingParams
+
+
+EMPTY = "empty response"
+EMPTY_MAX_FRACTION, EMPTY_WINDOW = 0.5, 200  # stop when more than half of the last 200 responses were empty
 
 
 class EngineRefused(ValueError):
@@ -39,6 +51,8 @@ class GenerateExecutor:
         self.params = sampling_params(node)
         self.tokenizer = ctx.tokenizer
         self._groups: dict[tuple[int, int], dict] = {}
+        self.counts = {"empty_responses": 0}
+        self.monitor = FailureMonitor(f"generate node '{node.name}'", EMPTY_MAX_FRACTION, EMPTY_WINDOW)
 
     @property
     def version(self) -> int:
@@ -66,12 +80,28 @@ class GenerateExecutor:
             if len(group["results"]) == self.attrs["n_samples"]:
                 del self._groups[key]
                 results = sorted(group["results"], key=lambda r: r.meta["sample"])
-                done.append((*key, [_trajectory(r, key, group["problem"]) for r in results]))
+                kept = drop_empty(results, self.counts, self.monitor)
+                done.append((*key, [_trajectory(r, key, group["problem"]) for r in kept]))
         return done
 
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume (the engines' interruptible update)."""
         self.engine.update_weights(state_dict, version)
+
+
+def drop_empty(results: list[GenerationResult], counts: dict, monitor: FailureMonitor) -> list[GenerationResult]:
+    """``results`` without the responses that hold no token (module doc), each counted in
+    ``counts["empty_responses"]`` and recorded on ``monitor`` (logged once; raises
+    ``FailureFractionError`` past its fraction)."""
+    kept = []
+    for r in results:
+        empty = not r.output_ids
+        counts["empty_responses"] += empty
+        detail = f"the engine returned no token (finish_reason {r.finish_reason!r})\n" if empty else ""
+        monitor.record(Outcome(kind=EMPTY if empty else "", detail=detail), r.request_id)
+        if not empty:
+            kept.append(r)
+    return kept
 
 
 def sampling_params(node) -> SamplingParams:
