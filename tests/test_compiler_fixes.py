@@ -12,7 +12,7 @@ from compiler.models import MODEL_PRESETS, ModelSpec, ModelSpecError, spec_from_
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.timing import Links, training_time
 from compiler.workload import build_workload
-from tests.test_compiler_search import grpo_graph
+from test_compiler_search import grpo_graph
 
 # A small MoE: h 8, 2 layers, 2 heads x 4 dims (2 KV heads), vocab 10 untied, 4 experts of width 16, top-1.
 # per layer: attention 8x8 + 2x8x8 + 8x8 + 2 norms x 8 = 272; router 8 x 4 = 32; experts 4 x 3 x 8 x 16 = 1536

@@ -10,8 +10,8 @@ from areal_flow.cli import main
 from compiler import ClusterConfig, CompileConfig, compile_plan
 from compiler.config import LengthDistConfig
 from compiler.simulate import SimulationError, simulate
-from tests.test_compiler_outputs import grpo_7b
-from tests.test_compiler_search import grpo_graph
+from test_compiler_outputs import grpo_7b
+from test_compiler_search import grpo_graph
 
 
 def toy_plan():
