@@ -75,9 +75,7 @@ class SupportDeskTask:
     Args:
         seed: fixes the held-out test set (its own random stream).
         explicit_rate: probability that the first message reveals the intent, in [0, 1].
-        order_digits: digits of an order number (``dataset.max_digits``); the tiny model
-            copies 2 digits across turns reliably after a short warm start, 4 often not
-            (measured: warm starts of 200-400 steps misquoted most 4-digit orders).
+        order_digits: digits of an order number (``dataset.max_digits``).
 
     Raises:
         ValueError: ``explicit_rate`` outside [0, 1], or ``order_digits`` outside 1..6.
