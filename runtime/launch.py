@@ -156,14 +156,14 @@ class RunSetup:
         if gen.op == "rollout":
             from compiler.plan import decode_value
             from runtime.engines.evaluate import evaluate_episodes
-            from runtime.executors.rollout import model_context
+            from runtime.executors.rollout import episode_context
             from runtime.model_source import load_pretrained
 
             attrs = decode_value(gen.attrs)
             model, tokenizer = load_pretrained(folder)
             stats = evaluate_episodes(model, tokenizer, attrs, self.test_set,
                                       temperature=temperature,
-                                      max_context=int(attrs.get("max_context") or model_context(folder)))
+                                      max_context=episode_context(attrs, folder))
             self.extra[f"accuracy_{when}"] = stats.pop("accuracy")
             self.extra[f"episodes_{when}"] = stats
             return

@@ -214,10 +214,10 @@ class _Stage:
         gen = self.ctx.generator()
         if gen.op == "rollout":
             from runtime.engines.evaluate import evaluate_episodes
-            from runtime.executors.rollout import model_context
+            from runtime.executors.rollout import episode_context
 
-            limit = gen.attrs.get("max_context") or model_context(executor.settings.model_folder)
-            return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=int(limit),
+            limit = episode_context(gen.attrs, executor.settings.model_folder)
+            return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=limit,
                                      temperature=float(plan.run["eval"].get("temperature", 0.0)))["accuracy"]
         answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
                                  chat_template=self.topo.generate.attrs.get("chat_template"))

@@ -57,7 +57,7 @@ class _Run:
     sample: int
     row: dict
     episode: Episode
-    phase: str = "env"  # env | policy | done
+    phase: str = "env"  # env (reset/step or the agent's own code) | policy (waiting for its turn)
     since: float = field(default_factory=time.monotonic)
     failed: str = ""
     tool_errors: int = 0
@@ -307,8 +307,11 @@ def _checked(env, obs):
     return obs
 
 
-def model_context(folder: str | Path) -> int:
-    """``max_position_embeddings`` of the model in ``folder`` (tokens; 2048 when unstated)."""
+def episode_context(attrs: dict, folder: str | Path) -> int:
+    """Tokens an episode may hold: the rollout node's ``max_context``, else the
+    ``max_position_embeddings`` of the model in ``folder`` (2048 when unstated)."""
+    if attrs.get("max_context"):
+        return int(attrs["max_context"])
     cfg = json.loads((Path(folder) / "config.json").read_text())
     return int(cfg.get("max_position_embeddings") or 2048)
 
@@ -327,8 +330,8 @@ class RolloutExecutor(EpisodeRunner):
 
     def __init__(self, node, ctx) -> None:
         self.node = node
-        limit = node.attrs.get("max_context") or model_context(ctx.folders[node.model])
-        super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node), int(limit))
+        super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
+                         episode_context(node.attrs, ctx.folders[node.model]))
 
 
 def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int) -> list[Trajectory]:
