@@ -234,7 +234,8 @@ class _Stage:
                 key = f"{src}.{src_port}"
                 inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
             is_step = node.op == "train_step"
-            info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint)}
+            info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint),
+                    "trace": self.trace}
             for record in self.records:
                 if record.dst == node.name:
                     record.item(step, inputs[record.port], [it.index for it in batch_items],

@@ -7,6 +7,9 @@ from ``trace/*.jsonl`` when the run died before merging), ``plan.json`` and
 * per graph node: busy time (the sum of its spans, microseconds) over ``instances x wall``,
   where ``instances`` is the number of workers that ran it (generation replicas) and
   ``wall`` the span of the whole trace (first start to last end); idle = 1 - busy;
+* per node with phase spans (a train_step's ``forward``/``backward``/``optimizer``,
+  ``runtime.train_phases``): count, total seconds and mean ms per phase, and the phases'
+  share of the node's busy time (they nest in its spans, so they do not add to busy);
 * per edge and kind of wait (``channel``, ``admission``, ``batch``): count, mean and max (ms);
 * per bounded-staleness edge (the data edge into a train_step): the histogram of token
   staleness ``step - version`` over policy tokens (multi-turn env tokens, ``loss_mask`` 0 or
@@ -40,6 +43,15 @@ class NodeUse:
 
 
 @dataclass
+class PhaseUse:
+    """Spans of one phase of a node: ``count``, ``total_s`` (seconds), ``mean_ms``."""
+
+    count: int
+    total_s: float
+    mean_ms: float
+
+
+@dataclass
 class EdgeWait:
     count: int
     mean_ms: float
@@ -49,19 +61,33 @@ class EdgeWait:
 @dataclass
 class Timeline:
     """Attributes: wall_s (seconds), nodes (by name), waits (by (edge, kind)), staleness
-    (edge -> {versions: tokens})."""
+    (edge -> {versions: tokens}), phases ((node, phase) -> :class:`PhaseUse`)."""
 
     wall_s: float
     nodes: dict[str, NodeUse]
     waits: dict[tuple[str, str], EdgeWait]
     staleness: dict[str, dict[int, int]] = field(default_factory=dict)
+    phases: dict[tuple[str, str], PhaseUse] = field(default_factory=dict)
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / TRACE_FILE
+def load_events(run_dir: Path) -> list[dict]:
+    """The complete (``ph: X``) events of ``<run_dir>/trace.json``, merged first if missing.
+
+    Raises:
+        TimelineError: no trace.json and no trace/ folder.
+    """
+    path = Path(run_dir) / TRACE_FILE
     if not path.is_file() and merge_trace(run_dir) is None:
         raise TimelineError(f"{run_dir}: no {TRACE_FILE} and no trace/ folder (was logging.trace=false?)")
     return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def load_plan(run_dir: Path) -> Plan:
+    """The run's ``plan.json``. Raises TimelineError when there is none."""
+    path = Path(run_dir) / "plan.json"
+    if not path.is_file():
+        raise TimelineError(f"{run_dir}: no plan.json (not a run folder?)")
+    return Plan.from_json(path.read_text(), source=str(path))
 
 
 def token_staleness(trajectories: Path) -> dict[int, int]:
@@ -83,10 +109,7 @@ def summarize(run_dir: Path | str) -> Timeline:
         TimelineError: no trace, or no ``plan.json``.
     """
     run_dir = Path(run_dir)
-    if not (run_dir / "plan.json").is_file():
-        raise TimelineError(f"{run_dir}: no plan.json (not a run folder?)")
-    plan = Plan.from_json((run_dir / "plan.json").read_text(), source=str(run_dir / "plan.json"))
-    events = _events(run_dir)
+    plan, events = load_plan(run_dir), load_events(run_dir)
     if not events:
         raise TimelineError(f"{run_dir / TRACE_FILE}: holds no spans")
     start = min(e["ts"] for e in events)
@@ -94,9 +117,12 @@ def summarize(run_dir: Path | str) -> Timeline:
     busy: dict[str, int] = defaultdict(int)
     workers: dict[str, set] = defaultdict(set)
     waits: dict[tuple[str, str], list[int]] = defaultdict(list)
+    phases: dict[tuple[str, str], list[int]] = defaultdict(list)
     for e in events:
         if e["cat"] == "edge":
             waits[(e["name"], e["args"].get("wait", ""))].append(e["dur"])
+        elif e["cat"] == "phase":
+            phases[(e["name"], e["args"].get("phase", ""))].append(e["dur"])
         else:
             busy[e["name"]] += e["dur"]
             workers[e["name"]].add(e["pid"])
@@ -106,7 +132,8 @@ def summarize(run_dir: Path | str) -> Timeline:
     edge_waits = {key: EdgeWait(len(d), sum(d) / len(d) / 1000, max(d) / 1000) for key, d in sorted(waits.items())}
     bounded = [f"{e.src}->{e.dst}" for e in plan.edges if e.max_staleness is not None]
     hist = token_staleness(run_dir / "trajectories" / "trajectories.jsonl")
-    return Timeline(wall_us / 1e6, nodes, edge_waits, {bounded[0]: hist} if bounded and hist else {})
+    phase_use = {key: PhaseUse(len(d), sum(d) / 1e6, sum(d) / len(d) / 1000) for key, d in phases.items()}
+    return Timeline(wall_us / 1e6, nodes, edge_waits, {bounded[0]: hist} if bounded and hist else {}, phase_use)
 
 
 def format_timeline(t: Timeline) -> str:
@@ -114,6 +141,11 @@ def format_timeline(t: Timeline) -> str:
     lines = [f"timeline over {t.wall_s:.2f} s", "", "node            busy    idle   instances  busy s"]
     for name, u in t.nodes.items():
         lines.append(f"{name:14s} {u.fraction:6.1%}  {1 - u.fraction:6.1%}  {u.instances:9d}  {u.busy_us / 1e6:6.2f}")
+    if t.phases:
+        lines += ["", "phase                      count   total s   mean ms  of node busy"]
+    for (name, phase), p in t.phases.items():
+        share = p.total_s * 1e6 / t.nodes[name].busy_us if name in t.nodes and t.nodes[name].busy_us else 0.0
+        lines.append(f"{name + ' ' + phase:25s} {p.count:6d}  {p.total_s:8.2f}  {p.mean_ms:8.2f}  {share:12.1%}")
     lines += ["", "edge                        wait       count   mean ms    max ms"]
     for (edge, kind), w in t.waits.items():
         lines.append(f"{edge:27s} {kind:9s} {w.count:6d}  {w.mean_ms:8.2f}  {w.max_ms:8.2f}")
@@ -137,7 +169,7 @@ def to_html(run_dir: Path | str, t: Timeline) -> str:
     from compiler.viz_html import graph_page
 
     run_dir = Path(run_dir)
-    plan = Plan.from_json((run_dir / "plan.json").read_text(), source=str(run_dir / "plan.json"))
+    plan = load_plan(run_dir)
     colors = {n.name: busy_color(t.nodes[n.name].fraction) if n.name in t.nodes else "#f0f0f0" for n in plan.nodes}
     lines = {n.name: [f"{n.name} ({n.op})", f"busy {t.nodes[n.name].fraction:.1%}" if n.name in t.nodes else "no spans",
                       f"{t.nodes[n.name].instances} worker(s)" if n.name in t.nodes else ""] for n in plan.nodes}

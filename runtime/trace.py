@@ -13,7 +13,9 @@ one ``pid`` per ``proc`` (a worker such as ``generation/0``, or an edge such as
 ``edge reward->advantage``) and one ``tid`` per ``track`` in it, named by metadata events.
 
 Span names: a graph node's name for its work (``generate`` engine steps, ``reward`` per
-group, ``advantage``/``train_step`` per step, ``sync_weights`` publish/receive/load), an
+group, ``advantage``/``train_step`` per step, ``sync_weights`` publish/receive/load), the
+phases of a train step under its node's name (category ``phase``, ``args.phase`` =
+``forward``/``backward``/``optimizer``, ``runtime.train_phases``, nested in the step's span), an
 edge's name ``src->dst`` (category ``edge``) for time spent waiting on it: a group in a
 channel (``args.wait = "channel"``, from the sender's send to the receiver's receive), the
 router blocked on admission (``"admission"``), the trainer waiting for its batch (``"batch"``).
@@ -125,7 +127,8 @@ def merge_trace(run_dir: Path | str) -> Path | None:
     """Merge the workers' span files into ``<run_dir>/trace.json``; None when there are none.
 
     ``pid``: one per ``proc``, the driver first, then workers, then edges (by name);
-    ``tid``: one per ``track`` of a proc, by name. Events are sorted by ``ts``.
+    ``tid``: one per ``track`` of a proc, by name. Events are sorted by ``ts``, a longer span
+    first at equal ``ts`` (an enclosing span before the spans nested in it).
     """
     run_dir = Path(run_dir)
     if not (run_dir / TRACE_DIR).is_dir():
@@ -141,7 +144,7 @@ def merge_trace(run_dir: Path | str) -> Path | None:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
     for (proc, track), tid in tids.items():
         events.append({"ph": "M", "name": "thread_name", "pid": pids[proc], "tid": tid, "args": {"name": track}})
-    for s in sorted(spans, key=lambda s: s["ts"]):
+    for s in sorted(spans, key=lambda s: (s["ts"], -s["dur"])):
         events.append({"ph": "X", "name": s["name"], "cat": s["cat"], "ts": s["ts"], "dur": s["dur"],
                        "pid": pids[s["proc"]], "tid": tids[(s["proc"], s["track"])], "args": s["args"]})
     path = run_dir / TRACE_FILE

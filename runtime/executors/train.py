@@ -11,6 +11,7 @@ worker does, with the ``weights`` this executor returns.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
+from runtime.train_phases import TrainPhaseSpans
 
 
 @dataclass
@@ -63,6 +65,8 @@ class TrainStepExecutor:
 
     ``info["publish"]``: the worker needs the full weights after this step (a weight route
     or a checkpoint); ``weights`` is then the state dict (gathered over ranks), else None.
+    ``info["trace"]`` (optional, ``runtime.trace.TraceRecorder``): where the step's forward,
+    backward and optimizer spans go (``runtime.train_phases``; one process only).
     """
 
     def __init__(self, node, ctx) -> None:
@@ -72,6 +76,7 @@ class TrainStepExecutor:
         self.critic = ctx.plan.models[node.model]["head"] == "value"
         self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
+        self.phases = None  # runtime.train_phases, one process only
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
@@ -87,6 +92,7 @@ class TrainStepExecutor:
             self.algorithm = build_algorithm(s.algorithm, self.model, self.optimizer, loss_overrides=s.loss_overrides,
                                              micro_batch_size=1, max_grad_norm=s.max_grad_norm,
                                              temperature=s.temperature)
+        self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
 
     def _policy_loss_config(self) -> LossConfig:
         from areal_flow.algorithms.registry import get_algorithm
@@ -100,7 +106,8 @@ class TrainStepExecutor:
             batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
         dtype = self.ctx.dtype  # model.dtype: bf16/fp16 autocast over fp32 master weights and optimizer state
-        with torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
+        phases = self.phases.active(info.get("trace"), step=info["step"]) if self.phases else contextlib.nullcontext()
+        with phases, torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
             stats = self._step(batch, rows, info)
         stats = {**stats, **adv.get("stats", {})}
         if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
