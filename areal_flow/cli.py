@@ -11,6 +11,7 @@ Owns argument parsing and the loading of graph files; the work is the compiler's
     areal-flow eval runs/arith_grpo/model --task arith --samples 8   # greedy accuracy, pass@k
     areal-flow config                                            # every key, its default, aliases
     areal-flow timeline runs/arith_grpo                          # busy/idle per node, waits per edge
+    areal-flow timeline runs/arith_grpo --simulate               # + predicted vs measured busy per node
     areal-flow replay runs/arith_grpo --from advantage->train_step   # bit-identical weights per step?
 
 A graph file's config defaults to the YAML file of the same name beside it.
@@ -261,6 +262,13 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     _check_output_folder(str(out))
     out.write_text(to_html(folder, timeline))
     print(f"\ntimeline graph written to {out}; open {folder / 'trace.json'} in https://ui.perfetto.dev")
+    if args.simulate:
+        from runtime.calibrate import compare, format_comparison
+
+        try:
+            print("\n" + format_comparison(compare(folder)))
+        except TimelineError as exc:
+            raise CLIError(str(exc)) from None
     return 0
 
 
@@ -331,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("timeline", help="a run's busy/idle per node, waits per edge, staleness; draws timeline.html")
     p.add_argument("run", help="run folder (runs/<name>) with trace.json or trace/")
     p.add_argument("-o", "--output", help="HTML path (default <run>/timeline.html)")
+    p.add_argument("--simulate", action="store_true", help="also print the compiler's simulation of the plan, "
+                   "calibrated on this run's trace, beside the measured busy/idle per node (runtime.calibrate)")
     p.set_defaults(func=_cmd_timeline)
     p = sub.add_parser("replay", help="re-run the nodes after a recorded edge (debug.record) and compare the weights "
                                       "bit for bit with the run's; exit 1 when they differ")

@@ -90,7 +90,7 @@ class SimResult:
 
 
 class _Run:
-    def __init__(self, plan: Plan, k: int, steps: int, seed: int):
+    def __init__(self, plan: Plan, k: int, steps: int, seed: int, decode_cost: DecodeCost | None = None):
         w = plan.workload
         if not w:
             raise SimulationError(f"plan {plan.id} has no 'workload' (written before the simulator): compile it again")
@@ -99,10 +99,12 @@ class _Run:
             raise SimulationError(f"plan {plan.id} has no generation node to simulate")
         self.gen = gens[0]
         self.train_nodes = [n for n in plan.nodes if n.role in ("training", "inference")]
+        self.sync_name = next((n.name for n in plan.nodes if n.op == "sync_weights"), "sync_weights")  # as runs name it
         spec = plan.models[self.gen.model]["spec"]
         links = Links(DeviceSpec(**plan.device), plan.cluster["n_gpus_per_node"], w["bandwidth_efficiency"])
-        cost = DecodeCost.build(resolve_model(spec), self.gen.parallel, dtype=w["dtype"], mfu=w["mfu"], links=links,
-                                overhead_s=w["decode_step_overhead_s"], prompt_len=w["prompt_len"])
+        cost = decode_cost or DecodeCost.build(resolve_model(spec), self.gen.parallel, dtype=w["dtype"], mfu=w["mfu"],
+                                               links=links, overhead_s=w["decode_step_overhead_s"],
+                                               prompt_len=w["prompt_len"])
         self.dist = LengthDist(LengthDistConfig(**w["length_dist"]), w["new_tokens"])
         self.expected_tokens = w["n_sequences"] * (w["prompt_len"] + self.dist.mean)
         self.prompt_len, self.n, self.B = w["prompt_len"], w["samples_per_prompt"], w["batch_groups"]
@@ -220,7 +222,7 @@ class _Run:
         self.push(clock, "trained", None)
 
     def trained(self, t: float) -> None:
-        self.spans.append(Span("sync_weights", "trainer", t, t + self.sync_s))
+        self.spans.append(Span(self.sync_name, "trainer", t, t + self.sync_s))
         if not self.colocated:
             self.pause_replicas(t, t + self.sync_s)
         self.push(t + self.sync_s, "loaded", None)
@@ -245,8 +247,12 @@ def _overlap(spans, lo: float, hi: float) -> tuple[float, float]:
     return busy, live
 
 
-def simulate(plan: Plan, k: int | None = None, steps: int = 8, seed: int = 0) -> SimResult:
+def simulate(plan: Plan, k: int | None = None, steps: int = 8, seed: int = 0,
+             decode_cost: DecodeCost | None = None) -> SimResult:
     """Simulate ``steps`` train steps of ``plan`` with staleness bound ``k`` (default: the plan's).
+
+    ``decode_cost``: the replicas' decode cost instead of the one built from the plan's model
+    and device (``runtime.calibrate`` passes one measured on a run).
 
     Raises:
         SimulationError: the plan has no generation node or no workload; ``steps < 2``.
@@ -254,14 +260,14 @@ def simulate(plan: Plan, k: int | None = None, steps: int = 8, seed: int = 0) ->
     if steps < 2:
         raise SimulationError(f"steps={steps}: need at least 2 train steps")
     k = plan.staleness_bound if k is None else k
-    run = _Run(plan, k, steps, seed)
+    run = _Run(plan, k, steps, seed, decode_cost)
     run.run()
     warmup = max(1, steps // 4)
     lo, hi = run.loads[warmup - 1], run.loads[-1]
     window = hi - lo
     replicas = len(run.engines)
     busy, live_total = {}, 0.0
-    for name in [run.gen.name, *(n.name for n in run.train_nodes), "sync_weights"]:
+    for name in [run.gen.name, *(n.name for n in run.train_nodes), run.sync_name]:
         seconds, live = _overlap([s for s in run.spans if s.node == name], lo, hi)
         busy[name] = seconds / (window * (replicas if name == run.gen.name else 1))
         live_total += live if name == run.gen.name else 0.0

@@ -1,0 +1,81 @@
+"""Predicted vs measured idle time (``runtime.calibrate``) on a hand-made run folder.
+
+The run: 3 train steps of B = 2 groups x 4 responses (prompts of 6 tokens, responses of 2
+or 4 tokens), one replica. Its trace, in microseconds:
+
+    generate   [0,1000] [1000,2000] [2000,3000] [3000,4000] [4300,5300] [5300,6300]  finish groups 0..5
+               [6600,7600] finishes group 6, never trained
+    train_step [2000,4000] [4300,6300] [6600,8600]
+    publish    v1 [4000,4100]  v2 [6300,6400]
+    receive    v1 [4100,4150]  v2 [6400,6450]
+    load       v1 [4150,4300]  v2 [6450,6600]
+
+Every expected figure below is worked out by hand from this table and the module doc.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from areal_flow.config import load_config
+from areal_flow.program import compile_program
+from runtime.calibrate import CalibrationError, calibrate, calibrated_plan, compare, format_comparison
+from runtime.trace import TraceRecorder, merge_trace
+from test_trace_replay import REPO, TINY, penalized_grpo
+
+
+def _run_folder(tmp_path: Path, loads: bool = True) -> Path:
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
+    (tmp_path / "plan.json").write_text(compile_program(penalized_grpo(cfg), cfg).to_json())
+    rows = [{"step": i // 8, "prompt_ids": [1] * 6, "output_ids": [2] * (2 if i % 2 else 4), "versions": []}
+            for i in range(24)]
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "trajectories.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    gen, train = TraceRecorder(tmp_path, "generate/0"), TraceRecorder(tmp_path, "train_step/0")
+    for index, start in enumerate([0, 1000, 2000, 3000, 4300, 5300, 6600]):
+        gen.complete("generate", "engine", start, start + 1000, finished=[index])
+    for step, start in enumerate([2000, 4300, 6600]):
+        train.complete("train_step", "step", start, start + 2000, step=step)
+        train.complete("train_step", "step", start, start + 500, cat="phase", phase="forward", step=step)
+    for version, start in ((1, 4000), (2, 6300)):
+        train.complete("sync_weights", "weights", start, start + 100, phase="publish", version=version)
+        gen.complete("sync_weights", "weights", start + 100, start + 150, phase="receive", version=version)
+        if loads:
+            gen.complete("sync_weights", "weights", start + 150, start + 300, phase="load", version=version)
+    gen.close(), train.close()
+    merge_trace(tmp_path)
+    return tmp_path
+
+
+def test_calibration_is_measured_from_the_runs_trace_and_trajectories(tmp_path):
+    plan, cal, _ = calibrate(_run_folder(tmp_path))
+    assert cal.versions == 2
+    assert cal.gen_s_per_token == pytest.approx(6000e-6 / 72)  # 6 engine steps up to group 5; 24 x 3 tokens
+    assert cal.node_s_per_token == pytest.approx({"train_step": 6000e-6 / 216})  # 24 x (6 + 3); phases not added
+    assert cal.sync_s == pytest.approx((200 + 400) / 2 * 1e-6)  # (publish + receive + load) / versions
+    assert (cal.prompt_tokens, cal.response_tokens) == (6.0, 3.0)
+    assert cal.response_log_sigma == pytest.approx(math.log(2) / 2)  # half the responses log 2, half log 4
+    sim_plan, cost = calibrated_plan(plan, cal)
+    assert cost.run_s(8, 0.0, 3) == pytest.approx(8 * 3 * 6000e-6 / 72)  # per live response per step
+    assert cost.prefill_s(8) == 0.0 and sim_plan.sync_s == cal.sync_s and sim_plan.workload["prompt_len"] == 6
+
+
+def test_measured_busy_is_over_the_simulators_window_and_sits_beside_the_prediction(tmp_path):
+    c = compare(_run_folder(tmp_path))
+    assert c.simulated.warmup == 1 and c.steps == 1  # S = 2 versions: window from v1's load (4300) to v2's (6600)
+    assert c.window_s == pytest.approx(2300e-6) and c.measured_step_s == pytest.approx(2300e-6)
+    assert c.measured == pytest.approx({"generate": 2000 / 2300, "train_step": 2000 / 2300,
+                                        "sync_weights": 300 / 2300})
+    assert set(c.predicted) == {"generate", "train_step", "sync_weights"}
+    assert all(0.0 < v <= 1.0 for v in c.predicted.values())
+    rows = {line.split()[0]: line.split()[1:] for line in format_comparison(c).splitlines()[3:]}
+    assert rows["train_step"][1] == "87.0%" and rows["sync_weights"][1] == "13.0%"
+
+
+def test_a_run_without_two_weight_loads_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(CalibrationError, match=r"trace\.json: 0 weight load\(s\) of 'sync_weights'"):
+        compare(_run_folder(tmp_path, loads=False))
