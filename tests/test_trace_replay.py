@@ -3,7 +3,8 @@
 
 * the merged trace holds one pid per worker/edge, one tid per track, spans in time order;
 * a tiny run's trace shows one prompt group's path in order: engine step, reward, the
-  channel, advantage, train_step, weight publish, receive and load on the replica;
+  channel, advantage, train_step (forward, backward, optimizer inside it), weight publish,
+  receive and load on the replica;
 * ``replay`` of a recorded ``advantage->train_step`` gives bit-identical weights per step;
 * a k = 0 run in asynchronous mode trains the synchronous baseline's weights bit for bit.
 """
@@ -102,17 +103,25 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     channel = _one(spans, "penalty->advantage", "edge penalty->advantage", index=0, wait="channel")
     batch_wait = _one(spans, "penalty->advantage", "train_step/0", step=0, wait="batch")
     advantage = _one(spans, "advantage", "train_step/0", step=0)
-    train = _one(spans, "train_step", "train_step/0", step=0)
+    train = _one([s for s in spans if s["cat"] == "node"], "train_step", "train_step/0", step=0)  # not its phases
     publish = _one(spans, "sync_weights", "train_step/0", phase="publish", version=1)
     receive = _one(spans, "sync_weights", "generate/0", phase="receive", version=1)
     load = _one(spans, "sync_weights", "generate/0", phase="load", version=1)
-    path = [engine, reward, penalty, channel, advantage, train, publish]
+    phases = [s for s in spans if s["name"] == "train_step" and s["cat"] == "phase" and s["args"]["step"] == 0]
+    # grpo recomputes no proximal log-probs; 2 groups x 4 = 8 rows fit one micro-batch: one forward, one backward
+    assert [(s["args"]["phase"], s["args"].get("micro_batch")) for s in phases] == [
+        ("forward", 0), ("backward", 0), ("optimizer", None)]
+    assert {s["proc"] for s in phases} == {"train_step/0"}
+    assert train["ts"] <= phases[0]["ts"] and end(phases[-1]) <= end(train)
+    path = [engine, reward, penalty, channel, advantage, *phases, publish]
     assert all(end(a) <= b["ts"] for a, b in zip(path, path[1:]))
     assert end(batch_wait) <= advantage["ts"] and end(channel) <= end(batch_wait)
     assert publish["ts"] <= end(receive) <= load["ts"]
     timeline = summarize(run)
     assert set(timeline.nodes) == {"generate", "reward", "penalty", "advantage", "train_step", "sync_weights"}
     assert timeline.waits[("penalty->advantage", "channel")].count == 6  # 3 steps x 2 groups
+    assert {key: p.count for key, p in timeline.phases.items()} == {
+        ("train_step", "forward"): 3, ("train_step", "backward"): 3, ("train_step", "optimizer"): 3}
     assert sum(timeline.staleness["advantage->train_step"].values()) > 0
 
     digests = [json.loads(x)["digest"] for x in (run / "record/advantage-train_step/digests.jsonl").read_text()
