@@ -139,8 +139,9 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
     per_token = {n.name: busy[n.name] / 1e6 / all_tokens for n in plan.nodes if n.role in ("training", "inference")}
     replicas = len({e["pid"] for e in engine})
     syncs = [e for e in events if e["name"] == sync and e["cat"] == "node"]
-    sync_s = (sum(e["dur"] for e in syncs if e["args"].get("phase") == "publish")
-              + sum(e["dur"] for e in syncs if e["args"].get("phase") in ("receive", "load")) / replicas) / len(loads) / 1e6
+    publish_us = sum(e["dur"] for e in syncs if e["args"].get("phase") == "publish")
+    replica_us = sum(e["dur"] for e in syncs if e["args"].get("phase") in ("receive", "load")) / replicas
+    sync_s = (publish_us + replica_us) / len(loads) / 1e6
     logs = [math.log(max(1, n)) for n in out_tokens]
     mean_log = sum(logs) / len(logs)
     return plan, Calibration(
@@ -155,8 +156,9 @@ def calibrated_plan(plan: Plan, cal: Calibration) -> tuple[Plan, DecodeCost]:
     w = dict(plan.workload)
     budget = w["new_tokens"]
     w["prompt_len"] = max(1, round(cal.prompt_tokens))
-    w["length_dist"] = dataclasses.asdict(LengthDistConfig(
-        kind="lognormal", mean=min(10.0, cal.response_tokens / budget), sigma=min(5.0, max(cal.response_log_sigma, 0.01))))
+    sigma = min(5.0, max(cal.response_log_sigma, 0.01))  # compile.length_dist's range (0, 5]
+    mean = min(10.0, cal.response_tokens / budget)  # a fraction of the budget, at most 10
+    w["length_dist"] = dataclasses.asdict(LengthDistConfig(kind="lognormal", mean=mean, sigma=sigma))
     dist = LengthDist(LengthDistConfig(**w["length_dist"]), budget)
     expected = w["n_sequences"] * (w["prompt_len"] + dist.mean)  # the simulator's tokens of an average step
     nodes = tuple(dataclasses.replace(n, times={"compute": cal.node_s_per_token[n.name] * expected})
@@ -206,6 +208,7 @@ def format_comparison(c: Comparison) -> str:
             p = c.predicted[name]
             lines.append(f"{name:14s}  {p:14.1%}  {got:13.1%}  {1 - p:14.1%}  {1 - got:13.1%}")
         else:
-            lines.append(f"{name:14s}  {'-':>14s}  {got:13.1%}  {'-':>14s}  {1 - got:13.1%}   (cpu node: not simulated)")
+            lines.append(f"{name:14s}  {'-':>14s}  {got:13.1%}  {'-':>14s}  {1 - got:13.1%}   "
+                         "(cpu node: not simulated)")
     lines.append(f"{'step time':14s}  {c.simulated.step_time_s:12.3f} s  {c.measured_step_s:11.3f} s")
     return "\n".join(lines)
