@@ -113,12 +113,15 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
     """The run's plan, its :class:`Calibration` and its spans (``ph: X`` events).
 
     Raises:
-        CalibrationError: no trajectories, fewer than 2 weight loads, no generator spans.
+        CalibrationError: no generation node, no trajectories, fewer than 2 weight loads, no
+            generator spans.
         TimelineError: no plan.json or no trace.
     """
     run_dir = Path(run_dir)
     plan, events = load_plan(run_dir), load_events(run_dir)
-    sync, gen = _sync_name(plan), next(n for n in plan.nodes if n.role == "generation")
+    sync, gen = _sync_name(plan), next((n for n in plan.nodes if n.role == "generation"), None)
+    if gen is None:
+        raise CalibrationError(f"{run_dir / 'plan.json'}: no generation node to calibrate the simulator on")
     loads = _loads(events, sync)
     if len(loads) < 2:
         raise CalibrationError(f"{run_dir / 'trace.json'}: {len(loads)} weight load(s) of '{sync}'; the comparison "
