@@ -163,12 +163,13 @@ class Router:
                         self._handle(msg)
                         msg = self.control.recv(timeout_s=0)
                     v = self.min_version
+                    self._trace_admission(v)  # closes a blocked span once a new version lets groups in
                     while v is not None and self.admission.accepted + self.admission.running < len(self.problems) \
                             and self.admission.can_admit(v):
                         index = self.admission.admit(v)
                         self._dispatch(index, 1, self.problems[index])
                     self._flush()
-                    self._trace_admission(v)
+                    self._trace_admission(v)  # opens one when the admitted groups filled the capacity
         finally:
             self._trace_admission(None, closing=True)
             self.trace.close()
