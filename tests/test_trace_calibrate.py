@@ -79,3 +79,13 @@ def test_measured_busy_is_over_the_simulators_window_and_sits_beside_the_predict
 def test_a_run_without_two_weight_loads_is_refused_naming_the_file(tmp_path):
     with pytest.raises(CalibrationError, match=r"trace\.json: 0 weight load\(s\) of 'sync_weights'"):
         compare(_run_folder(tmp_path, loads=False))
+
+
+def test_timeline_simulate_prints_the_side_by_side_after_the_report(tmp_path, capsys):
+    from areal_flow.cli import main
+
+    assert main(["timeline", str(_run_folder(tmp_path)), "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("timeline over") < out.index("predicted (compiler.simulate, calibrated on this run's own trace)")
+    assert "calibration, measured on this run: generation 0.083 ms per response token" in out  # 6000 µs / 72
+    assert (tmp_path / "timeline.html").is_file()
