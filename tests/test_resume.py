@@ -222,3 +222,47 @@ def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(
     summary = json.loads((tmp_path / "async/summary.json").read_text())
     assert summary["restarts"]["trainer_restarts"] == 1 and summary["samples_trained"] == STEPS * B * N
     assert (tmp_path / "async/model/model.safetensors").is_file()
+
+
+# --- what a resume accepts (compile only: no model runs) ---------------------------------------
+
+TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
+
+
+def _plan(tmp_path: Path, *overrides: str):
+    from areal_flow.cli import load_flow
+    from areal_flow.config import load_config
+    from areal_flow.program import compile_program
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=exp", *overrides])
+    return compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
+
+
+def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys):
+    from runtime.launch import run
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2, "next_index": 4})
+    (run_dir / "events.out.tfevents.1").write_text("kept")
+    setup = RunSetup.create(_plan(tmp_path, "scheduler.max_restarts=0"), show_progress=False, resume="auto")
+    assert setup.checkpoint.version == 2 and (run_dir / "events.out.tfevents.1").read_text() == "kept"
+    assert f"resuming {run_dir} from version_2 (step 2 of 3)" in capsys.readouterr().err
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes\)"):
+        RunSetup.create(_plan(tmp_path, "train.lr=5e-4"), show_progress=False, resume=str(run_dir))
+    with pytest.raises(ResumeError, match="resuming runs on the local scheduler only"):
+        run(_plan(tmp_path, "scheduler.type=ray"), show_progress=False, resume="auto")
+    wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1")
+    (run_dir / "plan.json").write_text(wide.to_json())
+    with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
+        RunSetup.create(wide, show_progress=False, resume="auto")
+
+
+def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY,
+                           f"out_dir={tmp_path}", "name=exp", "--resume", str(tmp_path / "other")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
+                                  f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "exp").exists()  # nothing started
