@@ -123,7 +123,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps = 0
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
-        ask = MessageSender(spec.resync, secret=key)
+        ask = MessageSender(spec.resync, secret=key, linger_s=spec.recv_timeout_s)  # a resumed trainer may bind later
         ask.send(("resync", spec.weights))
         ask.close()
     if spec.resume_version > 0:
