@@ -3,8 +3,8 @@
 Owns the local scheduler: the workers' processes (``runtime.workers``,
 ``runtime.stage_worker``), the router's thread (``runtime.router``), the progress and the
 restarts. What every scheduler shares around the workers (topology, run folder, models,
-held-out accuracy, summary) is ``runtime.run_setup.RunSetup``. The local scheduler starts every worker as an OS process joined by pyzmq
-``ipc://`` channels: ``dp`` generation replicas and one process per other worker group (a
+held-out accuracy, summary) is ``runtime.run_setup.RunSetup``. The local scheduler starts
+every worker as an OS process joined by pyzmq ``ipc://`` channels: ``dp`` generation replicas and one process per other worker group (a
 multi-rank trainer spawns its ranks). A generation replica that dies is started again
 (``scheduler.max_restarts``; its groups are re-sent under their indices, and it resumes at
 the trainer's version). A trainer (or other stage worker) that dies without reporting
@@ -90,6 +90,15 @@ def _child(target, spec, results, *extra) -> None:
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
         trace = "" if getattr(exc, "brief", False) else f"\n{traceback.format_exc()}"  # a deliberate stop: one line
         results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}{trace}"))
+
+
+def _drain(metrics, logger: RunLogger) -> None:
+    """Log every step's metrics waiting in the ``metrics`` queue."""
+    while True:
+        try:
+            logger.log_step(metrics.get_nowait())
+        except queue.Empty:
+            return
 
 
 class _StageDied(Exception):
@@ -243,18 +252,18 @@ class _LocalRun:
                     name, status, payload = results.get_nowait()
                 except queue.Empty:
                     dead = [n for n, p in procs.items() if not p.is_alive() and p.exitcode not in (0, None)]
-                    for name in dead:
-                        procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
+                    try:
+                        for name in dead:
+                            procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
+                    except _StageDied:
+                        _drain(metrics, logger)  # the steps it reported before dying (the checkpoint's included)
+                        raise
                     continue
                 if status == "error":
                     sep = "\n" if "\n" in payload else " "  # a brief error is one line
                     raise WorkerFailed(f"{name} failed:{sep}{payload}")
                 done[name] = payload
-            while True:
-                try:
-                    logger.log_step(metrics.get_nowait())
-                except queue.Empty:
-                    break
+            _drain(metrics, logger)
             stop.set()  # the router tells the replicas to stop; they report their counters
             router_thread.join(timeout=10)
             replicas = {n for n, p in procs.items() if topo.groups[n.rsplit("/", 1)[0]].kind == "generation"}
