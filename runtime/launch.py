@@ -4,8 +4,8 @@ Owns the local scheduler: the workers' processes (``runtime.workers``,
 ``runtime.stage_worker``), the router's thread (``runtime.router``), the progress and the
 restarts. What every scheduler shares around the workers (topology, run folder, models,
 held-out accuracy, summary) is ``runtime.run_setup.RunSetup``. The local scheduler starts
-every worker as an OS process joined by pyzmq ``ipc://`` channels: ``dp`` generation replicas and one process per other worker group (a
-multi-rank trainer spawns its ranks). A generation replica that dies is started again
+every worker as an OS process joined by pyzmq ``ipc://`` channels: ``dp`` generation
+replicas and one process per other worker group (a multi-rank trainer spawns its ranks). A generation replica that dies is started again
 (``scheduler.max_restarts``; its groups are re-sent under their indices, and it resumes at
 the trainer's version). A trainer (or other stage worker) that dies without reporting
 (killed, crashed) restarts the run's workers from the last complete checkpoint
@@ -156,9 +156,11 @@ class _LocalRun:
         admitted = router.admission.accepted + router.admission.running
         self.replayed += max(0, admitted - first)
         where = setup.checkpoint.folder.name if setup.checkpoint else "version 0 (no checkpoint yet)"
-        print(f"areal-flow: {died}; restarting every worker from {where} at step {version} ({self.stage_restarts + self.restarts}"
-              f"/{limit} restarts): groups {first}..{admitted - 1} admitted after it are admitted again under their "
-              f"indices, trajectories and events of steps >= {version} are rewound", file=sys.stderr)
+        again = f"groups {first}..{admitted - 1} admitted after it are admitted again under their indices" \
+            if admitted > first else "no group was admitted after it"
+        print(f"areal-flow: {died}; restarting every worker from {where} at step {version} "
+              f"({self.stage_restarts + self.restarts}/{limit} restarts): {again}, trajectories and events of steps "
+              f">= {version} are rewound", file=sys.stderr)
 
     def _attempt(self, logger: RunLogger) -> dict:
         """Start every worker (from :attr:`RunSetup.checkpoint` when set) and run to the end."""

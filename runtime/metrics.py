@@ -77,7 +77,8 @@ class RunLogger:
         if wandb is not None and wandb.wandb:
             self.writers.append(WandbWriter(out_dir, wandb.wandb_project, wandb.wandb_mode, run_name, config))
         self.writer = self.writers[0]
-        self.bar = tqdm(total=total_steps, initial=first_step or 0, desc="rl", unit="step", disable=not show_progress, dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=first_step or 0, desc="rl", unit="step",
+                        disable=not show_progress, dynamic_ncols=True)
         self.start = time.perf_counter()
         self.samples = 0
         self.staleness = Counter()

@@ -228,8 +228,9 @@ def _check_resumable(plan: Plan, topo: Topology, out_dir: Path) -> None:
                           f"{', '.join(keys)}); resume with the same graph and config, or start a new run")
     wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
     if wide is not None:
-        raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks; "
-                          "resume supports single-rank trainers only (their optimizer state is not sharded)")
+        raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} "
+                          "ranks; resume supports single-rank trainers only (a sharded optimizer state is not "
+                          "checkpointed)")
 
 
 def _spares(task, chunk: int, seed: int) -> Iterator[dict]:

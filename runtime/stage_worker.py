@@ -10,7 +10,8 @@ each trained policy on its weight routes, writes trajectories, checkpoints and t
 of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
 step's metrics. A checkpoint (``train.checkpoint_every``; layout and atomic write in
 ``runtime.checkpoint``) is written after the step's trajectories, and a trainer given one
-(``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One loop for every world size: a multi-rank train_step runs it on rank 0
+(``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One
+loop for every world size: a multi-rank train_step runs it on rank 0
 (``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
 (``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
 

@@ -112,12 +112,15 @@ RUN = [f"train.steps={STEPS}", f"train.batch_size={B}", f"gen.n_samples={N}", "w
        "eval.enabled=false", "train.checkpoint_every=2", "train.lr=1e-2"]
 
 
-def _cli(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
-    graph = tmp_path / "parity.py"
-    graph.write_text(PARITY_GRAPH)
-    return subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", str(graph), "--config",
-                             str(REPO / "graphs/arith_grpo.yaml"), *RUN, f"out_dir={tmp_path}", f"name={name}", *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _cli(tmp_path: Path, name: str, *extra: str, graph: str = "") -> subprocess.Popen:
+    """``areal-flow run`` of the parity graph (or ``graph``, with the YAML beside it)."""
+    if graph:
+        args = [str(REPO / graph)]
+    else:
+        (tmp_path / "parity.py").write_text(PARITY_GRAPH)
+        args = [str(tmp_path / "parity.py"), "--config", str(REPO / "graphs/arith_grpo.yaml")]
+    return subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", *args, *RUN, f"out_dir={tmp_path}",
+                             f"name={name}", *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, code: int = 0) -> str:
@@ -146,9 +149,9 @@ def _kill_trainer_after(out: Path, step: int, killed: dict) -> None:
         time.sleep(0.02)
 
 
-def _run_killed(tmp_path: Path, name: str, *extra: str, code: int = 0) -> tuple[str, dict]:
+def _run_killed(tmp_path: Path, name: str, *extra: str, code: int = 0, graph: str = "") -> tuple[str, dict]:
     killed: dict = {}
-    proc = _cli(tmp_path, name, *extra)
+    proc = _cli(tmp_path, name, *extra, graph=graph)
     killer = threading.Thread(target=_kill_trainer_after, args=(tmp_path / name, 2, killed), daemon=True)
     killer.start()
     err = _finish(proc, code)
@@ -165,6 +168,16 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _event_steps(out: Path, tag: str = "rl/reward") -> list[int]:
+    """The steps TensorBoard shows for ``tag`` over every event file of ``out`` (a resumed
+    attempt's ``purge_step`` hides the dead attempt's later events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
 
 
 def _exactly_once(out: Path, k: int) -> list[dict]:
@@ -198,6 +211,7 @@ def test_sync_run_resumed_from_a_checkpoint_reaches_the_same_weights(tmp_path, u
     assert f"resuming {tmp_path / 'cut'} from version_{cut.version} (step {cut.version} of {STEPS})" in err
     assert _same(_weights(tmp_path / "cut/model"), whole)  # bit-identical after the same steps
     _exactly_once(tmp_path / "cut", k=0)
+    assert _event_steps(tmp_path / "cut") == list(range(STEPS))  # events continue, each step once
     summary = json.loads((tmp_path / "cut/summary.json").read_text())
     assert summary["samples_trained"] == STEPS * B * N and summary["restarts"]["resumed_from_version"] == cut.version
 
@@ -209,6 +223,8 @@ def test_sync_run_whose_trainer_dies_restarts_it_and_reaches_the_same_weights(tm
     assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_")
     assert _same(_weights(tmp_path / "dies/model"), _weights(uninterrupted / "model"))
     _exactly_once(tmp_path / "dies", k=0)
+    assert _event_steps(tmp_path / "dies") == list(range(STEPS))
+    assert len(list((tmp_path / "dies").glob("events.out.tfevents.*"))) == 2  # one per attempt, one folder
     restarts = json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]
     version = int(line.split("from version_")[1].split()[0])
     # the groups trained after the checkpoint before the kill were admitted again (at least)
@@ -266,3 +282,17 @@ def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
     assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
                                   f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
     assert not (tmp_path / "exp").exists()  # nothing started
+
+
+@pytest.mark.slow
+def test_ppo_critic_and_its_optimizer_resume_bit_for_bit(tmp_path, warm_cache):
+    """The critic is a second train_step (its own folder and optimizer in the checkpoint)."""
+    _finish(_cli(tmp_path, "whole", "async.max_staleness=0", graph="graphs/arith_ppo.py"))
+    _run_killed(tmp_path, "dies", "async.max_staleness=0", "scheduler.max_restarts=1", graph="graphs/arith_ppo.py")
+    assert (tmp_path / "dies/checkpoints/version_2/critic/value_head.pt").is_file()
+    for model in ("model", "critic"):
+        assert _same(_weights(tmp_path / "dies" / model), _weights(tmp_path / "whole" / model))
+    heads = [torch.load(tmp_path / run / "critic/value_head.pt", weights_only=True) for run in ("whole", "dies")]
+    assert _same(*heads)
+    assert not _same(_weights(tmp_path / "whole/critic"), _weights(tmp_path / "whole/checkpoints/version_2/critic"))
+    _exactly_once(tmp_path / "dies", k=0)
