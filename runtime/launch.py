@@ -131,7 +131,8 @@ class _LocalRun:
         finally:
             setup.merge_trace()
         restarts = {"resumed_from_version": started_from, "trainer_restarts": self.stage_restarts,
-                    "replayed_groups": self.replayed}
+                    "replica_restarts": self.restarts, "replayed_groups": self.replayed,
+                    "dropped_duplicates": sum(w.get("duplicates", 0) for w in workers.values())}
         return setup.finish(logger, workers, restarts=restarts)
 
     def _from_checkpoint(self, died: _StageDied) -> None:

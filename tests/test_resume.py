@@ -229,6 +229,7 @@ def test_sync_run_whose_trainer_dies_restarts_it_and_reaches_the_same_weights(tm
     version = int(line.split("from version_")[1].split()[0])
     # the groups trained after the checkpoint before the kill were admitted again (at least)
     assert restarts["trainer_restarts"] == 1 and restarts["replayed_groups"] >= (killed["lines"] // N) - version * B
+    assert restarts["replica_restarts"] == 0 and restarts["dropped_duplicates"] == 0  # fresh replicas: none sent twice
 
 
 @pytest.mark.slow
