@@ -283,6 +283,16 @@ def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
     assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
                                   f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
     assert not (tmp_path / "exp").exists()  # nothing started
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "areal_flow.cli", "compile", "graphs/arith_grpo.py", *TINY,
+                    f"out_dir={tmp_path}", "name=exp", "--plan", "-o", str(plan)], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(plan), "--resume",
+                           str(tmp_path / "exp")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr == (f"areal-flow: error: --resume {tmp_path / 'exp'}: no complete "
+                                                    f"checkpoint under {tmp_path / 'exp/checkpoints'} (train."
+                                                    "checkpoint_every > 0 writes them; resume=auto starts fresh "
+                                                    "instead)\n")
 
 
 @pytest.mark.slow
