@@ -74,8 +74,8 @@ def main() -> None:
             times["weights"].append(time.perf_counter() - started)
             started = time.perf_counter()
             folder = write_checkpoint(root / "checkpoints", i, weights,
-                                      {"version": i, "next_index": 0, "rng": capture_rng(),
-                                       "optimizers": {"train_step": optimizer.state_dict()}})
+                                      {"version": i, "rng": capture_rng(),
+                                       "optimizers": {"train_step": optimizer.state_dict()}}, next_index=0)
             times["resumable"].append(time.perf_counter() - started)
             started = time.perf_counter()
             from runtime.model_source import load_pretrained

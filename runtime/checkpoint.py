@@ -5,14 +5,14 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
 
 * the trained models, as the train_step executors save them (the policy in ``transformers``
   format at the top, any other trained model, e.g. a critic, in a sub-folder named by it);
-* ``trainer_state.pt`` (``torch.save``): ``version``; ``next_index`` (the first admission
-  index not yet trained, ``v * B``: every group below it was trained exactly once, every
-  group at or above it is admitted again under its index after a resume); per train_step
-  node its optimizer's ``state_dict`` (AdamW moments and step counts; the learning rate is
-  constant, so there is no schedule state); the trainer's RNG states (torch, Python
-  ``random``, numpy);
-* ``manifest.json``, written last: every file's size in bytes. A folder counts as complete
-  only when its manifest is there and every size matches.
+* ``trainer_state.pt`` (``torch.save``): ``version``; per train_step node its optimizer's
+  ``state_dict`` (AdamW moments and step counts; the learning rate is constant, so there is
+  no schedule state); the trainer's RNG states (torch, Python ``random``, numpy);
+* ``manifest.json``, written last: ``version``, ``next_index`` (the first admission index
+  not yet trained, ``v * B``: every group below it was trained exactly once, every group at
+  or above it is admitted again under its index after a resume; the driver reads it here
+  without loading the optimizer state) and every file's size in bytes. A folder counts as
+  complete only when its manifest is there and every size matches.
 
 The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, then the
 folder is renamed to ``version_<v>`` (``os.replace``: atomic on one file system) and the
@@ -51,9 +51,9 @@ class Checkpoint:
     folder: Path
     version: int
 
-    def state(self) -> dict:
-        """``trainer_state.pt`` (module doc)."""
-        return read_state(self.folder)
+    def manifest(self) -> dict:
+        """``manifest.json`` (module doc): ``version``, ``next_index``, ``files``."""
+        return json.loads((self.folder / MANIFEST).read_text())
 
 
 def read_state(folder: Path) -> dict:
@@ -103,12 +103,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict) -> Path:
+def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict,
+                     next_index: int) -> Path:
     """Write ``root/version_<version>`` atomically (module doc) and return it.
 
     Args:
         fill: writes the models into the folder it is given (the temporary one).
         state: the trainer state (module doc), saved as ``trainer_state.pt``.
+        next_index: the first admission index not yet trained (the manifest's).
 
     Raises:
         OSError: the folder cannot be written (names the path); nothing complete is left then.
@@ -123,7 +125,7 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync(path)
         sizes[str(path.relative_to(tmp))] = path.stat().st_size
-    (tmp / MANIFEST).write_text(json.dumps({"version": version, "files": sizes}, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps({"version": version, "next_index": next_index, "files": sizes}, indent=1))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
     if final.exists():  # left by an attempt that died after this version (never the one resumed from)

@@ -162,7 +162,7 @@ class RunSetup:
         trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
         return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
                       replicas, control, trace, admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}",
-                      secret=self.secret, first_index=self.checkpoint.state()["next_index"] if self.checkpoint else 0)
+                      secret=self.secret, first_index=self.checkpoint.manifest()["next_index"] if self.checkpoint else 0)
 
     def merge_trace(self) -> None:
         """Merge the workers' spans into ``trace.json`` (``runtime.trace``), on success or failure;

@@ -296,9 +296,9 @@ class _Stage:
             for node in nodes:
                 self.executors[node.name].save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
 
-        state = {"version": version, "next_index": version * self.topo.batch_groups, "rng": capture_rng(),
+        state = {"version": version, "rng": capture_rng(),
                  "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes}}
-        write_checkpoint(root, version, fill, state)
+        write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups)
 
     def _restore(self) -> int:
         """Load the checkpoint ``spec.resume`` into the train_step executors and this

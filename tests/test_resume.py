@@ -29,12 +29,12 @@ def _models(folder: Path) -> None:
 
 def test_a_checkpoint_is_complete_only_once_renamed_with_its_manifest(tmp_path):
     root = tmp_path / "checkpoints"
-    final = write_checkpoint(root, 2, _models, {"version": 2, "next_index": 4})
+    final = write_checkpoint(root, 2, _models, {"version": 2}, next_index=4)
     assert final == root / "version_2" and not (root / "version_2.tmp").exists()
     assert sorted(p.name for p in final.iterdir()) == [MANIFEST, "model.safetensors", "trainer_state.pt"]
-    assert read_state(final) == {"version": 2, "next_index": 4}
-    assert latest_checkpoint(tmp_path).version == 2
-    write_checkpoint(root, 4, _models, {"version": 4})
+    assert read_state(final) == {"version": 2}
+    assert latest_checkpoint(tmp_path).manifest()["next_index"] == 4 and latest_checkpoint(tmp_path).version == 2
+    write_checkpoint(root, 4, _models, {"version": 4}, next_index=8)
     (root / "version_6.tmp").mkdir()  # a write that died before its rename
     (root / "version_6.tmp" / "model.safetensors").write_bytes(b"half")
     (root / "version_8").mkdir()  # a folder without a manifest (not written by write_checkpoint)
@@ -50,9 +50,9 @@ def test_a_failed_write_leaves_no_complete_checkpoint(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        write_checkpoint(tmp_path / "checkpoints", 2, crash, {"version": 2})
+        write_checkpoint(tmp_path / "checkpoints", 2, crash, {"version": 2}, next_index=4)
     assert latest_checkpoint(tmp_path) is None
-    write_checkpoint(tmp_path / "checkpoints", 2, _models, {"version": 2})  # a retry replaces the .tmp folder
+    write_checkpoint(tmp_path / "checkpoints", 2, _models, {"version": 2}, next_index=4)  # a retry replaces the .tmp folder
     assert latest_checkpoint(tmp_path).version == 2 and not (tmp_path / "checkpoints/version_2.tmp").exists()
 
 
@@ -63,7 +63,7 @@ def test_resume_point_by_setting(tmp_path):
     assert resume_point("auto", run) is None  # nothing to resume: a new run
     with pytest.raises(ResumeError, match="no complete checkpoint under .*exp/checkpoints"):
         resume_point(str(run), run)
-    write_checkpoint(run / "checkpoints", 3, _models, {"version": 3})
+    write_checkpoint(run / "checkpoints", 3, _models, {"version": 3}, next_index=6)
     assert resume_point("auto", run).version == 3 and resume_point(str(run), run).version == 3
     with pytest.raises(ResumeError, match="this plan writes to .*exp"):
         resume_point(str(tmp_path / "other"), run)
@@ -260,7 +260,7 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     from runtime.run_setup import RunSetup
 
     run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
-    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2, "next_index": 4})
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
     (run_dir / "events.out.tfevents.1").write_text("kept")
     setup = RunSetup.create(_plan(tmp_path, "scheduler.max_restarts=0"), show_progress=False, resume="auto")
     assert setup.checkpoint.version == 2 and (run_dir / "events.out.tfevents.1").read_text() == "kept"
