@@ -145,12 +145,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         path = Path(args.plan)
         if not path.is_file():
             raise CLIError(f"plan file not found: {path}")
-        run(Plan.from_json(path.read_text(), source=str(path)))
+        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")
     flow = load_flow(args.file, args.flow)
-    return run_flow(flow, _config(flow, args))
+    cfg = _config(flow, args)
+    if args.resume:
+        cfg.resume = args.resume
+    return run_flow(flow, cfg)
 
 
 def run_flow(flow: Flow, cfg) -> int:
@@ -308,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a graph (compile + run), or a saved plan with --plan")
     _add_graph_args(p, optional=True)
     p.add_argument("--plan", help="run this plan.json (from 'areal-flow compile --plan'); nothing else is read")
+    p.add_argument("--resume", metavar="RUN_FOLDER",
+                   help="continue the run in RUN_FOLDER (runs/<name>) from its last complete checkpoint; 'auto': "
+                        "resume if the run's folder holds one, else start fresh (config key resume)")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("viz", help="draw a plan.json as a placement graph")
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
@@ -376,6 +382,10 @@ def _guarded(fn, args) -> int:
         return 2
     except Exception as exc:
         # Only a run imports the runtime (torch); a worker can have failed only if it did.
+        checkpoint = sys.modules.get("runtime.checkpoint")
+        if checkpoint is not None and isinstance(exc, checkpoint.ResumeError):  # a user error of a run
+            print(f"areal-flow: error: {exc}", file=sys.stderr)
+            return 2
         launch = sys.modules.get("runtime.launch")
         if launch is None or not isinstance(exc, launch.WorkerFailed):
             raise

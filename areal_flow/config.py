@@ -143,7 +143,7 @@ class TrainConfig:
     loss: dict[str, Any] = field(default_factory=dict)
     """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
     checkpoint_every: int = 0
-    """Save the policy to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps; 0 = only the final model."""
+    """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from); 0 = only the final model."""
 
     def __post_init__(self) -> None:
         valid = LossConfig.field_names()
@@ -229,7 +229,7 @@ class SchedulerConfig:
     device_resource: str = ""
     """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
     max_restarts: int = 3
-    """Times Ray restarts a dead generation actor (its groups are regenerated); 0 = a death fails the run."""
+    """Restarts of dead workers in a run: a generation replica or actor (its groups are regenerated), or on the local scheduler a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
 
@@ -288,6 +288,8 @@ class ExperimentConfig:
     """Seed of data, sampling and initialisation."""
     out_dir: str = "runs"
     """Folder for TensorBoard events, trajectories and the final model."""
+    resume: str = ""
+    """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Local scheduler, single-rank trainers."""
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)

@@ -62,19 +62,23 @@ class RunLogger:
         wandb: a ``LoggingConfig`` with ``wandb=True`` adds a ``WandbWriter`` beside
             TensorBoard (every scalar goes to both); None or ``wandb=False``: TensorBoard only.
         run_name, config: the W&B run's name and config.
+        first_step: the step a resumed run continues from: TensorBoard hides the events of
+            steps ``>= first_step`` an earlier attempt wrote (``SummaryWriter(purge_step=...)``),
+            and the bar starts there.
 
     Raises:
         ModuleNotFoundError: W&B asked for but not installed (see ``WandbWriter``).
     """
 
     def __init__(self, out_dir: Path, total_steps: int, show_progress: bool = True, wandb=None,
-                 run_name: str | None = None, config: dict | None = None):
+                 run_name: str | None = None, config: dict | None = None, first_step: int | None = None):
         self.out_dir = out_dir
-        self.writers = [SummaryWriter(log_dir=str(out_dir))]
+        self.writers = [SummaryWriter(log_dir=str(out_dir), purge_step=first_step)]
         if wandb is not None and wandb.wandb:
             self.writers.append(WandbWriter(out_dir, wandb.wandb_project, wandb.wandb_mode, run_name, config))
         self.writer = self.writers[0]
-        self.bar = tqdm(total=total_steps, desc="rl", unit="step", disable=not show_progress, dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=first_step or 0, desc="rl", unit="step",
+                        disable=not show_progress, dynamic_ncols=True)
         self.start = time.perf_counter()
         self.samples = 0
         self.staleness = Counter()

@@ -51,6 +51,8 @@ class Router:
         trace / admission_edge: spans of the time the staleness rule blocks admission (every
             replica up, prompts left), named by the edge from the source to the generator.
         secret: the run's channel secret (``runtime.channel_auth``).
+        first_index: the first admission index to admit (a resumed run's ``next_index``,
+            ``runtime.checkpoint``): every index below it was trained already.
 
     Attributes:
         dispatched: groups sent to replicas (resamples and re-dispatches included).
@@ -60,9 +62,10 @@ class Router:
 
     def __init__(self, problems: list[dict], spares: Iterator[dict], max_staleness: int, batch_groups: int,
                  replicas: list[str], control_address: str, trace: TraceRecorder | None = None,
-                 admission_edge: str = "dataset->generate", *, secret: bytes) -> None:
+                 admission_edge: str = "dataset->generate", *, secret: bytes, first_index: int = 0) -> None:
         self.problems, self.spares, self.secret = problems, spares, secret
         self.admission = AdmissionController(max_staleness, batch_groups)
+        self.admission.accepted = first_index  # as if completed: they were trained before the checkpoint
         self.control = MessageReceiver(control_address, secret=secret)
         self.outs = [MessageSender(a, secret=secret) for a in replicas]
         self.versions: dict[int, int] = {}

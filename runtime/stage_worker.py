@@ -8,7 +8,10 @@ takes the ``B`` groups of step ``s`` in admission order
 ``s - start_version <= k``), runs the batch nodes (advantage, every train_step), publishes
 each trained policy on its weight routes, writes trajectories, checkpoints and the records
 of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
-step's metrics. One loop for every world size: a multi-rank train_step runs it on rank 0
+step's metrics. A checkpoint (``train.checkpoint_every``; layout and atomic write in
+``runtime.checkpoint``) is written after the step's trajectories, and a trainer given one
+(``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One
+loop for every world size: a multi-rank train_step runs it on rank 0
 (``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
 (``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
 
@@ -28,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from runtime.channels import MessageReceiver, MessageSender
+from runtime.checkpoint import capture_rng, model_folder, read_state, restore_rng, write_checkpoint
 from runtime.context import WorkerContext
 from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
@@ -78,6 +82,7 @@ class _Stage:
         self.outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
+        self._to_save: dict = {}  # train_step name -> its weights after a checkpointed step
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
         self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
@@ -141,14 +146,15 @@ class _Stage:
     def _train(self) -> dict:
         topo, out = self.topo, Path(self.spec.out_dir)
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
+        start = buffer.next_step = self.version = self._restore() if self.spec.resume else 0
         items: dict[int, GroupItem] = {}
         publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).op == "train_step"), default=0)
         (out / "trajectories").mkdir(parents=True, exist_ok=True)
         try:
-            with (out / "trajectories" / "trajectories.jsonl").open("w") as log:
-                for step in range(topo.steps):
+            with (out / "trajectories" / "trajectories.jsonl").open("a" if start else "w") as log:
+                for step in range(start, topo.steps):
                     waited, waited_us = time.perf_counter(), now_us()
                     while not buffer.ready(step):
                         item = self._receive(timeout_s=1.0)
@@ -174,6 +180,8 @@ class _Stage:
                     for t in advantage["trajectories"]:
                         log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
                     log.flush()
+                    if checkpoint:
+                        self._write_checkpoint(step + 1, out / "checkpoints")
                     metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
                     if checkpoint:
                         metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
@@ -260,8 +268,7 @@ class _Stage:
                 if "lr" in node.attrs and node.model == self.ctx.policy_name():
                     stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
-                    self._save_one(node, Path(self.spec.out_dir) / "checkpoints" / f"version_{step + 1}",
-                                   result["weights"])
+                    self._to_save[node.name] = result["weights"]
         return stats, advantage
 
     def _batch_edge(self) -> str:
@@ -280,9 +287,31 @@ class _Stage:
                 record.digest(step, node.name, weights if weights is not None else
                               self.executors[node.name].current_state())
 
-    def _save_one(self, node, folder: Path, state) -> None:
-        name = folder if node.model == self.ctx.policy_name() else folder / node.model
-        self.executors[node.name].save(name, state)
+    def _write_checkpoint(self, version: int, root: Path) -> None:
+        """``root/version_<version>``: every trained model, its optimizer, the RNGs, the
+        admission cursor (``runtime.checkpoint``), written atomically."""
+        nodes = [n for n in self.batch_nodes if n.op == "train_step"]
+        policy = self.ctx.policy_name()
+
+        def fill(folder: Path) -> None:
+            for node in nodes:
+                self.executors[node.name].save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
+
+        state = {"version": version, "rng": capture_rng(),
+                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes}}
+        write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups)
+
+    def _restore(self) -> int:
+        """Load the checkpoint ``spec.resume`` into the train_step executors and this
+        process's RNGs; return its version (the next step)."""
+        folder = Path(self.spec.resume)
+        state = read_state(folder)
+        for node in self.batch_nodes:
+            if node.op == "train_step":
+                self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),
+                                                          state["optimizers"][node.name])
+        restore_rng(state["rng"])
+        return int(state["version"])
 
     def _save_final(self, folder: Path) -> None:
         for node in self.batch_nodes:

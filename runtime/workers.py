@@ -16,7 +16,10 @@ What happens to one group (its nodes, its failed samples, its filing for a step)
 ``runtime.groups``. A group a ``group`` node drops (a filter, or no sample left after
 failed rewards) is reported so the router resamples its slot. A restarted replica gets the trainer's current version (``("resync", weight_address)`` on
 the trainer's inbox) and waits for it before it reports ready, so the groups the router
-sends it again keep the staleness bound.
+sends it again keep the staleness bound; so does every replica of a resumed run. Whenever a
+replica holds a new version its sampling generator is re-seeded from ``(seed, replica,
+version)`` (``runtime.checkpoint.sampling_seed``; the embedded engine), so a resumed
+``k = 0`` run samples what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from areal_flow.ops.registry import FunctionExecutor, lookup
 from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
+from runtime.checkpoint import sampling_seed
 from runtime.context import WorkerContext
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.trace import TraceRecorder, now_us
@@ -54,6 +58,8 @@ class WorkerSpec:
             asks there for the current version (``("resync", weights)``).
         secret: the run's channel secret (``runtime.channel_auth``): every message it sends
             is signed with it, every message it receives is verified before use.
+        resume: for a trainer, the checkpoint folder it continues from (``runtime.checkpoint``;
+            empty: version 0).
     """
 
     plan: Plan
@@ -71,6 +77,7 @@ class WorkerSpec:
     resume_version: int = 0
     resync: str = ""
     secret: bytes = b""
+    resume: str = ""
 
 
 def register_plan_ops(plan: Plan) -> None:
@@ -116,7 +123,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps = 0
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
-        ask = MessageSender(spec.resync, secret=key)
+        ask = MessageSender(spec.resync, secret=key, linger_s=spec.recv_timeout_s)  # a resumed trainer may bind later
         ask.send(("resync", spec.weights))
         ask.close()
     if spec.resume_version > 0:
@@ -126,6 +133,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                                f"on {spec.weights} within {spec.recv_timeout_s} s")
         gen.update_weights(update[1], update[0])
         counts["weight_updates"] += 1
+    seed_sampling(gen, spec)
     control.send(("ready", spec.rank, gen.version))
     stop = False
     try:
@@ -136,6 +144,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 trace.complete(sync, "weights", started, now_us(), phase="receive", version=update[0])
                 with trace.span(sync, "weights", phase="load", version=update[0]):
                     gen.update_weights(update[1], update[0])
+                seed_sampling(gen, spec)
                 counts["weight_updates"] += 1
                 control.send(("version", spec.rank, gen.version))
             if not gen.has_work():  # idle: wake on a prompt or on new weights, whichever comes first
@@ -177,6 +186,14 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
             "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
             **failure_counts(executors)}
+
+
+def seed_sampling(gen, spec: WorkerSpec) -> None:
+    """Re-seed the sampling generator of ``gen``'s engine for the version it now holds
+    (``runtime.checkpoint.sampling_seed``); engines without ``reseed`` (vLLM) keep their stream."""
+    engine = getattr(gen, "engine", None)
+    if hasattr(engine, "reseed"):
+        engine.reseed(sampling_seed(int(spec.plan.run["seed"]), spec.rank, gen.version))
 
 
 def sync_node(plan: Plan, end: str) -> str:

@@ -174,7 +174,7 @@ def test_a_group_with_no_sample_left_is_dropped_for_resampling():
 
 def test_resampled_slots_never_run_out_of_prompts():
     from areal_flow.tasks.arithmetic import ArithmeticTask
-    from runtime.launch import _spares
+    from runtime.run_setup import _spares
 
     drawn = list(itertools.islice(_spares(ArithmeticTask(seed=1), chunk=3, seed=1), 7))  # 3 + 3 + 1: three chunks
     assert len(drawn) == 7 and drawn[:3] == ArithmeticTask(seed=1).train_problems(3, seed=3)

@@ -392,6 +392,12 @@ class GenerationEngine:
         """
         return run_to_completion(self, requests)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling generator from ``seed`` (a replica does at each policy version
+        it loads, so a resumed run samples what an uninterrupted one does: ``runtime.checkpoint``)."""
+        with self._lock:
+            self._gen.manual_seed(seed)
+
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights mid-generation (interruptible generation).
 

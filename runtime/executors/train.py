@@ -171,3 +171,27 @@ class TrainStepExecutor:
         model.load_state_dict(state if state is not None else self.state_dict(), strict=True)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's ``state_dict`` (AdamW moments and step counts) for a checkpoint
+        (``runtime.checkpoint``); None on several ranks (their state is sharded; not checkpointed)."""
+        return None if self.ranks is not None else self.optimizer.state_dict()
+
+    def load_checkpoint(self, folder: Path, optimizer_state: dict) -> None:
+        """Continue from a checkpoint: the weights :meth:`save` wrote to ``folder`` and the
+        optimizer's ``state_dict`` (bit for bit: fp32 weights and moments are stored as they are).
+
+        Raises:
+            RuntimeError: a multi-rank train_step (its resume is not supported), or weights
+                that do not fit the model (torch names the keys).
+        """
+        if self.ranks is not None:
+            raise RuntimeError(f"{self.node.name}: resume of a multi-rank train_step is not supported")
+        if self.critic:
+            weights = type(self.model).load(folder).state_dict()
+        else:
+            from runtime.model_source import load_pretrained
+
+            weights = load_pretrained(folder)[0].state_dict()
+        self.model.load_state_dict(weights, strict=True)
+        self.optimizer.load_state_dict(optimizer_state)

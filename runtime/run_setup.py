@@ -1,0 +1,255 @@
+"""What every scheduler shares around its workers: :class:`RunSetup`.
+
+Owns the run folder's start (a new run's empty folder, or a resumed run's own,
+``runtime.run_dir``, ``runtime.checkpoint``), ``plan.json``, the version-0 models
+(``runtime.model_source.prepare_models``), held-out accuracy before and after RL, the
+router over the dataset (``runtime.router``), the workers' specs, the logger and the
+summary. The schedulers that start the workers are ``runtime.launch`` (local) and
+``runtime.ray_scheduler``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_flow.ops.dataset import build_task
+from compiler.plan import Plan
+from runtime.channel_auth import new_secret
+from runtime.checkpoint import Checkpoint, ResumeError, resume_point
+from runtime.metrics import RunLogger, format_summary
+from runtime.router import Router
+from runtime.run_dir import fresh_run_dir, rewind_run_dir
+from runtime.topology import Topology, build_topology
+from runtime.trace import TraceRecorder, merge_trace
+from runtime.workers import WorkerSpec
+
+
+@dataclass
+class RunSetup:
+    """The parts of a run every scheduler shares, around its workers."""
+
+    plan: Plan
+    topo: Topology
+    out_dir: Path
+    show_progress: bool = True
+    task: object = None
+    folders: dict = field(default_factory=dict)
+    test_set: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+    secret: bytes = field(default_factory=new_secret, repr=False)
+    """The run's channel secret (``runtime.channel_auth``): drawn here, given to every worker."""
+    checkpoint: Checkpoint | None = None
+    """Where a resumed run continues from (None: version 0)."""
+
+    @classmethod
+    def create(cls, plan: Plan, show_progress: bool = True, resume: str = "") -> "RunSetup":
+        """Check the topology, start an empty run folder (an earlier run's is moved aside,
+        ``runtime.run_dir``) and write ``plan.json`` (no model is touched: cheap); or, to
+        resume (``run``), find the checkpoint in the run's own folder and keep the folder.
+
+        Raises:
+            ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
+                folder whose ``plan.json`` is another program, or the plan trains on several ranks.
+        """
+        from compiler import format_table
+
+        topo = build_topology(plan)
+        out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
+        checkpoint = resume_point(resume, out_dir)
+        if checkpoint is not None:
+            _check_resumable(plan, topo, out_dir)
+            print(f"areal-flow: resuming {out_dir} from {checkpoint.folder.name} (step {checkpoint.version} of "
+                  f"{topo.steps})", file=sys.stderr)
+        else:
+            moved = fresh_run_dir(out_dir)
+            if moved is not None:
+                print(f"areal-flow: {out_dir} held an earlier run; moved it to {moved.name}", file=sys.stderr)
+            (out_dir / "plan.json").write_text(plan.to_json())
+        from compiler.device_check import device_mismatch_warning
+
+        if show_progress:
+            print(format_table(plan))
+            for note in topo.notes:
+                print(f"note: {note}")
+        warning = device_mismatch_warning(plan.cluster["gpu"])
+        if warning:
+            print(f"areal-flow: warning: {warning}", file=sys.stderr)
+        return cls(plan, topo, out_dir, show_progress, checkpoint=checkpoint)
+
+    def logger(self, rewind: bool = False) -> RunLogger:
+        """TensorBoard (and W&B when ``logging.wandb``) + progress bar for this run; with
+        ``rewind`` (a resume, or workers restarted) the run folder is first rewound to
+        :attr:`checkpoint` (version 0 without one) and the events continue from its step."""
+        from types import SimpleNamespace
+
+        version = self.checkpoint.version if self.checkpoint else 0
+        kept = rewind_run_dir(self.out_dir, version) if rewind else None
+        wandb = SimpleNamespace(**self.plan.run["logging"]) if self.plan.run.get("logging") else None
+        logger = RunLogger(self.out_dir, self.topo.steps, self.show_progress, wandb=wandb,
+                           run_name=self.plan.run["name"], config={"plan_id": self.plan.id, **self.plan.run},
+                           first_step=version if rewind else None)
+        if kept is not None:  # the summary counts the samples trained before the checkpoint too
+            logger.samples, logger.staleness = kept
+        return logger
+
+    @property
+    def eval_enabled(self) -> bool:
+        return bool(self.plan.run["eval"].get("enabled", True))
+
+    def prepare(self) -> None:
+        """Version-0 models, and held-out greedy accuracy before RL."""
+        from runtime.model_source import prepare_models
+
+        self.task = build_task(self.topo.dataset.attrs, self.plan.run["seed"])
+        self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
+        policy = self.topo.generate.model
+        from runtime.parallel_trainer import check_parallel_training
+
+        for node in self.topo.train_steps:  # before any worker starts, naming the broken rule
+            if node.parallel.world_size > 1:
+                rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
+                check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
+                                        critic=self.plan.models[node.model]["head"] != "lm")
+        self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
+        if self.eval_enabled:
+            self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
+            self._held_out(self.folders[policy], "before")
+            if self.show_progress:
+                print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
+                      f"({len(self.test_set)} problems)")
+
+    def _held_out(self, folder, when: str) -> None:
+        """``accuracy_<when>`` on the held-out set (and the answer kinds, or for episodes of a
+        rollout node ``episodes_<when>``: return, turns, env info means)."""
+        gen = self.topo.generate
+        temperature = float(self.plan.run["eval"].get("temperature", 0.0))
+        sampled = f"sampled at temperature {temperature:g}" if temperature else "greedy"
+        self.extra["eval_kind"] = f"episode success rate ({sampled})" if gen.op == "rollout" else "greedy accuracy"
+        if gen.op == "rollout":
+            from compiler.plan import decode_value
+            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.executors.rollout import episode_context
+            from runtime.model_source import load_pretrained
+
+            attrs = decode_value(gen.attrs)
+            model, tokenizer = load_pretrained(folder)
+            stats = evaluate_episodes(model, tokenizer, attrs, self.test_set,
+                                      temperature=temperature,
+                                      max_context=episode_context(attrs, folder))
+            self.extra[f"accuracy_{when}"] = stats.pop("accuracy")
+            self.extra[f"episodes_{when}"] = stats
+            return
+        self.extra[f"accuracy_{when}"], kinds = _evaluate(folder, self.task, self.test_set,
+                                                          gen.attrs.get("chat_template"))
+        if kinds:
+            self.extra[f"answer_kinds_{when}"] = kinds
+
+    def router(self, replicas: list[str], control: str) -> Router:
+        """The router over the dataset's prompts (a separate seeded stream for resampled slots),
+        admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
+        prompt ``i`` is ``problems[i]``, so every epoch and order is the uninterrupted run's)."""
+        n = self.topo.steps * self.topo.batch_groups
+        seed = self.plan.run["seed"]
+        problems = self.task.train_problems(n, seed=seed + 1)
+        filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
+        chunk = n * max(max(filters, default=2) - 1, 1)
+        trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
+        return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
+                      replicas, control, trace, admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}",
+                      secret=self.secret, first_index=self.checkpoint.manifest()["next_index"] if self.checkpoint else 0)
+
+    def merge_trace(self) -> None:
+        """Merge the workers' spans into ``trace.json`` (``runtime.trace``), on success or failure;
+        its path goes into the summary."""
+        path = merge_trace(self.out_dir) if self.plan.run.get("logging", {}).get("trace", True) else None
+        if path is not None:
+            self.extra["trace"] = str(path)
+
+    def specs(self, addresses: dict[str, list[str]], control: str, threads: int) -> list[WorkerSpec]:
+        """One spec per worker process: ``addresses[group]`` are its workers' inboxes, and for
+        the generation group also ``addresses["weights"]`` its replicas' weight channels."""
+        specs = []
+        common = dict(plan=self.plan, folders=self.folders, out_dir=str(self.out_dir), control=control,
+                      threads=threads, secret=self.secret)
+        trainer = next(addresses[g.name][0] for g in self.topo.groups.values() if g.batch_nodes)
+        version = self.checkpoint.version if self.checkpoint else 0
+        for g in self.topo.groups.values():
+            downstream = {d: addresses[d][0] for d in g.downstream}
+            # resumed: replicas wait for the checkpoint's version from the trainer, which loads it
+            resume = dict(resume_version=version, resync=trainer if version else "") if g.kind == "generation" \
+                else dict(resume=str(self.checkpoint.folder) if self.checkpoint and g.batch_nodes else "")
+            for r in range(g.replicas):
+                specs.append(WorkerSpec(group=g.name, rank=r, inbox=addresses[g.name][r], downstream=downstream,
+                                        weights=addresses["weights"][r] if g.kind == "generation" else "",
+                                        routes={ts: addresses["weights"] for ts, _ in self.topo.routes
+                                                if ts in g.nodes}, **resume, **common))
+        return specs
+
+    def finish(self, logger: RunLogger, workers: dict, **extra) -> dict:
+        """Close ``logger``, measure held-out accuracy after RL, write and return the summary."""
+        logger.close()
+        self.extra.update(model_dir=str(self.out_dir / "model"), trajectories=str(self.out_dir / "trajectories"),
+                          workers=workers, **extra)
+        if self.eval_enabled:
+            self._held_out(self.out_dir / "model", "after")
+        summary = logger.summary(**self.extra)
+        if self.show_progress:
+            print(format_summary(summary))
+        return summary
+
+
+RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug")
+"""Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
+
+
+def _check_resumable(plan: Plan, topo: Topology, out_dir: Path) -> None:
+    """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
+    ``plan`` beyond :data:`RUNTIME_ONLY`) or with a multi-rank trainer (ResumeError)."""
+    def program(data: dict) -> dict:
+        run = {k: v for k, v in data.get("run", {}).items() if k not in RUNTIME_ONLY}
+        return {**{k: v for k, v in data.items() if k != "id"}, "run": run}
+
+    try:
+        before = program(json.loads((out_dir / "plan.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"cannot resume {out_dir}: its plan.json cannot be read ({e})") from None
+    now = program(json.loads(plan.to_json()))
+    if before != now:
+        keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
+                      {f"run.{k}" for k in before["run"].keys() | now["run"].keys()
+                       if before["run"].get(k) != now["run"].get(k)})
+        raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
+                          f"{', '.join(keys)}); resume with the same graph and config, or start a new run")
+    wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
+    if wide is not None:
+        raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} "
+                          "ranks; resume supports single-rank trainers only (a sharded optimizer state is not "
+                          "checkpointed)")
+
+
+def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
+    """Endless prompts for resampled slots (a filter's drop, a group whose every sample failed):
+    ``chunk`` problems from seed ``seed + 2``, then further chunks from further seeds."""
+    for round_ in itertools.count():
+        yield from task.train_problems(chunk, seed=seed + 2 + 10_000 * round_)
+
+
+def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:
+    """Held-out greedy accuracy of the policy in ``folder``, and the count of each
+    ``task.answer_kind`` (None when the task does not classify its answers)."""
+    from runtime.engines.evaluate import answer_accuracy, greedy_answers
+    from runtime.model_source import load_pretrained
+
+    model, tokenizer = load_pretrained(folder)
+    answers = greedy_answers(model, tokenizer, task, problems, chat_template=chat_template)
+    accuracy = answer_accuracy(task, answers, problems)
+    if not hasattr(task, "answer_kind"):
+        return accuracy, None
+    kinds = Counter(task.answer_kind(p, text) for text, p in zip(answers, problems))
+    return accuracy, {kind: kinds[kind] for kind in task.ANSWER_KINDS}

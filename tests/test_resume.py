@@ -1,0 +1,309 @@
+"""Exact resume and a dead trainer restarted (issue 13): the checkpoint layout and its atomic
+write, the run folder rewound to a checkpoint, and end-to-end runs whose trainer is killed
+(loopback only, bounded in time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from runs import records
+from runtime.checkpoint import (MANIFEST, ResumeError, is_complete, latest_checkpoint, read_state, resume_point,
+                                write_checkpoint)
+from runtime.run_dir import rewind_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _models(folder: Path) -> None:
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+
+
+def test_a_checkpoint_is_complete_only_once_renamed_with_its_manifest(tmp_path):
+    root = tmp_path / "checkpoints"
+    final = write_checkpoint(root, 2, _models, {"version": 2}, next_index=4)
+    assert final == root / "version_2" and not (root / "version_2.tmp").exists()
+    assert sorted(p.name for p in final.iterdir()) == [MANIFEST, "model.safetensors", "trainer_state.pt"]
+    assert read_state(final) == {"version": 2}
+    assert latest_checkpoint(tmp_path).manifest()["next_index"] == 4 and latest_checkpoint(tmp_path).version == 2
+    write_checkpoint(root, 4, _models, {"version": 4}, next_index=8)
+    (root / "version_6.tmp").mkdir()  # a write that died before its rename
+    (root / "version_6.tmp" / "model.safetensors").write_bytes(b"half")
+    (root / "version_8").mkdir()  # a folder without a manifest (not written by write_checkpoint)
+    assert latest_checkpoint(tmp_path).version == 4
+    (root / "version_4" / "model.safetensors").write_bytes(b"x" * 9)  # truncated after the fact: 9 != 10 bytes
+    assert not is_complete(root / "version_4") and latest_checkpoint(tmp_path).version == 2
+    assert latest_checkpoint(tmp_path / "elsewhere") is None
+
+
+def test_a_failed_write_leaves_no_complete_checkpoint(tmp_path):
+    def crash(folder: Path) -> None:
+        _models(folder)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(tmp_path / "checkpoints", 2, crash, {"version": 2}, next_index=4)
+    assert latest_checkpoint(tmp_path) is None
+    write_checkpoint(tmp_path / "checkpoints", 2, _models, {"version": 2}, next_index=4)  # a retry replaces the .tmp folder
+    assert latest_checkpoint(tmp_path).version == 2 and not (tmp_path / "checkpoints/version_2.tmp").exists()
+
+
+def test_resume_point_by_setting(tmp_path):
+    run = tmp_path / "exp"
+    run.mkdir()
+    assert resume_point("", run) is None
+    assert resume_point("auto", run) is None  # nothing to resume: a new run
+    with pytest.raises(ResumeError, match="no complete checkpoint under .*exp/checkpoints"):
+        resume_point(str(run), run)
+    write_checkpoint(run / "checkpoints", 3, _models, {"version": 3}, next_index=6)
+    assert resume_point("auto", run).version == 3 and resume_point(str(run), run).version == 3
+    with pytest.raises(ResumeError, match="this plan writes to .*exp"):
+        resume_point(str(tmp_path / "other"), run)
+
+
+def test_rewinding_keeps_the_steps_before_the_checkpoint(tmp_path):
+    traj = tmp_path / "trajectories"
+    traj.mkdir()
+    lines = [{"sample_id": f"{i}:0", "step": i // 2, "staleness": i % 2} for i in range(8)]  # steps 0..3, 2 each
+    (traj / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "checkpoints" / "version_4.tmp").mkdir(parents=True)
+    samples, staleness = rewind_run_dir(tmp_path, 2)
+    kept = [json.loads(x) for x in (traj / "trajectories.jsonl").read_text().splitlines()]
+    assert [r["sample_id"] for r in kept] == ["0:0", "1:0", "2:0", "3:0"]  # steps 0 and 1
+    assert samples == 4 and staleness == Counter({0: 2, 1: 2})  # staleness i % 2 of i = 0..3
+    assert not (tmp_path / "checkpoints" / "version_4.tmp").exists()
+    (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n')
+    with pytest.raises(ValueError, match=r"trajectories.jsonl:2: not a trajectory record"):
+        rewind_run_dir(tmp_path, 1)
+
+
+# --- end to end: a trainer killed mid-run ------------------------------------------------------
+
+# A reward with signal even for a barely warmed-up policy (the parity of the first character),
+# so every step moves the weights and the optimizer state matters.
+PARITY_GRAPH = '''
+from areal_flow import Model, flow, ops
+
+
+def parity(output_text, answer):
+    return float(ord(output_text[0]) % 2) if output_text else 0.0
+
+
+@flow
+def parity_grpo(cfg):
+    policy = Model("policy", cfg.model)
+    rollout = ops.generate(policy, ops.dataset(cfg.dataset), n_samples=cfg.gen.n_samples,
+                           max_new_tokens=cfg.gen.max_new_tokens)
+    adv = ops.advantage(rollout, ops.reward(rollout, fn=parity), estimator="grpo")
+    stats = ops.train_step(policy, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness)
+    ops.sync_weights(policy, to=rollout)
+    return stats
+'''
+STEPS, B, N = 6, 2, 4  # steps x prompt groups x samples: 8 samples a step
+RUN = [f"train.steps={STEPS}", f"train.batch_size={B}", f"gen.n_samples={N}", "warm_start.steps=10",
+       "eval.enabled=false", "train.checkpoint_every=2", "train.lr=1e-2"]
+
+
+def _cli(tmp_path: Path, name: str, *extra: str, graph: str = "") -> subprocess.Popen:
+    """``areal-flow run`` of the parity graph (or ``graph``, with the YAML beside it)."""
+    if graph:
+        args = [str(REPO / graph)]
+    else:
+        (tmp_path / "parity.py").write_text(PARITY_GRAPH)
+        args = [str(tmp_path / "parity.py"), "--config", str(REPO / "graphs/arith_grpo.yaml")]
+    return subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", *args, *RUN, f"out_dir={tmp_path}",
+                             f"name={name}", *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, code: int = 0) -> str:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == code, err[-3000:]
+    return err
+
+
+def _kill_trainer_after(out: Path, step: int, killed: dict) -> None:
+    """Kill the process bound to the trainer's inbox once ``step`` is trained and the
+    checkpoint before it is complete; ``killed["lines"]``: trained samples it had logged."""
+    import psutil
+
+    deadline, path = time.monotonic() + 400, out / "trajectories" / "trajectories.jsonl"
+    while time.monotonic() < deadline:
+        lines = len(path.read_text().splitlines()) if path.is_file() else 0
+        if lines >= (step + 1) * B * N and latest_checkpoint(out) is not None:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    if any(str(c.laddr).endswith("train_step-0") for c in child.net_connections(kind="unix")):
+                        child.kill()
+                        killed.update(pid=child.pid, lines=lines)
+                        return
+                except psutil.Error:
+                    continue
+        time.sleep(0.02)
+
+
+def _run_killed(tmp_path: Path, name: str, *extra: str, code: int = 0, graph: str = "") -> tuple[str, dict]:
+    killed: dict = {}
+    proc = _cli(tmp_path, name, *extra, graph=graph)
+    killer = threading.Thread(target=_kill_trainer_after, args=(tmp_path / name, 2, killed), daemon=True)
+    killer.start()
+    err = _finish(proc, code)
+    killer.join(timeout=5)
+    assert killed, "the trainer was not killed"
+    return err, killed
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _event_steps(out: Path, tag: str = "rl/reward") -> list[int]:
+    """The steps TensorBoard shows for ``tag`` over every event file of ``out`` (a resumed
+    attempt's ``purge_step`` hides the dead attempt's later events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def _exactly_once(out: Path, k: int) -> list[dict]:
+    trained = records(out)
+    ids = [r["sample_id"] for r in trained]
+    assert len(ids) == STEPS * B * N == len(set(ids))  # every sample id once across the interruption
+    assert Counter(r["group_id"] for r in trained) == {i: N for i in range(STEPS * B)}
+    assert all(r["step"] == r["group_id"] // B for r in trained)  # index i trained at step i // B
+    assert all(r["step"] - min(r["versions"]) <= k for r in trained)
+    return trained
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The k = 0 run the interrupted ones must reproduce bit for bit."""
+    tmp = tmp_path_factory.mktemp("resume")
+    _finish(_cli(tmp, "whole", "async.max_staleness=0"))
+    return tmp / "whole"
+
+
+@pytest.mark.slow
+def test_sync_run_resumed_from_a_checkpoint_reaches_the_same_weights(tmp_path, uninterrupted, warm_cache):
+    whole = _weights(uninterrupted / "model")
+    assert not _same(whole, _weights(uninterrupted / "checkpoints/version_2"))  # the steps after it trained
+    err, _ = _run_killed(tmp_path, "cut", "async.max_staleness=0", "scheduler.max_restarts=0", code=1)
+    assert "train_step/0 died (exit code -9); restarts so far 0, scheduler.max_restarts=0" in err
+    assert not (tmp_path / "cut/model").exists()
+    cut = latest_checkpoint(tmp_path / "cut")
+    assert _same(_weights(cut.folder), _weights(uninterrupted / f"checkpoints/version_{cut.version}"))
+    err = _finish(_cli(tmp_path, "cut", "async.max_staleness=0", "--resume", str(tmp_path / "cut")))
+    assert f"resuming {tmp_path / 'cut'} from version_{cut.version} (step {cut.version} of {STEPS})" in err
+    assert _same(_weights(tmp_path / "cut/model"), whole)  # bit-identical after the same steps
+    _exactly_once(tmp_path / "cut", k=0)
+    assert _event_steps(tmp_path / "cut") == list(range(STEPS))  # events continue, each step once
+    summary = json.loads((tmp_path / "cut/summary.json").read_text())
+    assert summary["samples_trained"] == STEPS * B * N and summary["restarts"]["resumed_from_version"] == cut.version
+
+
+@pytest.mark.slow
+def test_sync_run_whose_trainer_dies_restarts_it_and_reaches_the_same_weights(tmp_path, uninterrupted, warm_cache):
+    err, killed = _run_killed(tmp_path, "dies", "async.max_staleness=0", "scheduler.max_restarts=1")
+    line = next(x for x in err.splitlines() if "restarting every worker" in x)
+    assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_")
+    assert _same(_weights(tmp_path / "dies/model"), _weights(uninterrupted / "model"))
+    _exactly_once(tmp_path / "dies", k=0)
+    assert _event_steps(tmp_path / "dies") == list(range(STEPS))
+    assert len(list((tmp_path / "dies").glob("events.out.tfevents.*"))) == 2  # one per attempt, one folder
+    restarts = json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]
+    version = int(line.split("from version_")[1].split()[0])
+    # the groups trained after the checkpoint before the kill were admitted again (at least)
+    assert restarts["trainer_restarts"] == 1 and restarts["replayed_groups"] >= (killed["lines"] // N) - version * B
+    assert restarts["replica_restarts"] == 0 and restarts["dropped_duplicates"] == 0  # fresh replicas: none sent twice
+
+
+@pytest.mark.slow
+def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(tmp_path, warm_cache):
+    _, killed = _run_killed(tmp_path, "async", "async.max_staleness=1", "scheduler.max_restarts=1")
+    _exactly_once(tmp_path / "async", k=1)
+    summary = json.loads((tmp_path / "async/summary.json").read_text())
+    assert summary["restarts"]["trainer_restarts"] == 1 and summary["samples_trained"] == STEPS * B * N
+    assert (tmp_path / "async/model/model.safetensors").is_file()
+
+
+# --- what a resume accepts (compile only: no model runs) ---------------------------------------
+
+TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
+
+
+def _plan(tmp_path: Path, *overrides: str):
+    from areal_flow.cli import load_flow
+    from areal_flow.config import load_config
+    from areal_flow.program import compile_program
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=exp", *overrides])
+    return compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
+
+
+def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys):
+    from runtime.launch import run
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
+    (run_dir / "events.out.tfevents.1").write_text("kept")
+    setup = RunSetup.create(_plan(tmp_path, "scheduler.max_restarts=0"), show_progress=False, resume="auto")
+    assert setup.checkpoint.version == 2 and (run_dir / "events.out.tfevents.1").read_text() == "kept"
+    assert f"resuming {run_dir} from version_2 (step 2 of 3)" in capsys.readouterr().err
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes\)"):
+        RunSetup.create(_plan(tmp_path, "train.lr=5e-4"), show_progress=False, resume=str(run_dir))
+    with pytest.raises(ResumeError, match="resuming runs on the local scheduler only"):
+        run(_plan(tmp_path, "scheduler.type=ray"), show_progress=False, resume="auto")
+    wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1")
+    (run_dir / "plan.json").write_text(wide.to_json())
+    with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
+        RunSetup.create(wide, show_progress=False, resume="auto")
+
+
+def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY,
+                           f"out_dir={tmp_path}", "name=exp", "--resume", str(tmp_path / "other")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
+                                  f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "exp").exists()  # nothing started
+    plan = tmp_path / "plan.json"
+    subprocess.run([sys.executable, "-m", "areal_flow.cli", "compile", "graphs/arith_grpo.py", *TINY,
+                    f"out_dir={tmp_path}", "name=exp", "--plan", "-o", str(plan)], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(plan), "--resume",
+                           str(tmp_path / "exp")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr == (f"areal-flow: error: --resume {tmp_path / 'exp'}: no complete "
+                                                    f"checkpoint under {tmp_path / 'exp/checkpoints'} (train."
+                                                    "checkpoint_every > 0 writes them; resume=auto starts fresh "
+                                                    "instead)\n")
+
+
+@pytest.mark.slow
+def test_ppo_critic_and_its_optimizer_resume_bit_for_bit(tmp_path, warm_cache):
+    """The critic is a second train_step (its own folder and optimizer in the checkpoint)."""
+    _finish(_cli(tmp_path, "whole", "async.max_staleness=0", graph="graphs/arith_ppo.py"))
+    _run_killed(tmp_path, "dies", "async.max_staleness=0", "scheduler.max_restarts=1", graph="graphs/arith_ppo.py")
+    assert (tmp_path / "dies/checkpoints/version_2/critic/value_head.pt").is_file()
+    for model in ("model", "critic"):
+        assert _same(_weights(tmp_path / "dies" / model), _weights(tmp_path / "whole" / model))
+    heads = [torch.load(tmp_path / run / "critic/value_head.pt", weights_only=True) for run in ("whole", "dies")]
+    assert _same(*heads)
+    assert not _same(_weights(tmp_path / "whole/critic"), _weights(tmp_path / "whole/checkpoints/version_2/critic"))
+    _exactly_once(tmp_path / "dies", k=0)
