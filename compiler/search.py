@@ -21,6 +21,8 @@ only when no disaggregated one fits.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 
 from compiler.cost import CostModel, NodeCost
@@ -41,17 +43,30 @@ class _Search:
         self._front: dict = {}
         self.trainer_of = {t.model_name: t for t in self.train if t.op == "train_step"}
 
-    def _options(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
+    def _strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
         pin = self.pins.get(task.node)
-        strategies = ([pin] if pin.world_size == size else []) if pin else self.model.strategies(task, size)
-        return [c for c in (self.model.cost(task, s, shared) for s in strategies) if c.fits]
+        return ([pin] if pin.world_size == size else []) if pin else self.model.strategies(task, size)
+
+    def _options(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
+        return [c for c in (self.model.cost(task, s, shared) for s in self._strategies(task, size)) if c.fits]
 
     def best(self, task: DeviceTask, size: int, shared: bool) -> NodeCost | None:
-        """Fastest fitting cost of a training-side node (ties: strategy string)."""
+        """Fastest fitting cost of a training-side node (ties: strategy string). Strategies
+        are costed in the order of ``CostModel.time_floor`` (a lower bound on their seconds)
+        until the bound exceeds the best found: exact, and most are never costed."""
         key = (task.node, size, shared)
         if key not in self._best:
-            options = self._options(task, size, shared)
-            self._best[key] = min(options, key=lambda c: (c.time_s, c.strategy.short()), default=None)
+            best = None
+            ranked = sorted(((self.model.time_floor(task, s), s) for s in self._strategies(task, size)),
+                            key=lambda x: x[0])
+            for floor, s in ranked:
+                if best is not None and floor > best.time_s:
+                    break
+                c = self.model.cost(task, s, shared)
+                if c.fits and (best is None or c.time_s < best.time_s or
+                               (c.time_s == best.time_s and s.short() < best.strategy.short())):
+                    best = c
+            self._best[key] = best
         return self._best[key]
 
     def front(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
@@ -110,24 +125,39 @@ class _Search:
         return allocation_string(self.model.workload, groups)
 
 
-def layouts(model: CostModel, gen: list[DeviceTask], train: list[DeviceTask]):
-    """``(kind, groups of tasks, meshes)`` for every colocated and disaggregated layout."""
-    c = model.cluster
-    sizes = aligned_sizes(c.n_nodes, c.n_gpus_per_node)
-    if gen and train:
-        for a in sizes:
-            for b in sizes:
-                if a + b <= model.total_devices:
-                    try:
-                        yield "disaggregated", [gen, train], pack([a, b], c.n_nodes, c.n_gpus_per_node)
-                    except MeshError:
-                        continue
-    for size in sizes:
-        yield "colocated", [gen + train], pack([size], c.n_nodes, c.n_gpus_per_node)
+def _disaggregated_meshes(a: int, b: int, n_nodes: int, per_node: int) -> list[MeshSpec] | None:
+    """``pack([a, b])``, with whole-machine pairs placed in closed form (machines
+    ``0..a/per_node-1``, then the next ``b/per_node``), as first fit places them."""
+    if a % per_node == 0 and b % per_node == 0:
+        if a + b > n_nodes * per_node:
+            return None
+        return [MeshSpec(0, a // per_node, 0, per_node), MeshSpec(a // per_node, b // per_node, 0, per_node)]
+    try:
+        return pack([a, b], n_nodes, per_node)
+    except MeshError:
+        return None
 
 
 def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> list[Candidate]:
     """The ``top_k`` best candidates, best first (step time, then allocation string).
+
+    Layouts: colocated on every aligned size; disaggregated on every pair of aligned sizes
+    ``(a, b)`` that packs (generation on ``a``, training on ``b``). Pairs are skipped only
+    when they cannot enter the result, so the search stays exact (checked against brute
+    force in ``tests/test_compiler_search.py``):
+
+    - bound: a pair's step is at least ``step(G_min(a), T_floor(b), 0)`` (``G_min``: the
+      generation nodes' fastest fitting strategies; ``T_floor``: the training side's FLOPs
+      at the assumed MFU, then its exact best) and at least ``G + S`` of its best
+      generation option counting only the receive side of the weight sync, then at least
+      its step with ``T_floor(b)`` in place of the training seconds; a pair whose bound
+      exceeds the ``top_k``-th best step found so far is skipped. A few pairs that balance the bounds are evaluated
+      first so that this threshold is tight early; colocated layouts (step ``G + T + S``)
+      come last, under the same bound;
+    - dominance: for a fixed ``a``, a whole-machine ``b`` is skipped when a larger
+      whole-machine ``b'`` that fits beside ``a`` trains strictly faster: the weight sync of
+      ``(a, b')`` is no slower (both cross the network; the trainers send ``dp`` copies over
+      more devices) and the objective grows with training and sync seconds.
 
     Args:
         pins: node -> strategy fixed in advance (its mesh size follows).
@@ -136,13 +166,101 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
         InfeasiblePlanError: no layout fits; lists every node's smallest reachable memory.
     """
     s = _Search(model, pins)
+    c, per, total = model.cluster, model.per_node, model.total_devices
+    sizes = aligned_sizes(c.n_nodes, per)
+    overlapped = model.workload.staleness >= 1
     found = {"disaggregated": [], "colocated": []}
-    for kind, groups_tasks, meshes in layouts(model, s.gen, s.train):
-        if kind == "colocated" and model.device.one_engine_per_device and found["disaggregated"]:
-            continue
+    steps: list[float] = []  # step times found, ascending: the top_k-th is the threshold
+    tried: set = set()
+
+    def add(kind: str, groups_tasks, meshes) -> None:
         result = s.layout(groups_tasks, meshes)
         if result is not None:
             found[kind].append((result[:2], result[2], meshes))
+            bisect.insort(steps, result[0])
+
+    def threshold() -> float:
+        return steps[top_k - 1] if len(steps) >= top_k else float("inf")
+
+    @functools.cache
+    def generation_s(size: int) -> float | None:
+        fronts = [s.front(t, size, len(s.gen) > 1) for t in s.gen]
+        return sum(f[-1].time_s for f in fronts) if all(fronts) else None  # a front's last is its fastest
+
+    @functools.cache
+    def generation_sync_s(size: int, intra: bool) -> float:
+        """A lower bound on G + S (<= the step) with generation on ``size`` devices: each
+        generation node's best front option counting its own weight sync's receive time."""
+        total_s = 0.0
+        for t in s.gen:
+            src = s.trainer_of.get(t.model_name)
+            total_s += min(o.time_s + (model.sync_floor(src, o.strategy, intra) if src else 0.0)
+                           for o in s.front(t, size, len(s.gen) > 1))
+        return total_s
+
+    known: dict[int, float | None] = {}  # mesh size -> the training side's seconds
+
+    def training_s(size: int) -> float | None:
+        if size not in known:
+            best = [s.best(t, size, len(s.train) > 1) for t in s.train]
+            known[size] = None if any(b is None for b in best) else sum(b.time_s for b in best)
+        return known[size]
+
+    @functools.cache
+    def floor_s(size: int) -> float:
+        return sum(model.compute_floor(t, size) for t in s.train)
+
+    def pair(a: int, b: int) -> None:
+        if (a, b) not in tried:
+            tried.add((a, b))
+            meshes = _disaggregated_meshes(a, b, c.n_nodes, per)
+            if meshes is not None:
+                add("disaggregated", [s.gen, s.train], meshes)
+
+    def pair_bound(a: int, b: int, train_s: float) -> float:
+        """The best step of pair ``(a, b)`` if training took ``train_s`` (exact weight syncs)."""
+        meshes = _disaggregated_meshes(a, b, c.n_nodes, per)
+        if meshes is None:
+            return float("inf")
+        intra = same_machine(*meshes)
+        best = float("inf")
+        for combo in itertools.product(*(s.front(t, a, len(s.gen) > 1) for t in s.gen)):
+            sync_s = sum(model.sync(s.trainer_of[t.model_name], o.strategy, b, intra)[0]
+                         for t, o in zip(s.gen, combo) if t.model_name in s.trainer_of)
+            best = min(best, step_time(sum(o.time_s for o in combo), train_s, sync_s, overlapped))
+        return best
+
+    if s.gen and s.train:
+        whole = [a for a in sizes if a % per == 0 and a < total and generation_s(a) is not None]
+        seeds = sorted(whole, key=lambda a: step_time(generation_s(a), floor_s(total - a), 0.0, overlapped))
+        for a in seeds[: 2 * top_k]:
+            if training_s(total - a) is not None:
+                pair(a, total - a)
+        for a in sizes:
+            g = generation_s(a)
+            if g is None or generation_sync_s(a, a < per) > threshold():
+                continue  # (intra-node sync is possible only for a mesh inside one machine)
+            fastest = float("inf")  # training seconds of the best larger whole-machine b
+            for b in reversed(sizes):
+                if a + b > total:
+                    continue
+                if floor_s(b) > threshold():
+                    break  # the floor only grows as b shrinks
+                if b % per == 0 and floor_s(b) >= fastest:
+                    continue
+                if b not in known and pair_bound(a, b, floor_s(b)) > threshold():
+                    continue
+                t = training_s(b)
+                if t is None or (b % per == 0 and t >= fastest):
+                    continue
+                fastest = t if b % per == 0 else fastest
+                if step_time(g, t, 0.0, overlapped) <= threshold():
+                    pair(a, b)
+    if not (model.device.one_engine_per_device and found["disaggregated"]):  # one engine each: colocate if must
+        for size in sizes:  # a shared mesh's step is G + T + S, each node paying a swap
+            g = generation_s(size) if s.gen else 0.0
+            if g is not None and (generation_sync_s(size, size <= per) if s.gen else 0.0) + floor_s(size) <= threshold():
+                add("colocated", [s.gen + s.train], pack([size], c.n_nodes, per))
     ranked = sorted(found["disaggregated"] + found["colocated"], key=lambda r: r[0])
     if not ranked:
         raise _infeasible(model, pins)
