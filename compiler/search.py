@@ -232,7 +232,7 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
 
     if s.gen and s.train:
         whole = [a for a in sizes if a % per == 0 and a < total and generation_s(a) is not None]
-        seeds = sorted(whole, key=lambda a: step_time(generation_s(a), floor_s(total - a), 0.0, overlapped))
+        seeds = sorted(whole, key=lambda a: pair_bound(a, total - a, floor_s(total - a)))
         for a in seeds[: 2 * top_k]:
             if training_s(total - a) is not None:
                 pair(a, total - a)
