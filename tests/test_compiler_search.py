@@ -13,7 +13,8 @@ from compiler.allocation import parse
 from compiler.config import CompileConfigError
 from compiler.cost import CostModel
 from compiler.hardware import device_spec
-from compiler.mesh import MeshSpec
+from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
+from compiler.search import _Search
 from compiler.step import evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.workload import GENERATION, build_workload
@@ -154,6 +155,39 @@ def test_search_with_cp_matches_brute_force_on_a_long_context():
     cfg = CompileConfig(prompts_per_step=1, samples_per_prompt=2, max_new_tokens=65536)
     plan = compile_plan(graph, cluster, cfg)
     assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+
+
+def _every_layout(graph, cluster, cfg):
+    """(step, serial, allocation) of the best layout over every aligned size pair and every
+    colocated size, with no bound or dominance pruning (compiler.search._Search.layout on each)."""
+    model = CostModel(build_workload(graph, cfg), device_spec(cluster.gpu), cluster, cfg)
+    s = _Search(model, {})
+    sizes = aligned_sizes(cluster.n_nodes, cluster.n_gpus_per_node)
+    found = []
+    for a, b in itertools.product(sizes, sizes):
+        try:
+            meshes = pack([a, b], cluster.n_nodes, cluster.n_gpus_per_node)
+        except MeshError:
+            continue
+        result = s.layout([s.gen, s.train], meshes)
+        if result is not None:
+            found.append((result[0], result[1], s.label(result[2])))
+    for size in sizes:
+        result = s.layout([s.gen + s.train], pack([size], cluster.n_nodes, cluster.n_gpus_per_node))
+        if result is not None:
+            found.append((result[0], result[1], s.label(result[2])))
+    return min(found)
+
+
+@pytest.mark.parametrize("spec,mode,n_nodes", [("Qwen2.5-7B", "async", 8), ("Qwen2.5-7B", "sync", 8),
+                                              ("Qwen3-30B-A3B", "async", 8), ("Qwen3-30B-A3B", "async", 32),
+                                              ("Qwen2.5-72B", "sync", 32)])
+def test_pruned_search_equals_every_layout(spec, mode, n_nodes):
+    graph, cluster = grpo_graph(spec), ClusterConfig(n_nodes, 8, "H100")
+    cfg = CompileConfig(prompts_per_step=256, mode=mode)
+    plan = compile_plan(graph, cluster, cfg)
+    step, _, allocation = _every_layout(graph, cluster, cfg)
+    assert (plan.step_time_s, plan.allocation) == (step, allocation)
 
 
 def test_local_cpu_plan_is_disaggregated_one_device_each():
