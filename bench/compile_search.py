@@ -1,12 +1,13 @@
 """Benchmark: seconds for ``compile_plan`` to search 1,024- and 4,096-GPU clusters (budget: 2 s).
 
-Run: ``.venv/bin/python bench/compile_search.py`` (prints one line per case and the load
+Run: ``.venv/bin/python bench/compile_search.py [--mode sync]`` (prints one line per case and the load
 average; each case is compiled from a fresh cost model, i.e. with no memoized costs; the
 cases run interleaved, three rounds, and each reports its best round).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -32,7 +33,9 @@ def grpo(spec: str) -> Graph:
 
 
 def main() -> int:
-    cfg = CompileConfig(prompts_per_step=512, max_prompt_len=1024)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("async", "sync"), default="async", help="compile.mode (default async)")
+    cfg = CompileConfig(prompts_per_step=512, max_prompt_len=1024, mode=parser.parse_args().mode)
     cases = [(spec, n) for n in (128, 512) for spec in ("Qwen2.5-7B", "Qwen2.5-72B", "Llama-3-70B", "Qwen3-30B-A3B")]
     times: dict = {case: [] for case in cases}
     plans = {}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from compiler.config import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
+from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.memory import (
     DTYPE_BYTES,
@@ -155,6 +156,43 @@ class CostModel:
             self._costs[key] = sum(times.values()) - times["bubble"]
         return self._costs[key]
 
+    def generation_floor(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """A lower bound on generation ``task``'s seconds under ``s`` whatever its KV slots:
+        with ``k >= 1`` its closed form at one slot per response (a step's seconds per live
+        response fall as the batch grows); with ``k = 0`` the prefills plus the longest
+        response decoded alone (a step never costs less than at batch 1 with that response's
+        own context), without the continuous-batch drain."""
+        key = ("generation_floor", task.node, s.tp, s.pp, s.dp)
+        if key not in self._costs:
+            w, cfg = self.workload, self.cfg
+            per_replica = -(-w.n_sequences // s.dp)
+            if w.staleness >= 1:  # a step's cost per response falls with the live batch: best at c = per_replica
+                self._costs[key] = sum(generation_time(
+                    task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
+                    concurrent=per_replica, refill=True, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                    overhead_s=cfg.decode_step_overhead_s).values())
+            else:
+                cost = DecodeCost.build(task.model, s, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                                        overhead_s=cfg.decode_step_overhead_s, prompt_len=w.prompt_len)
+                longest = max(self.lengths.quantiles(per_replica))
+                self._costs[key] = cost.prefill_s(per_replica) + cost.run_s(1, w.prompt_len, longest)
+        return self._costs[key]
+
+    def can_fit(self, task: DeviceTask, s: ParallelStrategy) -> bool:
+        """Whether training-side ``task`` fits under ``s`` at some micro-batch count: its memory
+        at the most micro-batches (or ``compile.micro_batches``) fits, as memory never grows
+        with ``m``; equals ``cost(task, s, ...).fits`` at a fraction of the work."""
+        key = ("can_fit", task.node, s)
+        if key not in self._costs:
+            w, cfg = self.workload, self.cfg
+            m = cfg.micro_batches or self._most_micro_batches(s)
+            kw = dict(tokens_per_step=w.n_sequences * w.seq_len, micro_batches=m, dtype=cfg.dtype,
+                      sharded=cfg.optimizer_sharding)
+            mem = (training_memory(task.model, s, checkpointing=cfg.activation_checkpointing, **kw)
+                   if task.role == TRAINING else inference_memory(task.model, s, **kw))
+            self._costs[key] = mem.total <= self.usable
+        return self._costs[key]
+
     def compute_floor(self, task: DeviceTask, size: int) -> float:
         """A lower bound on a training-side node's seconds on ``size`` devices under any
         strategy: its FLOPs at the assumed MFU (``compiler.timing.compute_s``)."""
@@ -247,12 +285,15 @@ class CostModel:
             per_seq = kv_bytes_per_sequence(task.model, s, w.seq_len, cfg.dtype)
             concurrent = max(1, min(per_replica, int((self.usable - weights) // per_seq)))
         mem = generation_memory(task.model, s, concurrent=concurrent, seq_len=w.seq_len, dtype=cfg.dtype)
-        times = generation_time(
-            task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
-            concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
-            overhead_s=cfg.decode_step_overhead_s,
-        )
-        return NodeCost(s, mem, mem.total <= self.usable, times, concurrent=concurrent)
+        # a replica's seconds depend on its shape (tp, pp), its share of the step and its slots only
+        key = ("replica", task.node, s.tp, s.pp, per_replica, concurrent)
+        if key not in self._costs:
+            self._costs[key] = generation_time(
+                task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
+                concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                overhead_s=cfg.decode_step_overhead_s,
+            )
+        return NodeCost(s, mem, mem.total <= self.usable, dict(self._costs[key]), concurrent=concurrent)
 
     def floor(self, task: DeviceTask) -> NodeCost:
         """The smallest memory per device ``task`` can reach on any aligned mesh of this

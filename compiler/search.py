@@ -151,8 +151,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
       at the assumed MFU, then its exact best) and at least ``G + S`` of its best
       generation option counting only the receive side of the weight sync, then at least
       its step with ``T_floor(b)`` in place of the training seconds; a pair whose bound
-      exceeds the ``top_k``-th best step found so far is skipped. A few pairs that balance the bounds are evaluated
-      first so that this threshold is tight early; colocated layouts (step ``G + T + S``)
+      exceeds the ``top_k``-th best step found so far is skipped. The best-bounded splits
+      of a grid of 16 are evaluated first so that this threshold is tight early; colocated layouts (step ``G + T + S``)
       come last, under the same bound;
     - dominance: for a fixed ``a``, a whole-machine ``b`` is skipped when a larger
       whole-machine ``b'`` that fits beside ``a`` trains strictly faster: the weight sync of
@@ -210,6 +210,16 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     def floor_s(size: int) -> float:
         return sum(model.compute_floor(t, size) for t in s.train)
 
+    @functools.cache
+    def generation_lb(size: int) -> float:
+        """A cheap lower bound on ``generation_s(size)`` (``CostModel.generation_floor``)."""
+        return sum(min((model.generation_floor(t, st) for st in s._strategies(t, size)), default=float("inf"))
+                   for t in s.gen)
+
+    @functools.cache
+    def trainable(size: int) -> bool:
+        return all(any(model.can_fit(t, st) for st in s._strategies(t, size)) for t in s.train)
+
     def pair(a: int, b: int) -> None:
         if (a, b) not in tried:
             tried.add((a, b))
@@ -231,23 +241,30 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
         return best
 
     if s.gen and s.train:
-        whole = [a for a in sizes if a % per == 0 and a < total and generation_s(a) is not None]
-        seeds = sorted(whole, key=lambda a: pair_bound(a, total - a, floor_s(total - a)))
-        for a in seeds[: 2 * top_k]:
-            if training_s(total - a) is not None:
+        whole = [a for a in sizes if a % per == 0 and a < total]
+        grid = sorted({whole[i * (len(whole) - 1) // 15] for i in range(16)} if whole else ())
+        grid = [a for a in grid if generation_s(a) is not None]
+        for a in sorted(grid, key=lambda a: pair_bound(a, total - a, floor_s(total - a)))[: 2 * top_k]:
+            if training_s(total - a) is not None:  # seeds: the best bounds on a grid of 16 splits
                 pair(a, total - a)
         for a in sizes:
-            g = generation_s(a)
-            if g is None or generation_sync_s(a, a < per) > threshold():
-                continue  # (intra-node sync is possible only for a mesh inside one machine)
+            if a >= total or floor_s(total - a) > threshold():
+                continue  # even the most devices left for training cannot beat the threshold
+            g = None  # the generation side is costed only once a b passes the cheaper checks
             fastest = float("inf")  # training seconds of the best larger whole-machine b
             for b in reversed(sizes):
                 if a + b > total:
                     continue
                 if floor_s(b) > threshold():
                     break  # the floor only grows as b shrinks
-                if b % per == 0 and floor_s(b) >= fastest:
+                if b % per == 0 and floor_s(b) >= fastest or not trainable(b):
                     continue
+                if g is None:
+                    if step_time(generation_lb(a), floor_s(b), 0.0, overlapped) > threshold():
+                        break  # floor_s only grows as b shrinks
+                    g = generation_s(a)
+                    if g is None or generation_sync_s(a, a < per) > threshold():
+                        break  # (intra-node sync is possible only for a mesh inside one machine)
                 if b not in known and pair_bound(a, b, floor_s(b)) > threshold():
                     continue
                 t = training_s(b)
@@ -258,6 +275,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
                     pair(a, b)
     if not (model.device.one_engine_per_device and found["disaggregated"]):  # one engine each: colocate if must
         for size in sizes:  # a shared mesh's step is G + T + S, each node paying a swap
+            if floor_s(size) + (generation_lb(size) if s.gen else 0.0) > threshold() or not trainable(size):
+                continue
             g = generation_s(size) if s.gen else 0.0
             if g is not None and (generation_sync_s(size, size <= per) if s.gen else 0.0) + floor_s(size) <= threshold():
                 add("colocated", [s.gen + s.train], pack([size], c.n_nodes, per))
