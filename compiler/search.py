@@ -13,10 +13,12 @@ cluster). For each layout, strategies are chosen per node, exactly:
   both growing with ``dp``; only strategies on the (seconds, dp) Pareto front can be
   optimal, and their combinations are all tried.
 
-Memoized by (node, mesh size), a 1024-device cluster takes well under the 2 s budget
-(``bench/compile_search.py``). Candidates are ranked by :func:`rank_key` (step time, then
-the serial time, then the allocation string), so the result is deterministic. On devices that host one engine each (``cpu``) colocated layouts are tried
-only when no disaggregated one fits.
+Layouts that cannot enter the top-k are skipped by exact bounds and a dominance rule
+(:func:`search`), and costs are memoized by (node, mesh size): a 4,096-device cluster
+takes under the 2 s budget in async mode (``bench/compile_search.py``). Candidates are
+ranked by :func:`rank_key` (step time, then the serial time, then the allocation string),
+so the result is deterministic. On devices that host one engine each (``cpu``) colocated
+layouts are tried only when no disaggregated one fits.
 """
 
 from __future__ import annotations
@@ -146,14 +148,15 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     when they cannot enter the result, so the search stays exact (checked against brute
     force in ``tests/test_compiler_search.py``):
 
-    - bound: a pair's step is at least ``step(G_min(a), T_floor(b), 0)`` (``G_min``: the
-      generation nodes' fastest fitting strategies; ``T_floor``: the training side's FLOPs
-      at the assumed MFU, then its exact best) and at least ``G + S`` of its best
-      generation option counting only the receive side of the weight sync, then at least
-      its step with ``T_floor(b)`` in place of the training seconds; a pair whose bound
-      exceeds the ``top_k``-th best step found so far is skipped. The best-bounded splits
-      of a grid of 16 are evaluated first so that this threshold is tight early; colocated layouts (step ``G + T + S``)
-      come last, under the same bound;
+    - bound: a pair's step is at least ``step(G_lb(a), T_floor(b), 0)``, where ``T_floor``
+      is the training side's FLOPs at the assumed MFU and ``G_lb`` a cheap generation floor
+      (``CostModel.generation_floor``), then at least ``G + S`` of its best generation
+      option counting only the receive side of the weight sync, then at least its step
+      with ``T_floor(b)`` in place of the training seconds and the exact weight sync; a
+      size where no training strategy fits memory is skipped. A pair (or a colocated size,
+      whose step is ``G + T + S``) whose bound exceeds the ``top_k``-th best step found so
+      far is skipped. The best-bounded splits of a grid of 16 are evaluated first so that
+      this threshold is tight early; colocated layouts come last;
     - dominance: for a fixed ``a``, a whole-machine ``b`` is skipped when a larger
       whole-machine ``b'`` that fits beside ``a`` trains strictly faster: the weight sync of
       ``(a, b')`` is no slower (both cross the network; the trainers send ``dp`` copies over
