@@ -161,7 +161,8 @@ class CostModel:
         with ``k >= 1`` its closed form at one slot per response (a step's seconds per live
         response fall as the batch grows); with ``k = 0`` the prefills plus the longest
         response decoded alone (a step never costs less than at batch 1 with that response's
-        own context), without the continuous-batch drain."""
+        own context) or, if larger, every token at the per-token price of a step with all
+        responses live and only their prompts as context; no continuous-batch drain."""
         key = ("generation_floor", task.node, s.tp, s.pp, s.dp)
         if key not in self._costs:
             w, cfg = self.workload, self.cfg
@@ -174,8 +175,11 @@ class CostModel:
             else:
                 cost = DecodeCost.build(task.model, s, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
                                         overhead_s=cfg.decode_step_overhead_s, prompt_len=w.prompt_len)
-                longest = max(self.lengths.quantiles(per_replica))
-                self._costs[key] = cost.prefill_s(per_replica) + cost.run_s(1, w.prompt_len, longest)
+                lengths = self.lengths.quantiles(per_replica)
+                alone = cost.run_s(1, w.prompt_len, max(lengths))
+                # every token at the cheapest per-token price: all responses live, prompts only as context
+                work = sum(lengths) * cost.step_s(per_replica, per_replica * w.prompt_len) / per_replica
+                self._costs[key] = cost.prefill_s(per_replica) + max(alone, work)
         return self._costs[key]
 
     def can_fit(self, task: DeviceTask, s: ParallelStrategy) -> bool:

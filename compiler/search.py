@@ -71,6 +71,22 @@ class _Search:
             self._best[key] = best
         return self._best[key]
 
+    def fastest(self, task: DeviceTask, size: int, shared: bool, extra=None) -> float | None:
+        """Least ``seconds + extra(strategy)`` over a generation node's fitting strategies
+        (None if none fits), costed in the order of ``CostModel.generation_floor`` until the
+        floor exceeds the best: exact, without costing most of them."""
+        extra = extra or (lambda st: 0.0)
+        ranked = sorted(((self.model.generation_floor(task, st) + extra(st), st) for st in self._strategies(task, size)),
+                        key=lambda x: x[0])
+        best = None
+        for floor, st in ranked:
+            if best is not None and floor > best:
+                break
+            c = self.model.cost(task, st, shared)
+            if c.fits:
+                best = c.time_s + extra(st) if best is None else min(best, c.time_s + extra(st))
+        return best
+
     def front(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
         """Generation costs not beaten on both seconds and DP degree."""
         key = (task.node, size, shared)
@@ -98,14 +114,15 @@ class _Search:
         for tasks, mesh in zip(groups_tasks, meshes):
             for task in tasks:
                 if task.role == GENERATION:
-                    fronts.append(self.front(task, mesh.size, len(tasks) > 1))
                     gen_mesh[task.node] = mesh
         train_mesh = {t.node: m for tasks, m in zip(groups_tasks, meshes) for t in tasks if t.role != GENERATION}
         train_s = max(sum(chosen[t.node].time_s for t in tasks if t.role != GENERATION) for tasks in groups_tasks)
         mixed = any(len({t.role == GENERATION for t in tasks}) > 1 for tasks in groups_tasks)
         overlapped = self.model.workload.staleness >= 1 and not mixed
         best = None
-        for combo in itertools.product(*fronts):
+        for combo in self._combos(groups_tasks, meshes, fronts, train_s, overlapped, train_mesh, gen_mesh):
+            if combo is None:  # the remaining options' bounds exceed the best step found
+                break
             picks = dict(zip(gen_mesh, combo))
             gen_s = max(sum(picks[t.node].time_s for t in tasks if t.role == GENERATION) for tasks in groups_tasks)
             sync_s = 0.0
@@ -122,6 +139,39 @@ class _Search:
                 if best is None or key < best[:2] or self.label(groups) < self.label(best[2]):
                     best = (*key, groups)
         return best
+
+    def _combos(self, groups_tasks, meshes, fronts, train_s, overlapped, train_mesh, gen_mesh):
+        """The generation options to try: with one generation node, every strategy in the
+        order of its bound ``step(generation_floor, T, exact sync)``, yielding None once the
+        bound exceeds the best step so far (the caller stops there); otherwise every
+        combination of the nodes' (seconds, dp) Pareto fronts."""
+        gen = [t for tasks in groups_tasks for t in tasks if t.role == GENERATION]
+        if len(gen) != 1:
+            fronts = [self.front(t, gen_mesh[t.node].size, len(tasks) > 1)
+                      for tasks in groups_tasks for t in tasks if t.role == GENERATION]
+            yield from itertools.product(*fronts)
+            return
+        task, mesh = gen[0], gen_mesh[gen[0].node]
+        shared = any(task in tasks and len(tasks) > 1 for tasks in groups_tasks)
+        src = self.trainer_of.get(task.model_name)
+
+        def sync_s(st):
+            if src is None:
+                return 0.0
+            src_mesh = train_mesh[src.node]
+            return self.model.sync(src, st, src_mesh.size, same_machine(src_mesh, mesh))[0]
+
+        ranked = sorted(((step_time(self.model.generation_floor(task, st), train_s, sync_s(st), overlapped), st)
+                         for st in self._strategies(task, mesh.size)), key=lambda x: x[0])
+        best_step = float("inf")
+        for bound, st in ranked:
+            if bound > best_step:
+                yield None
+                return
+            c = self.model.cost(task, st, shared)
+            if c.fits:
+                best_step = min(best_step, step_time(c.time_s, train_s, sync_s(st), overlapped))
+                yield (c,)
 
     def label(self, groups) -> str:
         return allocation_string(self.model.workload, groups)
@@ -187,18 +237,18 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
 
     @functools.cache
     def generation_s(size: int) -> float | None:
-        fronts = [s.front(t, size, len(s.gen) > 1) for t in s.gen]
-        return sum(f[-1].time_s for f in fronts) if all(fronts) else None  # a front's last is its fastest
+        times = [s.fastest(t, size, len(s.gen) > 1) for t in s.gen]
+        return None if any(t is None for t in times) else sum(times)
 
     @functools.cache
     def generation_sync_s(size: int, intra: bool) -> float:
         """A lower bound on G + S (<= the step) with generation on ``size`` devices: each
-        generation node's best front option counting its own weight sync's receive time."""
+        generation node's best option counting its own weight sync's receive time."""
         total_s = 0.0
         for t in s.gen:
             src = s.trainer_of.get(t.model_name)
-            total_s += min(o.time_s + (model.sync_floor(src, o.strategy, intra) if src else 0.0)
-                           for o in s.front(t, size, len(s.gen) > 1))
+            best = s.fastest(t, size, len(s.gen) > 1, (lambda st: model.sync_floor(src, st, intra)) if src else None)
+            total_s += float("inf") if best is None else best
         return total_s
 
     known: dict[int, float | None] = {}  # mesh size -> the training side's seconds
@@ -231,11 +281,18 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
                 add("disaggregated", [s.gen, s.train], meshes)
 
     def pair_bound(a: int, b: int, train_s: float) -> float:
-        """The best step of pair ``(a, b)`` if training took ``train_s`` (exact weight syncs)."""
+        """A lower bound on pair ``(a, b)``'s step if training took ``train_s`` (exact weight
+        syncs; with one generation node, its strategies at ``CostModel.generation_floor``)."""
         meshes = _disaggregated_meshes(a, b, c.n_nodes, per)
         if meshes is None:
             return float("inf")
         intra = same_machine(*meshes)
+        if len(s.gen) == 1:  # generation at its floor (no drain to cost), every strategy
+            t = s.gen[0]
+            src = s.trainer_of.get(t.model_name)
+            return min((step_time(model.generation_floor(t, st), train_s,
+                                  model.sync(src, st, b, intra)[0] if src else 0.0, overlapped)
+                        for st in s._strategies(t, a)), default=float("inf"))
         best = float("inf")
         for combo in itertools.product(*(s.front(t, a, len(s.gen) > 1) for t in s.gen)):
             sync_s = sum(model.sync(s.trainer_of[t.model_name], o.strategy, b, intra)[0]
