@@ -300,6 +300,15 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
             best = min(best, step_time(sum(o.time_s for o in combo), train_s, sync_s, overlapped))
         return best
 
+    may_colocate = not model.device.one_engine_per_device  # else only when nothing disaggregated fits
+
+    def colocated(size: int) -> None:
+        if ("colocated", size) not in tried:
+            tried.add(("colocated", size))
+            add("colocated", [s.gen + s.train], pack([size], c.n_nodes, per))
+
+    if may_colocate and s.gen and s.train and not overlapped and trainable(total):
+        colocated(total)  # without overlap, sharing every device is a strong first threshold
     if s.gen and s.train:
         whole = [a for a in sizes if a % per == 0 and a < total]
         grid = sorted({whole[i * (len(whole) - 1) // 15] for i in range(16)} if whole else ())
@@ -339,7 +348,7 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
                 continue
             g = generation_s(size) if s.gen else 0.0
             if g is not None and (generation_sync_s(size, size <= per) if s.gen else 0.0) + floor_s(size) <= threshold():
-                add("colocated", [s.gen + s.train], pack([size], c.n_nodes, per))
+                colocated(size)
     ranked = sorted(found["disaggregated"] + found["colocated"], key=lambda r: r[0])
     if not ranked:
         raise _infeasible(model, pins)
