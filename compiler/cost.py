@@ -68,10 +68,6 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 class CostModel:
     """Memoized per-node costs for one workload, device kind, cluster and config."""
 
