@@ -16,6 +16,7 @@ from compiler.allocation import resolve
 from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, LengthDistConfig, check_config
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
+from compiler.explain import component_times, plan_warnings
 from compiler.hardware import device_spec
 from compiler.memory import training_memory
 from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan, encode_value
@@ -96,13 +97,15 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) 
                 [shortfall(a.task, a.cost, model.usable, cfg) for a in chosen.assignments()],
             )
         try:
-            others = [c for c in search(model, pins, cfg.top_k) if c.allocation != chosen.allocation]
+            found = search(model, pins, cfg.top_k)
         except InfeasiblePlanError:
-            others = []
-        ranked = [chosen] + others[: cfg.top_k - 1]
+            found = []
+        ranked = [chosen] + [c for c in found if c.allocation != chosen.allocation][: cfg.top_k - 1]
     else:
-        ranked = search(model, pins, cfg.top_k)
-    return _to_plan(ranked, graph, workload, model, cluster, cfg)
+        found = ranked = search(model, pins, cfg.top_k)
+    warnings = plan_warnings(ranked[0], found, manual=bool(cfg.allocation), asked_async=workload.staleness >= 1,
+                             total_devices=model.total_devices)
+    return _to_plan(ranked, graph, workload, model, cluster, cfg, warnings)
 
 
 def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:
@@ -152,7 +155,8 @@ def _edges(graph, batch_groups: int) -> tuple[DataEdge, ...]:
     )
 
 
-def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostModel, cluster, cfg) -> Plan:
+def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostModel, cluster, cfg,
+             warnings: tuple[str, ...]) -> Plan:
     best = ranked[0]
     placed = {a.task.node: a for a in best.assignments()}
     nodes = []
@@ -191,7 +195,8 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         nodes=tuple(nodes),
         routes=tuple(best.routes),
         edges=_edges(graph, cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
-        alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated) for c in ranked),
+        alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated, component_times(c))
+                           for c in ranked),
         models=_models(graph),
         ops=_user_ops(graph),
         device_type="cuda" if cuda else "cpu",
@@ -202,6 +207,8 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
             batch_groups=cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP,
             length_dist=dataclasses.asdict(cfg.length_dist), mfu=cfg.mfu,
             bandwidth_efficiency=cfg.bandwidth_efficiency, dtype=cfg.dtype,
-            decode_step_overhead_s=cfg.decode_step_overhead_s,
+            decode_step_overhead_s=cfg.decode_step_overhead_s, memory_fraction=cfg.memory_fraction,
+            fsdp_overlap=cfg.fsdp_overlap,
         ),
+        warnings=warnings,
     )

@@ -65,7 +65,11 @@ class CompileConfig:
     """ASSUMED fixed seconds per decode step of an engine besides its memory/compute time (scheduling,
     sampling, kernel launches; compiler.decode)."""
     micro_batches: int | None = None
-    """Micro-batches per DP rank per training step; None = smallest power of two >= 4(pp-1) that fits."""
+    """Micro-batches per DP rank per training step; None = the power of two that fits memory and gives the
+    shortest predicted step (pipeline bubble vs per-micro-batch FSDP traffic and collective latencies)."""
+    fsdp_overlap: float = 1.0
+    """ASSUMED fraction of the data-parallel traffic (FSDP gathers/reduce-scatters, DDP all-reduce) hidden behind
+    compute, up to the compute available to hide it (1.0: ideal prefetching; 0: none; compiler.timing)."""
     activation_checkpointing: bool = True
     """Recompute each layer in the backward pass instead of storing its activations."""
     dtype: str = "bf16"
@@ -117,6 +121,8 @@ def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
         value = getattr(cfg, key)
         if not 0 < value <= 1:
             raise bad(f"compile.{key}", value, "must be in (0, 1]")
+    if not 0 <= cfg.fsdp_overlap <= 1:
+        raise bad("compile.fsdp_overlap", cfg.fsdp_overlap, "must be in [0, 1]")
 
 
 def check_length_dist(d: LengthDistConfig) -> None:

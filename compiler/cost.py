@@ -8,6 +8,12 @@ KV slot and a micro-batch must hold the longest one); time for the expected leng
 ``compiler.timing.generation_time``. Costs depend on the mesh only through its size: meshes larger than a
 machine are whole machines, so whether a group crosses the network follows from sizes.
 It must not choose placements (``compiler.search`` does).
+
+Micro-batches ``m`` (powers of two, at least one sequence each) are chosen for time among
+those that fit: the pipeline bubble falls as ``1/m`` while collective latencies and FSDP
+traffic grow with ``m`` (``compiler.timing``). Under FSDP every term is ``a/m``, ``b m``
+or a convex, growing function of ``b m`` (the exposed traffic), so the time is convex in
+``log2 m`` and the scan stops at the first ``m`` whose double is no faster.
 """
 
 from __future__ import annotations
@@ -16,17 +22,20 @@ from dataclasses import dataclass
 
 from compiler.config import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
+from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.memory import (
+    DTYPE_BYTES,
     MemoryBreakdown,
     generation_memory,
     inference_memory,
     kv_bytes_per_sequence,
+    params_per_device,
     training_memory,
 )
 from compiler.mesh import aligned_sizes
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.timing import Links, generation_time, swap_time, training_time, weight_sync_time
+from compiler.timing import Links, compute_s, generation_time, swap_time, training_time, weight_sync_time
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
 
 
@@ -57,10 +66,6 @@ class NodeCost:
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 class CostModel:
@@ -96,21 +101,109 @@ class CostModel:
             raise StrategyError(f"node '{task.node}' ({task.model.name}), strategy {s.short()}: {err}") from None
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
-        """Every ``(dp, tp, pp)`` strategy (cp = ep = 1) valid for ``task`` on ``size`` devices,
-        with ``dp`` at most the step's sequences (a rank or replica without one idles)."""
+        """The search space of ``task`` on ``size`` devices: every valid strategy with
+
+        - ``dp`` at most the step's sequences (a rank or replica without one idles);
+        - ``cp`` a power of two with ``tp * cp`` within one machine (ring attention passes
+          K/V every layer, so CP ranks sit next to TP ranks on NVLink, Megatron's order
+          tp-cp-dp-pp), training side only (decode is one token at a time);
+        - ``ep`` a divisor of the experts and of ``dp * cp`` up to the machine size (the
+          all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
+          Qwen3-30B-A3B do), training side of a MoE model only.
+        """
         key = (task.node, size)
         if key not in self._strategies:
-            m = task.model
+            m, train_side = task.model, task.role != GENERATION
             found = []
             for tp in range(1, min(size, self.per_node) + 1):
-                kv_ok = m.n_kv_heads % tp == 0 or (task.role == GENERATION and tp % m.n_kv_heads == 0)
+                kv_ok = m.n_kv_heads % tp == 0 or (not train_side and tp % m.n_kv_heads == 0)
                 if size % tp or m.n_heads % tp or not kv_ok:
                     continue
                 for pp in range(1, m.n_layers + 1):
-                    if m.n_layers % pp == 0 and (size // tp) % pp == 0 and size // (tp * pp) <= self.workload.n_sequences:
-                        found.append(ParallelStrategy(dp=size // (tp * pp), tp=tp, pp=pp))
+                    if m.n_layers % pp or (size // tp) % pp:
+                        continue
+                    rest = size // (tp * pp)
+                    cp = 1
+                    while cp <= (self.per_node // tp if train_side else 1) and rest % cp == 0:
+                        dp = rest // cp
+                        if dp <= self.workload.n_sequences:
+                            eps = [e for e in range(1, min(m.n_experts, self.per_node) + 1)
+                                   if m.n_experts % e == 0 and dp * cp % e == 0]
+                            for ep in eps if train_side and m.is_moe else [1]:
+                                found.append(ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
+                        cp *= 2
             self._strategies[key] = found
         return self._strategies[key]
+
+    def time_floor(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """A lower bound on the seconds of training-side ``task`` under ``s`` at any
+        micro-batch count: its time at ``m = 1`` less the pipeline bubble (every other term
+        is a constant plus a part that grows with ``m``: collective latencies per
+        micro-batch, FSDP traffic per micro-batch and the share of it left exposed)."""
+        key = ("floor", task.node, s)
+        if key not in self._costs:
+            w, cfg = self.workload, self.cfg
+            times = training_time(
+                task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=1,
+                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+                forward_only=task.role != TRAINING, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
+                overlap=cfg.fsdp_overlap,
+            )
+            self._costs[key] = sum(times.values()) - times["bubble"]
+        return self._costs[key]
+
+    def generation_floor(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """A lower bound on generation ``task``'s seconds under ``s`` whatever its KV slots:
+        with ``k >= 1`` its closed form at one slot per response (a step's seconds per live
+        response fall as the batch grows); with ``k = 0`` the prefills plus the longest
+        response decoded alone (a step never costs less than at batch 1 with that response's
+        own context) or, if larger, every token at the per-token price of a step with all
+        responses live and only their prompts as context; no continuous-batch drain."""
+        key = ("generation_floor", task.node, s.tp, s.pp, s.dp)
+        if key not in self._costs:
+            w, cfg = self.workload, self.cfg
+            per_replica = -(-w.n_sequences // s.dp)
+            if w.staleness >= 1:  # a step's cost per response falls with the live batch: best at c = per_replica
+                self._costs[key] = sum(generation_time(
+                    task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
+                    concurrent=per_replica, refill=True, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                    overhead_s=cfg.decode_step_overhead_s).values())
+            else:
+                cost = DecodeCost.build(task.model, s, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                                        overhead_s=cfg.decode_step_overhead_s, prompt_len=w.prompt_len)
+                lengths = self.lengths.quantiles(per_replica)
+                alone = cost.run_s(1, w.prompt_len, max(lengths))
+                # every token at the cheapest per-token price: all responses live, prompts only as context
+                work = sum(lengths) * cost.step_s(per_replica, per_replica * w.prompt_len) / per_replica
+                self._costs[key] = cost.prefill_s(per_replica) + max(alone, work)
+        return self._costs[key]
+
+    def can_fit(self, task: DeviceTask, s: ParallelStrategy) -> bool:
+        """Whether training-side ``task`` fits under ``s`` at some micro-batch count: its memory
+        at the most micro-batches (or ``compile.micro_batches``) fits, as memory never grows
+        with ``m``; equals ``cost(task, s, ...).fits`` at a fraction of the work."""
+        key = ("can_fit", task.node, s)
+        if key not in self._costs:
+            w, cfg = self.workload, self.cfg
+            m = cfg.micro_batches or self._most_micro_batches(s)
+            kw = dict(tokens_per_step=w.n_sequences * w.seq_len, micro_batches=m, dtype=cfg.dtype,
+                      sharded=cfg.optimizer_sharding)
+            mem = (training_memory(task.model, s, checkpointing=cfg.activation_checkpointing, **kw)
+                   if task.role == TRAINING else inference_memory(task.model, s, **kw))
+            self._costs[key] = mem.total <= self.usable
+        return self._costs[key]
+
+    def compute_floor(self, task: DeviceTask, size: int) -> float:
+        """A lower bound on a training-side node's seconds on ``size`` devices under any
+        strategy: its FLOPs at the assumed MFU (``compiler.timing.compute_s``)."""
+        w, cfg = self.workload, self.cfg
+        return compute_s(task.model, size, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean,
+                         checkpointing=cfg.activation_checkpointing, forward_only=task.role != TRAINING,
+                         mfu=cfg.mfu, peak_flops=self.device.peak_flops)
+
+    def _most_micro_batches(self, s: ParallelStrategy) -> int:
+        """Most micro-batches per DP rank: each holds at least one sequence (a power of two)."""
+        return _pow2_floor(self.workload.n_sequences // s.dp)
 
     # -- costs ----------------------------------------------------------------------
     def cost(self, task: DeviceTask, s: ParallelStrategy, shared: bool) -> NodeCost:
@@ -149,19 +242,33 @@ class CostModel:
                 sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
             )
 
+        def time(m: int) -> dict:
+            return training_time(
+                task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=m,
+                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+                forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
+                overlap=cfg.fsdp_overlap,
+            )
+
         m = micro_batches or cfg.micro_batches
-        if m is None:
-            most = _pow2_floor(w.n_sequences // s.dp)
-            m = min(_pow2_ceil(4 * (s.pp - 1)), most)  # m >> p keeps the bubble small
-            while memory(m).total > self.usable and m < most:
+        if m is None:  # the fastest power of two that fits; the fewest when none fits (for the error)
+            most = self._most_micro_batches(s)
+            m = 1 if memory(most).total <= self.usable else most  # the fewest that fit, else most
+            while m < most and memory(m).total > self.usable:  # memory never grows with m
                 m *= 2
+            times = time(m)
+            best = sum(times.values())
+            more = 2 * m
+            while more <= most:
+                t = time(more)
+                if sum(t.values()) < best:
+                    m, times, best = more, t, sum(t.values())
+                elif cfg.optimizer_sharding:
+                    break  # convex in log2 m under FSDP (module docstring): no later m is faster
+                more *= 2
+        else:
+            times = time(m)
         mem = memory(m)
-        times = training_time(
-            task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=m,
-            dtype=cfg.dtype,
-            sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
-            forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
-        )
         return NodeCost(s, mem, mem.total <= self.usable, times, micro_batches=m)
 
     def _generation(self, task: DeviceTask, s: ParallelStrategy, concurrent: int | None = None) -> NodeCost:
@@ -178,12 +285,15 @@ class CostModel:
             per_seq = kv_bytes_per_sequence(task.model, s, w.seq_len, cfg.dtype)
             concurrent = max(1, min(per_replica, int((self.usable - weights) // per_seq)))
         mem = generation_memory(task.model, s, concurrent=concurrent, seq_len=w.seq_len, dtype=cfg.dtype)
-        times = generation_time(
-            task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
-            concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
-            overhead_s=cfg.decode_step_overhead_s,
-        )
-        return NodeCost(s, mem, mem.total <= self.usable, times, concurrent=concurrent)
+        # a replica's seconds depend on its shape (tp, pp), its share of the step and its slots only
+        key = ("replica", task.node, s.tp, s.pp, per_replica, concurrent)
+        if key not in self._costs:
+            self._costs[key] = generation_time(
+                task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
+                concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
+                overhead_s=cfg.decode_step_overhead_s,
+            )
+        return NodeCost(s, mem, mem.total <= self.usable, dict(self._costs[key]), concurrent=concurrent)
 
     def floor(self, task: DeviceTask) -> NodeCost:
         """The smallest memory per device ``task`` can reach on any aligned mesh of this
@@ -194,10 +304,16 @@ class CostModel:
                 if task.role == GENERATION:
                     cost = self._generation(task, s, concurrent=1)
                 else:
-                    cost = self._training(task, s, micro_batches=_pow2_floor(self.workload.n_sequences // s.dp))
+                    cost = self._training(task, s, micro_batches=self._most_micro_batches(s))
                 if best is None or cost.memory.total < best.memory.total:
                     best = cost
         return best
+
+    def sync_floor(self, train: DeviceTask, gen_strategy: ParallelStrategy, same_machine: bool) -> float:
+        """A lower bound on :meth:`sync` over every training mesh: the seconds for each
+        generation device to receive its shard (the trainers' sends left out)."""
+        receive = DTYPE_BYTES[self.cfg.dtype] * params_per_device(train.model, gen_strategy)
+        return self.links.latency + receive / (self.links.intra if same_machine else self.links.inter)
 
     def sync(self, train: DeviceTask, gen_strategy: ParallelStrategy, train_devices: int, same_machine: bool):
         """``(seconds, bytes, link)`` of the weight sync from ``train`` into ``gen_strategy``."""

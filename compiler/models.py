@@ -21,6 +21,7 @@ vocab 50, the character tokenizer's), read without importing torch.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -223,20 +224,21 @@ def resolve_model(spec: str) -> ModelSpec:
     """A preset name (case-insensitive, a hub prefix such as ``Qwen/`` ignored), a
     ``config.json`` path, a folder holding one, a ``.gguf`` file (its metadata), or a hub id
     found in the local Hugging Face cache — the specs the runtime loads
-    (``areal_flow.models.hf.resolve_folder``), read without torch. ``<preset>-rm`` (a reward model the
-    runtime trains from the preset) has the preset's shape: its scalar head is noise next
-    to the backbone.
+    (``areal_flow.models.hf.resolve_folder``, ``~`` expanded alike), read without torch.
+    ``<preset>-rm`` (a reward model the runtime trains from the preset) has the preset's
+    shape: its scalar head is noise next to the backbone. An instruction-tuned variant of a
+    preset (``HuggingFaceTB/SmolLM2-135M-Instruct``, ``Qwen/Qwen2.5-7B-Instruct``) not in the
+    cache has its base preset's shape (their published config.json files agree on it).
 
     Raises:
         ModelSpecError: unknown preset and no such file; the message lists the presets.
     """
-    if spec.lower().endswith("-rm") and not Path(spec).exists():
+    if spec.lower().endswith("-rm") and not Path(spec).expanduser().exists():
         return resolve_model(spec[:-3])
-    presets = {key.lower(): key for key in MODEL_PRESETS}
-    key = presets.get(spec.lower()) or presets.get(spec.rsplit("/", 1)[-1].lower())
+    key = _preset_key(spec)
     if key is not None:
         return spec_from_config(MODEL_PRESETS[key], key)
-    path = Path(spec)
+    path = Path(spec).expanduser()  # as the runtime's areal_flow.models.hf.resolve_folder reads it
     if path.suffix == ".gguf" and path.is_file():
         return spec_from_config(_gguf_config(path), str(path))
     cached = _hub_cache_config(spec)
@@ -250,10 +252,21 @@ def resolve_model(spec: str) -> ModelSpec:
         except json.JSONDecodeError as err:
             raise ModelSpecError(f"model config {path}: line {err.lineno}: {err.msg}") from err
         return spec_from_config(config, str(path))
+    base = _preset_key(re.sub(r"-(instruct|chat|it)$", "", spec, flags=re.IGNORECASE))
+    if base is not None:  # an instruction-tuned variant has its base model's config.json shape
+        return spec_from_config(MODEL_PRESETS[base], base)
+    hub = ("; as a hub id it is not in the local Hugging Face cache (the runtime would download it; "
+           "download it first or pass its folder or config.json)") if spec.count("/") == 1 else ""
     raise ModelSpecError(
-        f"model spec {spec!r}: not a preset and not a config.json file or folder; "
+        f"model spec {spec!r}: not a preset and not a config.json file or folder{hub}; "
         f"presets: {', '.join(MODEL_PRESETS)}"
     )
+
+
+def _preset_key(spec: str) -> str | None:
+    """The preset ``spec`` names: case ignored, a hub organisation (``Qwen/``) ignored."""
+    presets = {key.lower(): key for key in MODEL_PRESETS}
+    return presets.get(spec.lower()) or presets.get(spec.rsplit("/", 1)[-1].lower())
 
 
 def _gguf_config(path: Path) -> dict:

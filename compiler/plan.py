@@ -65,7 +65,7 @@ class PlanSchemaError(ValueError):
     """A plan.json of another schema version, or missing a field (named)."""
 
 
-_OPTIONAL = ("models", "run", "ops", "device_type", "backend", "workload")
+_OPTIONAL = ("models", "run", "ops", "device_type", "backend", "workload", "warnings")
 
 
 def _node(data: dict) -> NodePlan:
@@ -170,12 +170,15 @@ class DataEdge:
 
 @dataclass(frozen=True)
 class Alternative:
-    """One of the best allocations found (the chosen one first)."""
+    """One of the best allocations found (the chosen one first); ``times``: seconds of
+    ``generation``, ``training``, ``sync`` and of each node's components
+    (``node.component``), for ``compiler.explain``."""
 
     allocation: str
     step_time_s: float
     idle_fraction: float
     colocated: bool
+    times: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,10 @@ class Plan:
         workload: what the time model assumed, for ``compiler.simulate``: ``n_sequences``,
             ``prompt_len``, ``new_tokens``, ``samples_per_prompt``, ``batch_groups`` (B),
             ``length_dist`` (``compile.length_dist``), ``mfu``, ``bandwidth_efficiency``,
-            ``dtype``, ``decode_step_overhead_s``.
+            ``dtype``, ``decode_step_overhead_s``, ``memory_fraction``, ``fsdp_overlap``.
+        warnings: the compiler's warnings (``compiler.explain.plan_warnings``): a manual
+            allocation much slower than the best found, idle devices, async asked but
+            generation and training colocated.
     """
 
     schema_version: int
@@ -231,6 +237,7 @@ class Plan:
     device_type: str = "cpu"
     backend: str = "gloo"
     workload: dict = field(default_factory=dict)
+    warnings: tuple = ()
 
     @property
     def staleness_bound(self) -> int:
@@ -263,7 +270,9 @@ class Plan:
         try:
             plan = cls(
                 **{k: data[k] for k in cls.__dataclass_fields__
-                   if k not in ("nodes", "routes", "edges", "alternatives") and (k in data or k not in _OPTIONAL)},
+                   if k not in ("nodes", "routes", "edges", "alternatives", "warnings")
+                   and (k in data or k not in _OPTIONAL)},
+                warnings=tuple(data.get("warnings", ())),
                 nodes=tuple(_node(n) for n in data["nodes"]),
                 routes=tuple(
                     SyncRoute(**{**r, "src_mesh": _mesh(r["src_mesh"]), "dst_mesh": _mesh(r["dst_mesh"])})

@@ -13,14 +13,18 @@ cluster). For each layout, strategies are chosen per node, exactly:
   both growing with ``dp``; only strategies on the (seconds, dp) Pareto front can be
   optimal, and their combinations are all tried.
 
-Memoized by (node, mesh size), a 1024-device cluster takes well under the 2 s budget
-(``bench/compile_search.py``). Candidates are ranked by :func:`rank_key` (step time, then
-the serial time, then the allocation string), so the result is deterministic. On devices that host one engine each (``cpu``) colocated layouts are tried
-only when no disaggregated one fits.
+Layouts that cannot enter the top-k are skipped by exact bounds and a dominance rule
+(:func:`search`), and costs are memoized by (node, mesh size): a 4,096-device cluster
+takes under the 2 s budget in async mode (``bench/compile_search.py``). Candidates are
+ranked by :func:`rank_key` (step time, then the serial time, then the allocation string),
+so the result is deterministic. On devices that host one engine each (``cpu``) colocated
+layouts are tried only when no disaggregated one fits.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 
 from compiler.cost import CostModel, NodeCost
@@ -41,18 +45,47 @@ class _Search:
         self._front: dict = {}
         self.trainer_of = {t.model_name: t for t in self.train if t.op == "train_step"}
 
-    def _options(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
+    def _strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
         pin = self.pins.get(task.node)
-        strategies = ([pin] if pin.world_size == size else []) if pin else self.model.strategies(task, size)
-        return [c for c in (self.model.cost(task, s, shared) for s in strategies) if c.fits]
+        return ([pin] if pin.world_size == size else []) if pin else self.model.strategies(task, size)
+
+    def _options(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
+        return [c for c in (self.model.cost(task, s, shared) for s in self._strategies(task, size)) if c.fits]
 
     def best(self, task: DeviceTask, size: int, shared: bool) -> NodeCost | None:
-        """Fastest fitting cost of a training-side node (ties: strategy string)."""
+        """Fastest fitting cost of a training-side node (ties: strategy string). Strategies
+        are costed in the order of ``CostModel.time_floor`` (a lower bound on their seconds)
+        until the bound exceeds the best found: exact, and most are never costed."""
         key = (task.node, size, shared)
         if key not in self._best:
-            options = self._options(task, size, shared)
-            self._best[key] = min(options, key=lambda c: (c.time_s, c.strategy.short()), default=None)
+            best = None
+            ranked = sorted(((self.model.time_floor(task, s), s) for s in self._strategies(task, size)),
+                            key=lambda x: x[0])
+            for floor, s in ranked:
+                if best is not None and floor > best.time_s:
+                    break
+                c = self.model.cost(task, s, shared)
+                if c.fits and (best is None or c.time_s < best.time_s or
+                               (c.time_s == best.time_s and s.short() < best.strategy.short())):
+                    best = c
+            self._best[key] = best
         return self._best[key]
+
+    def fastest(self, task: DeviceTask, size: int, shared: bool, extra=None) -> float | None:
+        """Least ``seconds + extra(strategy)`` over a generation node's fitting strategies
+        (None if none fits), costed in the order of ``CostModel.generation_floor`` until the
+        floor exceeds the best: exact, without costing most of them."""
+        extra = extra or (lambda st: 0.0)
+        ranked = sorted(((self.model.generation_floor(task, st) + extra(st), st) for st in self._strategies(task, size)),
+                        key=lambda x: x[0])
+        best = None
+        for floor, st in ranked:
+            if best is not None and floor > best:
+                break
+            c = self.model.cost(task, st, shared)
+            if c.fits:
+                best = c.time_s + extra(st) if best is None else min(best, c.time_s + extra(st))
+        return best
 
     def front(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
         """Generation costs not beaten on both seconds and DP degree."""
@@ -81,14 +114,15 @@ class _Search:
         for tasks, mesh in zip(groups_tasks, meshes):
             for task in tasks:
                 if task.role == GENERATION:
-                    fronts.append(self.front(task, mesh.size, len(tasks) > 1))
                     gen_mesh[task.node] = mesh
         train_mesh = {t.node: m for tasks, m in zip(groups_tasks, meshes) for t in tasks if t.role != GENERATION}
         train_s = max(sum(chosen[t.node].time_s for t in tasks if t.role != GENERATION) for tasks in groups_tasks)
         mixed = any(len({t.role == GENERATION for t in tasks}) > 1 for tasks in groups_tasks)
         overlapped = self.model.workload.staleness >= 1 and not mixed
         best = None
-        for combo in itertools.product(*fronts):
+        for combo in self._combos(groups_tasks, meshes, fronts, train_s, overlapped, train_mesh, gen_mesh):
+            if combo is None:  # the remaining options' bounds exceed the best step found
+                break
             picks = dict(zip(gen_mesh, combo))
             gen_s = max(sum(picks[t.node].time_s for t in tasks if t.role == GENERATION) for tasks in groups_tasks)
             sync_s = 0.0
@@ -106,28 +140,77 @@ class _Search:
                     best = (*key, groups)
         return best
 
+    def _combos(self, groups_tasks, meshes, fronts, train_s, overlapped, train_mesh, gen_mesh):
+        """The generation options to try: with one generation node, every strategy in the
+        order of its bound ``step(generation_floor, T, exact sync)``, yielding None once the
+        bound exceeds the best step so far (the caller stops there); otherwise every
+        combination of the nodes' (seconds, dp) Pareto fronts."""
+        gen = [t for tasks in groups_tasks for t in tasks if t.role == GENERATION]
+        if len(gen) != 1:
+            fronts = [self.front(t, gen_mesh[t.node].size, len(tasks) > 1)
+                      for tasks in groups_tasks for t in tasks if t.role == GENERATION]
+            yield from itertools.product(*fronts)
+            return
+        task, mesh = gen[0], gen_mesh[gen[0].node]
+        shared = any(task in tasks and len(tasks) > 1 for tasks in groups_tasks)
+        src = self.trainer_of.get(task.model_name)
+
+        def sync_s(st):
+            if src is None:
+                return 0.0
+            src_mesh = train_mesh[src.node]
+            return self.model.sync(src, st, src_mesh.size, same_machine(src_mesh, mesh))[0]
+
+        ranked = sorted(((step_time(self.model.generation_floor(task, st), train_s, sync_s(st), overlapped), st)
+                         for st in self._strategies(task, mesh.size)), key=lambda x: x[0])
+        best_step = float("inf")
+        for bound, st in ranked:
+            if bound > best_step:
+                yield None
+                return
+            c = self.model.cost(task, st, shared)
+            if c.fits:
+                best_step = min(best_step, step_time(c.time_s, train_s, sync_s(st), overlapped))
+                yield (c,)
+
     def label(self, groups) -> str:
         return allocation_string(self.model.workload, groups)
 
 
-def layouts(model: CostModel, gen: list[DeviceTask], train: list[DeviceTask]):
-    """``(kind, groups of tasks, meshes)`` for every colocated and disaggregated layout."""
-    c = model.cluster
-    sizes = aligned_sizes(c.n_nodes, c.n_gpus_per_node)
-    if gen and train:
-        for a in sizes:
-            for b in sizes:
-                if a + b <= model.total_devices:
-                    try:
-                        yield "disaggregated", [gen, train], pack([a, b], c.n_nodes, c.n_gpus_per_node)
-                    except MeshError:
-                        continue
-    for size in sizes:
-        yield "colocated", [gen + train], pack([size], c.n_nodes, c.n_gpus_per_node)
+def _disaggregated_meshes(a: int, b: int, n_nodes: int, per_node: int) -> list[MeshSpec] | None:
+    """``pack([a, b])``, with whole-machine pairs placed in closed form (machines
+    ``0..a/per_node-1``, then the next ``b/per_node``), as first fit places them."""
+    if a % per_node == 0 and b % per_node == 0:
+        if a + b > n_nodes * per_node:
+            return None
+        return [MeshSpec(0, a // per_node, 0, per_node), MeshSpec(a // per_node, b // per_node, 0, per_node)]
+    try:
+        return pack([a, b], n_nodes, per_node)
+    except MeshError:
+        return None
 
 
 def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> list[Candidate]:
     """The ``top_k`` best candidates, best first (step time, then allocation string).
+
+    Layouts: colocated on every aligned size; disaggregated on every pair of aligned sizes
+    ``(a, b)`` that packs (generation on ``a``, training on ``b``). Pairs are skipped only
+    when they cannot enter the result, so the search stays exact (checked against brute
+    force in ``tests/test_compiler_search.py``):
+
+    - bound: a pair's step is at least ``step(G_lb(a), T_floor(b), 0)``, where ``T_floor``
+      is the training side's FLOPs at the assumed MFU and ``G_lb`` a cheap generation floor
+      (``CostModel.generation_floor``), then at least ``G + S`` of its best generation
+      option counting only the receive side of the weight sync, then at least its step
+      with ``T_floor(b)`` in place of the training seconds and the exact weight sync; a
+      size where no training strategy fits memory is skipped. A pair (or a colocated size,
+      whose step is ``G + T + S``) whose bound exceeds the ``top_k``-th best step found so
+      far is skipped. The best-bounded splits of a grid of 16 are evaluated first so that
+      this threshold is tight early; colocated layouts come last;
+    - dominance: for a fixed ``a``, a whole-machine ``b`` is skipped when a larger
+      whole-machine ``b'`` that fits beside ``a`` trains strictly faster: the weight sync of
+      ``(a, b')`` is no slower (both cross the network; the trainers send ``dp`` copies over
+      more devices) and the objective grows with training and sync seconds.
 
     Args:
         pins: node -> strategy fixed in advance (its mesh size follows).
@@ -136,13 +219,136 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
         InfeasiblePlanError: no layout fits; lists every node's smallest reachable memory.
     """
     s = _Search(model, pins)
+    c, per, total = model.cluster, model.per_node, model.total_devices
+    sizes = aligned_sizes(c.n_nodes, per)
+    overlapped = model.workload.staleness >= 1
     found = {"disaggregated": [], "colocated": []}
-    for kind, groups_tasks, meshes in layouts(model, s.gen, s.train):
-        if kind == "colocated" and model.device.one_engine_per_device and found["disaggregated"]:
-            continue
+    steps: list[float] = []  # step times found, ascending: the top_k-th is the threshold
+    tried: set = set()
+
+    def add(kind: str, groups_tasks, meshes) -> None:
         result = s.layout(groups_tasks, meshes)
         if result is not None:
             found[kind].append((result[:2], result[2], meshes))
+            bisect.insort(steps, result[0])
+
+    def threshold() -> float:
+        return steps[top_k - 1] if len(steps) >= top_k else float("inf")
+
+    @functools.cache
+    def generation_s(size: int) -> float | None:
+        times = [s.fastest(t, size, len(s.gen) > 1) for t in s.gen]
+        return None if any(t is None for t in times) else sum(times)
+
+    @functools.cache
+    def generation_sync_s(size: int, intra: bool) -> float:
+        """A lower bound on G + S (<= the step) with generation on ``size`` devices: each
+        generation node's best option counting its own weight sync's receive time."""
+        total_s = 0.0
+        for t in s.gen:
+            src = s.trainer_of.get(t.model_name)
+            best = s.fastest(t, size, len(s.gen) > 1, (lambda st: model.sync_floor(src, st, intra)) if src else None)
+            total_s += float("inf") if best is None else best
+        return total_s
+
+    known: dict[int, float | None] = {}  # mesh size -> the training side's seconds
+
+    def training_s(size: int) -> float | None:
+        if size not in known:
+            best = [s.best(t, size, len(s.train) > 1) for t in s.train]
+            known[size] = None if any(b is None for b in best) else sum(b.time_s for b in best)
+        return known[size]
+
+    @functools.cache
+    def floor_s(size: int) -> float:
+        return sum(model.compute_floor(t, size) for t in s.train)
+
+    @functools.cache
+    def generation_lb(size: int) -> float:
+        """A cheap lower bound on ``generation_s(size)`` (``CostModel.generation_floor``)."""
+        return sum(min((model.generation_floor(t, st) for st in s._strategies(t, size)), default=float("inf"))
+                   for t in s.gen)
+
+    @functools.cache
+    def trainable(size: int) -> bool:
+        return all(any(model.can_fit(t, st) for st in s._strategies(t, size)) for t in s.train)
+
+    def pair(a: int, b: int) -> None:
+        if (a, b) not in tried:
+            tried.add((a, b))
+            meshes = _disaggregated_meshes(a, b, c.n_nodes, per)
+            if meshes is not None:
+                add("disaggregated", [s.gen, s.train], meshes)
+
+    def pair_bound(a: int, b: int, train_s: float) -> float:
+        """A lower bound on pair ``(a, b)``'s step if training took ``train_s`` (exact weight
+        syncs; with one generation node, its strategies at ``CostModel.generation_floor``)."""
+        meshes = _disaggregated_meshes(a, b, c.n_nodes, per)
+        if meshes is None:
+            return float("inf")
+        intra = same_machine(*meshes)
+        if len(s.gen) == 1:  # generation at its floor (no drain to cost), every strategy
+            t = s.gen[0]
+            src = s.trainer_of.get(t.model_name)
+            return min((step_time(model.generation_floor(t, st), train_s,
+                                  model.sync(src, st, b, intra)[0] if src else 0.0, overlapped)
+                        for st in s._strategies(t, a)), default=float("inf"))
+        best = float("inf")
+        for combo in itertools.product(*(s.front(t, a, len(s.gen) > 1) for t in s.gen)):
+            sync_s = sum(model.sync(s.trainer_of[t.model_name], o.strategy, b, intra)[0]
+                         for t, o in zip(s.gen, combo) if t.model_name in s.trainer_of)
+            best = min(best, step_time(sum(o.time_s for o in combo), train_s, sync_s, overlapped))
+        return best
+
+    may_colocate = not model.device.one_engine_per_device  # else only when nothing disaggregated fits
+
+    def colocated(size: int) -> None:
+        if ("colocated", size) not in tried:
+            tried.add(("colocated", size))
+            add("colocated", [s.gen + s.train], pack([size], c.n_nodes, per))
+
+    if may_colocate and s.gen and s.train and not overlapped and trainable(total):
+        colocated(total)  # without overlap, sharing every device is a strong first threshold
+    if s.gen and s.train:
+        whole = [a for a in sizes if a % per == 0 and a < total]
+        grid = sorted({whole[i * (len(whole) - 1) // 15] for i in range(16)} if whole else ())
+        grid = [a for a in grid if generation_s(a) is not None]
+        for a in sorted(grid, key=lambda a: pair_bound(a, total - a, floor_s(total - a)))[: 2 * top_k]:
+            if training_s(total - a) is not None:  # seeds: the best bounds on a grid of 16 splits
+                pair(a, total - a)
+        for a in sizes:
+            if a >= total or floor_s(total - a) > threshold():
+                continue  # even the most devices left for training cannot beat the threshold
+            g = None  # the generation side is costed only once a b passes the cheaper checks
+            fastest = float("inf")  # training seconds of the best larger whole-machine b
+            for b in reversed(sizes):
+                if a + b > total:
+                    continue
+                if floor_s(b) > threshold():
+                    break  # the floor only grows as b shrinks
+                if b % per == 0 and floor_s(b) >= fastest or not trainable(b):
+                    continue
+                if g is None:
+                    if step_time(generation_lb(a), floor_s(b), 0.0, overlapped) > threshold():
+                        break  # floor_s only grows as b shrinks
+                    g = generation_s(a)
+                    if g is None or generation_sync_s(a, a < per) > threshold():
+                        break  # (intra-node sync is possible only for a mesh inside one machine)
+                if b not in known and pair_bound(a, b, floor_s(b)) > threshold():
+                    continue
+                t = training_s(b)
+                if t is None or (b % per == 0 and t >= fastest):
+                    continue
+                fastest = t if b % per == 0 else fastest
+                if step_time(g, t, 0.0, overlapped) <= threshold():
+                    pair(a, b)
+    if not (model.device.one_engine_per_device and found["disaggregated"]):  # one engine each: colocate if must
+        for size in sizes:  # a shared mesh's step is G + T + S, each node paying a swap
+            if floor_s(size) + (generation_lb(size) if s.gen else 0.0) > threshold() or not trainable(size):
+                continue
+            g = generation_s(size) if s.gen else 0.0
+            if g is not None and (generation_sync_s(size, size <= per) if s.gen else 0.0) + floor_s(size) <= threshold():
+                colocated(size)
     ranked = sorted(found["disaggregated"] + found["colocated"], key=lambda r: r[0])
     if not ranked:
         raise _infeasible(model, pins)

@@ -1,11 +1,15 @@
-"""The plan as a terminal table: node, mesh, strategy, memory per device, predicted time.
+"""The plan as a terminal table: node, mesh, strategy, memory per device and its headroom,
+predicted time; then the step, its bottleneck, the margin over the runner-up, warnings and
+every assumption used (``compiler.explain``).
 
-Owns :func:`format_table`, the text ``areal-flow compile --plan`` prints (and the golden
-test compares). Memory in GiB (2^30 bytes), data in GB (10^9 bytes), time in seconds.
+Owns :func:`format_table`, the text ``areal-flow compile --plan`` prints (its numbers are
+checked against a hand derivation in ``tests/test_compiler_outputs.py``). Memory in GiB
+(2^30 bytes), data in GB (10^9 bytes), time in seconds.
 """
 
 from __future__ import annotations
 
+from compiler.explain import assumptions, bottleneck, headroom, memory_line, runner_up
 from compiler.hardware import GIB
 from compiler.plan import Plan
 
@@ -46,7 +50,7 @@ def format_table(plan: Plan) -> str:
         f"allocation: {plan.allocation}",
         "",
     ]
-    header = ("node", "op", "role", "mesh", "strategy", "memory/device", "time/step")
+    header = ("node", "op", "role", "mesh", "strategy", "memory/device", "headroom", "time/step")
     rows = []
     for n in plan.nodes:
         if n.role == "cpu":
@@ -55,7 +59,7 @@ def format_table(plan: Plan) -> str:
             where = n.mesh.label()
             strategy = n.strategy + (f" m{n.micro_batches}" if n.micro_batches else "")
             strategy += f" c{n.concurrent}" if n.concurrent else ""
-        rows.append((n.name, n.op, n.role, where, strategy, _memory(n), _time(n)))
+        rows.append((n.name, n.op, n.role, where, strategy, _memory(n), headroom(plan, n), _time(n)))
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
     for row in [header] + rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -72,9 +76,16 @@ def format_table(plan: Plan) -> str:
         f"sync {plan.sync_s:.2f} s); {'colocated' if plan.colocated else 'disaggregated'}; "
         f"idle {plan.idle_fraction:.1%} of device time"
     )
+    lines.append(f"bottleneck: {bottleneck(plan)}")
+    why = runner_up(plan)
+    if why:
+        lines.append(f"why this allocation: {why}")
     if len(plan.alternatives) > 1:
         lines.append("alternatives (best first):")
         for i, alt in enumerate(plan.alternatives, 1):
             lines.append(f"  {i}. {alt.step_time_s:8.2f} s  idle {alt.idle_fraction:6.1%}  {alt.allocation}")
+    lines.extend(f"WARNING: {w}" for w in plan.warnings)
+    lines.append(memory_line(plan))
+    lines.extend(f"assumed: {a}" for a in assumptions(plan))
     lines.append("m = micro-batches per DP rank, c = sequences decoded at once per replica; cpu nodes run on their host's machine")
     return "\n".join(lines)

@@ -12,13 +12,22 @@ Formulas and sources:
   micro-batch's ``tokens x h`` activations per layer forward, 2 backward (+2 when a layer
   is recomputed). Ring all-reduce moves ``2(n-1)/n`` x bytes per device; all-gather and
   reduce-scatter ``(n-1)/n`` (Thakur et al. 2005, ring algorithms).
-- Data parallelism: an all-reduce of the gradients; with ZeRO-3/FSDP a reduce-scatter of
-  gradients and two all-gathers of weights, 1.5x the all-reduce volume (Rajbhandari et al.
-  2020, section 7.2), once per step; dense gradients over the ``dp * cp`` ranks, routed
-  experts' over the ``dp * cp / ep`` ranks that hold the same experts. Not overlapped with compute (an upper bound).
+- Data parallelism: dense gradients over the ``dp * cp`` ranks, routed experts' over the
+  ``dp * cp / ep`` ranks that hold the same experts. Without sharding (DDP), one all-reduce
+  of the gradients per step (gradient accumulation skips it on all but the last
+  micro-batch). With ZeRO-3/FSDP, per micro-batch two all-gathers of the weights (forward,
+  and backward, which also serves the recomputation) and one reduce-scatter of the
+  gradients, 1.5x the all-reduce volume (Rajbhandari et al. 2020, section 7.2; PyTorch FSDP
+  reshards after forward and reduce-scatters every backward, Zhao et al. 2023, section 3).
+- Overlap (ASSUMED, ``compile.fsdp_overlap`` = w): prefetching hides a fraction w of the
+  DP traffic behind compute, up to the compute it can hide behind: FSDP traffic behind the
+  whole step's compute, DDP's all-reduce behind the last micro-batch's backward (2/3 of its
+  compute). Exposed seconds = traffic - w * min(traffic, that compute).
 - Context parallelism (ring attention, Liu et al. 2023): each layer passes the K/V shard
   ``cp-1`` times forward and twice as much backward. Expert parallelism: two all-to-alls
-  (dispatch, combine) of ``k`` routed copies per MoE layer forward, twice that backward.
+  (dispatch, combine) of ``k`` routed copies per MoE layer forward, two backward (their
+  gradients), two more when the layer is recomputed; ``(ep-1)/ep`` of the copies leave
+  the device (Lepikhin et al. 2020, GShard, section 2.2).
 - Generation: response lengths follow ``compile.length_dist`` (``compiler.lengths``); a
   replica decodes as many responses at once as its KV cache holds with continuous
   batching (no waves), each step costing ``compiler.decode.DecodeCost`` (weights and live
@@ -74,6 +83,16 @@ def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -
     return forward * (4 if checkpointing else 3)
 
 
+def compute_s(model: ModelSpec, devices: int, *, n_sequences: int, seq_len: float, checkpointing: bool,
+              forward_only: bool, mfu: float, peak_flops: float) -> float:
+    """Seconds of the matmul FLOPs of a train_step (or forward-only pass) over ``n_sequences``
+    of ``seq_len`` tokens spread over ``devices`` at ``mfu`` of ``peak_flops``: a lower bound
+    on :func:`training_time` (its other terms are >= 0)."""
+    per_token = train_flops_per_token(model, seq_len, checkpointing and not forward_only)
+    flops = n_sequences * seq_len * (per_token / 3 if forward_only else per_token)
+    return flops / (devices * peak_flops * mfu)
+
+
 def training_time(
     model: ModelSpec,
     s: ParallelStrategy,
@@ -88,8 +107,15 @@ def training_time(
     mfu: float,
     links: Links,
     mesh_spans_nodes: bool,
+    overlap: float = 0.0,
 ) -> dict[str, float]:
     """Seconds of one train_step (or forward-only pass) over ``n_sequences`` of ``seq_len``.
+
+    Args:
+        micro_batches: ``m`` per DP rank; FSDP traffic and every per-layer collective's
+            latency grow with it, the pipeline bubble shrinks with it.
+        overlap: fraction ``w`` in [0, 1] of the DP traffic hidden behind compute (see the
+            module docstring); 0 = none.
 
     Returns:
         ``{"compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "dp_comm"}`` seconds.
@@ -97,13 +123,9 @@ def training_time(
     b = DTYPE_BYTES[dtype]
     tokens = n_sequences * seq_len
     m = micro_batches
-    if forward_only:
-        flops = tokens * train_flops_per_token(model, seq_len, False) / 3
-        passes = 1  # layer passes per micro-batch: forward
-    else:
-        flops = tokens * train_flops_per_token(model, seq_len, checkpointing)
-        passes = 4 if checkpointing else 3  # forward, backward (x2 cost), recompute
-    compute = flops / (s.world_size * links.device.peak_flops * mfu)
+    passes = 1 if forward_only else (4 if checkpointing else 3)  # forward, backward (x2 cost), recompute
+    compute = compute_s(model, s.world_size, n_sequences=n_sequences, seq_len=seq_len, checkpointing=checkpointing,
+                        forward_only=forward_only, mfu=mfu, peak_flops=links.device.peak_flops)
     t_mb = micro_batch_tokens(tokens, s, m)
     layers = model.n_layers // s.pp
     tp_calls = m * layers * (2 if forward_only else (6 if checkpointing else 4))
@@ -115,7 +137,8 @@ def training_time(
     if s.ep > 1:
         routed = t_mb * model.experts_per_token * model.hidden * b
         ep_bw = links.group_bw(s.tp * s.ep, mesh_spans_nodes)
-        ep_comm = m * layers * 2 * passes * ((s.ep - 1) / s.ep * routed / ep_bw + links.latency)
+        rounds = 1 if forward_only else (3 if checkpointing else 2)  # forward, backward, recompute
+        ep_comm = m * layers * 2 * rounds * ((s.ep - 1) / s.ep * routed / ep_bw + links.latency)
     busy = compute + tp_comm + cp_comm + ep_comm
     bubble = busy * (s.pp - 1) / m
     dp_n = s.dp * s.cp
@@ -128,9 +151,11 @@ def training_time(
             if grad_bytes == 0:
                 continue
             if sharded:
-                dp_comm += 3 * ring_gather_s(grad_bytes, ranks, dp_bw, links.latency)
+                dp_comm += m * 3 * ring_gather_s(grad_bytes, ranks, dp_bw, links.latency)
             else:
                 dp_comm += ring_all_reduce_s(grad_bytes, ranks, dp_bw, links.latency)
+        hideable = compute if sharded else compute / m * 2 / 3
+        dp_comm -= overlap * min(dp_comm, hideable)
     return dict(compute=compute, tp_comm=tp_comm, cp_comm=cp_comm, ep_comm=ep_comm, bubble=bubble, dp_comm=dp_comm)
 
 

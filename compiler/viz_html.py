@@ -2,7 +2,9 @@
 
 Owns :func:`to_html`. The page is well-formed XHTML (it parses as XML): a summary, the
 graph (nodes by data depth, data edges with their staleness bound, weight edges dashed),
-the machines with one cell per device coloured by the node(s) running on it (each cell
+a list of what explains the plan (bottleneck, margin over the next allocation, memory
+headroom, warnings, assumptions; ``compiler.explain``), the machines with one cell per
+device coloured by the node(s) running on it, TP groups and pipeline stages outlined (each cell
 has ``data-gpu="n<machine>:g<device>"`` and a tooltip), the weight-sync routes as red
 arrows labelled with bytes and predicted seconds, and the plan table. Hovering a node,
 a table row or a cell highlights everything of the same node (a few lines of inline JS).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from html import escape
 
+from compiler.explain import assumptions, bottleneck, headroom, memory_line, runner_up
 from compiler.plan import Plan
 from compiler.table import format_table
 from compiler.viz import node_colors, occupancy
@@ -31,6 +34,7 @@ td, th { border: 1px solid #ccc; padding: 3px 6px; text-align: left; }
 svg text { font-size: 11px; }
 .hl { stroke: #000 !important; stroke-width: 3px !important; }
 tr.hl td { background: #ffe9a8; }
+li.warn { color: #b00; }
 """
 
 _JS = """
@@ -148,6 +152,7 @@ def _machines_svg(plan: Plan, colors: dict[str, str]) -> str:
                 fill = colors.get(name, "#ffffff")
                 parts.append(f'<rect{_attrs(x=cx, y=cy + i * share, width=CELL, height=share, fill=fill, stroke="#666")}/>')
             parts.append("</g>")
+    parts.extend(_group_outlines(plan, origin))
     for r in plan.routes:
         (sx, sy), (tx, ty) = origin[r.src_mesh.first_node], origin[r.dst_mesh.first_node]
         sx, sy = sx + PAD + (r.src_mesh.first_device + r.src_mesh.n_devices / 2) * (CELL + CELL_GAP), sy + box_h
@@ -164,15 +169,47 @@ def _machines_svg(plan: Plan, colors: dict[str, str]) -> str:
     return _svg(WIDTH, 10 + rows * (box_h + 14) + 70, parts)
 
 
+def _group_outlines(plan: Plan, origin: dict[int, tuple[float, float]]) -> list[str]:
+    """Outlines around each node's TP groups (solid) and, with pp > 1, its pipeline stages
+    (dashed), per machine. Ranks follow ``runtime.parallel.mesh``: a mesh of shape
+    (pp, dp, cp, tp) laid over the node's devices in order, so a TP group is ``tp``
+    consecutive devices and a stage ``dp * cp * tp``."""
+    parts = []
+    for n in plan.nodes:
+        s = n.parallel
+        if s is None:
+            continue
+        devices = n.mesh.devices()
+        for size, dash, inset in ((s.tp, None, 2), (s.world_size // s.pp, "4,3", 5)):
+            if size == 1 or (dash and s.pp == 1):
+                continue
+            for start in range(0, len(devices), size):
+                group = devices[start:start + size]
+                for machine in sorted({m for m, _ in group}):
+                    devs = [d for m, d in group if m == machine]
+                    x, y = origin[machine]
+                    x0 = x + PAD + min(devs) * (CELL + CELL_GAP) - inset
+                    width = (max(devs) - min(devs) + 1) * (CELL + CELL_GAP) - CELL_GAP + 2 * inset
+                    attrs = dict(x=x0, y=y + 22 - inset, width=width, height=CELL + 2 * inset, fill="none",
+                                 stroke="#111", stroke_width=1.5, data_node=n.name)
+                    if dash:
+                        attrs["stroke_dasharray"] = dash
+                    parts.append(f"<rect{_attrs(**attrs)}/>")
+    return parts
+
+
 def _node_table(plan: Plan, colors: dict[str, str]) -> str:
-    head = "".join(f"<th>{h}</th>" for h in ("node", "op", "role", "mesh", "strategy", "memory/device", "time/step"))
+    titles = ("node", "op", "role", "mesh", "strategy", "m (micro-batches)", "c (sequences at once)", "memory/device",
+              "headroom", "time/step")
+    head = "".join(f"<th>{h}</th>" for h in titles)
     rows = []
     for n in plan.nodes:
         mesh = f"with {n.placed_with}" if n.role == "cpu" else n.mesh.label()
         memory = "-" if not n.memory else f"{n.memory_bytes / 2**30:.1f} GiB"
         time = "-" if not n.times else f"{n.time_s:.2f} s"
         swatch = f'<span style="background:{colors[n.name]}">&#160;&#160;&#160;</span> '
-        cells = (swatch + escape(n.name), n.op, n.role, mesh, n.strategy or "-", memory, time)
+        cells = (swatch + escape(n.name), n.op, n.role, mesh, n.strategy or "-", n.micro_batches or "-",
+                 n.concurrent or "-", memory, headroom(plan, n), time)
         rows.append(f"<tr{_attrs(data_node=n.name)}>" + "".join(f"<td>{c if i == 0 else escape(str(c))}</td>" for i, c in enumerate(cells)) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -199,12 +236,18 @@ def to_html(plan: Plan) -> str:
         f"{plan.max_staleness}); predicted step {plan.step_time_s:.2f} s (generation {plan.generation_s:.2f} s, "
         f"training {plan.training_s:.2f} s, weight sync {plan.sync_s:.2f} s); idle {plan.idle_fraction:.1%}"
     )
+    why = [f"bottleneck: {bottleneck(plan)}", runner_up(plan), memory_line(plan)]
+    explained = "".join(f"<li>{escape(line)}</li>" for line in why if line)
+    explained += "".join(f'<li class="warn">WARNING: {escape(w)}</li>' for w in plan.warnings)
+    explained += "".join(f"<li>assumed: {escape(a)}</li>" for a in assumptions(plan))
     return "".join([
         '<!DOCTYPE html>\n<html xmlns="http://www.w3.org/1999/xhtml" lang="en"><head><meta charset="utf-8"/>',
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{escape(title)}</h1><p>{summary}</p>",
+        f"<h1>{escape(title)}</h1><p>{summary}</p><ul>{explained}</ul>",
         "<h2>graph</h2>", _graph_svg(plan, colors),
-        "<h2>devices by machine</h2>", _machines_svg(plan, colors),
+        "<h2>devices by machine</h2>",
+        "<p>solid outline: a tensor-parallel group (one DP rank of a stage); dashed: a pipeline stage</p>",
+        _machines_svg(plan, colors),
         "<h2>nodes</h2>", _node_table(plan, colors),
         f"<h2>plan table</h2><pre>{escape(format_table(plan))}</pre>",
         f"<script>//<![CDATA[{_JS}//]]></script></body></html>\n",

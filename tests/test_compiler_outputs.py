@@ -38,9 +38,10 @@ def grpo_7b() -> Graph:
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    # every response at its budget (fixed, mean 1) and no per-step overhead, so the
-    # numbers below can be derived by hand
-    cfg = CompileConfig(length_dist=LengthDistConfig(kind="fixed", mean=1.0), decode_step_overhead_s=0.0)
+    # every response at its budget (fixed, mean 1), no per-step overhead and no DP traffic
+    # hidden behind compute, so the numbers below can be derived by hand
+    cfg = CompileConfig(length_dist=LengthDistConfig(kind="fixed", mean=1.0), decode_step_overhead_s=0.0,
+                        fsdp_overlap=0.0)
     return compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"), cfg)
 
 
@@ -99,6 +100,31 @@ def test_table_numbers_match_the_hand_derivation(plan):
     for text in ("gen:d2t4 + train:d12t2", "d2t4 c256", "8.8 GiB (w 3.5 kv 5.2)", "prefill 1.27 decode 3.90",
                  "d12t2 m1", "compute 5.15 tp_comm 0.22 dp_comm 0.52", "step time 5.99 s = max(gen, train) + sync"):
         assert text in table, text
+    # headroom: usable 0.9 x 81,559 MiB = 71.7 GiB; generate uses 3,807,808,256 + 5,637,144,576 B = 8.80 GiB
+    # -> 62.9 GiB free. Training (5.89 s) bounds max(5.17, 5.89), and compute is its largest part.
+    # The next allocation time-shares one mesh, so nothing overlaps: it loses the min(G, T) = 5.17 s
+    # that asynchrony hides here. Bandwidths x 0.8: NVLink 450 -> 360 GB/s, network 50 -> 40 GB/s.
+    for text in ("62.9 of 71.7 GiB free", "bottleneck: train_step (5.89 s, most in compute 5.15 s; training bounds",
+                 "usable 71.7 of 79.6 GiB (compile.memory_fraction=0.9", "overlap +5.17 s",
+                 "NVLink 360 GB/s, network 40 GB/s", "MFU 0.4"):
+        assert text in table, text
+    assert not plan.warnings
+
+
+def test_warnings_for_a_slow_colocated_manual_allocation():
+    # 4 devices of 32 time-share generation and training: 28 idle; the graph's k = 1 asks for
+    # asynchrony, which a shared mesh cannot give; the search's best is far faster.
+    plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"),
+                        CompileConfig(allocation="gen:d4 | train:d4"))
+    best = plan.alternatives[1]
+    assert plan.alternatives[0].allocation == "gen:d4 | train:d4" and best.step_time_s * 1.2 < plan.step_time_s
+    slower, idle, colocated = plan.warnings
+    assert slower.startswith("the allocation given ('gen:d4 | train:d4'") and f"'{best.allocation}'" in slower
+    assert f"{plan.step_time_s / best.step_time_s:.1f}x slower" in slower
+    assert idle == "28 of 32 devices hold no node and stay idle"
+    assert "asynchronous training was asked" in colocated and "do not overlap" in colocated
+    table = format_table(plan)
+    assert table.count("WARNING: ") == 3 and "is slower than the next allocation" in table
 
 
 class _Collector(HTMLParser):
@@ -125,6 +151,18 @@ def test_html_is_well_formed_and_complete(plan, tmp_path):
     assert {n.name for n in plan.nodes} <= parser.nodes
     assert "http" not in text.replace("http://www.w3.org", "")  # no network resources
     assert "weight sync train_step -&gt; generate" in text and "staleness &lt;= 1" in text
+    assert "bottleneck: train_step" in text and "<th>m (micro-batches)</th>" in text
+
+
+def test_html_outlines_tp_groups_and_pipeline_stages(tmp_path):
+    # gen d2t4 on n0: 2 TP groups of 4; train d4t2p2 on n1-2: 8 TP groups of 2 and 2 stages of 8
+    # devices, each stage one whole machine -> 10 solid outlines and 2 dashed ones.
+    plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"),
+                        CompileConfig(allocation="gen:d2t4 + train:d4t2p2"))
+    text = render(plan, tmp_path / "plan.html").read_text()
+    outlines = [line for line in text.split("<rect") if 'fill="none"' in line and 'stroke="#111"' in line]
+    dashed = [line for line in outlines if "stroke-dasharray" in line]
+    assert (len(outlines) - len(dashed), len(dashed)) == (10, 2)
 
 
 def test_dot_and_graphviz_formats(plan, tmp_path):

@@ -2,6 +2,7 @@
 plan, manual allocations and pins, the allocation grammar's errors, and infeasibility."""
 
 import itertools
+import json
 import re
 
 import pytest
@@ -12,7 +13,8 @@ from compiler.allocation import parse
 from compiler.config import CompileConfigError
 from compiler.cost import CostModel
 from compiler.hardware import device_spec
-from compiler.mesh import MeshSpec
+from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
+from compiler.search import _Search
 from compiler.step import evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.workload import GENERATION, build_workload
@@ -49,16 +51,24 @@ def _aligned_meshes(n_nodes, per_node):
 
 
 def _all_strategies(task, size, per_node, n_sequences):
-    """Valid strategies: dp at most the step's sequences; generation may replicate KV heads."""
+    """The search space, enumerated independently of compiler.cost: dp at most the step's
+    sequences; generation may replicate KV heads and uses neither CP nor EP; on the training
+    side CP is a power of two with tp * cp within a machine, and EP (MoE only) divides the
+    experts and dp * cp and stays within a machine."""
     found = []
-    for dp, tp, pp in itertools.product(range(1, size + 1), repeat=3):
-        if dp * tp * pp != size or dp > n_sequences:
+    train_side = task.role != GENERATION
+    for dp, tp, pp, cp, ep in itertools.product(range(1, size + 1), repeat=5):
+        if dp * tp * pp * cp != size or dp > n_sequences or (dp * cp) % ep:
             continue
-        s = ParallelStrategy(dp=dp, tp=tp, pp=pp)
+        if cp > 1 and (not train_side or cp & (cp - 1) or tp * cp > per_node):
+            continue
+        if ep > 1 and (not train_side or ep > per_node):
+            continue
+        s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         try:
             s.validate_for(n_layers=task.model.n_layers, n_heads=task.model.n_heads,
-                           n_kv_heads=task.model.n_kv_heads, gpus_per_node=per_node,
-                           replicate_kv=task.role == GENERATION)
+                           n_kv_heads=task.model.n_kv_heads, n_experts=task.model.n_experts,
+                           gpus_per_node=per_node, replicate_kv=task.role == GENERATION)
         except StrategyError:
             continue
         found.append(s)
@@ -121,6 +131,63 @@ def test_search_matches_brute_force_on_16_gpus():
     cfg = CompileConfig(prompts_per_step=32)
     plan = compile_plan(graph, cluster, cfg)
     assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+
+
+SMALL_MOE = dict(  # a Qwen3-MoE-shaped config small enough for brute force: 16 experts, top-4
+    model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=64, intermediate_size=2816, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+    vocab_size=32000, tie_word_embeddings=False,
+)
+
+
+def test_search_with_ep_matches_brute_force(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL_MOE))
+    graph, cluster = grpo_graph(str(path)), ClusterConfig(1, 8, "H100")
+    cfg = CompileConfig(prompts_per_step=16, max_new_tokens=2048, fsdp_overlap=0.0)
+    plan = compile_plan(graph, cluster, cfg)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+
+
+def test_search_with_cp_matches_brute_force_on_a_long_context():
+    # 2 responses of up to 64k tokens: dp <= 2, so spreading training wider needs TP, PP or CP
+    graph, cluster = grpo_graph("Qwen2.5-1.5B"), ClusterConfig(1, 8, "H100")
+    cfg = CompileConfig(prompts_per_step=1, samples_per_prompt=2, max_new_tokens=65536)
+    plan = compile_plan(graph, cluster, cfg)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+
+
+def _every_layout(graph, cluster, cfg):
+    """(step, serial, allocation) of the best layout over every aligned size pair and every
+    colocated size, with no bound or dominance pruning (compiler.search._Search.layout on each)."""
+    model = CostModel(build_workload(graph, cfg), device_spec(cluster.gpu), cluster, cfg)
+    s = _Search(model, {})
+    sizes = aligned_sizes(cluster.n_nodes, cluster.n_gpus_per_node)
+    found = []
+    for a, b in itertools.product(sizes, sizes):
+        try:
+            meshes = pack([a, b], cluster.n_nodes, cluster.n_gpus_per_node)
+        except MeshError:
+            continue
+        result = s.layout([s.gen, s.train], meshes)
+        if result is not None:
+            found.append((result[0], result[1], s.label(result[2])))
+    for size in sizes:
+        result = s.layout([s.gen + s.train], pack([size], cluster.n_nodes, cluster.n_gpus_per_node))
+        if result is not None:
+            found.append((result[0], result[1], s.label(result[2])))
+    return min(found)
+
+
+@pytest.mark.parametrize("spec,mode,n_nodes", [("Qwen2.5-7B", "async", 8), ("Qwen2.5-7B", "sync", 8),
+                                              ("Qwen3-30B-A3B", "async", 8), ("Qwen3-30B-A3B", "async", 32),
+                                              ("Qwen2.5-72B", "sync", 32)])
+def test_pruned_search_equals_every_layout(spec, mode, n_nodes):
+    graph, cluster = grpo_graph(spec), ClusterConfig(n_nodes, 8, "H100")
+    cfg = CompileConfig(prompts_per_step=256, mode=mode)
+    plan = compile_plan(graph, cluster, cfg)
+    step, _, allocation = _every_layout(graph, cluster, cfg)
+    assert (plan.step_time_s, plan.allocation) == (step, allocation)
 
 
 def test_local_cpu_plan_is_disaggregated_one_device_each():

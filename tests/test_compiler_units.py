@@ -189,3 +189,22 @@ def test_strategy_rules_per_model():
     moe = resolve_model("Qwen3-30B-A3B")
     ParallelStrategy(dp=8, ep=8).validate_for(n_layers=48, n_heads=32, n_kv_heads=4,
                                               n_experts=moe.n_experts, gpus_per_node=8)
+
+
+def test_names_the_runtime_loads_resolve_alike(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    # the runtime's GGUF preset name, and hub ids of instruct variants (their config.json is the base's)
+    assert resolve_model("smollm2-135m").name == "SmolLM2-135M"
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct").name == "SmolLM2-135M"
+    assert resolve_model("Qwen/Qwen2.5-7B-Instruct").name == "Qwen2.5-7B"
+    smol = resolve_model("smollm2-135m")  # SmolLM2-135M's config.json: 30 layers, hidden 576, 9 heads, 3 KV heads
+    assert (smol.n_layers, smol.hidden, smol.n_heads, smol.n_kv_heads) == (30, 576, 9, 3)
+    # a folder under the home directory, written with "~" as the runtime accepts it
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "vocab_size": 100}))
+    assert resolve_model("~/m").hidden == 64
+    with pytest.raises(ModelSpecError, match="not in the local Hugging Face cache"):
+        resolve_model("acme/not-cached")
