@@ -3,7 +3,7 @@
 Owns how a train_step node of the plan becomes an update: the policy's algorithm
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
-critic's value update (``areal_flow.algorithms.base.critic_update``) when the node trains a
+critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
 value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``)
 and activation checkpointing. It must not receive experience or publish weights: the
 worker does, with the ``weights`` this executor returns.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from areal_flow.algorithms.aggregation import step_normalisers
-from areal_flow.algorithms.base import critic_update
+from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
 
