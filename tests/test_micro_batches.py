@@ -101,3 +101,42 @@ def test_packed_and_token_budget_updates_equal_padded(mode, variant):
         assert reference["grad_norm"] > 0
         for a, b in zip(d_ref, d):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_config_keys_reach_the_trainer_and_bad_values_are_named(tmp_path):
+    from areal_flow.config import ConfigError, load_config
+    from areal_flow.models.tiny import build_model
+    from compiler.strategy import ParallelStrategy, StrategyError
+    from runtime.parallel_trainer import check_parallel_training
+
+    cfg = load_config(overrides=["train.max_tokens_per_micro_batch=512", "train.pack_sequences=true"])
+    assert cfg.train.max_tokens_per_micro_batch == 512 and cfg.train.pack_sequences is True
+    with pytest.raises(ConfigError, match="train.max_tokens_per_micro_batch=-3"):
+        load_config(overrides=["train.max_tokens_per_micro_batch=-3"])
+    build_model("tiny-s", 50).save_pretrained(tmp_path)
+    with pytest.raises(StrategyError, match="max_tokens_per_micro_batch=512 with dp=2"):
+        check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False,
+                                max_tokens_per_micro_batch=512)
+    check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False)  # no budget: accepted
+
+
+def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cache):
+    import json
+    from pathlib import Path
+
+    from areal_flow.cli import load_flow
+    from areal_flow.config import load_config
+    from runs import records
+    from runtime.launch import run_experiment
+
+    repo = Path(__file__).resolve().parents[1]
+    torch.set_num_threads(1)
+    cfg = load_config(repo / "graphs" / "arith_grpo.yaml",
+                      ["train.steps=2", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10",
+                       "eval.enabled=false", "train.pack_sequences=true", "train.max_tokens_per_micro_batch=40",
+                       f"out_dir={tmp_path}", "name=packed"])
+    run_experiment(load_flow(repo / "graphs" / "arith_grpo.py")(cfg), cfg, show_progress=False)
+    plan = json.loads((tmp_path / "packed" / "plan.json").read_text())
+    (train,) = [n for n in plan["nodes"] if n["op"] == "train_step"]
+    assert train["attrs"]["pack_sequences"] is True and train["attrs"]["max_tokens_per_micro_batch"] == 40
+    assert len(records(tmp_path / "packed")) == 2 * 2 * 4

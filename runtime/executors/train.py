@@ -32,6 +32,8 @@ class TrainSettings:
         ``LossConfig`` fields. lr / weight_decay / max_grad_norm: AdamW and clipping.
         micro_batch_size: sequences per forward/backward (recomputed each step from the
         plan's micro-batches). temperature: of the sampler. seed: initialisation seed.
+        max_tokens_per_micro_batch / pack_sequences: ``train.*`` of the same names (the
+        policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
     """
 
     model_folder: str
@@ -43,6 +45,8 @@ class TrainSettings:
     micro_batch_size: int
     temperature: float
     seed: int
+    max_tokens_per_micro_batch: int = 0
+    pack_sequences: bool = False
 
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
@@ -50,7 +54,9 @@ class TrainSettings:
         gen = ctx.generator()
         return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss_overrides=dict(a.get("loss", {})),
                    lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
-                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed)
+                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
+                   max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
+                   pack_sequences=a.get("pack_sequences", False))
 
 
 def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
@@ -86,7 +92,9 @@ class TrainStepExecutor:
         else:
             self.algorithm = build_algorithm(s.algorithm, self.model, self.optimizer, loss_overrides=s.loss_overrides,
                                              micro_batch_size=1, max_grad_norm=s.max_grad_norm,
-                                             temperature=s.temperature)
+                                             temperature=s.temperature,
+                                             max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
+                                             pack_sequences=s.pack_sequences)
 
     def _policy_loss_config(self) -> LossConfig:
         from areal_flow.algorithms.registry import get_algorithm
