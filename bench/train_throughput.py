@@ -13,7 +13,8 @@ batch whose response lengths are long-tailed (log-uniform between ``--min-respon
 each in fp32 and under bf16 autocast (fp32 master weights and AdamW state, as the trainer
 runs ``model.dtype=bfloat16``). Variants are interleaved round by round, so they share the
 machine's load; tokens/s counts real tokens (prompt + response) and takes the fastest
-round. Run: ``python bench/train_throughput.py`` (``--models tiny-arith`` for a quick look).
+round; "computed tokens" counts the positions the model runs, padding included. Run:
+``python bench/train_throughput.py`` (``--models tiny-arith`` for a quick look).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 
 import torch
 
+from areal_flow.algorithms.micro_batches import plan_micro_batches
 from areal_flow.algorithms.registry import build_algorithm
 
 LAYOUTS = {"padded": dict(), "padded+budget": dict(budget=True), "packed+budget": dict(budget=True, pack=True)}
@@ -88,10 +90,15 @@ def bench(name: str, args) -> None:
           f"responses {args.min_response}..{hi} tokens log-uniform, budget {budget} tokens, "
           f"{args.rounds} interleaved rounds, {torch.get_num_threads()} threads")
     base = min(times[("padded", "fp32")])
-    print(f"{'layout':<15}{'dtype':<6}{'step s':>9}{'tokens/s':>10}{'vs padded fp32':>16}")
+    print(f"{'layout':<15}{'dtype':<6}{'micro-batches':>14}{'computed tokens':>16}{'step s':>9}{'tokens/s':>10}"
+          f"{'vs padded fp32':>16}")
     for lay, dt in variants:
         best = min(times[(lay, dt)])
-        print(f"{lay:<15}{dt:<6}{best:>9.2f}{tokens / best:>10.0f}{base / best:>15.2f}x")
+        plan = plan_micro_batches(batch["attention_mask"], micro_batch_size=algo.micro_batch_size,
+                                  max_tokens=budget if LAYOUTS[lay].get("budget") else 0,
+                                  pack=bool(LAYOUTS[lay].get("pack")))
+        print(f"{lay:<15}{dt:<6}{len(plan):>14}{sum(mb.tokens for mb in plan):>16}{best:>9.2f}{tokens / best:>10.0f}"
+              f"{base / best:>15.2f}x")
 
 
 def main() -> None:
