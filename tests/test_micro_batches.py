@@ -140,3 +140,26 @@ def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cach
     (train,) = [n for n in plan["nodes"] if n["op"] == "train_step"]
     assert train["attrs"]["pack_sequences"] is True and train["attrs"]["max_tokens_per_micro_batch"] == 40
     assert len(records(tmp_path / "packed")) == 2 * 2 * 4
+
+
+def test_packed_attention_stays_inside_each_sequence():
+    from areal_flow.models.packed_attention import NAME, packed_attention, packed_sdpa
+
+    torch.set_num_threads(1)
+    model = tiny_model()
+    seqs = [[3, 5, 7], [4], [9, 2, 6, 8]]  # each alone is the reference: nothing may leak between them
+    ids = torch.tensor([sum(seqs, [])])
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
+    with torch.no_grad(), packed_attention(model):
+        assert model.config._attn_implementation == NAME  # the layers run packed_sdpa, not transformers' mask
+        packed = token_logprobs(model, ids, None, position_ids=positions)[0]
+    assert model.config._attn_implementation == "sdpa"  # restored after the context
+    start = 0
+    for seq in seqs:
+        with torch.no_grad():
+            alone = token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))[0]
+        torch.testing.assert_close(packed[start + 1 : start + len(seq)], alone[1:], atol=1e-5, rtol=1e-5)
+        start += len(seq)
+    q = torch.zeros(2, 4, 3, 8)
+    with pytest.raises(ValueError, match="one packed row"):
+        packed_sdpa(model, q, q, q, None, position_ids=torch.zeros(2, 3, dtype=torch.long))

@@ -10,6 +10,7 @@ Subclasses registered with ``@register_algorithm`` only choose defaults.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +28,7 @@ from areal_flow.algorithms.losses import (
 )
 from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.logprobs import token_logprobs
+from areal_flow.models.packed_attention import packed_attention
 
 _REQUIRED = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
 
@@ -160,7 +162,9 @@ class BaseAlgorithm:
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for mb in self._micro_batches(attention_mask):
-                logp = token_logprobs(model, **mb.model_inputs(input_ids, attention_mask), temperature=self.temperature)
+                with packed_attention(model) if mb.packed else nullcontext():
+                    logp = token_logprobs(model, **mb.model_inputs(input_ids, attention_mask),
+                                          temperature=self.temperature)
                 mb.put(out, mb.unpack(logp))
         return out
 
@@ -321,8 +325,9 @@ class BaseAlgorithm:
         cfg = self.loss_cfg
         m, behav = mb.take(mask), mb.take(behavior)
         tap = _LogitsTap(self.model)
-        logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
-                                        temperature=self.temperature))
+        with packed_attention(self.model) if mb.packed else nullcontext():
+            logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
+                                            temperature=self.temperature))
         old = proximal if cfg.use_decoupled_loss else behav
         out = compute_policy_loss(cfg, logp, old, mb.take(batch["advantages"]), m, m2po_keep=m2po_keep)
         per_token = out.loss

@@ -7,9 +7,9 @@ backward passes, in one of two token layouts:
   after it are dropped); the model sees the 2-D ``attention_mask``.
 * packed: the micro-batch's sequences are concatenated, without their padding, into one row
   ``[1, L]`` (``L`` = the sum of their lengths) with ``position_ids`` restarting at 0 at each
-  sequence and no ``attention_mask``, so ``transformers`` builds a block-diagonal causal mask
-  (``masking_utils.find_packed_sequence_indices``: a new sequence starts where the position
-  does not grow by 1) and attention never crosses a sequence boundary. A sequence's first
+  sequence and no ``attention_mask``; ``BaseAlgorithm`` runs such a row under
+  ``areal_flow.models.packed_attention`` (causal attention inside each sequence, one SDPA
+  call per sequence), so attention never crosses a sequence boundary. A sequence's first
   token then holds the log-prob of following the previous sequence: meaningless, and masked,
   because ``loss_mask[:, 0]`` is 0 (the first token has no log-prob). Only the model's
   forward runs packed: its per-token outputs (log-probs, entropy) are unpacked to ``[b, w]``

@@ -21,7 +21,8 @@ def token_logprobs(
         input_ids: ``[batch, seq]`` int64, right- or left-padded.
         attention_mask: ``[batch, seq]``, 1 on real tokens, 0 on padding; None for packed
             rows (``areal_flow.algorithms.micro_batches``): then ``position_ids`` restarting
-            at 0 mark the sequences and ``transformers`` keeps attention inside each.
+            at 0 mark the sequences (``transformers``' SDPA path then builds a block-diagonal
+            mask; ``areal_flow.models.packed_attention`` attends per sequence instead).
         position_ids: ``[batch, seq]``; default ``cumsum(attention_mask) - 1`` clamped
             at 0, so left padding does not shift positions.
         temperature: logits are divided by it before the softmax, matching the
@@ -38,7 +39,7 @@ def token_logprobs(
         raise ValueError("token_logprobs: packed rows (attention_mask=None) need position_ids")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    if attention_mask is None:  # packed: transformers finds the sequences only without a KV cache
+    if attention_mask is None:  # packed (no KV cache: a scoring pass; transformers' own packed mask needs none)
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
