@@ -17,15 +17,15 @@ import torch
 
 from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.critic_update import critic_update
-from areal_flow.algorithms.micro_batches import MicroBatch, plan_micro_batches, trimmed_width
+from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.losses import (
     behavior_importance_weight,
     compute_policy_loss,
     m2po_keep_mask,
     token_entropy,
 )
+from areal_flow.algorithms.micro_batches import MicroBatch, plan_micro_batches, trimmed_width
 from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.models.packed_attention import packed_attention

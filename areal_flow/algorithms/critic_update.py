@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.aggregation import aggregate_loss
+from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.losses import value_loss
 from areal_flow.algorithms.micro_batches import trimmed_width
 from areal_flow.algorithms.step_metrics import StepMetrics
