@@ -50,7 +50,7 @@ class ModelConfig:
     generation engine holds the policy in it; trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
     importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, README
-    "Performance"): bf16 gains nothing for the tiny models and speeds SmolLM2-135M training up, at a cost in
+    "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
     log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
     drift from an fp32 engine's; decoupled PPO recomputes the proximal log-probs in the same dtype).
     Aliases: training.bf16 / training.fp16 = true."""
