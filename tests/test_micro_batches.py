@@ -163,3 +163,18 @@ def test_packed_attention_stays_inside_each_sequence():
     q = torch.zeros(2, 4, 3, 8)
     with pytest.raises(ValueError, match="one packed row"):
         packed_sdpa(model, q, q, q, None, position_ids=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_packed_update_with_activation_checkpointing_equals_padded():
+    # Checkpointing recomputes each layer's forward during backward: the recomputed attention
+    # must still stay inside each packed sequence.
+    torch.set_num_threads(1)
+    model = tiny_model().train()
+    model.gradient_checkpointing_enable()
+    batch = make_batch(model, noise=0.3)
+    cfg = LossConfig(**VARIANTS["ppo"])
+    reference, d_ref, _ = run(cfg, model, batch, mbs=5)
+    m, d, _ = run(cfg, model, batch, mbs=5, pack_sequences=True, max_tokens_per_micro_batch=12)
+    assert m["loss"] == pytest.approx(reference["loss"], abs=1e-5, rel=1e-4)
+    for a, b in zip(d_ref, d):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

@@ -278,11 +278,13 @@ class BaseAlgorithm:
         metrics = StepMetrics()
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(attn):
-            loss = self._micro_batch_loss(
-                batch, mb, mask, behavior, *(None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref)),
-                norm, metrics,
-            )
-            loss.backward()
+            # backward inside too: activation checkpointing recomputes the attention there
+            with packed_attention(self.model) if mb.packed else nullcontext():
+                loss = self._micro_batch_loss(
+                    batch, mb, mask, behavior, *(None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref)),
+                    norm, metrics,
+                )
+                loss.backward()
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         skipped = norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm))
@@ -325,9 +327,8 @@ class BaseAlgorithm:
         cfg = self.loss_cfg
         m, behav = mb.take(mask), mb.take(behavior)
         tap = _LogitsTap(self.model)
-        with packed_attention(self.model) if mb.packed else nullcontext():
-            logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
-                                            temperature=self.temperature))
+        logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
+                                        temperature=self.temperature))
         old = proximal if cfg.use_decoupled_loss else behav
         out = compute_policy_loss(cfg, logp, old, mb.take(batch["advantages"]), m, m2po_keep=m2po_keep)
         per_token = out.loss
