@@ -48,8 +48,12 @@ class ModelConfig:
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine holds the policy in it; trainers keep fp32 master weights and optimizer state and run
-    forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16). Keep float32 on this
-    CPU for the tiny models (bf16 autocast was 16-25x slower). Aliases: training.bf16 / training.fp16 = true."""
+    forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
+    importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, README
+    "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
+    log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
+    drift from an fp32 engine's; decoupled PPO recomputes the proximal log-probs in the same dtype).
+    Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:
         canonical = DTYPES.get(str(self.dtype).lower())
@@ -134,6 +138,14 @@ class TrainConfig:
     """Micro-batches per optimizer step, as HF/AReaL users give it; 0 = use micro_batch_size.
     N > 0 sets micro_batch_size = ceil(batch_size * gen.n_samples / N), the rows of one step
     split into N micro-batches (the last may be smaller)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward micro-batch (dynamic micro-batches, as AReaL's max_tokens_per_mb);
+    0 = micro_batch_size sequences. Sequences are grouped longest first into micro-batches whose computed
+    tokens stay within it (padded: rows x longest row; packed: the sum). Must be >= the longest prompt +
+    response; with several DP ranks it is refused (each rank must run as many micro-batches as the others)."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's sequences into one row without padding (position ids restart per sequence,
+    attention stays inside each; areal_flow.algorithms.micro_batches). Same loss and gradient as padded."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -309,6 +321,9 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.train.gradient_accumulation_steps < 0:
             raise ConfigError(f"train.gradient_accumulation_steps={self.train.gradient_accumulation_steps}: must be >= 0")
+        if self.train.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"train.max_tokens_per_micro_batch={self.train.max_tokens_per_micro_batch}: must be "
+                              ">= 0 (0 = micro_batch_size sequences per micro-batch)")
         if self.train.gradient_accumulation_steps:
             rows = self.train.batch_size * self.gen.n_samples
             self.train.micro_batch_size = math.ceil(rows / self.train.gradient_accumulation_steps)

@@ -7,7 +7,7 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
+  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
   ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
@@ -79,7 +79,8 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every)
+                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every,
+                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
             r = cfg.reward
             node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,

@@ -63,7 +63,7 @@ _MAXED = ("importance_weight_max", "step_skipped", "grad_norm")  # grad_norm: al
 
 
 def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path, *, rows: int,
-                            critic: bool) -> None:
+                            critic: bool, max_tokens_per_micro_batch: int = 0) -> None:
     """Refuse, before any process starts, a strategy the RL trainer cannot run.
 
     Args:
@@ -71,10 +71,12 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         model_folder: the version-0 policy (its ``config.json`` gives heads, layers, ties).
         rows: sequences per optimizer step (``train.batch_size * gen.n_samples``).
         critic: the graph trains a critic with the policy (PPO).
+        max_tokens_per_micro_batch: ``train.max_tokens_per_micro_batch`` (0 = off).
 
     Raises:
         StrategyError: naming the rule: those of ``validate_strategy_for_model``; only
-            ``dp``/``tp`` are wired into the RL loss; ``rows`` divisible by ``dp``; no critic.
+            ``dp``/``tp`` are wired into the RL loss; ``rows`` divisible by ``dp``; no critic;
+            no token budget with ``dp > 1`` (ranks would run different micro-batch counts).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
     if strategy.pp > 1 or strategy.cp > 1 or strategy.ep > 1:
@@ -84,6 +86,10 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         raise StrategyError(f"train_step strategy {strategy.short()}: a step of {rows} sequences (train.batch_size "
                             f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
                             "micro-batches (FSDP collectives) as the others")
+    if max_tokens_per_micro_batch and strategy.dp > 1:
+        raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
+                            f"{max_tokens_per_micro_batch} with dp={strategy.dp}: each DP rank must run as many "
+                            "micro-batches (FSDP collectives) as the others; set it to 0 (pack_sequences is fine)")
     if critic:
         raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
                             "run its graph with a world size of 1 (e.g. train:d1)")
@@ -140,6 +146,7 @@ class RankTrainer:
         algorithm = build_algorithm(
             spec.algorithm, parallel.module, optimizer, loss_overrides=dict(spec.loss_overrides),
             micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
+            max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, pack_sequences=spec.pack_sequences,
         )
         return cls(rank, strategy, parallel, algorithm)
 

@@ -115,7 +115,8 @@ class RunSetup:
             if node.parallel.world_size > 1:
                 rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
                 check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
-                                        critic=self.plan.models[node.model]["head"] != "lm")
+                                        critic=self.plan.models[node.model]["head"] != "lm",
+                                        max_tokens_per_micro_batch=node.attrs.get("max_tokens_per_micro_batch", 0))
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])

@@ -54,14 +54,16 @@ TINY_RUN = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_star
             "async.max_staleness=1", "cluster.n_gpus_per_node=3", "train.weight_decay=0.1"]
 
 
-CASES = {  # case -> (algorithm, strategy); Dr.GRPO normalises by the step's sequences x longest response
-    "grpo-dp2": ("grpo", "d2"), "grpo-tp2": ("grpo", "t2"), "dr_grpo-dp2": ("dr_grpo", "d2"),
+CASES = {  # case -> (algorithm, strategy, packed rows); Dr.GRPO normalises by the step's sequences x longest
+    # response; the packed cases must match the padded single-process reference too
+    "grpo-dp2": ("grpo", "d2", False), "grpo-tp2": ("grpo", "t2", False), "dr_grpo-dp2": ("dr_grpo", "d2", False),
+    "grpo-dp2-packed": ("grpo", "d2", True), "grpo-tp2-packed": ("grpo", "t2", True),
 }
 
 
-def _spec(folder: Path, algorithm: str) -> TrainSettings:
+def _spec(folder: Path, algorithm: str, packed: bool = False) -> TrainSettings:
     return TrainSettings(model_folder=str(folder), algorithm=algorithm, loss_overrides={}, lr=LR, weight_decay=0.01,
-                         max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0)
+                         max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0, pack_sequences=packed)
 
 
 def _batch(folder: Path) -> dict[str, torch.Tensor]:
@@ -93,8 +95,8 @@ def _batch(folder: Path) -> dict[str, torch.Tensor]:
 def _one_step_on_ranks(rank: int, world_size: int, folder: Path, batch: dict) -> dict | None:
     """Worker: one RL step per case, each on a fresh model; rank 0 returns them."""
     out = {}
-    for case, (algorithm, text) in CASES.items():
-        trainer = RankTrainer.build(_spec(folder, algorithm), ParallelStrategy.parse(text))
+    for case, (algorithm, text, packed) in CASES.items():
+        trainer = RankTrainer.build(_spec(folder, algorithm, packed), ParallelStrategy.parse(text))
         stats = trainer.step(batch)
         grads = dict(full_named_tensors(trainer.parallel.module, grads=True))
         out[case] = {"stats": stats, "grads": grads, "state": trainer.gather_weights()}

@@ -10,22 +10,25 @@ Subclasses registered with ``@register_algorithm`` only choose defaults.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
 
 from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
 from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.losses import (
     behavior_importance_weight,
     compute_policy_loss,
     m2po_keep_mask,
     token_entropy,
-    value_loss,
 )
+from areal_flow.algorithms.micro_batches import MicroBatch, plan_micro_batches, trimmed_width
 from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.logprobs import token_logprobs
+from areal_flow.models.packed_attention import packed_attention
 
 _REQUIRED = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
 
@@ -62,7 +65,10 @@ class BaseAlgorithm:
         loss_cfg: the loss configuration.
         model: ``transformers`` causal LM being trained.
         optimizer: optimizer over ``model``'s parameters; stepped once per update.
-        micro_batch_size: sequences per forward/backward pass.
+        micro_batch_size: sequences per forward/backward pass (without a token budget).
+        max_tokens_per_micro_batch: token budget of one forward/backward pass (dynamic
+            micro-batches, ``algorithms.micro_batches``); 0 = ``micro_batch_size`` rows.
+        pack_sequences: run the policy's forward passes on packed rows (no padding).
         max_grad_norm: global L2 norm the gradient is clipped to.
         temperature: sampling temperature; logits are divided by it so recomputed
             log-probs match the behavior log-probs of the engine.
@@ -109,9 +115,13 @@ class BaseAlgorithm:
         critic: torch.nn.Module | None = None,
         critic_optimizer: torch.optim.Optimizer | None = None,
         ref_model: torch.nn.Module | None = None,
+        max_tokens_per_micro_batch: int = 0,
+        pack_sequences: bool = False,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
+        if max_tokens_per_micro_batch < 0:
+            raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch}: must be >= 0 (0 = off)")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: must be > 0")
         if not temperature > 0:
@@ -132,18 +142,18 @@ class BaseAlgorithm:
         self.critic = critic
         self.critic_optimizer = critic_optimizer
         self.ref_model = ref_model
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.pack_sequences = pack_sequences
 
     # ----------------------------------------------------------------- helpers
     def _slices(self, batch_size: int) -> list[slice]:
         step = self.micro_batch_size
         return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
 
-    @staticmethod
-    def _width(attention_mask: torch.Tensor) -> int:
-        """Columns up to the last one any row attends to (trailing padding is dropped;
-        a causal LM's outputs before it do not change)."""
-        cols = attention_mask.bool().any(dim=0).nonzero()
-        return int(cols.max()) + 1 if cols.numel() else attention_mask.shape[1]
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[MicroBatch]:
+        """The policy's micro-batches of this step (``algorithms.micro_batches``)."""
+        return plan_micro_batches(attention_mask, micro_batch_size=self.micro_batch_size,
+                                  max_tokens=self.max_tokens_per_micro_batch, pack=self.pack_sequences)
 
     def _forward_logprobs(
         self, model: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -151,11 +161,11 @@ class BaseAlgorithm:
         """No-grad ``token_logprobs`` over micro-batches: ``[batch, seq]`` float32."""
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
-            for sl in self._slices(input_ids.shape[0]):
-                w = self._width(attention_mask[sl])
-                out[sl, :w] = token_logprobs(
-                    model, input_ids[sl, :w], attention_mask[sl, :w], temperature=self.temperature
-                )
+            for mb in self._micro_batches(attention_mask):
+                with packed_attention(model) if mb.packed else nullcontext():
+                    logp = token_logprobs(model, **mb.model_inputs(input_ids, attention_mask),
+                                          temperature=self.temperature)
+                mb.put(out, mb.unpack(logp))
         return out
 
     def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -172,7 +182,7 @@ class BaseAlgorithm:
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for sl in self._slices(input_ids.shape[0]):
-                w = self._width(attention_mask[sl])
+                w = trimmed_width(attention_mask[sl])
                 out[sl, :w] = self.critic(input_ids=input_ids[sl, :w], attention_mask=attention_mask[sl, :w]).float()
         return out
 
@@ -267,17 +277,14 @@ class BaseAlgorithm:
 
         metrics = StepMetrics()
         self.optimizer.zero_grad(set_to_none=True)
-        for sl in self._slices(ids.shape[0]):
-            w = self._width(attn[sl])
-            idx = (sl, slice(0, w))
-            loss = self._micro_batch_loss(
-                batch, idx, mask[idx], behavior[idx],
-                None if proximal is None else proximal[idx],
-                None if m2po_keep is None else m2po_keep[idx],
-                None if ref is None else ref[idx],
-                norm, metrics,
-            )
-            loss.backward()
+        for mb in self._micro_batches(attn):
+            # backward inside too: activation checkpointing recomputes the attention there
+            with packed_attention(self.model) if mb.packed else nullcontext():
+                loss = self._micro_batch_loss(
+                    batch, mb, mask, behavior, *(None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref)),
+                    norm, metrics,
+                )
+                loss.backward()
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         skipped = norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm))
@@ -305,22 +312,25 @@ class BaseAlgorithm:
     def _micro_batch_loss(
         self,
         batch: dict[str, torch.Tensor],
-        idx: tuple[slice, slice],
-        m: torch.Tensor,
-        behav: torch.Tensor,
+        mb: MicroBatch,
+        mask: torch.Tensor,
+        behavior: torch.Tensor,
         proximal: torch.Tensor | None,
         m2po_keep: torch.Tensor | None,
         ref: torch.Tensor | None,
         norm: dict[str, Any],
         metrics: StepMetrics,
     ) -> torch.Tensor:
-        """Forward one micro-batch (rows and trimmed columns ``idx``) and return its
-        share of the step loss: policy loss (+ KL) (- entropy bonus)."""
+        """Forward one micro-batch ``mb`` and return its share of the step loss: policy loss
+        (+ KL) (- entropy bonus). ``mask``/``behavior`` are the step's ``[B, T]``; the other
+        tensors are already ``mb``'s ``[b, w]`` rows."""
         cfg = self.loss_cfg
+        m, behav = mb.take(mask), mb.take(behavior)
         tap = _LogitsTap(self.model)
-        logp = token_logprobs(tap, batch["input_ids"][idx], batch["attention_mask"][idx], temperature=self.temperature)
+        logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
+                                        temperature=self.temperature))
         old = proximal if cfg.use_decoupled_loss else behav
-        out = compute_policy_loss(cfg, logp, old, batch["advantages"][idx], m, m2po_keep=m2po_keep)
+        out = compute_policy_loss(cfg, logp, old, mb.take(batch["advantages"]), m, m2po_keep=m2po_keep)
         per_token = out.loss
         if cfg.use_decoupled_loss:
             weight, capped = behavior_importance_weight(
@@ -335,7 +345,7 @@ class BaseAlgorithm:
             kl = kl_penalty(logp, ref, cfg.kl_estimator, loss_mask=m, log_ratio_clamp=cfg.log_ratio_clamp)
             loss = loss + cfg.kl_coef * aggregate_loss(kl, m, cfg.loss_agg_mode, **norm)
             metrics.add_mean("kl_ref", kl.detach(), m)
-        ent = self._entropy(tap.logits, with_grad=cfg.entropy_coef > 0)
+        ent = mb.unpack(self._entropy(tap.logits, with_grad=cfg.entropy_coef > 0))
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * aggregate_loss(ent, m, cfg.loss_agg_mode, **norm)
         metrics.add_total("loss", loss)
@@ -352,52 +362,3 @@ class BaseAlgorithm:
         assert self.critic is not None and self.critic_optimizer is not None
         return critic_update(self.critic, self.critic_optimizer, batch, mask, norm, self.loss_cfg,
                              self._slices(batch["input_ids"].shape[0]), self.max_grad_norm)
-
-
-def critic_update(
-    critic: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    mask: torch.Tensor,
-    norm: dict[str, Any],
-    loss_cfg: LossConfig,
-    slices: list[slice],
-    max_grad_norm: float,
-) -> dict[str, float]:
-    """One optimizer step of a value model on the clipped value loss (PPO; Schulman et al.
-    2017 eq. 9's value term, clipped as in OpenAI baselines ``ppo2``):
-    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)``.
-
-    Args:
-        critic: ``critic(input_ids=, attention_mask=) -> [batch, seq]`` values.
-        batch: ``input_ids``/``attention_mask`` ``[batch, seq]``, ``values`` (V_old, the
-            critic's values before the step) and ``returns`` (targets), ``[batch, seq]``.
-        mask: ``[batch, seq]`` bool, the valid response tokens.
-        norm: the aggregation normalisers (``aggregation.step_normalisers``).
-        loss_cfg: ``value_clip_eps`` and ``loss_agg_mode``.
-        slices: the micro-batches' rows.
-        max_grad_norm: global L2 norm the gradient is clipped to.
-
-    Returns:
-        ``value_loss``, ``value_clip_frac``, ``critic_grad_norm`` (before clipping).
-    """
-    metrics = StepMetrics()
-    ids, attn = batch["input_ids"], batch["attention_mask"]
-    optimizer.zero_grad(set_to_none=True)
-    for sl in slices:
-        w = BaseAlgorithm._width(attn[sl])
-        m = mask[sl, :w]
-        values = critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
-        per_token, clipped = value_loss(
-            values, batch["values"][sl, :w], batch["returns"][sl, :w], m, clip_eps=loss_cfg.value_clip_eps
-        )
-        loss = aggregate_loss(per_token, m, loss_cfg.loss_agg_mode, **norm)
-        loss.backward()
-        metrics.add_total("value_loss", loss)
-        metrics.add_count("value_clip_frac", clipped, m)
-    grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
-    if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-    return {**metrics.result(), "critic_grad_norm": float(grad_norm)}

@@ -10,7 +10,7 @@ import torch
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
@@ -19,7 +19,10 @@ def token_logprobs(
     Args:
         model: a ``transformers`` causal LM.
         input_ids: ``[batch, seq]`` int64, right- or left-padded.
-        attention_mask: ``[batch, seq]``, 1 on real tokens, 0 on padding.
+        attention_mask: ``[batch, seq]``, 1 on real tokens, 0 on padding; None for packed
+            rows (``areal_flow.algorithms.micro_batches``): then ``position_ids`` restarting
+            at 0 mark the sequences (``transformers``' SDPA path then builds a block-diagonal
+            mask; ``areal_flow.models.packed_attention`` attends per sequence instead).
         position_ids: ``[batch, seq]``; default ``cumsum(attention_mask) - 1`` clamped
             at 0, so left padding does not shift positions.
         temperature: logits are divided by it before the softmax, matching the
@@ -28,10 +31,18 @@ def token_logprobs(
     Returns:
         ``[batch, seq]`` float32: out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]);
         out[:, 0] = 0 and padded positions hold meaningless values (mask them).
+
+    Raises:
+        ValueError: neither ``attention_mask`` nor ``position_ids`` given.
     """
+    if attention_mask is None and position_ids is None:
+        raise ValueError("token_logprobs: packed rows (attention_mask=None) need position_ids")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    if attention_mask is None:  # packed (no KV cache: a scoring pass; transformers' own packed mask needs none)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, :-1].float() / temperature
     targets = input_ids[:, 1:]
     # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materialising the full log-softmax.

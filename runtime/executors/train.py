@@ -3,7 +3,7 @@
 Owns how a train_step node of the plan becomes an update: the policy's algorithm
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
-critic's value update (``areal_flow.algorithms.base.critic_update``) when the node trains a
+critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
 value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``)
 and activation checkpointing. It must not receive experience or publish weights: the
 worker does, with the ``weights`` this executor returns.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from areal_flow.algorithms.aggregation import step_normalisers
-from areal_flow.algorithms.base import critic_update
+from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
 from runtime.train_phases import TrainPhaseSpans
@@ -34,6 +34,8 @@ class TrainSettings:
         ``LossConfig`` fields. lr / weight_decay / max_grad_norm: AdamW and clipping.
         micro_batch_size: sequences per forward/backward (recomputed each step from the
         plan's micro-batches). temperature: of the sampler. seed: initialisation seed.
+        max_tokens_per_micro_batch / pack_sequences: ``train.*`` of the same names (the
+        policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
     """
 
     model_folder: str
@@ -45,6 +47,8 @@ class TrainSettings:
     micro_batch_size: int
     temperature: float
     seed: int
+    max_tokens_per_micro_batch: int = 0
+    pack_sequences: bool = False
 
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
@@ -52,7 +56,9 @@ class TrainSettings:
         gen = ctx.generator()
         return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss_overrides=dict(a.get("loss", {})),
                    lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
-                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed)
+                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
+                   max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
+                   pack_sequences=a.get("pack_sequences", False))
 
 
 def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
@@ -91,7 +97,9 @@ class TrainStepExecutor:
         else:
             self.algorithm = build_algorithm(s.algorithm, self.model, self.optimizer, loss_overrides=s.loss_overrides,
                                              micro_batch_size=1, max_grad_norm=s.max_grad_norm,
-                                             temperature=s.temperature)
+                                             temperature=s.temperature,
+                                             max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
+                                             pack_sequences=s.pack_sequences)
         self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
 
     def _policy_loss_config(self) -> LossConfig:
