@@ -95,7 +95,8 @@ class GenerationConfig:
     interruptible: bool = True
     """Weight updates pause in-flight responses, load the new version and resume them (AReaL's interruptible
     generation); false: the generator admits no new response and finishes the in-flight ones with the old
-    weights before it loads the new ones (runtime.executors.generate)."""
+    weights before it loads the new ones (ops.generate nodes, runtime.executors.generate; multi-turn rollouts
+    always pause and resume)."""
 
 
 @dataclass

@@ -77,7 +77,8 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     for node in graph.nodes.values():
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
-            node.attrs.setdefault("interruptible", cfg.gen.interruptible)
+            if node.op == "generate":
+                node.attrs.setdefault("interruptible", cfg.gen.interruptible)
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,

@@ -154,6 +154,6 @@ def test_longtail_graph_runs_two_steps_through_the_cli(tmp_path):
             "eval.enabled=false", "warm_start.steps=20", "gen.max_new_tokens=24", f"out_dir={tmp_path}")
     out = tmp_path / "longtail_grpo"
     assert len(records(out)) == 2 * 2 * 2  # steps x groups x samples
-    spans = [json.loads(line) for f in (out / "trace").glob("generation*.jsonl") for line in f.read_text().splitlines()]
+    spans = [json.loads(line) for f in (out / "trace").glob("*.jsonl") for line in f.read_text().splitlines()]
     engine = [s for s in spans if "rows" in s["args"]]
     assert engine and all(1 <= s["args"]["rows"] <= s["args"]["slots"] for s in engine)
