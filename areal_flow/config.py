@@ -70,7 +70,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 @dataclass
 class DatasetConfig:
     name: str = "arithmetic"
-    """Task: arithmetic (synthetic, seeded), gsm8k, or the env tasks support_desk and guess_number."""
+    """Task: arithmetic (synthetic, seeded), longtail (counting with Zipf-distributed answer lengths,
+    areal_flow.tasks.longtail), gsm8k, or the env tasks support_desk and guess_number."""
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
@@ -95,6 +96,11 @@ class GenerationConfig:
     """Sequences decoded together by the engine (continuous batching slots)."""
     engine: str = "embedded"
     """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
+    interruptible: bool = True
+    """Weight updates pause in-flight responses, load the new version and resume them (AReaL's interruptible
+    generation); false: the generator admits no new response and finishes the in-flight ones with the old
+    weights before it loads the new ones (ops.generate nodes, runtime.executors.generate; multi-turn rollouts
+    always pause and resume)."""
 
 
 @dataclass

@@ -1,15 +1,51 @@
 """Benchmark (not a test): the same GRPO job, synchronous (k=0) vs asynchronous (k>=1).
 
-Both runs train the same number of samples (``train.steps * train.batch_size * gen.n_samples``)
-from the same warm-started model on this machine, one after the other in one process
-tree; it prints both wall times of the RL phase and their ratio. Evaluation is off so only
-the generate/train loop is timed.
+Every variant trains the same samples (``train.steps * train.batch_size * gen.n_samples``,
+the same prompts) from the same warm-started model on this machine, one after the other in
+one process tree; with ``--repeats R`` the variants alternate R times (interleaved, so a
+change of machine load hits all of them alike). Evaluation is off so only the
+generate/train loop is timed. Two wall times per run: the summary's (the RL phase,
+worker start-up included: spawning, imports, model loading, ~15 s here) and the loop's,
+from the first to the last span of the run's trace (what asynchrony can change). It prints
+both with their ratios, each run's generator and trainer busy time, the generator's batch
+occupancy over time and the ideal speed-up computed from the synchronous run's spans.
 
-    python bench/async_vs_sync.py [key=value ...]     # e.g. train.steps=20 async_k=4
+    python bench/async_vs_sync.py [--task arith|longtail] [--repeats R] [async_k=K] [key=value ...]
+
+``--task arith`` (default): ``graphs/arith_grpo.py`` (2-5 token answers: no tail).
+``--task longtail``: ``graphs/longtail_grpo.py`` (3-192 token answers, Zipf-distributed,
+``areal_flow.tasks.longtail``); it adds a third variant, asynchronous with
+``gen.interruptible=false`` (in-flight responses finish with the old weights before an
+update), to measure interruptible generation on vs off.
+
+Occupancy comes from the run's trace (``runtime.trace``): every engine-step span of the
+generation replica carries ``rows`` (sequences decoded in that step) and ``slots`` (the
+engine's batch capacity); occupancy is ``rows / slots``, 0 while the engine is idle.
+
+Ideal speed-up, from the synchronous run (N optimizer steps, loop wall ``W_sync``):
+
+* generator busy ``G = sum_j d_j + E``: ``d_j`` the engine-step spans, ``E`` the other
+  generator spans (reward per group, weight receive/load); trainer busy ``T``: its step
+  and weight-publish spans; ``O = max(0, W_sync - G - T)``, the time neither is busy
+  (start-up, messages), which asynchrony does not remove. Synchronous phases alternate,
+  so ``W_sync = G + T + O``.
+* every step decodes ``r_j`` rows and yields one token per row, so the run decodes
+  ``R = sum_j r_j`` tokens. A least-squares line ``d(r) = a + b r`` over the engine steps
+  gives the step time at full occupancy ``d(C)``, ``C`` the slots, so generation with a
+  batch that never empties takes ``G_full = (R / C) d(C) + E``.
+* asynchronously, generating step i+1 overlaps training step i: a two-stage pipeline of N
+  steps of ``g = G_full / N`` and ``t = T / N`` takes ``g + t + (N - 1) max(g, t)``, so
+  ``W_async* = max(G_full, T) + min(G_full, T) / N + O`` and the ideal ratio is
+  ``W_sync / W_async*``.
+
+It assumes that each phase runs as fast on its own core (asynchronous: the cores are split)
+as on all of them (synchronous: ``runtime.launch`` gives each phase every core), true where
+per-step overhead dominates as for the tiny models; where not, the ideal is optimistic.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,29 +54,158 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_flow.cli import load_flow  # noqa: E402
 from areal_flow.config import load_config  # noqa: E402
 from runtime.launch import run_experiment  # noqa: E402
+from runtime.trace import read_spans  # noqa: E402
+
+GRAPHS = {"arith": "arith_grpo", "longtail": "longtail_grpo"}
+BINS = 40  # columns of the occupancy timeline
+
+
+def engine_steps(spans: list[dict]) -> list[dict]:
+    """The engine-step spans (those carrying ``rows`` and ``slots``), by start time."""
+    return sorted((s for s in spans if "rows" in s.get("args", {}) and "slots" in s["args"]), key=lambda s: s["ts"])
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``y = a + b x``; ``b = 0`` (``a`` the mean) when the ``xs``
+    are all equal.
+
+    Raises:
+        ValueError: no points.
+    """
+    if not xs:
+        raise ValueError("fit_line: no points")
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def ideal_ratio(wall_s: float, steps: list[dict], gen_other_s: float, train_s: float, n_steps: int) -> dict:
+    """The ideal asynchronous wall and speed-up from a synchronous run (module doc).
+
+    Args:
+        wall_s: the synchronous wall time, seconds.
+        steps: engine-step spans (``dur`` microseconds, ``args.rows``, ``args.slots``).
+        gen_other_s: ``E``, the generator's other busy time, seconds.
+        train_s: ``T``, the trainer's busy time, seconds.
+        n_steps: N, optimizer steps.
+
+    Returns:
+        ``{"G", "T", "O", "tokens", "step_full_s", "G_full", "ideal_async_s", "ideal_ratio"}``
+        (seconds; ``tokens`` = R).
+
+    Raises:
+        ValueError: no engine steps or ``n_steps < 1``.
+    """
+    if not steps or n_steps < 1:
+        raise ValueError(f"ideal_ratio: need engine steps and n_steps >= 1 (got {len(steps)}, {n_steps})")
+    slots = steps[0]["args"]["slots"]
+    rows = [s["args"]["rows"] for s in steps]
+    a, b = fit_line(rows, [s["dur"] / 1e6 for s in steps])
+    gen = sum(s["dur"] for s in steps) / 1e6 + gen_other_s
+    step_full = a + b * slots
+    g_full = sum(rows) / slots * step_full + gen_other_s
+    other = max(0.0, wall_s - gen - train_s)
+    ideal = max(g_full, train_s) + min(g_full, train_s) / n_steps + other
+    return {"G": gen, "T": train_s, "O": other, "tokens": sum(rows), "step_full_s": step_full, "G_full": g_full,
+            "ideal_async_s": ideal, "ideal_ratio": wall_s / ideal}
+
+
+def occupancy_bins(steps: list[dict], start_us: int, end_us: int, bins: int = BINS) -> list[float]:
+    """Mean occupancy (``rows / slots``, 0 while idle) in each of ``bins`` equal slices of
+    ``[start_us, end_us]``: every engine step spreads its occupancy over the time it spans."""
+    width = max(1, end_us - start_us) / bins
+    out = [0.0] * bins
+    for s in steps:
+        lo, hi, occ = s["ts"], s["ts"] + s["dur"], s["args"]["rows"] / s["args"]["slots"]
+        for i in range(max(0, int((lo - start_us) // width)), min(bins, int((hi - start_us) // width) + 1)):
+            b0 = start_us + i * width
+            out[i] += occ * max(0.0, min(hi, b0 + width) - max(lo, b0)) / width
+    return out
+
+
+def busy_times(spans: list[dict], gen_proc: str) -> tuple[float, float]:
+    """``(E, T)`` seconds: the generator's busy spans other than engine steps, and every
+    non-edge span of the other workers (the trainer's steps and weight publishes)."""
+    other = sum(s["dur"] for s in spans if s["proc"] == gen_proc and "rows" not in s["args"] and s["cat"] != "edge")
+    train = sum(s["dur"] for s in spans if s["proc"] not in (gen_proc, "driver") and s["cat"] != "edge")
+    return other / 1e6, train / 1e6
+
+
+def analyse(summary: dict) -> dict:
+    """Occupancy and busy times of one run, from its trace (``<run>/trace/*.jsonl``)."""
+    spans = read_spans(Path(summary["out_dir"]))
+    steps = engine_steps(spans)
+    if not steps:
+        raise ValueError(f"{summary['out_dir']}: no engine-step spans with rows/slots (logging.trace=false?)")
+    gen_proc = steps[0]["proc"]
+    start = min(s["ts"] for s in spans)
+    end = max(s["ts"] + s["dur"] for s in spans)
+    busy_us = sum(s["dur"] for s in steps)
+    occ_busy = sum(s["dur"] * s["args"]["rows"] / s["args"]["slots"] for s in steps) / busy_us
+    gen_other, train = busy_times(spans, gen_proc)
+    return {"steps": steps, "bins": occupancy_bins(steps, start, end), "occ_busy": occ_busy,
+            "occ_wall": occ_busy * busy_us / max(1, end - start), "gen_other_s": gen_other, "train_s": train,
+            "loop_s": (end - start) / 1e6, "gen_s": busy_us / 1e6 + gen_other}
+
+
+def sparkline(values: list[float]) -> str:
+    """One digit per value: ``floor(10 v)`` capped at 9 (0 = idle or < 10 %, 9 = >= 90 %)."""
+    return "".join(str(min(9, int(10 * v))) for v in values)
 
 
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=sorted(GRAPHS), default="arith")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of all variants")
+    args, rest = parser.parse_known_args(argv)
     async_k = 2
     overrides = []
-    for item in argv:
+    for item in rest:
         if item.startswith("async_k="):
             async_k = int(item.split("=", 1)[1])
         else:
             overrides.append(item)
     root = Path(__file__).resolve().parents[1]
-    flow = load_flow(root / "graphs" / "arith_grpo.py")
-    walls = {}
-    for label, k in (("sync", 0), ("async", async_k)):
-        cfg = load_config(
-            root / "graphs" / "arith_grpo.yaml",
-            ["eval.enabled=false", f"async.max_staleness={k}", f"name=bench_{label}", *overrides],
-        )
-        summary = run_experiment(flow(cfg), cfg, show_progress=False)
-        walls[label] = summary["wall_s"]
-        print(f"{label:>5} (max_staleness={k}): {summary['wall_s']:7.1f} s for {summary['samples_trained']} samples, "
-              f"staleness histogram {summary['staleness_histogram']}", flush=True)
-    print(f"async speed-up (sync wall / async wall): {walls['sync'] / walls['async']:.2f}x")
+    graph = GRAPHS[args.task]
+    flow = load_flow(root / "graphs" / f"{graph}.py")
+    variants = [("sync", 0, []), ("async", async_k, [])]
+    if args.task == "longtail":
+        variants.append(("async-nonint", async_k, ["gen.interruptible=false"]))
+    walls: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    loops: dict[str, list[float]] = {}
+    ideals: list[float] = []
+    for round_ in range(args.repeats):
+        for label, k, extra in variants:
+            cfg = load_config(root / "graphs" / f"{graph}.yaml",
+                              ["eval.enabled=false", f"async.max_staleness={k}", f"name=bench_{graph}_{label}",
+                               *extra, *overrides])
+            summary = run_experiment(flow(cfg), cfg, show_progress=False)
+            a = analyse(summary)
+            walls[label].append(summary["wall_s"])
+            loops.setdefault(label, []).append(a["loop_s"])
+            print(f"[{round_ + 1}] {label:>12} (max_staleness={k}): {summary['wall_s']:7.1f} s "
+                  f"(loop {a['loop_s']:.1f} s; generator busy {a['gen_s']:.1f} s, trainer busy {a['train_s']:.1f} s) "
+                  f"for {summary['samples_trained']} samples, staleness histogram {summary['staleness_histogram']}",
+                  flush=True)
+            print(f"    occupancy over time |{sparkline(a['bins'])}|  mean {a['occ_wall']:.0%} of the wall, "
+                  f"{a['occ_busy']:.0%} of engine-busy time; slots {a['steps'][0]['args']['slots']}", flush=True)
+            if label == "sync":
+                ideal = ideal_ratio(a["loop_s"], a["steps"], a["gen_other_s"], a["train_s"], cfg.train.steps)
+                print(f"    sync spans: generator busy G={ideal['G']:.1f} s, trainer busy T={ideal['T']:.1f} s, "
+                      f"other O={ideal['O']:.1f} s; {ideal['tokens']} tokens, full-batch step "
+                      f"{ideal['step_full_s'] * 1e3:.1f} ms -> G_full={ideal['G_full']:.1f} s; ideal async wall "
+                      f"{ideal['ideal_async_s']:.1f} s, ideal ratio {ideal['ideal_ratio']:.2f}x", flush=True)
+                ideals.append(ideal["ideal_ratio"])
+    mean = {label: sum(v) / len(v) for label, v in walls.items()}
+    loop = {label: sum(v) / len(v) for label, v in loops.items()}
+    ideal = sum(ideals) / len(ideals)
+    print(f"async speed-up (sync wall / async wall): {mean['sync'] / mean['async']:.2f}x; loop "
+          f"{loop['sync'] / loop['async']:.2f}x, ideal (loop) {ideal:.2f}x, measured / ideal "
+          f"{loop['sync'] / loop['async'] / ideal:.0%}")
+    if "async-nonint" in mean:
+        print(f"interruptible generation on vs off (off wall / on wall): {mean['async-nonint'] / mean['async']:.2f}x; "
+              f"loop {loop['async-nonint'] / loop['async']:.2f}x")
 
 
 if __name__ == "__main__":

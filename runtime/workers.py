@@ -163,7 +163,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 started = now_us()
                 finished = gen.step()
             trace.complete(gen.node.name, "engine", started, now_us(), step=engine_steps, version=gen.version,
-                           finished=[index for index, _, _ in finished])
+                           finished=[index for index, _, _ in finished],
+                           **(gen.occupancy() if hasattr(gen, "occupancy") else {}))
             engine_steps += 1
             for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})

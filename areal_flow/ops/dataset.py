@@ -17,7 +17,7 @@ from areal_flow.ops.registry import CPU, SOURCE, OpDef, define
 SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
 OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
 
-TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number")
+TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
 
 
 def dataset(cfg: Any, *, name: str | None = None) -> Handle:
@@ -58,4 +58,8 @@ def build_task(attrs: dict, seed: int) -> Any:
         from areal_flow.tasks.guess_number import GuessNumberTask
 
         return GuessNumberTask(seed=seed)
+    if kind == "longtail":
+        from areal_flow.tasks.longtail import LongTailTask
+
+        return LongTailTask(seed=seed)
     raise ValueError(f"dataset.name={kind!r}: unknown task; known: {', '.join(TASKS)}")

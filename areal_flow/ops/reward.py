@@ -40,13 +40,20 @@ def _arithmetic(output_text: str, answer: str) -> float:
     return ArithmeticTask.reward(output_text, answer)
 
 
+def _longtail(output_text: str, answer: str) -> float:
+    from areal_flow.tasks.longtail import LongTailTask
+
+    return LongTailTask.reward(output_text, answer)
+
+
 def _math(output_text: str, answer: str) -> float:
     from areal_flow.rewards.math import math_reward
 
     return math_reward(output_text, answer)
 
 
-REWARD_FNS: dict[str, Callable[[str, str], float]] = {"arithmetic": _arithmetic, "gsm8k": _math, "math": _math}
+REWARD_FNS: dict[str, Callable[[str, str], float]] = {"arithmetic": _arithmetic, "gsm8k": _math, "math": _math,
+                                                      "longtail": _longtail}
 
 
 def reward(

@@ -12,9 +12,25 @@ log-prob to train, yet its reward would shift its group's baseline. It is left o
 group (a group left empty is resampled), counted (``empty_responses`` in the replica's
 counts) and logged once; more than half of the last 200 responses empty stops the run
 (``areal_flow.rewards.pool.FailureMonitor``).
+
+Weight updates (``gen.interruptible``, node attribute ``interruptible``): by default the
+engine pauses in-flight sequences, loads the new version and resumes them (the
+"interruptible rollout worker" of Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
+Reinforcement Learning System for Language Reasoning"). With ``interruptible=False`` the
+executor queues new requests itself, admitting them only into free engine slots, and an
+update first steps the engine until every sequence holding a slot has finished with the
+old weights (no new one is admitted meanwhile), then loads; the groups finished during
+that drain come out of the next :meth:`GenerateExecutor.step`. The drain runs inside the
+replica's weight ``load`` span.
+
+Occupancy: :meth:`GenerateExecutor.occupancy` gives the rows the last engine step decoded
+and the engine's slots; the replica writes both into each engine-step span of the trace
+(``args.rows``, ``args.slots``).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.rewards.pool import FailureMonitor, Outcome
@@ -51,6 +67,10 @@ class GenerateExecutor:
         self.params = sampling_params(node)
         self.tokenizer = ctx.tokenizer
         self._groups: dict[tuple[int, int], dict] = {}
+        self.interruptible = bool(self.attrs.get("interruptible", True))
+        self._queue: deque[GenerationRequest] = deque()  # not interruptible: requests not yet in the engine
+        self._drained: list[GenerationResult] = []  # finished while draining for an update
+        self._last_rows = 0
         self.counts = {"empty_responses": 0}
         self.monitor = FailureMonitor(f"generate node '{node.name}'", EMPTY_MAX_FRACTION, EMPTY_WINDOW)
 
@@ -64,16 +84,35 @@ class GenerateExecutor:
         tag = "" if attempt == 1 else f"/{attempt}"
         self._groups[(index, attempt)] = {"problem": problem, "results": []}
         for j in range(self.attrs["n_samples"]):
-            self.engine.submit(GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
-                                                 {"group": index, "attempt": attempt, "sample": j}))
+            request = GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
+                                        {"group": index, "attempt": attempt, "sample": j})
+            if self.interruptible:
+                self.engine.submit(request)
+            else:
+                self._queue.append(request)
 
     def has_work(self) -> bool:
-        return self.engine.has_work()
+        return bool(self._queue or self._drained) or self.engine.has_work()
+
+    def occupancy(self) -> dict:
+        """``{"rows": sequences the last engine step decoded, "slots": the engine's batch capacity}``."""
+        return {"rows": self._last_rows, "slots": self.engine.max_batch_size}
+
+    def _engine_step(self) -> list[GenerationResult]:
+        """One engine step (first admitting queued requests into free slots when not
+        interruptible); records the rows it decoded."""
+        while self._queue and self.engine.num_active() < self.engine.max_batch_size:
+            self.engine.submit(self._queue.popleft())
+        results = self.engine.step()
+        self._last_rows = self.engine.num_active() + len(results)
+        return results
 
     def step(self) -> list[tuple[int, int, list[Trajectory]]]:
-        """One engine step; returns the groups it finished: ``(index, attempt, trajectories)``."""
+        """One engine step; returns the groups it finished: ``(index, attempt, trajectories)``
+        (with those finished while draining for a non-interruptible update)."""
         done = []
-        for result in self.engine.step():
+        results, self._drained = self._drained + self._engine_step(), []
+        for result in results:
             key = (result.meta["group"], result.meta["attempt"])
             group = self._groups[key]
             group["results"].append(result)
@@ -85,7 +124,11 @@ class GenerateExecutor:
         return done
 
     def update_weights(self, state_dict, version: int) -> None:
-        """Pause, load ``version``, resume (the engines' interruptible update)."""
+        """Load ``version``: pause, load, resume (interruptible, the engines' own update),
+        or first finish every sequence holding a slot with the old weights (module doc)."""
+        if not self.interruptible:
+            while self.engine.has_work():  # only slotted sequences: queued requests stay in self._queue
+                self._drained.extend(self.engine.step())
         self.engine.update_weights(state_dict, version)
 
 
