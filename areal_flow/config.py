@@ -47,7 +47,7 @@ class ModelConfig:
     """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
-    generation engine holds the policy in it; trainers keep fp32 master weights and optimizer state and run
+    generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16). Keep float32 on this
     CPU for the tiny models (bf16 autocast was 16-25x slower). Aliases: training.bf16 / training.fp16 = true."""
 
@@ -91,6 +91,12 @@ class GenerationConfig:
     """Sequences decoded together by the engine (continuous batching slots)."""
     engine: str = "embedded"
     """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
+    dtype: str = "auto"
+    """Embedded engine's weights and KV cache: auto, float32, bfloat16 or float16 (spellings as model.dtype).
+    auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
+    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on an AMX CPU runs bf16, the tiny
+    models mostly fp32. Logits and sampling stay fp32; bf16 behavior log-probs differ from the trainer's fp32
+    recomputation (measured: README, Performance)."""
 
 
 @dataclass
@@ -330,6 +336,8 @@ class ExperimentConfig:
             raise ConfigError(f"warm_start.teacher_bug_rate={self.warm_start.teacher_bug_rate}: must be in [0, 1]")
         if not 0 < self.gen.top_p <= 1:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
+        if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
 
 
 def _yaml_key(key: str) -> str:

@@ -5,7 +5,8 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 ``areal-flow run graph.py`` runs: the runtime reads the plan and nothing else
 (``runtime.run``). What goes where:
 
-* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``);
+* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``) and
+  ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
   ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
@@ -76,6 +77,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     for node in graph.nodes.values():
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
+            node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,

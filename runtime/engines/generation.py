@@ -166,8 +166,7 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.device = device
         self.version = 0
-        cfg = model.config
-        self.dtype = engine_dtype(dtype, device, max_batch_size, cfg.hidden_size, cfg.intermediate_size)
+        self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
         self._dec = KVDecoder(self.model, self.dtype, max_batch_size)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
