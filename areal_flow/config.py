@@ -91,12 +91,14 @@ class GenerationConfig:
     """Sequences decoded together by the engine (continuous batching slots)."""
     engine: str = "embedded"
     """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
-    dtype: str = "auto"
-    """Embedded engine's weights and KV cache: auto, float32, bfloat16 or float16 (spellings as model.dtype).
+    dtype: str = "float32"
+    """Embedded engine's weights and KV cache: float32, bfloat16, float16 or auto (spellings as model.dtype).
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
-    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on an AMX CPU runs bf16, the tiny
-    models mostly fp32. Logits and sampling stay fp32; bf16 behavior log-probs differ from the trainer's fp32
-    recomputation (measured: README, Performance)."""
+    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
+    and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
+    mean 0.034, max 0.31 nats; fp32: 9e-6, README Performance), so use bf16/auto with
+    train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
+    log-probs only enter the capped behavior importance weight."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ of row ``r`` is ``index < len_r`` (plus causality inside a prefill). A decode st
 each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
 sequence's row is filled by moving the last active row into it.
 
-Numerics as in ``transformers``: RMSNorm in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
+Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
 ``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
 kept in the engine dtype, logits are returned in fp32.
@@ -30,14 +30,10 @@ import torch
 import torch.nn.functional as F
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / sqrt(mean(x^2) + eps))`` with the normalisation in fp32, as HF's RMSNorm."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (Zhang & Sennrich 2019, eq. 4),
+    one fused op; torch computes it in fp32 for bf16/fp16 input, as HF's RMSNorm does."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class _Layer:
@@ -148,20 +144,21 @@ class KVDecoder:
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """Run every layer on ``h [rows, T, hidden]``; ``attend(i, q, k, v, scale)`` returns ``[rows, heads, T, hd]``."""
         cos, sin = self.base.rotary_emb(h, positions)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == flip_halves(x) * (sin with its first half negated)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rows, t, _ = h.shape
-        nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         for i, w in enumerate(self.layers):
             qkv = F.linear(_rms_norm(h, w.ln1, w.eps1), w.wqkv, w.bqkv)
-            q = qkv[..., :nq].view(rows, t, self.n_heads, hd)
-            k = qkv[..., nq:nq + nkv].view(rows, t, self.n_kv, hd)
-            v = qkv[..., nq + nkv:].view(rows, t, self.n_kv, hd).transpose(1, 2)
+            qk = qkv[..., :(nh + nkv) * hd].view(rows, t, nh + nkv, hd)
+            v = qkv[..., (nh + nkv) * hd:].view(rows, t, nkv, hd).transpose(1, 2)
             if w.qn is not None:
-                q, k = _rms_norm(q, w.qn, w.qk_eps), _rms_norm(k, w.kn, w.qk_eps)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            o = attend(i, q, k, v, w.scaling)
+                qk = torch.cat((_rms_norm(qk[:, :, :nh], w.qn, w.qk_eps), _rms_norm(qk[:, :, nh:], w.kn, w.qk_eps)), 2)
+            qk = qk.transpose(1, 2)  # [rows, heads + kv_heads, T, hd]: RoPE on q and k at once
+            qk = qk * cos + qk.unflatten(-1, (2, half)).flip(-2).flatten(-2) * sin
+            o = attend(i, qk[:, :nh], qk[:, nh:], v, w.scaling)
             h = h + F.linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
             gu = F.linear(_rms_norm(h, w.ln2, w.eps2), w.wgu, w.bgu)
             g, u = gu.chunk(2, dim=-1)

@@ -32,7 +32,7 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """
     rows, vocab = probs.shape
     pad = (-vocab) % _BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, _BLOCK)
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
     mass = blocks.sum(-1)  # [R, nb]
     cum = mass.cumsum(-1)
     u = torch.rand(rows, 1, generator=gen, device=probs.device, dtype=probs.dtype)
@@ -62,8 +62,10 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: 
         see ``GenerationResult``), at ``T = 1`` for greedy rows.
     """
     greedy = temps == 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    ids = logits.argmax(-1)
+    scaled = logits if bool((temps == 1).all()) else logits / torch.where(greedy, 1.0, temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    any_greedy = bool(greedy.any())
+    ids = logits.argmax(-1) if any_greedy else None
     if not bool(greedy.all()):
         probs = logp.exp()
         if bool((top_p < 1).any()):
@@ -72,5 +74,6 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: 
             # mass strictly before it already reaches top_p (the first is always kept).
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        ids = torch.where(greedy, ids, _draw(probs, gen))
+        drawn = _draw(probs, gen)
+        ids = torch.where(greedy, ids, drawn) if any_greedy else drawn
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
