@@ -96,7 +96,7 @@ class GenerationConfig:
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
     when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
     and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
-    mean 0.034, max 0.31 nats; fp32: 9e-6, README Performance), so use bf16/auto with
+    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, README Performance), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
 

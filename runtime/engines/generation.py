@@ -149,9 +149,10 @@ class GenerationEngine:
             log-probs against the trainer's fp32 recomputation (``token_logprobs``, the
             reference), measured on SmolLM2-135M, 32 chat-arithmetic responses (~1,100
             tokens), T=1, by ``bench/engine_logprob_accuracy.py``: fp32 engine mean |diff|
-            8.8e-6, max 3.6e-5 nats; bf16 engine mean 3.4e-2, max 0.31 (importance ratio off
-            by up to 36%; a fp32 LM head alone only brings the mean to 2.6e-2). So bf16
-            suits the decoupled loss, whose PPO reference is the recomputation.
+            8.8e-6, max 3.6e-5 nats; bf16 engine mean 3.4e-2, max 0.31 and 0.81 in two runs
+            (one token's importance ratio off by 36% and 125%; a fp32 LM head alone only
+            brings the mean to 2.6e-2). So bf16 suits the decoupled loss, whose PPO
+            reference is the recomputation.
 
     Thread safety: ``submit``, ``step`` and ``update_weights`` take one lock, so a weight
     update issued from another thread waits for the current step and lands between steps.
