@@ -47,7 +47,7 @@ class ModelConfig:
     """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
-    generation engine holds the policy in it; trainers keep fp32 master weights and optimizer state and run
+    generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
     importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, README
     "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
@@ -101,6 +101,14 @@ class GenerationConfig:
     generation); false: the generator admits no new response and finishes the in-flight ones with the old
     weights before it loads the new ones (ops.generate nodes, runtime.executors.generate; multi-turn rollouts
     always pause and resume)."""
+    dtype: str = "float32"
+    """Embedded engine's weights and KV cache: float32, bfloat16, float16 or auto (spellings as model.dtype).
+    auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
+    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
+    and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
+    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, README Performance), so use bf16/auto with
+    train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
+    log-probs only enter the capped behavior importance weight."""
 
 
 @dataclass
@@ -353,6 +361,8 @@ class ExperimentConfig:
             raise ConfigError(f"warm_start.teacher_bug_rate={self.warm_start.teacher_bug_rate}: must be in [0, 1]")
         if not 0 < self.gen.top_p <= 1:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
+        if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
 
 
 def _yaml_key(key: str) -> str:

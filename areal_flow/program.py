@@ -5,8 +5,8 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 ``areal-flow run graph.py`` runs: the runtime reads the plan and nothing else
 (``runtime.run``). What goes where:
 
-* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``)
-  and ``interruptible`` (``gen.interruptible``);
+* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
+  ``interruptible`` (``gen.interruptible``) and ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
   ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
@@ -77,6 +77,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     for node in graph.nodes.values():
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
+            node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
             if node.op == "generate":
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)
         elif node.op == "train_step":

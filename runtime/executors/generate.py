@@ -180,7 +180,8 @@ def build_engine(node, ctx):
 
     model, _ = load_pretrained(folder, dtype=ctx.dtype)
     device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
-    return GenerationEngine(model, ctx.tokenizer, max_batch_size=slots, device=device, seed=seed)
+    return GenerationEngine(model, ctx.tokenizer, max_batch_size=slots, device=device, seed=seed,
+                            dtype=a.get("engine_dtype", "float32"))
 
 
 def _trajectory(result: GenerationResult, key: tuple[int, int], problem: dict) -> Trajectory:

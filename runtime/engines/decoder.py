@@ -1,0 +1,216 @@
+"""The embedded engine's decoder: packed weights in the engine's dtype, a preallocated
+KV cache with one row per active sequence, and the prefill / decode forward passes.
+
+Owns the numerics of generation (weights, cache, attention); the engine
+(``runtime.engines.generation``) owns requests, sampling and versions.
+
+Weights: read from the modules of a ``transformers`` Qwen2 / Llama / Qwen3-style causal LM
+(embedding, RoPE, grouped-query attention, RMSNorm, SiLU-gated MLP) and packed per layer
+into one QKV matrix ``[(heads + 2 kv_heads) * head_dim, hidden]`` and one gate+up matrix
+``[2 * intermediate, hidden]``, cast to the engine dtype: 4 matrix products a layer instead
+of 7. ``pack`` re-reads them after a weight update.
+
+Cache: per layer one key and one value tensor ``[rows, kv_heads, capacity, head_dim]``,
+allocated once and grown by doubling (rows up to ``max_rows``, capacity up to the model's
+context). Row ``r`` holds its sequence's keys at cache indices ``0 .. len_r - 1`` with no
+padding in between, so a token's position equals its cache index and the attention mask
+of row ``r`` is ``index < len_r`` (plus causality inside a prefill). A decode step writes
+each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
+sequence's row is filled by moving the last active row into it.
+
+Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
+embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
+``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
+kept in the engine dtype, logits are returned in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (Zhang & Sennrich 2019, eq. 4),
+    one fused op; torch computes it in fp32 for bf16/fp16 input, as HF's RMSNorm does."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _Layer:
+    """One decoder layer's packed weights (engine dtype)."""
+
+    def __init__(self, layer, dtype: torch.dtype) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def cast(t):
+            return None if t is None else t.detach().to(dtype)
+
+        def bias(lin):
+            return lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=lin.weight.device)
+
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.wqkv = cast(torch.cat([p.weight for p in projs]))
+        self.bqkv = cast(torch.cat([bias(p) for p in projs])) if any(p.bias is not None for p in projs) else None
+        self.wo, self.bo = cast(attn.o_proj.weight), cast(attn.o_proj.bias)
+        self.wgu = cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        gu_bias = mlp.gate_proj.bias is not None
+        self.bgu = cast(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])) if gu_bias else None
+        self.wd, self.bd = cast(mlp.down_proj.weight), cast(mlp.down_proj.bias)
+        self.ln1, self.ln2 = cast(layer.input_layernorm.weight), cast(layer.post_attention_layernorm.weight)
+        self.eps1 = layer.input_layernorm.variance_epsilon
+        self.eps2 = layer.post_attention_layernorm.variance_epsilon
+        self.qn = cast(attn.q_norm.weight) if hasattr(attn, "q_norm") else None
+        self.kn = cast(attn.k_norm.weight) if hasattr(attn, "k_norm") else None
+        self.qk_eps = attn.q_norm.variance_epsilon if hasattr(attn, "q_norm") else 0.0
+        self.scaling = attn.scaling
+
+
+class KVDecoder:
+    """Forward passes of a HF decoder-only LM against the row-per-sequence KV cache.
+
+    Args:
+        model: Qwen2 / Llama / Qwen3-style causal LM (``model.model.{embed_tokens, layers,
+            norm, rotary_emb}`` + ``lm_head``), SiLU MLP, no sliding window.
+        dtype: engine dtype of the packed weights and the KV cache.
+        max_rows: most sequences in the cache (the engine's ``max_batch_size``).
+
+    Raises:
+        ValueError: unsupported architecture (names the model class or config field).
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int) -> None:
+        cfg = model.config
+        base = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
+            raise ValueError(
+                f"GenerationEngine supports Qwen2/Llama/Qwen3-style causal LMs "
+                f"(model.model.{{{', '.join(needed)}}} + lm_head); got {type(model).__name__}"
+            )
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError(f"GenerationEngine: sliding-window attention is not supported ({cfg.model_type})")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"GenerationEngine: hidden_act={cfg.hidden_act!r} is not supported (silu only)")
+        self.model, self.base, self.dtype, self.max_rows = model, base, dtype, max_rows
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.max_len = cfg.max_position_embeddings
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.pack()
+
+    def pack(self) -> None:
+        """(Re)build the packed weights from the model's current parameters."""
+        with torch.no_grad():
+            self.layers = [_Layer(layer, self.dtype) for layer in self.base.layers]
+            self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
+            head = self.model.lm_head.weight
+            same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr()
+            self.head = self.embed if same else head.detach().to(self.dtype)
+            self.head_bias = None if self.model.lm_head.bias is None else self.model.lm_head.bias.detach().to(self.dtype)
+            self.norm, self.norm_eps = self.base.norm.weight.detach().to(self.dtype), self.base.norm.variance_epsilon
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Make the cache hold at least ``rows`` rows of ``length`` tokens (doubling growth,
+        capped at ``max_rows`` and the model's context); existing contents are kept."""
+        have_rows = self.keys[0].shape[0] if self.keys else 0
+        have_len = self.keys[0].shape[2] if self.keys else 0
+        if rows <= have_rows and length <= have_len:
+            return
+        new_rows = min(self.max_rows, max(rows, 2 * have_rows)) if rows > have_rows else have_rows
+        new_len = min(self.max_len, max(length, 2 * have_len, 64)) if length > have_len else have_len
+        device = self.embed.device
+        shape = (new_rows, self.n_kv, new_len, self.head_dim)
+        for cache in (self.keys, self.values):
+            for i in range(len(self.layers)):
+                grown = torch.zeros(shape, dtype=self.dtype, device=device)
+                if i < len(cache):
+                    grown[:have_rows, :, :have_len] = cache[i]
+                    cache[i] = grown
+                else:
+                    cache.append(grown)
+
+    def drop_cache(self) -> None:
+        """Free the cache (after a weight update every sequence is prefilled again)."""
+        self.keys, self.values = [], []
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy cache row ``src`` into row ``dst`` (fills the row of a finished sequence)."""
+        for cache in (self.keys, self.values):
+            for c in cache:
+                c[dst] = c[src]
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Run every layer on ``h [rows, T, hidden]``; ``attend(i, q, k, v, scale)`` returns ``[rows, heads, T, hd]``."""
+        cos, sin = self.base.rotary_emb(h, positions)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == flip_halves(x) * (sin with its first half negated)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rows, t, _ = h.shape
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(_rms_norm(h, w.ln1, w.eps1), w.wqkv, w.bqkv)
+            qk = qkv[..., :(nh + nkv) * hd].view(rows, t, nh + nkv, hd)
+            v = qkv[..., (nh + nkv) * hd:].view(rows, t, nkv, hd).transpose(1, 2)
+            if w.qn is not None:
+                qk = torch.cat((_rms_norm(qk[:, :, :nh], w.qn, w.qk_eps), _rms_norm(qk[:, :, nh:], w.kn, w.qk_eps)), 2)
+            qk = qk.transpose(1, 2)  # [rows, heads + kv_heads, T, hd]: RoPE on q and k at once
+            qk = qk * cos + qk.unflatten(-1, (2, half)).flip(-2).flatten(-2) * sin
+            o = attend(i, qk[:, :nh], qk[:, nh:], v, w.scaling)
+            h = h + F.linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
+            gu = F.linear(_rms_norm(h, w.ln2, w.eps2), w.wgu, w.bgu)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, w.wd, w.bd)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(h, self.norm, self.norm_eps), self.head, self.head_bias).float()
+
+    def prefill(self, seqs: list[list[int]], first_row: int) -> torch.Tensor:
+        """Full forward of ``seqs`` (right-padded together), writing their keys/values
+        into cache rows ``first_row ..`` (``reserve`` must have made room).
+        Returns last-token logits ``[len(seqs), vocab]`` fp32."""
+        device = self.embed.device
+        n, width = len(seqs), max(len(s) for s in seqs)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.tensor(s)
+        ids = ids.to(device)
+        lengths = torch.tensor([len(s) for s in seqs], device=device)
+        pos = torch.arange(width, device=device)
+        # mask[r, 0, q, k]: causal and key is a real token of row r.
+        mask = ((pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])).unsqueeze(1)
+        rows = slice(first_row, first_row + n)
+
+        def attend(i, q, k, v, scale):
+            self.keys[i][rows, :, :width] = k
+            self.values[i][rows, :, :width] = v
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+        h = self._layers(F.embedding(ids, self.embed), pos.expand(n, width), attend)
+        return self._logits(h[torch.arange(n, device=device), lengths - 1])
+
+    def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Feed ``last_ids [A]`` (cache rows ``0 .. A-1``) at positions ``lengths [A]``,
+        writing their keys/values in place (capacity must exceed ``lengths.max()``).
+        Returns logits ``[A, vocab]`` fp32."""
+        a = last_ids.shape[0]
+        cap = self.keys[0].shape[2]
+        span = int(lengths.max()) + 1
+        device = last_ids.device
+        mask = (torch.arange(span, device=device)[None, :] <= lengths[:, None])[:, None, None, :]
+        # flat index of (row r, kv head j, position lengths[r]) in a [rows * kv * cap, hd] view
+        heads = torch.arange(a, device=device)[:, None] * self.n_kv + torch.arange(self.n_kv, device=device)
+        flat = (heads * cap + lengths[:, None]).reshape(-1)
+
+        def attend(i, q, k, v, scale):
+            kc, vc = self.keys[i], self.values[i]
+            kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+            return F.scaled_dot_product_attention(q, kc[:a, :, :span], vc[:a, :, :span], attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)
+
+        h = self._layers(F.embedding(last_ids[:, None], self.embed), lengths[:, None], attend)
+        return self._logits(h[:, 0])

@@ -1,0 +1,113 @@
+"""The embedded engine's dtype: forced by config (``gen.dtype``) or chosen by a measured
+check; and the matrix-product timing the throughput benchmark uses as the roofline.
+
+Owns the choice only; the decoder (``runtime.engines.decoder``) casts to it.
+
+``auto`` builds the engine's decoder in fp32 and in the device's 16-bit type (bf16 on
+CPU, where AMX / AVX-512-BF16 units make it fast and plain AVX-512 makes it slower; fp16
+on CUDA), times one decode step of ``rows`` sequences at position 32 in each,
+interleaved, best of 3 after a warm-up, and picks the 16-bit type only when its step is at
+least ``MIN_SPEEDUP`` times faster. A whole step, not one product: a decode step streams
+every weight from memory and pays per-op overhead, so a cache-resident product misleads
+both ways (measured on this CPU, one thread: at 8 rows one bf16 product of SmolLM2's
+shape is 0.95x fp32 while the step is ~2.5x faster; for the 1 M tiny model 64-row products
+are 1.6x faster in bf16 while the step, all overhead, is not). The answer is cached per
+process, device, rows and model shape, so every engine of a process with the same model
+agrees; it costs about two decoder packings and eight decode steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``gen.dtype`` values besides ``auto`` (spellings of ``areal_flow.config.DTYPES`` are accepted)."""
+
+MIN_SPEEDUP = 1.3
+"""``auto`` picks the 16-bit type only when its decode step is this many times faster than fp32."""
+
+_CHOICES: dict[tuple, torch.dtype] = {}
+
+
+def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.nn.Module) -> torch.dtype:
+    """The engine dtype for ``gen.dtype = name``.
+
+    Args:
+        name: ``auto``, a torch dtype, or a name of ``areal_flow.config.DTYPES``
+            (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``).
+        device: torch device string the engine runs on.
+        rows: decode batch rows the check times (the engine's ``max_batch_size``).
+        model: the HF causal LM the engine decodes (already on ``device``).
+
+    Raises:
+        ValueError: an unknown name (names ``gen.dtype`` and the accepted values).
+    """
+    from areal_flow.config import DTYPES
+
+    if isinstance(name, torch.dtype):
+        return name
+    if str(name).lower() != "auto":
+        canonical = DTYPES.get(str(name).lower())
+        if canonical is None:
+            raise ValueError(f"gen.dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
+        return ENGINE_DTYPES[canonical]
+    low = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+    cfg = model.config
+    key = (str(device), rows, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    if key not in _CHOICES:
+        fp32_s, low_s = _decode_step_seconds(model, device, rows, (torch.float32, low))
+        _CHOICES[key] = low if fp32_s >= MIN_SPEEDUP * low_s else torch.float32
+    return _CHOICES[key]
+
+
+@torch.inference_mode()
+def _decode_step_seconds(model, device: str, rows: int, dtypes: tuple[torch.dtype, ...],
+                         min_rounds: int = 3, max_rounds: int = 30, budget_s: float = 0.5) -> list[float]:
+    """Best seconds of one decode step of ``rows`` sequences at position 32 with the
+    engine's decoder in each of ``dtypes``: interleaved rounds (one step of each dtype)
+    after one warm-up round, at least ``min_rounds``, then more while under ``budget_s``
+    seconds and ``max_rounds`` rounds (small models get many samples against noise)."""
+    from runtime.engines.decoder import KVDecoder
+
+    decoders = [KVDecoder(model, d, rows) for d in dtypes]
+    ids = torch.randint(model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0)).to(device)
+    lengths = torch.full((rows,), 32, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    best = [float("inf")] * len(dtypes)
+    for dec in decoders:
+        dec.reserve(rows, 64)
+    started, round_ = time.perf_counter(), 0
+    while round_ <= min_rounds or (round_ <= max_rounds and time.perf_counter() - started < budget_s):
+        for i, dec in enumerate(decoders):
+            sync()
+            start = time.perf_counter()
+            dec.decode(ids, lengths)
+            sync()
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - start)
+        round_ += 1
+    return best
+
+
+def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: tuple[torch.dtype, ...],
+                   repeats: int = 5) -> list[float]:
+    """Best-of-``repeats`` seconds of one pass ``x @ W.T`` over all ``weights`` (each
+    ``[n, k]``, ``x [rows, k]`` random), in each of ``dtypes``, timed interleaved (one pass
+    of each dtype per round) so load changes hit all alike."""
+    dev = torch.device(device)
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
+    sets = [(x.to(dev, d), [w.to(dev, d) for w in weights]) for d in dtypes]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    best = [float("inf")] * len(dtypes)
+    for round_ in range(repeats + 1):  # round 0 warms up (kernel choice, weight layout)
+        for i, (xd, ws) in enumerate(sets):
+            sync()
+            start = time.perf_counter()
+            for w in ws:
+                torch.nn.functional.linear(xd, w)
+            sync()
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best

@@ -1,0 +1,79 @@
+"""Token sampling for the embedded engine: temperature, nucleus (top-p) truncation and the
+behavior log-prob of the drawn token, for a batch of rows in a few tensor ops.
+
+Owns only the draw; the engine decides what the rows are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BLOCK = 256
+"""Vocabulary block of the two-level inverse-CDF draw (see ``_draw``)."""
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]`` index of the last positive entry of each row of ``x [R, N]``. A draw can
+    land past it only when ``u * total`` rounds up to ``total``; clamping there keeps
+    zero-probability entries (top-p cut, padding) from ever being drawn."""
+    return (x > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs [R, V]`` (non-negative, rows need not sum to 1), drawn
+    with probability proportional to the entries.
+
+    Inverse-CDF sampling (Devroye 1986, ch. II.2) in two levels: first a block of
+    ``_BLOCK`` entries by the cumulative block masses, then an entry inside it. One
+    uniform number per level and row instead of one exponential per entry (what
+    ``torch.multinomial`` draws). Two levels keep fp32 rounding small: a flat fp32 cumsum
+    over 49,152 entries would shift each entry's share by up to one ulp of the running
+    sum (6e-8); here the shift is one ulp of a block mass, scaled by that mass.
+    """
+    rows, vocab = probs.shape
+    pad = (-vocab) % _BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
+    mass = blocks.sum(-1)  # [R, nb]
+    cum = mass.cumsum(-1)
+    u = torch.rand(rows, 1, generator=gen, device=probs.device, dtype=probs.dtype)
+    b = torch.searchsorted(cum, u * cum[:, -1:], right=True)
+    b = torch.minimum(b, _last_positive(mass))
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, _BLOCK)).squeeze(1)  # [R, BLOCK]
+    icum = inner.cumsum(-1)
+    u2 = torch.rand(rows, 1, generator=gen, device=probs.device, dtype=probs.dtype)
+    j = torch.searchsorted(icum, u2 * icum[:, -1:], right=True)
+    j = torch.minimum(j, _last_positive(inner))
+    return (b * _BLOCK + j).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: torch.Generator):
+    """Draw one token per row of ``logits [R, vocab]`` (fp32).
+
+    Args:
+        logits: ``[R, vocab]`` fp32.
+        temps: ``[R]`` temperatures; ``0`` means greedy (argmax).
+        top_p: ``[R]`` nucleus mass in ``(0, 1]`` (Holtzman et al. 2020, sec. 3.1): the
+            smallest set of most likely tokens whose mass reaches ``top_p`` is kept.
+        gen: the engine's random generator.
+
+    Returns:
+        ``(ids [R] int64, logprobs [R] fp32)``: the behavior log-prob is
+        ``log_softmax(logits / T)[id]``, untruncated by top-p (what the trainer recomputes;
+        see ``GenerationResult``), at ``T = 1`` for greedy rows.
+    """
+    greedy = temps == 0
+    scaled = logits if bool((temps == 1).all()) else logits / torch.where(greedy, 1.0, temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    any_greedy = bool(greedy.any())
+    ids = logits.argmax(-1) if any_greedy else None
+    if not bool(greedy.all()):
+        probs = logp.exp()
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p: drop a token when the
+            # mass strictly before it already reaches top_p (the first is always kept).
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        drawn = _draw(probs, gen)
+        ids = torch.where(greedy, ids, drawn) if any_greedy else drawn
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

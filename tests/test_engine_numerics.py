@@ -1,0 +1,119 @@
+"""The embedded engine's fast path: preallocated KV cache, engine dtype (forced and
+measured), weight repacking after updates, and the two-level inverse-CDF draw."""
+
+import math
+
+import pytest
+import torch
+
+from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
+from runtime.engines import precision
+from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
+from runtime.engines.sampling import sample
+from test_generation import TOK, _full_recompute_greedy, _model, _req
+
+torch.set_num_threads(1)
+
+
+def test_kv_cache_is_allocated_once_per_response():
+    engine = GenerationEngine(_model(0), TOK, max_batch_size=4)
+    for i, p in enumerate(["7=", "12+5=", "305-47="]):
+        engine.submit(_req(i, p, temperature=0.0, max_new_tokens=20))
+    engine.step()  # prefill reserves room for prompt + 20 new tokens of every row
+    ptrs = [k.data_ptr() for k in engine._dec.keys]
+    for _ in range(18):
+        engine.step()
+    assert [k.data_ptr() for k in engine._dec.keys] == ptrs  # decode wrote in place, no reallocation
+
+
+def test_forced_dtypes_and_bad_name():
+    model = _model(0)
+    assert precision.engine_dtype("bf16", "cpu", 8, model) is torch.bfloat16
+    assert precision.engine_dtype("fp32", "cpu", 8, model) is torch.float32
+    assert precision.engine_dtype(torch.float16, "cpu", 8, model) is torch.float16
+    with pytest.raises(ValueError, match="gen.dtype='int8'"):
+        precision.engine_dtype("int8", "cpu", 8, model)
+    with pytest.raises(ConfigError, match="gen.dtype"):
+        ExperimentConfig(gen=GenerationConfig(dtype="half-ish"))
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, expected", [
+    (1.0, 0.5, torch.bfloat16),  # 1.0 >= 1.3 * 0.5 = 0.65: bf16 pays
+    (1.0, 0.9, torch.float32),  # 1.0 < 1.3 * 0.9 = 1.17: not enough, keep fp32
+])
+def test_auto_takes_bf16_only_when_measured_faster_and_caches(monkeypatch, fp32_s, bf16_s, expected):
+    calls = []
+
+    def fake(model, device, rows, dtypes):
+        calls.append(dtypes)
+        return [fp32_s, bf16_s]
+
+    monkeypatch.setattr(precision, "_decode_step_seconds", fake)
+    monkeypatch.setattr(precision, "_CHOICES", {})
+    model = _model(0)
+    assert precision.engine_dtype("auto", "cpu", 8, model) is expected
+    assert precision.engine_dtype("auto", "cpu", 8, model) is expected
+    assert calls == [(torch.float32, torch.bfloat16)]  # measured once per process and shape
+
+
+def test_auto_measures_real_decode_steps():
+    fp32_s, bf16_s = precision._decode_step_seconds(_model(0), "cpu", 4, (torch.float32, torch.bfloat16))
+    assert 0 < fp32_s < 1 and 0 < bf16_s < 1
+
+
+def test_bf16_engine_repacks_on_update_and_tags_versions():
+    old, new = _model(3), _model(4)
+    engine = GenerationEngine(_model(3), TOK, max_batch_size=2, dtype="bfloat16")
+    attn = old.model.layers[0].self_attn
+    want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).bfloat16()
+    assert torch.equal(engine._dec.layers[0].wqkv, want)
+    engine.submit(_req(0, "12+5=", temperature=0.0, max_new_tokens=6))
+    engine.step()
+    engine.step()
+    assert engine._dec.keys[0].dtype is torch.bfloat16
+    engine.update_weights(new.state_dict(), version=2)
+    attn = new.model.layers[0].self_attn
+    want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).bfloat16()
+    assert torch.equal(engine._dec.layers[0].wqkv, want)
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    assert results[0].versions == [0, 0, 2, 2, 2, 2]
+
+
+def test_fp32_engine_matches_full_recompute_after_rows_move():
+    """Rows finishing at different steps move the last live row into the hole; the moved
+    sequences must continue exactly as a full recompute."""
+    model = _model(7)
+    engine = GenerationEngine(model, TOK, max_batch_size=4)
+    lengths = [2, 9, 1, 9]  # rows 0 and 2 finish early; row 3 moves into a hole
+    reqs = [_req(i, p, temperature=0.0, max_new_tokens=n) for i, (p, n) in enumerate(zip(["7=", "12+5=", "1-1=", "9+999="], lengths))]
+    for r in engine.generate(reqs):
+        assert r.output_ids == _full_recompute_greedy(model, r.prompt_ids, lengths[int(r.request_id[1:])])
+
+
+def test_draw_follows_probabilities_across_blocks():
+    # 600 entries = 3 blocks of 256 (the last padded): mass 0.5 at entry 3 (block 0),
+    # 0.3 at entry 300 (block 1), 0.2 at entry 599 (block 2, just before the padding).
+    vocab, n = 600, 20000
+    logits = torch.full((n, vocab), -math.inf)
+    logits[:, 3], logits[:, 300], logits[:, 599] = math.log(0.5), math.log(0.3), math.log(0.2)
+    gen = torch.Generator().manual_seed(0)
+    ids, logps = sample(logits, torch.ones(n), torch.ones(n), gen)
+    assert set(ids.tolist()) <= {3, 300, 599}  # zero-probability entries are never drawn
+    for idx, p in ((3, 0.5), (300, 0.3), (599, 0.2)):
+        freq = (ids == idx).float().mean().item()
+        assert abs(freq - p) < 5 * math.sqrt(p * (1 - p) / n)  # 5 binomial standard errors
+        assert torch.allclose(logps[ids == idx], torch.tensor(math.log(p)), atol=1e-6)
+
+
+def test_top_p_cut_tokens_are_never_drawn():
+    # probs 0.5, 0.3, 0.2 with top_p = 0.7: keep 0.5 (mass before: 0) and 0.3 (before: 0.5 < 0.7),
+    # drop 0.2 (before: 0.8 >= 0.7); kept ones renormalised to 0.5/0.8 = 0.625 and 0.375.
+    n = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2])).repeat(n, 1)
+    ids, logps = sample(logits, torch.ones(n), torch.full((n,), 0.7), torch.Generator().manual_seed(1))
+    assert (ids != 2).all()
+    freq = (ids == 0).float().mean().item()
+    assert abs(freq - 0.625) < 5 * math.sqrt(0.625 * 0.375 / n)
+    assert torch.allclose(logps[ids == 1], torch.tensor(math.log(0.3)), atol=1e-6)  # untruncated log-prob
