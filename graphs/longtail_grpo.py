@@ -35,6 +35,7 @@ def longtail_grpo(cfg):
         max_new_tokens=cfg.gen.max_new_tokens,
         temperature=cfg.gen.temperature,
         top_p=cfg.gen.top_p,
+        engine=cfg.gen.engine,  # "embedded" or "vllm"
     )
     reward = ops.reward(rollout, fn="longtail")
     adv = ops.advantage(rollout, reward, estimator="grpo")
