@@ -144,8 +144,14 @@ class TrainConfig:
     """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
     checkpoint_every: int = 0
     """Save the policy to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps; 0 = only the final model."""
+    max_nonfinite_steps: int = 3
+    """Train steps in a row with a NaN/inf loss or gradient norm (each skipped, counted, its batch kept
+    under <run>/nonfinite/) before the run stops; >= 1."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) \
+                or self.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps={self.max_nonfinite_steps!r}: must be an integer >= 1")
         valid = LossConfig.field_names()
         for key in self.loss:
             if key not in valid:

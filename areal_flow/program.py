@@ -79,7 +79,8 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every)
+                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every,
+                              max_nonfinite_steps=t.max_nonfinite_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
             r = cfg.reward
             node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,
