@@ -5,9 +5,11 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 ``areal-flow run graph.py`` runs: the runtime reads the plan and nothing else
 (``runtime.run``). What goes where:
 
-* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``);
+* node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``)
+  and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
+  ``max_grad_norm``), loss overrides (``train.loss``), ``checkpoint_every`` and
+  ``max_nonfinite_steps``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
   ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
@@ -76,6 +78,9 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     for node in graph.nodes.values():
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
+            if node.op == "generate":  # generation errors of one request: the reward's failure fraction
+                node.attrs.update(max_failure_fraction=cfg.reward.max_failure_fraction,
+                                  failure_window=cfg.reward.failure_window)
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,

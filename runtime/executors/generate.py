@@ -12,9 +12,19 @@ log-prob to train, yet its reward would shift its group's baseline. It is left o
 group (a group left empty is resampled), counted (``empty_responses`` in the replica's
 counts) and logged once; more than half of the last 200 responses empty stops the run
 (``areal_flow.rewards.pool.FailureMonitor``).
+
+A request the engine refuses (``submit`` raises for that one request: a prompt as long as
+the context, a tokenizer fault) fails that sample only, like a failed reward: the sample is
+left out of its group (a group left empty is resampled), counted (``generation_errors``),
+logged once per exception type with its traceback, and the worker lives on. Empty responses
+and generation errors share one monitor: the run stops with one line when more than
+``reward.max_failure_fraction`` (node attribute ``max_failure_fraction``) of the last
+``reward.failure_window`` responses failed.
 """
 
 from __future__ import annotations
+
+import traceback
 
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.rewards.pool import FailureMonitor, Outcome
@@ -51,8 +61,10 @@ class GenerateExecutor:
         self.params = sampling_params(node)
         self.tokenizer = ctx.tokenizer
         self._groups: dict[tuple[int, int], dict] = {}
-        self.counts = {"empty_responses": 0}
-        self.monitor = FailureMonitor(f"generate node '{node.name}'", EMPTY_MAX_FRACTION, EMPTY_WINDOW)
+        self._failed: list[tuple[int, int, list[Trajectory]]] = []  # groups every request of which failed
+        self.counts = {"empty_responses": 0, "generation_errors": 0}
+        self.monitor = FailureMonitor(f"generate node '{node.name}'", self.attrs.get("max_failure_fraction",
+                                      EMPTY_MAX_FRACTION), self.attrs.get("failure_window", EMPTY_WINDOW))
 
     @property
     def version(self) -> int:
@@ -62,22 +74,32 @@ class GenerateExecutor:
         """Start the ``n_samples`` responses of prompt group ``index`` (its ``attempt``-th prompt)."""
         ids = encode_prompt(self.tokenizer, problem["prompt"], self.attrs.get("chat_template"))
         tag = "" if attempt == 1 else f"/{attempt}"
-        self._groups[(index, attempt)] = {"problem": problem, "results": []}
+        group = self._groups[(index, attempt)] = {"problem": problem, "results": [], "failed": 0}
         for j in range(self.attrs["n_samples"]):
-            self.engine.submit(GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
-                                                 {"group": index, "attempt": attempt, "sample": j}))
+            request = GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
+                                        {"group": index, "attempt": attempt, "sample": j})
+            try:
+                self.engine.submit(request)
+            except Exception as exc:  # this request's fault only: its sample fails (module doc)
+                self.counts["generation_errors"] += 1
+                group["failed"] += 1
+                self.monitor.record(Outcome(kind=f"generation error ({type(exc).__name__})",
+                                            detail=traceback.format_exc()), request.request_id)
+        if group["failed"] == self.attrs["n_samples"]:  # nothing reached the engine: done already
+            del self._groups[(index, attempt)]
+            self._failed.append((index, attempt, []))
 
     def has_work(self) -> bool:
-        return self.engine.has_work()
+        return bool(self._failed) or self.engine.has_work()
 
     def step(self) -> list[tuple[int, int, list[Trajectory]]]:
         """One engine step; returns the groups it finished: ``(index, attempt, trajectories)``."""
-        done = []
-        for result in self.engine.step():
+        done, self._failed = self._failed, []
+        for result in self.engine.step() if self.engine.has_work() else []:
             key = (result.meta["group"], result.meta["attempt"])
             group = self._groups[key]
             group["results"].append(result)
-            if len(group["results"]) == self.attrs["n_samples"]:
+            if len(group["results"]) + group["failed"] == self.attrs["n_samples"]:
                 del self._groups[key]
                 results = sorted(group["results"], key=lambda r: r.meta["sample"])
                 kept = drop_empty(results, self.counts, self.monitor)
