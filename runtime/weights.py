@@ -1,7 +1,9 @@
 """The weight channel: versioned parameter buckets from the trainer to the generator.
 
 The trainer publishes its state dict after each step as version ``v``; the generator
-polls between decode steps and swaps in the newest complete, checksum-verified version.
+polls between decode steps and swaps in the newest complete, checksum-verified version
+whose tensor set (names, shapes, dtypes) is the first version's (``runtime.weight_set``);
+nothing of a version reaches the caller before all of it has arrived and been verified.
 Policy versions travel only here (the experience channel carries groups only).
 
 Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
@@ -44,6 +46,7 @@ import zmq
 
 from runtime.channel_auth import Verifier, check_secret, sign
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
+from runtime.weight_set import TensorSet, TensorSetError, check_tensor_set, tensor_set
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +230,9 @@ class WeightSubscriber:
             complete (e.g. a restarted replica's resync racing the next publication);
             dropped, counted, and logged once per version.
         received_bytes: payload bytes received.
+        expected: the tensor set (``runtime.weight_set``: names, shapes, dtypes) every
+            version must have: the first version returned sets it. set_errors: versions
+            discarded because theirs differed.
 
     Raises:
         ValueError: the address cannot be bound.
@@ -245,6 +251,8 @@ class WeightSubscriber:
         self.checksum_errors = 0
         self.late_versions = 0
         self.received_bytes = 0
+        self.expected: TensorSet | None = None
+        self.set_errors = 0
         self._late: set[int] = set()
         self._superseded: set[int] = set()  # counted in dropped_versions already
         self._partial: dict[int, dict[int, tuple[dict, zmq.Frame]]] = {}
@@ -317,6 +325,8 @@ class WeightSubscriber:
             WeightChecksumError: a bucket failed verification (names version, bucket index
                 and parameter names); that version is discarded and :attr:`state_dict`
                 keeps the previous weights. A later poll may still return a newer version.
+            TensorSetError: the version's tensor set differs from :attr:`expected` (names
+                the differences); discarded and counted in :attr:`set_errors`, as above.
         """
         while True:
             try:
@@ -328,7 +338,15 @@ class WeightSubscriber:
             return None
         version, parts = self._ready
         self._ready = None
-        self.state_dict = self._materialize(version, parts)
+        staged = self._materialize(version, parts)
+        if self.expected is not None:
+            try:
+                check_tensor_set(self.expected, staged, f"weight version {version} on {self.address}")
+            except TensorSetError as err:
+                self.set_errors += 1
+                raise TensorSetError(f"{err}; version {version} discarded, keeping version {self.version}") from None
+        self.expected = self.expected or tensor_set(staged)
+        self.state_dict = staged
         self.version = version
         return version, self.state_dict
 
@@ -339,7 +357,7 @@ class WeightSubscriber:
             timeout_s: seconds to wait (``None``: forever).
 
         Raises:
-            WeightChecksumError: as in :meth:`poll`.
+            WeightChecksumError, TensorSetError: as in :meth:`poll`.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
