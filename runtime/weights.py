@@ -7,16 +7,16 @@ nothing of a version reaches the caller before all of it has arrived and been ve
 Policy versions travel only here (the experience channel carries groups only).
 
 Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
-tensor larger than that travels alone). One bucket = one three-frame ZeroMQ message:
+tensor larger than that travels alone). One bucket = one four-frame ZeroMQ message:
 
-* frame 0, MAC: HMAC-SHA256 of frames 1 and 2 under the run's secret
-  (``runtime.channel_auth``), computed once per bucket for every subscriber; a bucket
-  whose MAC does not verify is dropped before its header is parsed, and counted
-  (``rejected``);
-* frame 1, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
+* frames 0 and 1, MAC and stamp (``runtime.channel_auth.Signer``): HMAC-SHA256 of the
+  stamp (publisher id, bucket counter) and frames 2 and 3 under the run's secret, computed
+  once per bucket for every subscriber; a bucket whose MAC does not verify, or a replayed
+  one, is dropped before its header is parsed, and counted (``rejected``);
+* frame 2, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
   ``payload_bytes`` and ``checksum`` (xxHash64 of the payload);
-* frame 2, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
+* frame 3, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
 
 Tensors are copied once into the payload (a snapshot, so an optimizer step right after
 :meth:`WeightPublisher.publish` cannot tear the message) and sent zero-copy; tensors are
@@ -44,7 +44,7 @@ import torch
 import xxhash
 import zmq
 
-from runtime.channel_auth import Verifier, check_secret, sign
+from runtime.channel_auth import Signer, Verifier
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
 from runtime.weight_set import TensorSet, TensorSetError, check_tensor_set, tensor_set
 
@@ -149,7 +149,7 @@ class WeightPublisher:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.addresses = [address] if isinstance(address, str) else list(address)
-        self._secret = check_secret(secret, f"weight channel {self.addresses}")
+        self._signer = Signer(secret, f"weight channel {self.addresses}")
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
@@ -185,10 +185,10 @@ class WeightPublisher:
             if self._tamper is not None:
                 self._tamper(header, data)
             frame0 = json.dumps(header).encode()
-            mac = sign(self._secret, frame0, data)
+            frames = self._signer.frames(frame0, data)
             for addr, sock in zip(self.addresses, self._socks):
                 try:
-                    sock.send_multipart([mac, frame0, data], copy=False)
+                    sock.send_multipart(frames, copy=False)
                 except zmq.Again as e:
                     raise TimeoutError(
                         f"weight channel {addr}: bucket {b}/{len(buckets)} of version {version} "
@@ -224,7 +224,8 @@ class WeightSubscriber:
         dropped_versions: versions received (whole or in part) but superseded by a newer
             complete version before being returned.
         checksum_errors: buckets that failed verification.
-        rejected: buckets dropped unread because their MAC did not verify (forged, from
+        rejected: buckets dropped unread because their MAC did not verify or they were
+            replayed (forged, captured and sent again, from
             another run, or corrupted in transit).
         late_versions: versions whose buckets arrived after a version at least as new was
             complete (e.g. a restarted replica's resync racing the next publication);
@@ -261,14 +262,14 @@ class WeightSubscriber:
 
     @property
     def rejected(self) -> int:
-        """Buckets dropped unread because their MAC did not verify."""
+        """Buckets dropped unread: their MAC did not verify, or they replayed an earlier one."""
         return self._verifier.rejected
 
     def _receive_one(self, frames: list[zmq.Frame]) -> None:
         """Authenticate one bucket, verify it, and file it under its version; may complete a version."""
-        if not self._verifier.accept(frames, 3):
+        frames = self._verifier.accept(frames, 2)
+        if frames is None:
             return
-        frames = frames[1:]
         header = json.loads(frames[0].bytes)
         version, b, n = header["version"], header["bucket"], header["n_buckets"]
         newest_ready = self._ready[0] if self._ready else self.version
