@@ -31,7 +31,8 @@ def channel():
 
     def make(**kw):
         sub = WeightSubscriber(ipc_address("w"), secret=KEY)
-        pub = WeightPublisher(sub.address, secret=KEY, linger_s=0, bucket_bytes=1 << 20, **kw)  # ~4 MB of weights: a few buckets
+        # 1 MiB buckets: the tiny model's ~4 MB of weights make a few, within the queues' high-water marks
+        pub = WeightPublisher(sub.address, secret=KEY, linger_s=0, bucket_bytes=1 << 20, **kw)
         made.extend([pub, sub])
         return pub, sub
 
