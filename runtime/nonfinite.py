@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_flow.config import TrainConfig
 from runtime.record import EdgeRecorder
 
 NONFINITE_DIR = "nonfinite"
@@ -74,6 +75,14 @@ class NonFiniteGuard:
     in_a_row: int = 0
     steps: list[int] = field(default_factory=list)
     _recorder: EdgeRecorder | None = None
+
+    @classmethod
+    def for_node(cls, node, ctx) -> "NonFiniteGuard":
+        """The guard of train_step ``node`` (its ``max_nonfinite_steps`` attribute, from
+        ``train.max_nonfinite_steps``) in the worker context ``ctx``."""
+        return cls(node.name, node.inputs["advantages"][0], ctx.out_dir,
+                   int(node.attrs.get("max_nonfinite_steps", TrainConfig.max_nonfinite_steps)), seed=ctx.seed,
+                   threads=ctx.threads, folders={k: str(v) for k, v in ctx.folders.items()})
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

@@ -22,7 +22,6 @@ from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
-from areal_flow.config import TrainConfig
 from runtime.nonfinite import NonFiniteGuard
 from runtime.train_phases import TrainPhaseSpans
 
@@ -62,13 +61,6 @@ def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
     return max(1, math.ceil(rows / dp / max(1, micro_batches)))
 
 
-def nonfinite_guard(node, ctx) -> NonFiniteGuard:
-    """The node's watch over non-finite steps (``runtime.nonfinite``; ``train.max_nonfinite_steps``)."""
-    return NonFiniteGuard(node.name, node.inputs["advantages"][0], ctx.out_dir,
-                          int(node.attrs.get("max_nonfinite_steps", TrainConfig.max_nonfinite_steps)), seed=ctx.seed, threads=ctx.threads,
-                          folders={k: str(v) for k, v in ctx.folders.items()})
-
-
 class TrainStepExecutor:
     """Grain ``batch``: ``run({"advantages": ...}, info) -> {"stats", "weights"}``.
 
@@ -86,7 +78,7 @@ class TrainStepExecutor:
         self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
-        self.monitor = nonfinite_guard(node, ctx)  # counts, keeps and stops on non-finite steps
+        self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
