@@ -170,8 +170,14 @@ class TrainConfig:
     """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
     checkpoint_every: int = 0
     """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from); 0 = only the final model."""
+    max_nonfinite_steps: int = 3
+    """Train steps in a row with a NaN/inf loss or gradient norm (each skipped, counted, its batch kept
+    under <run>/nonfinite/) before the run stops; >= 1."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) \
+                or self.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps={self.max_nonfinite_steps!r}: must be an integer >= 1")
         valid = LossConfig.field_names()
         for key in self.loss:
             if key not in valid:
@@ -220,7 +226,8 @@ class RewardKnobs:
     workers: int = 4
     """Threads calling a rule reward function (calls of a group in flight at once)."""
     max_failure_fraction: float = 0.5
-    """The run stops when more than this fraction of the last failure_window samples' rewards failed."""
+    """The run stops when more than this fraction of the last failure_window samples' rewards failed
+    (the generate node applies it to its requests too: empty responses and generation errors)."""
     failure_window: int = 200
     """Samples in the sliding window of max_failure_fraction."""
 
@@ -444,11 +451,19 @@ def load_config(
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
-            raise _explain(exc, source, lines, schema) from None
+            raise _explain(exc, source, lines, schema, layer) from None
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "config", {}, schema) from None
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line: ``<file>:<line>:<column>: invalid YAML: <problem>`` (PyYAML's marks are 0-based)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    return f"{where}: invalid YAML: {problem}"
 
 
 def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str, int]]]:
@@ -465,7 +480,7 @@ def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise ConfigError(_yaml_error(path, exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     lines = _line_index(path)
@@ -482,8 +497,9 @@ def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str
     return layers + [(OmegaConf.create(_rename_async(data)), str(path), lines)]
 
 
-def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], schema: type) -> ConfigError:
-    key = _yaml_key(str(getattr(exc, "full_key", "") or ""))
+def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], schema: type,
+             layer: Any = None) -> ConfigError:
+    key = _yaml_key(str(getattr(exc, "full_key", "") or "")) or _scalar_section(layer, schema)
     where = f"{source}:{lines[key]}" if key in lines else source
     if isinstance(exc, ConfigKeyError):
         near = suggest(key, [_yaml_key(k) for k in _all_keys(schema)])
@@ -492,6 +508,23 @@ def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], sc
     message = str(exc).splitlines()[0]
     expected = _expected_type(schema, key)
     return ConfigError(f"config key '{key}' ({where}): {message}" + (f"; expected {expected}" if expected else ""))
+
+
+def _scalar_section(layer: Any, schema: type, prefix: str = "") -> str:
+    """The first key of ``layer`` (dotted, at any depth) that is a section of ``schema`` given
+    a scalar (OmegaConf's merge error then names no key), or ``""``."""
+    if layer is None or not OmegaConf.is_dict(layer):
+        return ""
+    hints = typing.get_type_hints(schema)
+    for key in layer.keys():
+        field = _field_key(str(key))
+        if dataclasses.is_dataclass(hints.get(field)):
+            node = layer._get_node(key)
+            found = _scalar_section(node, hints[field], f"{prefix}{field}.") if OmegaConf.is_dict(node) \
+                else _yaml_key(prefix + field)
+            if found:
+                return found
+    return ""
 
 
 def _expected_type(schema: type, key: str) -> str:

@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -119,6 +120,17 @@ def outputs(node: Node, spec: OpSpec) -> Handle:
     return Handle(node.name, port.name, port.type)
 
 
+_PLAIN_ERRORS = (TypeError, ValueError, KeyError, AttributeError, NameError, IndexError)
+"""Built-in errors a graph function raises on bad op arguments (an unknown keyword, a wrong
+count): :class:`Flow` turns them into a :class:`GraphError` naming the graph file's line."""
+
+
+def _graph_line(exc: BaseException, source_file: str | None) -> str:
+    """``<file>:<line>`` of the innermost frame of ``exc``'s traceback in ``source_file``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source_file]
+    return f"{source_file}:{frames[-1].lineno}" if frames else str(source_file)
+
+
 class Flow:
     """A traced algorithm: calling it with a config returns the validated Graph.
 
@@ -142,6 +154,10 @@ class Flow:
         _state.graph = graph
         try:
             result = self.fn(cfg)
+        except _PLAIN_ERRORS as exc:
+            if type(exc) not in _PLAIN_ERRORS:  # GraphError, ConfigError, ...: they name their culprit
+                raise
+            raise GraphError(f"{_graph_line(exc, self.source_file)}: {type(exc).__name__}: {exc}") from None
         finally:
             _state.graph = None
         results = result if isinstance(result, (tuple, list)) else [result]

@@ -6,9 +6,11 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 (``runtime.run``). What goes where:
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
-  ``interruptible`` (``gen.interruptible``) and ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``);
+  ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``)
+  and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss overrides (``train.loss``) and ``checkpoint_every``; a rule
+  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss
+  overrides (``train.loss``), ``checkpoint_every`` and ``max_nonfinite_steps``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
   ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
@@ -78,13 +80,16 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
             node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
-            if node.op == "generate":
+            if node.op == "generate":  # generation errors of one request: the reward's failure fraction
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)
+                node.attrs.update(max_failure_fraction=cfg.reward.max_failure_fraction,
+                                  failure_window=cfg.reward.failure_window)
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                               loss=dict(t.loss), checkpoint_every=t.checkpoint_every,
-                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences)
+                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
+                              max_nonfinite_steps=t.max_nonfinite_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
             r = cfg.reward
             node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,

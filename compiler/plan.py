@@ -28,6 +28,7 @@ from typing import Any
 
 from compiler.mesh import MeshError, MeshSpec
 from compiler.plan_check import check_plan
+from compiler.plan_types import check_json_types
 from compiler.strategy import ParallelStrategy
 
 SCHEMA_VERSION = 2
@@ -262,11 +263,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        """Rebuild a plan. Raises PlanSchemaError for another schema version, a missing field
-        or a mesh that breaks the alignment rule on the plan's cluster."""
+        """Rebuild a plan. Raises PlanSchemaError for another schema version, a field of the
+        wrong JSON type (``compiler.plan_types``), a missing field or a mesh that breaks the
+        alignment rule on the plan's cluster."""
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanSchemaError(f"plan schema_version={version!r}; this compiler reads version {SCHEMA_VERSION}")
+        check_json_types(data, {"nodes": NodePlan, "routes": SyncRoute, "edges": DataEdge, "alternatives": Alternative},
+                         cls, PlanSchemaError)
         try:
             plan = cls(
                 **{k: data[k] for k in cls.__dataclass_fields__

@@ -24,7 +24,7 @@ def check_plan(plan, error) -> None:
     nodes = {n.name: n for n in plan.nodes}
     for node in plan.nodes:
         for port, source in node.inputs.items():
-            if not (isinstance(source, (list, tuple)) and len(source) == 2):
+            if not (isinstance(source, (list, tuple)) and len(source) == 2 and all(isinstance(s, str) for s in source)):
                 raise error(f"plan node '{node.name}': input '{port}' must be [node, port], got {source!r}")
             src, src_port = source
             if src not in nodes:

@@ -5,14 +5,18 @@ unpickled (a pickle from an unauthenticated peer is code execution) — before i
 verified. The driver draws the secret (:func:`new_secret`, 32 random bytes) and hands it to
 every worker in its spec (``runtime.workers.WorkerSpec.secret``, through the process
 pipe or Ray's object store, never through the plan or a file). Every message is sent as
-``[mac, frame, ...]`` with ``mac = HMAC-SHA256(secret, len(frame) || frame || ...)`` (each
-length as 8 little-endian bytes, so frame boundaries are authenticated too); a receiver
-drops a message whose MAC does not verify, counts it and logs the first
-(:class:`Verifier`).
+``[mac, stamp, frame, ...]`` (:class:`Signer`): ``stamp`` is the sending end's random
+16-byte id and its message counter (8 bytes little-endian, from 1), and
+``mac = HMAC-SHA256(secret, len(stamp) || stamp || len(frame) || frame || ...)`` (each length
+as 8 little-endian bytes, so frame boundaries are authenticated too). A receiver
+(:class:`Verifier`) drops a message whose MAC does not verify, and a replay: a message
+whose counter is not above the last one it accepted from that sender id (a captured
+genuine message sent again; ZeroMQ delivers one sender's messages in order, and a
+restarted sender draws a new id). Both are counted (``rejected``; replays also in
+``replayed``) and the first of each logged.
 
-Not covered: replay of a recorded genuine message by a peer on the same network (messages
-carry no sequence number), and confidentiality (frames travel in clear). Channels bind to
-loopback unless ``scheduler.bind_host`` names an interface.
+Not covered: confidentiality (frames travel in clear). Channels bind to loopback unless
+``scheduler.bind_host`` names an interface.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import secrets
 
 MAC_BYTES = 32
 SECRET_BYTES = 32
+SENDER_BYTES = 16
+STAMP_BYTES = SENDER_BYTES + 8  # sender id + message counter
 
 logger = logging.getLogger(__name__)
 
@@ -51,29 +57,68 @@ def sign(secret: bytes, *frames) -> bytes:
     return mac.digest()
 
 
+class Signer:
+    """One sending end: stamps each message with its sender id and counter and signs it.
+
+    Args:
+        secret: the run's secret. where: names the channel in errors.
+
+    Attributes:
+        sender: this end's random id (``SENDER_BYTES``). sent: messages signed so far.
+
+    Raises:
+        ValueError: a malformed secret (:func:`check_secret`).
+    """
+
+    def __init__(self, secret: bytes, where: str) -> None:
+        self.secret = check_secret(secret, where)
+        self.sender = secrets.token_bytes(SENDER_BYTES)
+        self.sent = 0
+
+    def frames(self, *frames) -> list:
+        """``[mac, stamp, *frames]``, ready to send as one multipart message."""
+        self.sent += 1
+        stamp = self.sender + self.sent.to_bytes(8, "little")
+        return [sign(self.secret, stamp, *frames), stamp, *frames]
+
+
 class Verifier:
-    """Checks the MAC of received messages for one channel end.
+    """Checks the MAC and the sender's counter of received messages for one channel end.
 
     Args:
         secret: the run's secret. where: names the channel in the log (its address).
 
     Attributes:
-        rejected: messages dropped because their MAC (or frame count) was wrong.
+        rejected: messages dropped: a wrong MAC or frame count, or a replay.
+        replayed: of those, replays (a genuine message whose counter was already passed).
     """
 
     def __init__(self, secret: bytes, where: str) -> None:
         self.secret, self.where = check_secret(secret, where), where
         self.rejected = 0
+        self.replayed = 0
+        self._last: dict[bytes, int] = {}  # sender id -> counter of its last accepted message
 
-    def accept(self, frames: list, n_frames: int) -> bool:
-        """True when ``frames`` is ``[mac, *n_frames - 1 frames]`` with a valid MAC; otherwise
-        the message is counted, the first one logged, and False returned."""
-        if len(frames) == n_frames:
-            mac = memoryview(frames[0]).tobytes()
-            if len(mac) == MAC_BYTES and hmac.compare_digest(mac, sign(self.secret, *frames[1:])):
-                return True
+    def accept(self, frames: list, n_payload: int) -> list | None:
+        """The payload frames when ``frames`` is ``[mac, stamp, *n_payload frames]`` with a
+        valid MAC and a counter above the sender's last; otherwise None (the message is
+        counted, the first of its kind logged)."""
+        if len(frames) == n_payload + 2:
+            mac, stamp = memoryview(frames[0]).tobytes(), memoryview(frames[1]).tobytes()
+            if len(mac) == MAC_BYTES and len(stamp) == STAMP_BYTES and \
+                    hmac.compare_digest(mac, sign(self.secret, *frames[1:])):
+                sender, count = stamp[:SENDER_BYTES], int.from_bytes(stamp[SENDER_BYTES:], "little")
+                if count > self._last.get(sender, 0):
+                    self._last[sender] = count
+                    return frames[2:]
+                self.replayed += 1
+                self.rejected += 1
+                if self.replayed == 1:
+                    logger.warning("channel %s: dropped a replayed message (sender %s, counter %d, already at %d); "
+                                   "later ones are only counted", self.where, sender.hex(), count, self._last[sender])
+                return None
         self.rejected += 1
-        if self.rejected == 1:
+        if self.rejected - self.replayed == 1:
             logger.warning("channel %s: dropped a message that failed authentication (%d frames; forged, from "
                            "another run, or corrupted); later ones are only counted", self.where, len(frames))
-        return False
+        return None

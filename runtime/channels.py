@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import zmq
 
 from areal_flow.types import Trajectory
-from runtime.channel_auth import Verifier, check_secret, sign
+from runtime.channel_auth import Signer, Verifier
 
 DEFAULT_LINGER_S = 5.0
 """Seconds :meth:`close` waits for queued messages to be delivered before dropping them."""
@@ -82,21 +82,23 @@ def _timeout_ms(timeout_s: float | None) -> int:
     return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
 
 
-def _send_signed(sock: zmq.Socket, secret: bytes, payload: bytes) -> None:
-    sock.send_multipart([sign(secret, payload), payload])
+def _send_signed(sock: zmq.Socket, signer: Signer, payload: bytes) -> None:
+    sock.send_multipart(signer.frames(payload))
 
 
 def _recv_verified(sock: zmq.Socket, verifier: Verifier, timeout_s: float | None) -> object | None:
     """The next message whose MAC verifies, unpickled; None after ``timeout_s`` seconds.
-    Messages that fail verification are dropped (counted by ``verifier``) unread."""
+    Messages that fail verification or replay an earlier one are dropped (counted by
+    ``verifier``) unread."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not sock.poll(_timeout_ms(remaining), zmq.POLLIN):
             return None
         frames = sock.recv_multipart(copy=False)
-        if verifier.accept(frames, 2):
-            return pickle.loads(frames[1].buffer)
+        payload = verifier.accept(frames, 1)
+        if payload is not None:
+            return pickle.loads(payload[0].buffer)
 
 
 class ExperienceSender:
@@ -112,7 +114,7 @@ class ExperienceSender:
     def __init__(self, address: str, *, secret: bytes, linger_s: float = DEFAULT_LINGER_S,
                  high_water_mark: int = 1000) -> None:
         self.address = address
-        self._secret = check_secret(secret, f"experience channel {address}")
+        self._signer = Signer(secret, f"experience channel {address}")
         self._ctx = zmq.Context()  # own context: close() terminates it to flush the queue
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
@@ -137,7 +139,7 @@ class ExperienceSender:
         payload = pickle.dumps((int(index), group), protocol=pickle.HIGHEST_PROTOCOL)
         self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
         try:
-            _send_signed(self._sock, self._secret, payload)
+            _send_signed(self._sock, self._signer, payload)
         except zmq.Again as e:
             raise TimeoutError(
                 f"experience channel {self.address}: could not send group {index} within {timeout_s} s"
@@ -175,7 +177,7 @@ class ExperienceReceiver:
 
     @property
     def rejected(self) -> int:
-        """Messages dropped unread because their MAC did not verify."""
+        """Messages dropped unread: their MAC did not verify, or they replayed an earlier one."""
         return self._verifier.rejected
 
     def recv(self, timeout_s: float | None = 0.0) -> tuple[int, list[Trajectory]] | None:
@@ -214,7 +216,7 @@ class MessageSender:
     def __init__(self, address: str, *, secret: bytes, linger_s: float = DEFAULT_LINGER_S,
                  high_water_mark: int = 1000) -> None:
         self.address = address
-        self._secret = check_secret(secret, f"channel {address}")
+        self._signer = Signer(secret, f"channel {address}")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
@@ -225,7 +227,7 @@ class MessageSender:
         """Raises TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled)."""
         self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
         try:
-            _send_signed(self._sock, self._secret, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            _send_signed(self._sock, self._signer, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except zmq.Again as e:
             raise TimeoutError(f"channel {self.address}: message not accepted within {timeout_s} s") from e
 
@@ -247,7 +249,7 @@ class MessageReceiver:
 
     @property
     def rejected(self) -> int:
-        """Messages dropped unread because their MAC did not verify."""
+        """Messages dropped unread: their MAC did not verify, or they replayed an earlier one."""
         return self._verifier.rejected
 
     def recv(self, timeout_s: float | None = 0.0) -> object | None:

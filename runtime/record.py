@@ -46,10 +46,11 @@ def parse_edge(edge: str) -> tuple[str, str]:
     return src.strip(), dst.strip()
 
 
-def edge_folder(run_dir: Path | str, edge: str) -> Path:
-    """``<run_dir>/record/<src>-<dst>``."""
+def edge_folder(run_dir: Path | str, edge: str, root: str = RECORD_DIR) -> Path:
+    """``<run_dir>/<root>/<src>-<dst>`` (``root``: ``record``, or ``nonfinite`` for the
+    batches of non-finite steps, ``runtime.nonfinite``)."""
     src, dst = parse_edge(edge)
-    return Path(run_dir) / RECORD_DIR / f"{src}-{dst}"
+    return Path(run_dir) / root / f"{src}-{dst}"
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
@@ -98,11 +99,12 @@ class EdgeRecorder:
 
     @classmethod
     def start(cls, run_dir: Path, src: str, dst: str, port: str, *, threads: int, seed: int,
-              folders: dict) -> "EdgeRecorder":
-        """Create the folder (emptied of an earlier run's record) and write ``meta.json``."""
-        folder = edge_folder(run_dir, f"{src}->{dst}")
+              folders: dict, root: str = RECORD_DIR, keep: bool = False) -> "EdgeRecorder":
+        """Create the folder (``<run_dir>/<root>/<src>-<dst>``) and write ``meta.json``; the
+        folder is emptied of an earlier record unless ``keep``."""
+        folder = edge_folder(run_dir, f"{src}->{dst}", root)
         folder.mkdir(parents=True, exist_ok=True)
-        for old in (*folder.glob("step_*.pt"), folder / "digests.jsonl"):
+        for old in () if keep else (*folder.glob("step_*.pt"), folder / "digests.jsonl"):
             old.unlink(missing_ok=True)
         meta = {"edge": f"{src}->{dst}", "src": src, "dst": dst, "port": port, "threads": threads, "seed": seed,
                 "folders": {k: str(v) for k, v in folders.items()}}

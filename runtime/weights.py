@@ -1,20 +1,22 @@
 """The weight channel: versioned parameter buckets from the trainer to the generator.
 
 The trainer publishes its state dict after each step as version ``v``; the generator
-polls between decode steps and swaps in the newest complete, checksum-verified version.
+polls between decode steps and swaps in the newest complete, checksum-verified version
+whose tensor set (names, shapes, dtypes) is the first version's (``runtime.weight_set``);
+nothing of a version reaches the caller before all of it has arrived and been verified.
 Policy versions travel only here (the experience channel carries groups only).
 
 Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
-tensor larger than that travels alone). One bucket = one three-frame ZeroMQ message:
+tensor larger than that travels alone). One bucket = one four-frame ZeroMQ message:
 
-* frame 0, MAC: HMAC-SHA256 of frames 1 and 2 under the run's secret
-  (``runtime.channel_auth``), computed once per bucket for every subscriber; a bucket
-  whose MAC does not verify is dropped before its header is parsed, and counted
-  (``rejected``);
-* frame 1, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
+* frames 0 and 1, MAC and stamp (``runtime.channel_auth.Signer``): HMAC-SHA256 of the
+  stamp (publisher id, bucket counter) and frames 2 and 3 under the run's secret, computed
+  once per bucket for every subscriber; a bucket whose MAC does not verify, or a replayed
+  one, is dropped before its header is parsed, and counted (``rejected``);
+* frame 2, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
   ``payload_bytes`` and ``checksum`` (xxHash64 of the payload);
-* frame 2, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
+* frame 3, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
 
 Tensors are copied once into the payload (a snapshot, so an optimizer step right after
 :meth:`WeightPublisher.publish` cannot tear the message) and sent zero-copy; tensors are
@@ -42,8 +44,9 @@ import torch
 import xxhash
 import zmq
 
-from runtime.channel_auth import Verifier, check_secret, sign
+from runtime.channel_auth import Signer, Verifier
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
+from runtime.weight_set import TensorSet, TensorSetError, check_tensor_set, tensor_set
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ class WeightPublisher:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.addresses = [address] if isinstance(address, str) else list(address)
-        self._secret = check_secret(secret, f"weight channel {self.addresses}")
+        self._signer = Signer(secret, f"weight channel {self.addresses}")
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
@@ -182,10 +185,10 @@ class WeightPublisher:
             if self._tamper is not None:
                 self._tamper(header, data)
             frame0 = json.dumps(header).encode()
-            mac = sign(self._secret, frame0, data)
+            frames = self._signer.frames(frame0, data)
             for addr, sock in zip(self.addresses, self._socks):
                 try:
-                    sock.send_multipart([mac, frame0, data], copy=False)
+                    sock.send_multipart(frames, copy=False)
                 except zmq.Again as e:
                     raise TimeoutError(
                         f"weight channel {addr}: bucket {b}/{len(buckets)} of version {version} "
@@ -221,12 +224,16 @@ class WeightSubscriber:
         dropped_versions: versions received (whole or in part) but superseded by a newer
             complete version before being returned.
         checksum_errors: buckets that failed verification.
-        rejected: buckets dropped unread because their MAC did not verify (forged, from
+        rejected: buckets dropped unread because their MAC did not verify or they were
+            replayed (forged, captured and sent again, from
             another run, or corrupted in transit).
         late_versions: versions whose buckets arrived after a version at least as new was
             complete (e.g. a restarted replica's resync racing the next publication);
             dropped, counted, and logged once per version.
         received_bytes: payload bytes received.
+        expected: the tensor set (``runtime.weight_set``: names, shapes, dtypes) every
+            version must have: the first version returned sets it. set_errors: versions
+            discarded because theirs differed.
 
     Raises:
         ValueError: the address cannot be bound.
@@ -245,6 +252,8 @@ class WeightSubscriber:
         self.checksum_errors = 0
         self.late_versions = 0
         self.received_bytes = 0
+        self.expected: TensorSet | None = None
+        self.set_errors = 0
         self._late: set[int] = set()
         self._superseded: set[int] = set()  # counted in dropped_versions already
         self._partial: dict[int, dict[int, tuple[dict, zmq.Frame]]] = {}
@@ -253,14 +262,14 @@ class WeightSubscriber:
 
     @property
     def rejected(self) -> int:
-        """Buckets dropped unread because their MAC did not verify."""
+        """Buckets dropped unread: their MAC did not verify, or they replayed an earlier one."""
         return self._verifier.rejected
 
     def _receive_one(self, frames: list[zmq.Frame]) -> None:
         """Authenticate one bucket, verify it, and file it under its version; may complete a version."""
-        if not self._verifier.accept(frames, 3):
+        frames = self._verifier.accept(frames, 2)
+        if frames is None:
             return
-        frames = frames[1:]
         header = json.loads(frames[0].bytes)
         version, b, n = header["version"], header["bucket"], header["n_buckets"]
         newest_ready = self._ready[0] if self._ready else self.version
@@ -317,6 +326,8 @@ class WeightSubscriber:
             WeightChecksumError: a bucket failed verification (names version, bucket index
                 and parameter names); that version is discarded and :attr:`state_dict`
                 keeps the previous weights. A later poll may still return a newer version.
+            TensorSetError: the version's tensor set differs from :attr:`expected` (names
+                the differences); discarded and counted in :attr:`set_errors`, as above.
         """
         while True:
             try:
@@ -328,7 +339,15 @@ class WeightSubscriber:
             return None
         version, parts = self._ready
         self._ready = None
-        self.state_dict = self._materialize(version, parts)
+        staged = self._materialize(version, parts)
+        if self.expected is not None:
+            try:
+                check_tensor_set(self.expected, staged, f"weight version {version} on {self.address}")
+            except TensorSetError as err:
+                self.set_errors += 1
+                raise TensorSetError(f"{err}; version {version} discarded, keeping version {self.version}") from None
+        self.expected = self.expected or tensor_set(staged)
+        self.state_dict = staged
         self.version = version
         return version, self.state_dict
 
@@ -339,7 +358,7 @@ class WeightSubscriber:
             timeout_s: seconds to wait (``None``: forever).
 
         Raises:
-            WeightChecksumError: as in :meth:`poll`.
+            WeightChecksumError, TensorSetError: as in :meth:`poll`.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

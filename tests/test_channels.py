@@ -281,12 +281,12 @@ def test_a_forged_weight_bucket_is_dropped_before_loading(weight_pair):
     raw = zmq.Context.instance().socket(zmq.PUSH)
     try:
         raw.connect(sub.address)
-        raw.send_multipart([b"\0" * 32, frames[1], bytes(frames[2])])
+        raw.send_multipart([b"\0" * 32, frames[1], frames[2], bytes(frames[3])])  # [mac, stamp, header, payload]
         deadline = time.monotonic() + 5
         while sub.rejected == 0 and time.monotonic() < deadline:
             assert sub.poll() is None
             time.sleep(0.01)
-        assert sub.rejected == 1 and sub.version == 1 and json.loads(frames[1])["version"] == 2
+        assert sub.rejected == 1 and sub.version == 1 and json.loads(frames[2])["version"] == 2
         _assert_equal(sub.state_dict, _state(1))
     finally:
         raw.close(linger=0)

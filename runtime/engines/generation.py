@@ -26,6 +26,7 @@ import torch
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import engine_dtype
 from runtime.engines.sampling import sample
+from runtime.weight_set import TensorSetError, check_tensor_set, tensor_set
 
 
 @dataclass
@@ -172,6 +173,7 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.device = device
         self.version = 0
+        self.refused_updates = 0  # weight updates refused before touching the model (tensor set)
         self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
         self._dec = KVDecoder(self.model, self.dtype, max_batch_size)
         self._gen = torch.Generator(device=device).manual_seed(seed)
@@ -292,13 +294,23 @@ class GenerationEngine:
         tokens generated so far; the next ``step`` rebuilds the cache with the new
         weights, and every token sampled from then on carries ``version``.
 
+        Atomic: the names and shapes are checked against the model's before any tensor is
+        copied (``runtime.weight_set``; dtypes are cast on copy), so a refused update leaves
+        the weights and :attr:`version` as they were (counted in ``refused_updates``).
+
         Raises:
             ValueError: ``version`` older than ``self.version``.
-            RuntimeError: ``state_dict`` keys/shapes do not match the model (from torch).
+            TensorSetError: ``state_dict``'s names or shapes differ from the model's (names them).
         """
         with self._lock:
             if version < self.version:
                 raise ValueError(f"update_weights: version {version} is older than the engine's {self.version}")
+            try:
+                check_tensor_set(tensor_set(self.model.state_dict()), state_dict,
+                                 f"update_weights to version {version}", dtypes=False)
+            except TensorSetError:
+                self.refused_updates += 1
+                raise
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
             self._dec.pack()

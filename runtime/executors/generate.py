@@ -26,10 +26,19 @@ replica's weight ``load`` span.
 Occupancy: :meth:`GenerateExecutor.occupancy` gives the rows the last engine step decoded
 and the engine's slots; the replica writes both into each engine-step span of the trace
 (``args.rows``, ``args.slots``).
+
+A request the engine refuses (``submit`` raises for that one request: a prompt as long as
+the context, a tokenizer fault) fails that sample only, like a failed reward: the sample is
+left out of its group (a group left empty is resampled), counted (``generation_errors``),
+logged once per exception type with its traceback, and the worker lives on. Empty responses
+and generation errors share one monitor: the run stops with one line when more than
+``reward.max_failure_fraction`` (node attribute ``max_failure_fraction``) of the last
+``reward.failure_window`` responses failed.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 
 from areal_flow.ops.generate import encode_prompt
@@ -69,10 +78,11 @@ class GenerateExecutor:
         self._groups: dict[tuple[int, int], dict] = {}
         self.interruptible = bool(self.attrs.get("interruptible", True))
         self._queue: deque[GenerationRequest] = deque()  # not interruptible: requests not yet in the engine
-        self._drained: list[GenerationResult] = []  # finished while draining for an update
+        self._finished: list[tuple[int, int, list[Trajectory]]] = []  # groups complete, not yet returned
         self._last_rows = 0
-        self.counts = {"empty_responses": 0}
-        self.monitor = FailureMonitor(f"generate node '{node.name}'", EMPTY_MAX_FRACTION, EMPTY_WINDOW)
+        self.counts = {"empty_responses": 0, "generation_errors": 0}
+        self.monitor = FailureMonitor(f"generate node '{node.name}'", self.attrs.get("max_failure_fraction",
+                                      EMPTY_MAX_FRACTION), self.attrs.get("failure_window", EMPTY_WINDOW))
 
     @property
     def version(self) -> int:
@@ -82,45 +92,62 @@ class GenerateExecutor:
         """Start the ``n_samples`` responses of prompt group ``index`` (its ``attempt``-th prompt)."""
         ids = encode_prompt(self.tokenizer, problem["prompt"], self.attrs.get("chat_template"))
         tag = "" if attempt == 1 else f"/{attempt}"
-        self._groups[(index, attempt)] = {"problem": problem, "results": []}
+        self._groups[(index, attempt)] = {"problem": problem, "results": [], "failed": 0}
         for j in range(self.attrs["n_samples"]):
             request = GenerationRequest(f"{index}:{j}{tag}", ids, self.params,
                                         {"group": index, "attempt": attempt, "sample": j})
             if self.interruptible:
-                self.engine.submit(request)
+                self._submit(request)
             else:
                 self._queue.append(request)
 
+    def _submit(self, request: GenerationRequest) -> None:
+        """Hand ``request`` to the engine; a refusal fails that sample only (module doc)."""
+        try:
+            self.engine.submit(request)
+        except Exception as exc:
+            key = (request.meta["group"], request.meta["attempt"])
+            self.counts["generation_errors"] += 1
+            self._groups[key]["failed"] += 1
+            self.monitor.record(Outcome(kind=f"generation error ({type(exc).__name__})",
+                                        detail=traceback.format_exc()), request.request_id)
+            self._collect(key)
+
+    def _record(self, results: list[GenerationResult]) -> None:
+        for result in results:
+            key = (result.meta["group"], result.meta["attempt"])
+            self._groups[key]["results"].append(result)
+            self._collect(key)
+
+    def _collect(self, key: tuple[int, int]) -> None:
+        """Move group ``key`` to the finished ones once each of its samples has a result or
+        failed (failed and empty responses left out: an empty group is resampled upstream)."""
+        group = self._groups[key]
+        if len(group["results"]) + group["failed"] < self.attrs["n_samples"]:
+            return
+        del self._groups[key]
+        results = sorted(group["results"], key=lambda r: r.meta["sample"])
+        kept = drop_empty(results, self.counts, self.monitor)
+        self._finished.append((*key, [_trajectory(r, key, group["problem"]) for r in kept]))
+
     def has_work(self) -> bool:
-        return bool(self._queue or self._drained) or self.engine.has_work()
+        return bool(self._queue or self._finished) or self.engine.has_work()
 
     def occupancy(self) -> dict:
         """``{"rows": sequences the last engine step decoded, "slots": the engine's batch capacity}``."""
         return {"rows": self._last_rows, "slots": self.engine.max_batch_size}
 
-    def _engine_step(self) -> list[GenerationResult]:
-        """One engine step (first admitting queued requests into free slots when not
-        interruptible); records the rows it decoded."""
-        while self._queue and self.engine.num_active() < self.engine.max_batch_size:
-            self.engine.submit(self._queue.popleft())
-        results = self.engine.step()
-        self._last_rows = self.engine.num_active() + len(results)
-        return results
-
     def step(self) -> list[tuple[int, int, list[Trajectory]]]:
-        """One engine step; returns the groups it finished: ``(index, attempt, trajectories)``
-        (with those finished while draining for a non-interruptible update)."""
-        done = []
-        results, self._drained = self._drained + self._engine_step(), []
-        for result in results:
-            key = (result.meta["group"], result.meta["attempt"])
-            group = self._groups[key]
-            group["results"].append(result)
-            if len(group["results"]) == self.attrs["n_samples"]:
-                del self._groups[key]
-                results = sorted(group["results"], key=lambda r: r.meta["sample"])
-                kept = drop_empty(results, self.counts, self.monitor)
-                done.append((*key, [_trajectory(r, key, group["problem"]) for r in kept]))
+        """One engine step (first admitting queued requests into free slots when not
+        interruptible); returns the groups finished since the last call: ``(index, attempt,
+        trajectories)``, those finished while draining for a non-interruptible update and
+        those whose every request failed included."""
+        while self._queue and self.engine.num_active() < self.engine.max_batch_size:
+            self._submit(self._queue.popleft())
+        results = self.engine.step() if self.engine.has_work() else []
+        self._last_rows = self.engine.num_active() + len(results)
+        self._record(results)
+        done, self._finished = self._finished, []
         return done
 
     def update_weights(self, state_dict, version: int) -> None:
@@ -128,9 +155,8 @@ class GenerateExecutor:
         or first finish every sequence holding a slot with the old weights (module doc)."""
         if not self.interruptible:
             while self.engine.has_work():  # only slotted sequences: queued requests stay in self._queue
-                self._drained.extend(self.engine.step())
+                self._record(self.engine.step())
         self.engine.update_weights(state_dict, version)
-
 
 def drop_empty(results: list[GenerationResult], counts: dict, monitor: FailureMonitor) -> list[GenerationResult]:
     """``results`` without the responses that hold no token (module doc), each counted in

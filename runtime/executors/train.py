@@ -22,6 +22,7 @@ from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.registry import build_algorithm
+from runtime.nonfinite import NonFiniteGuard
 from runtime.train_phases import TrainPhaseSpans
 
 
@@ -83,6 +84,7 @@ class TrainStepExecutor:
         self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
+        self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
@@ -117,7 +119,7 @@ class TrainStepExecutor:
         phases = self.phases.active(info.get("trace"), step=info["step"]) if self.phases else contextlib.nullcontext()
         with phases, torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
             stats = self._step(batch, rows, info)
-        stats = {**stats, **adv.get("stats", {})}
+        stats = {**stats, **adv.get("stats", {}), **self.monitor.check(info["step"], stats, adv)}
         if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
             stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
         return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}

@@ -1,0 +1,55 @@
+"""A generation error of one request (``runtime.executors.generate``): that sample fails like
+a failed reward (left out, its group resampled when empty, counted, logged once), the
+worker lives on, and past ``reward.max_failure_fraction`` the run stops with one line.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from areal_flow.rewards.pool import FailureFractionError
+
+
+def _executor(monkeypatch, tmp_path, fraction: float, window: int):
+    from test_reliability import _random_tiny
+
+    import runtime.executors.generate as generate
+    from runtime.engines.generation import GenerationEngine
+
+    model, tok = _random_tiny(tmp_path)
+    monkeypatch.setattr(generate, "build_engine", lambda node, ctx: GenerationEngine(model, tok, max_batch_size=8))
+    attrs = dict(n_samples=2, temperature=1.0, top_p=1.0, max_new_tokens=3, chat_template=False,
+                 max_failure_fraction=fraction, failure_window=window)
+    node = SimpleNamespace(name="generate", attrs=attrs)
+    return generate.GenerateExecutor(node, SimpleNamespace(tokenizer=tok)), model.config.max_position_embeddings
+
+
+def _problem(prompt: str) -> dict:
+    return {"prompt": prompt, "answer": "17", "id": prompt[:8]}
+
+
+def test_a_refused_request_fails_its_sample_and_the_worker_goes_on(monkeypatch, tmp_path):
+    torch.set_num_threads(1)
+    gen, context = _executor(monkeypatch, tmp_path, fraction=0.5, window=200)
+    gen.submit(0, 1, _problem("12+5="))
+    gen.submit(1, 1, _problem("1" * context))  # + <bos>: longer than the context, both requests refused
+    finished = {}
+    while gen.has_work():
+        finished.update({(i, a): t for i, a, t in gen.step()})
+    assert finished[(1, 1)] == []  # an empty group: the replica reports it dropped, its slot is resampled
+    assert len(finished[(0, 1)]) == 2 and {t.group_id for t in finished[(0, 1)]} == {0}
+    assert gen.counts == {"empty_responses": 0, "generation_errors": 2}
+    assert gen.monitor.kinds == {"generation error (ValueError)": 2}
+
+
+def test_generation_errors_past_the_fraction_stop_the_run(monkeypatch, tmp_path):
+    torch.set_num_threads(1)
+    gen, context = _executor(monkeypatch, tmp_path, fraction=0.5, window=4)
+    gen.submit(0, 1, _problem("1" * context))  # failures 2 of 2: 2 > 0.5 * 4 is false, goes on
+    with pytest.raises(FailureFractionError, match=r"generate node 'generate': 3 of the last 3 samples failed .*"
+                                                   r"generation error \(ValueError\) x3; first: sample 0:0: "
+                                                   r"ValueError: request '0:0': prompt of"):
+        gen.submit(1, 1, _problem("1" * context))  # the third failure: 3 > 2
