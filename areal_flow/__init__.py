@@ -1,7 +1,7 @@
 """areal-flow: asynchronous RL for language models as a dataflow graph compiled from a Python DSL.
 
 Public API: ``flow`` (decorator), ``Model``, ``ops`` (the node kinds). Configs are in
-``areal_flow.config``; the command line is ``areal_flow.cli`` (``areal-flow``).
+``areal_flow.config`` (loaded by ``areal_flow.config_load``); the command line is ``areal_flow.cli`` (``areal-flow``).
 """
 
 from areal_flow import ops

@@ -73,7 +73,7 @@ def default_config_path(flow: Flow, given: str | None) -> str | None:
 
 
 def _config(flow: Flow, args: argparse.Namespace):
-    from areal_flow.config import load_config
+    from areal_flow.config_load import load_config
 
     cfg = load_config(default_config_path(flow, args.config), args.overrides)
     if cfg.name == "experiment":
@@ -203,7 +203,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from areal_flow.config import ExperimentConfig, load_config
+    from areal_flow.config import ExperimentConfig
+    from areal_flow.config_load import load_config
     from areal_flow.config_keys import format_listing
 
     if args.file and "=" in args.file:  # `areal-flow config train.lr=1e-3`: overrides alone
@@ -213,10 +214,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.file or args.overrides:  # show the resolved values of a graph's config
         import yaml
 
-        from areal_flow.config import _yaml_key
+        from areal_flow.config_load import yaml_key
 
         cfg = load_config(args.file, args.overrides)
-        data = {_yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
+        data = {yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
         print(yaml.safe_dump(data, sort_keys=False), end="")
         return 0
     print(format_listing(ExperimentConfig))
@@ -226,7 +227,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from areal_flow.config import load_config
+    from areal_flow.config_load import load_config
     from runtime.engines.evaluate import evaluate_model
 
     _check_output_folder(args.out)

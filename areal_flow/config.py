@@ -1,39 +1,25 @@
-"""Experiment configuration: typed dataclasses, filled from YAML plus dotted overrides.
+"""Experiment configuration: the typed dataclasses of every config key.
 
-Owns the schema of every config key and its loading. Parsing and type conversion are
-OmegaConf's (structured configs); this module adds what users need from the errors:
-the dotted key, the YAML file and line it came from (or "command line"), the expected
-type, and the nearest valid key for a typo. It must not act on the config.
+Owns the schema: each key, its type, default and one-line doc (the CLI help and
+``areal-flow config`` read them), and the checks of a single key's value
+(``__post_init__``). Loading YAML files and dotted overrides into it, and the errors that
+name the file and line, are ``areal_flow.config_load``. It must not act on the config.
 
 The YAML key ``async`` (a Python keyword) is the field ``async_``. Names users know from
 AReaL and Hugging Face (``training.seed``, ``training.bf16``, ``actor.optimizer.lr``, ...)
 are aliases of our keys (``areal_flow.config_keys.ALIASES``; ``areal-flow config`` lists
-them); a mistyped key gets the nearest key by meaning (``learning_rate`` -> ``lr``) or
-spelling.
-
-A YAML file may start from another one: ``base: arith_grpo.yaml`` (a path relative to
-the file) loads that file first and then merges this file's keys over it, so a graph's
-config lists only what differs from the job it is based on. Bases may chain; a cycle is
-an error. (OmegaConf/Hydra ``defaults:`` lists are not supported: one base, no groups.)
+them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib.util
 import math
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.config_keys import rewrite_mapping, rewrite_override, suggest
 from compiler.config import ClusterConfig, CompileConfig
 
 
@@ -370,170 +356,3 @@ class ExperimentConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
         if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
-
-
-def _yaml_key(key: str) -> str:
-    return key.replace("async_", "async")
-
-
-def _field_key(key: str) -> str:
-    parts = key.split(".")
-    return ".".join("async_" if p == "async" else p for p in parts)
-
-
-def _line_index(path: Path) -> dict[str, int]:
-    """Dotted key -> 1-based line in the YAML file, from PyYAML's node marks."""
-    index: dict[str, int] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                index[key] = key_node.start_mark.line + 1
-                walk(value_node, key)
-
-    with path.open() as fh:
-        walk(yaml.compose(fh), "")
-    return index
-
-
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        keys.append(prefix + f.name)
-        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(sub):
-            keys.extend(_all_keys(type(sub), f"{prefix}{f.name}."))
-    return keys
-
-
-def _rename_async(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {("async_" if k == "async" else k): _rename_async(v) for k, v in data.items()}
-    return data
-
-
-def load_config(
-    path: str | Path | None = None,
-    overrides: list[str] | None = None,
-    schema: type = ExperimentConfig,
-) -> Any:
-    """Build a typed config from a YAML file and ``key=value`` overrides.
-
-    Args:
-        path: YAML file (optional); its ``base`` chain is merged first (module doc).
-        overrides: dotted ``key=value`` strings, applied after the file.
-        schema: the root dataclass.
-
-    Returns:
-        An instance of ``schema``.
-
-    Raises:
-        ConfigError: unknown key (with the nearest valid key), wrong type (with the
-            expected type), malformed override or YAML; naming the key and its source
-            (``file:line`` or ``command line``).
-    """
-    base = OmegaConf.structured(schema)
-    layers: list[tuple[Any, str, dict[str, int]]] = [] if path is None else _file_layers(Path(path), [])
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} (command line): expected key=value, e.g. train.lr=1e-4")
-        key, value = item.split("=", 1)
-        try:
-            pairs = rewrite_override(key, value)
-        except ValueError as exc:
-            raise ConfigError(f"{exc} (command line)") from None
-        for key, value in pairs:
-            layers.append((OmegaConf.from_dotlist([f"{_field_key(key)}={value}"]), "command line", {}))
-
-    merged = base
-    for layer, source, lines in layers:
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as exc:
-            raise _explain(exc, source, lines, schema, layer) from None
-    try:
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise _explain(exc, "config", {}, schema) from None
-
-
-def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
-    """One line: ``<file>:<line>:<column>: invalid YAML: <problem>`` (PyYAML's marks are 0-based)."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
-    return f"{where}: invalid YAML: {problem}"
-
-
-def _file_layers(path: Path, chain: list[Path]) -> list[tuple[Any, str, dict[str, int]]]:
-    """The merge layers of one YAML file: its ``base`` chain first, then the file itself.
-
-    Raises:
-        ConfigError: missing file, invalid YAML, a non-mapping top level, a ``base`` that
-            is not a string, or a cycle of bases (naming the files).
-    """
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (f" (base of {chain[-1]})" if chain else ""))
-    if path.resolve() in [p.resolve() for p in chain]:
-        raise ConfigError(f"config base cycle: {' -> '.join(str(p) for p in chain + [path])}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(_yaml_error(path, exc)) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys")
-    lines = _line_index(path)
-    layers = []
-    if "base" in data:
-        parent = data.pop("base")
-        if not isinstance(parent, str) or not parent:
-            raise ConfigError(f"{path}:{lines.get('base', '?')}: 'base' must be a YAML file path, got {parent!r}")
-        layers = _file_layers(path.parent / parent, chain + [path])
-    try:
-        data = rewrite_mapping(data, lines)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return layers + [(OmegaConf.create(_rename_async(data)), str(path), lines)]
-
-
-def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], schema: type,
-             layer: Any = None) -> ConfigError:
-    key = _yaml_key(str(getattr(exc, "full_key", "") or "")) or _scalar_section(layer, schema)
-    where = f"{source}:{lines[key]}" if key in lines else source
-    if isinstance(exc, ConfigKeyError):
-        near = suggest(key, [_yaml_key(k) for k in _all_keys(schema)])
-        hint = f"; did you mean '{near}'?" if near else ""
-        return ConfigError(f"unknown config key '{key}' ({where}){hint}")
-    message = str(exc).splitlines()[0]
-    expected = _expected_type(schema, key)
-    return ConfigError(f"config key '{key}' ({where}): {message}" + (f"; expected {expected}" if expected else ""))
-
-
-def _scalar_section(layer: Any, schema: type, prefix: str = "") -> str:
-    """The first key of ``layer`` (dotted, at any depth) that is a section of ``schema`` given
-    a scalar (OmegaConf's merge error then names no key), or ``""``."""
-    if layer is None or not OmegaConf.is_dict(layer):
-        return ""
-    hints = typing.get_type_hints(schema)
-    for key in layer.keys():
-        field = _field_key(str(key))
-        if dataclasses.is_dataclass(hints.get(field)):
-            node = layer._get_node(key)
-            found = _scalar_section(node, hints[field], f"{prefix}{field}.") if OmegaConf.is_dict(node) \
-                else _yaml_key(prefix + field)
-            if found:
-                return found
-    return ""
-
-
-def _expected_type(schema: type, key: str) -> str:
-    cls: Any = schema
-    for part in _field_key(key).split("."):
-        if not dataclasses.is_dataclass(cls):
-            return ""
-        hints = typing.get_type_hints(cls)
-        if part not in hints:
-            return ""
-        cls = hints[part]
-    return getattr(cls, "__name__", str(cls))

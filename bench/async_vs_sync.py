@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_flow.cli import load_flow  # noqa: E402
-from areal_flow.config import load_config  # noqa: E402
+from areal_flow.config_load import load_config  # noqa: E402
 from runtime.launch import run_experiment  # noqa: E402
 from runtime.trace import read_spans  # noqa: E402
 
@@ -74,7 +74,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """
     if not xs:
         raise ValueError("fit_line: no points")
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - b * mx, b

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 
 from areal_flow.cli import load_flow  # noqa: E402
-from areal_flow.config import load_config  # noqa: E402
+from areal_flow.config_load import load_config  # noqa: E402
 from runtime.launch import RunSetup, run_experiment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

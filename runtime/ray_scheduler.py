@@ -8,7 +8,7 @@ worker code as the local scheduler (``runtime.workers``), a multi-rank trainer s
 ranks inside its actor on the mesh's resources — run the router on the driver, show
 progress, and leave no actor or placement group
 behind, also on Ctrl-C. What happens before and after the workers (plan.json, warm start,
-held-out accuracy, summary) is :class:`runtime.launch.RunSetup`, shared with ``local``.
+held-out accuracy, summary) is :class:`runtime.run_setup.RunSetup`, shared with ``local``.
 
 Co-located groups (``|``) share their mesh's bundle on Ray but do not take turns (the local
 scheduler's lock is a process lock); the plan's time-sharing is then only approximate.
@@ -41,7 +41,8 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
-from runtime.launch import RunSetup, WorkerFailed
+from runtime.launch import WorkerFailed
+from runtime.run_setup import RunSetup
 from runtime.metrics import RunLogger
 from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint

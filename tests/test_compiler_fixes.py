@@ -4,7 +4,6 @@ DeepSeek configs refused."""
 
 import pytest
 
-from areal_flow.graph import Edge, Graph, ModelRef, Node
 from compiler import ClusterConfig, CompileConfig, compile_plan
 from compiler.hardware import GIB, DeviceSpec
 from compiler.memory import kv_bytes_per_sequence, training_memory

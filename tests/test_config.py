@@ -2,7 +2,9 @@
 
 import pytest
 
-from areal_flow.config import ConfigError, ExperimentConfig, load_config
+from areal_flow.config import ConfigError, ExperimentConfig
+
+from areal_flow.config_load import load_config
 
 
 def _yaml(tmp_path, text):

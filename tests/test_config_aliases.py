@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from areal_flow.config import ConfigError, load_config
+from areal_flow.config import ConfigError
+
+from areal_flow.config_load import load_config
 from areal_flow.config_keys import ALIASES, describe_keys, field_docs, suggest
 
 
@@ -47,9 +49,10 @@ def test_gradient_accumulation_maps_onto_micro_batches():
     ("training.seed", "seed"),
 ])
 def test_suggestions_by_meaning_then_spelling(typed, meant):
-    from areal_flow.config import ExperimentConfig, _all_keys, _yaml_key
+    from areal_flow.config import ExperimentConfig
+    from areal_flow.config_load import all_keys, yaml_key
 
-    assert suggest(typed, [_yaml_key(k) for k in _all_keys(ExperimentConfig)]) == meant
+    assert suggest(typed, [yaml_key(k) for k in all_keys(ExperimentConfig)]) == meant
 
 
 def test_unknown_key_error_suggests_by_meaning():

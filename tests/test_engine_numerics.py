@@ -8,7 +8,7 @@ import torch
 
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
 from runtime.engines import precision
-from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
+from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
 from test_generation import TOK, _full_recompute_greedy, _model, _req
 

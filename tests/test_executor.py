@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from areal_flow import Model, flow, ops
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from compiler.plan import Plan

@@ -18,7 +18,8 @@ import torch
 from areal_flow import Model, flow, ops
 from areal_flow.blocks import sample_groups, train_policy
 from areal_flow.cli import default_config_path, load_flow
-from areal_flow.config import ConfigError, load_config
+from areal_flow.config import ConfigError
+from areal_flow.config_load import load_config
 from areal_flow.graph import GraphError
 from areal_flow.models.critic import ValueModel
 from areal_flow.models.tiny import build_model
@@ -29,7 +30,6 @@ from areal_flow.ops.filter import DynamicSamplingError, FilterExecutor
 from areal_flow.ops.reward import RewardExecutor
 from areal_flow.program import compile_program
 from areal_flow.types import Trajectory
-from compiler import compile_plan
 from runtime.topology import build_topology
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from areal_flow.cli import load_flow
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from runtime.launch import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]

@@ -104,7 +104,8 @@ def test_packed_and_token_budget_updates_equal_padded(mode, variant):
 
 
 def test_config_keys_reach_the_trainer_and_bad_values_are_named(tmp_path):
-    from areal_flow.config import ConfigError, load_config
+    from areal_flow.config import ConfigError
+    from areal_flow.config_load import load_config
     from areal_flow.models.tiny import build_model
     from compiler.strategy import ParallelStrategy, StrategyError
     from runtime.parallel_trainer import check_parallel_training
@@ -125,7 +126,7 @@ def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cach
     from pathlib import Path
 
     from areal_flow.cli import load_flow
-    from areal_flow.config import load_config
+    from areal_flow.config_load import load_config
     from runs import records
     from runtime.launch import run_experiment
 

@@ -19,7 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_flow.config import ConfigError, load_config
+from areal_flow.config import ConfigError
+
+from areal_flow.config_load import load_config
 from runtime.nonfinite import NonFiniteGuard, NonFiniteStepError
 
 REPO = Path(__file__).resolve().parents[1]

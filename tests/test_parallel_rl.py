@@ -34,7 +34,7 @@ import torch
 
 from areal_flow.algorithms.advantages import compute_advantages
 from areal_flow.algorithms.registry import build_algorithm
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer

@@ -29,7 +29,7 @@ import cloudpickle
 import pytest
 
 from areal_flow.cli import load_flow
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from runtime.launch import run_experiment
 from runs import records as trained_records
 

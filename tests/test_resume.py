@@ -248,7 +248,7 @@ TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.st
 
 def _plan(tmp_path: Path, *overrides: str):
     from areal_flow.cli import load_flow
-    from areal_flow.config import load_config
+    from areal_flow.config_load import load_config
     from areal_flow.program import compile_program
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=exp", *overrides])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from areal_flow.program import compile_program
 from runtime.calibrate import CalibrationError, calibrate, calibrated_plan, compare, format_comparison
 from runtime.trace import TraceRecorder, merge_trace

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from areal_flow import Model, flow, ops
-from areal_flow.config import load_config
+from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
 from runtime.launch import run_experiment
 from runtime.replay import replay
