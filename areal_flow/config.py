@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_flow.algorithms.config import LossConfig
+from areal_flow.dtypes import DTYPES
 from compiler.config import ClusterConfig, CompileConfig
 
 
@@ -46,11 +47,6 @@ class ModelConfig:
         if canonical is None:
             raise ConfigError(f"model.dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
         self.dtype = canonical
-
-
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
-"""Accepted ``model.dtype`` spellings -> the torch dtype name."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ class WorkerContext:
     @property
     def dtype(self) -> torch.dtype:
         """``model.dtype`` of the run: the generation engine's parameter dtype."""
-        from runtime.model_source import torch_dtype
+        from areal_flow.dtypes import torch_dtype
 
         return torch_dtype(self.plan.run.get("dtype", "float32"))
 

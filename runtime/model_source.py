@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_flow.config import ExperimentConfig
+from areal_flow.dtypes import torch_dtype
 from areal_flow.models import tiny
 
 
@@ -72,22 +73,6 @@ def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Pat
     from areal_flow.models.hf import resolve_folder
 
     return resolve_folder(spec)
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``model.dtype`` (any spelling ``areal_flow.config.DTYPES`` accepts) -> ``torch.dtype``.
-
-    Raises:
-        ValueError: an unknown name, naming ``model.dtype`` and the accepted names.
-    """
-    if isinstance(name, torch.dtype):
-        return name
-    from areal_flow.config import DTYPES
-
-    canonical = DTYPES.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(f"model.dtype={name!r}: expected one of {', '.join(DTYPES)}")
-    return getattr(torch, canonical)
 
 
 def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32):

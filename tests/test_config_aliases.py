@@ -117,7 +117,8 @@ def test_load_pretrained_honours_the_dtype_name(tmp_path):
 
     from areal_flow.models.tiny import build_model
     from areal_flow.models.tokenizer import build_char_tokenizer
-    from runtime.model_source import load_pretrained, torch_dtype
+    from areal_flow.dtypes import torch_dtype
+    from runtime.model_source import load_pretrained
 
     assert (torch_dtype("bf16"), torch_dtype("float16"), torch_dtype(torch.float32)) == (
         torch.bfloat16, torch.float16, torch.float32)

@@ -22,8 +22,7 @@ import time
 
 import torch
 
-ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""``gen.dtype`` values besides ``auto`` (spellings of ``areal_flow.config.DTYPES`` are accepted)."""
+from areal_flow.dtypes import torch_dtype
 
 MIN_SPEEDUP = 1.3
 """``auto`` picks the 16-bit type only when its decode step is this many times faster than fp32."""
@@ -35,7 +34,7 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
     """The engine dtype for ``gen.dtype = name``.
 
     Args:
-        name: ``auto``, a torch dtype, or a name of ``areal_flow.config.DTYPES``
+        name: ``auto``, a torch dtype, or a name of ``areal_flow.dtypes.DTYPES``
             (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``).
         device: torch device string the engine runs on.
         rows: decode batch rows the check times (the engine's ``max_batch_size``).
@@ -44,15 +43,8 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
     Raises:
         ValueError: an unknown name (names ``gen.dtype`` and the accepted values).
     """
-    from areal_flow.config import DTYPES
-
-    if isinstance(name, torch.dtype):
-        return name
-    if str(name).lower() != "auto":
-        canonical = DTYPES.get(str(name).lower())
-        if canonical is None:
-            raise ValueError(f"gen.dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
-        return ENGINE_DTYPES[canonical]
+    if isinstance(name, torch.dtype) or str(name).lower() != "auto":
+        return torch_dtype(name, "gen.dtype", extra=("auto",))
     low = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
     cfg = model.config
     key = (str(device), rows, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
