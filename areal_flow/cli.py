@@ -39,13 +39,15 @@ def load_flow(path: str | Path, name: str | None = None) -> Flow:
     """Import a graph file and return its ``@flow`` (the one named ``name`` if several).
 
     Raises:
-        CLIError: the file is missing, fails to import (with its error), or holds no
+        CLIError: the file is missing, is not a ``.py`` file, fails to import (with its error), or holds no
             (or several, without ``name``) ``@flow`` functions.
     """
     path = Path(path)
     if not path.is_file():
         raise CLIError(f"graph file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"areal_flow_graph_{path.stem}", path)
+    if path.suffix != ".py" or spec is None:
+        raise CLIError(f"{path}: not a graph file (a Python file defining an @flow function, *.py)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     # Workers (Ray actors, other machines) cannot import this file by its made-up module

@@ -22,6 +22,7 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     cases = [
         (("graph", "graphs/arith_grpo.py", "train.lrr=1"), "did you mean 'train.lr'"),
         (("graph", str(tmp_path / "missing.py")), "graph file not found"),
+        (("graph", "README.md"), "README.md: not a graph file"),
         (("compile", "graphs/arith_grpo.py", "--allocation", "gen:d4x2"), "bad allocation at character 7"),
         (("viz", "plan.json", "-o", "out.txt"), "pick one of these suffixes"),
     ]
