@@ -83,6 +83,7 @@ class CostModel:
         self.lengths = LengthDist(cfg.length_dist, workload.new_tokens)
         self._costs: dict = {}
         self._strategies: dict = {}
+        self._schedules: dict = {}  # drain schedules by (responses per replica, slots)
 
     # -- strategies -----------------------------------------------------------------
     def check(self, task: DeviceTask, s: ParallelStrategy, size: int) -> None:
@@ -291,7 +292,7 @@ class CostModel:
             self._costs[key] = generation_time(
                 task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
                 concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
-                overhead_s=cfg.decode_step_overhead_s,
+                overhead_s=cfg.decode_step_overhead_s, schedules=self._schedules,
             )
         return NodeCost(s, mem, mem.total <= self.usable, dict(self._costs[key]), concurrent=concurrent)
 

@@ -2,7 +2,9 @@
 
 Owns :class:`DecodeCost` (seconds of one decode step as a function of the live batch and
 its total context) and :class:`ContinuousBatch` (a replica that admits responses into free
-slots as others finish, no waves). The compiler's closed forms (``compiler.timing``) and
+slots as others finish, no waves) and :class:`DrainSchedule` (the runs of a batch that
+drains, for the synchronous step: integers shared by every replica shape, costed at once
+with numpy by :func:`drain_s`). The compiler's closed forms (``compiler.timing``) and
 the simulator (``compiler.simulate``) both use them, so the two agree by construction.
 
 One decode step of a replica with ``b`` live responses holding ``S`` context tokens in all
@@ -36,6 +38,8 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from compiler.memory import DTYPE_BYTES
 from compiler.models import ModelSpec
@@ -127,6 +131,25 @@ class DecodeCost:
         # the line larger at j = 0 stays larger while j <= (h0 - l0) / (l1 - h1)
         cross = n if h1 >= l1 else min(n, math.floor((h0 - l0) / (l1 - h1)) + 1)
         return n * fixed + _series(h0, h1, 0, cross) + _series(l0, l1, cross, n)
+
+    def runs_s(self, b: np.ndarray, context: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """:meth:`run_s` of many runs at once, shape ``(runs,)`` each (``b >= 1``, ``n >= 1``):
+        the same float operations in the same order, so each element equals ``run_s``."""
+        weights = self.dense_bytes + self.expert_bytes * np.minimum(1.0, b * self.expert_share)
+        mem0, mem1 = (weights + self.kv_bytes * context) / self.bandwidth, self.kv_bytes * b / self.bandwidth
+        cmp0 = (self.flops_token * b + self.flops_ctx * context) / self.compute
+        cmp1 = self.flops_ctx * b / self.compute
+        fixed = self.overhead_s + self.comm_fixed + self.comm_per_seq * b
+        mem_high = mem0 >= cmp0
+        h0, h1 = np.where(mem_high, mem0, cmp0), np.where(mem_high, mem1, cmp1)
+        l0, l1 = np.where(mem_high, cmp0, mem0), np.where(mem_high, cmp1, mem1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # lanes with h1 >= l1 take n
+            meet = np.floor((h0 - l0) / (l1 - h1)) + 1
+        cross = np.where(h1 >= l1, n, np.minimum(n, np.where(h1 >= l1, 0, meet))).astype(np.int64)
+        rest = n - cross
+        high = np.where(cross > 0, cross * h0 + h1 * (cross - 1) * cross / 2, 0.0)
+        low = np.where(rest > 0, rest * l0 + l1 * (cross + n - 1) * rest / 2, 0.0)
+        return n * fixed + high + low
 
     def steps_within(self, b: int, context: float, seconds: float, most: int) -> int:
         """Most steps (<= ``most``) that fit in ``seconds`` at batch ``b`` from ``context``."""
@@ -228,25 +251,64 @@ class ContinuousBatch:
         return done
 
 
-def drain_s(cost: DecodeCost, lengths: tuple[int, ...], slots: int) -> float:
+@dataclass(frozen=True, eq=False)
+class DrainSchedule:
+    """The runs of one replica draining a batch of responses queued at time 0: between two
+    events (a response finishing, the next one admitted) the live batch is constant. Pure
+    integers, independent of the replica's shape, so one schedule serves every ``(tp, pp)``.
+
+    Attributes:
+        responses: responses in the batch (each prefilled once).
+        batch: live responses during each run, shape ``(runs,)``.
+        age: context tokens beyond the prompts at each run's start (the live responses'
+            generated tokens), shape ``(runs,)``.
+        steps: decode steps in each run (>= 1), shape ``(runs,)``.
+    """
+
+    responses: int
+    batch: np.ndarray
+    age: np.ndarray
+    steps: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: tuple[int, ...], slots: int) -> "DrainSchedule":
+        """:class:`ContinuousBatch`'s events for ``lengths`` (tokens) in ``slots`` KV slots.
+        The admission order interleaves short and long responses by a golden-ratio shuffle,
+        as random arrival would; with ``slots >= len(lengths)`` every response starts at
+        step 0 and the runs end at the distinct lengths."""
+        slots = max(1, slots)
+        if slots >= len(lengths):
+            ends, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+            starts = np.concatenate(([0], ends))[:-1]
+            batch = len(lengths) - np.concatenate(([0], np.cumsum(counts)))[:-1]
+            keep = ends > starts
+            return cls(len(lengths), batch[keep], (batch * starts)[keep], (ends - starts)[keep])
+        queue = [lengths[i] for i in sorted(range(len(lengths)), key=lambda i: (i * _PHI) % 1.0)]
+        live = sorted((length, 0) for length in queue[:slots])  # (finish step, start step)
+        nxt, step, started = slots, 0, 0
+        runs = []
+        while live:
+            b, finish = len(live), live[0][0]
+            if finish > step:
+                runs.append((b, b * step - started, finish - step))
+            step = finish
+            while live and live[0][0] == step:
+                started -= heapq.heappop(live)[1]
+                if nxt < len(queue):
+                    heapq.heappush(live, (step + queue[nxt], step))
+                    started += step
+                    nxt += 1
+        b, age, n = np.array(runs, dtype=np.int64).reshape(-1, 3).T
+        return cls(len(lengths), b, age, n)
+
+
+def drain_s(cost: DecodeCost, lengths: tuple[int, ...], slots: int, schedule: DrainSchedule | None = None) -> float:
     """Seconds for one replica to generate ``lengths`` (all queued at time 0, prefills
-    included): :class:`ContinuousBatch`'s arithmetic, unrolled for speed (the compiler runs
-    it for every generation strategy). The admission order interleaves short and long
-    responses by a golden-ratio shuffle, as random arrival would."""
-    queue = [lengths[i] for i in sorted(range(len(lengths)), key=lambda i: (i * _PHI) % 1.0)]
-    slots, p = max(1, slots), cost.prompt_len
-    live = sorted((length, 0) for length in queue[:slots])  # (finish step, start step)
-    heapq.heapify(live)
-    nxt, steps, starts = min(slots, len(queue)), 0, 0
-    seconds = cost.prefill_s(len(queue))
-    while live:
-        b, finish = len(live), live[0][0]
-        seconds += cost.run_s(b, b * (p + steps) - starts, finish - steps)
-        steps = finish
-        while live and live[0][0] == steps:
-            starts -= heapq.heappop(live)[1]
-            if nxt < len(queue):
-                heapq.heappush(live, (steps + queue[nxt], steps))
-                starts += steps
-                nxt += 1
-    return seconds
+    included): :class:`ContinuousBatch`'s arithmetic over :class:`DrainSchedule` (pass
+    ``schedule``, that of ``(lengths, slots)``, to reuse it across replica shapes), its runs
+    costed at once by :meth:`DecodeCost.runs_s` and summed in event order, so the result is
+    bit-identical to stepping the runs one by one with :meth:`DecodeCost.run_s`."""
+    if schedule is None:
+        schedule = DrainSchedule.of(lengths, slots)
+    runs = cost.runs_s(schedule.batch, schedule.batch * cost.prompt_len + schedule.age, schedule.steps)
+    return float(np.add.accumulate(np.concatenate(([cost.prefill_s(schedule.responses)], runs)))[-1])

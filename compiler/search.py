@@ -15,7 +15,7 @@ cluster). For each layout, strategies are chosen per node, exactly:
 
 Layouts that cannot enter the top-k are skipped by exact bounds and a dominance rule
 (:func:`search`), and costs are memoized by (node, mesh size): a 4,096-device cluster
-takes under the 2 s budget in async mode (``bench/compile_search.py``). Candidates are
+takes under the 2 s budget in async and sync mode (``bench/compile_search.py``). Candidates are
 ranked by :func:`rank_key` (step time, then the serial time, then the allocation string),
 so the result is deterministic. On devices that host one engine each (``cpu``) colocated
 layouts are tried only when no disaggregated one fits.

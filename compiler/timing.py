@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 
-from compiler.decode import DecodeCost, drain_s
+from compiler.decode import DecodeCost, DrainSchedule, drain_s
 from compiler.hardware import DeviceSpec
 from compiler.lengths import LengthDist
 from compiler.memory import DTYPE_BYTES, micro_batch_tokens, params_per_device
@@ -172,6 +172,7 @@ def generation_time(
     mfu: float,
     links: Links,
     overhead_s: float,
+    schedules: dict | None = None,
 ) -> dict[str, float]:
     """Seconds for ``s.dp`` replicas of ``tp * pp`` to generate one step's ``n_sequences``
     responses, whose lengths follow ``lengths`` (``compiler.decode`` gives the step cost).
@@ -185,6 +186,9 @@ def generation_time(
             batch that drains: :func:`compiler.decode.drain_s` over its expected sample of
             lengths (mid-quantiles), so the step waits for the longest response while the
             live batch shrinks.
+        schedules: a memo of :class:`compiler.decode.DrainSchedule` by ``(responses per
+            replica, slots)`` that the caller keeps across calls (a drain's schedule does
+            not depend on the replica's shape); None: build it each call.
 
     Returns:
         ``{"prefill", "decode"}`` seconds.
@@ -197,7 +201,11 @@ def generation_time(
         steps = per_replica * lengths.mean / c
         decode = steps * cost.step_s(c, c * (prompt_len + lengths.mean_age))
     else:
-        decode = drain_s(cost, lengths.quantiles(per_replica), c) - prefill
+        sample = lengths.quantiles(per_replica)
+        schedule = None if schedules is None else schedules.get((per_replica, c))
+        if schedules is not None and schedule is None:
+            schedule = schedules[per_replica, c] = DrainSchedule.of(sample, c)
+        decode = drain_s(cost, sample, c, schedule) - prefill
     return dict(prefill=prefill, decode=decode)
 
 

@@ -5,13 +5,14 @@ synchronous step waiting for its longest response while an asynchronous replica 
 import math
 import random
 
+import numpy as np
 import pytest
 
 from compiler.config import CompileConfigError, LengthDistConfig
-from compiler.decode import ContinuousBatch, DecodeCost, drain_s
+from compiler.decode import ContinuousBatch, DecodeCost, DrainSchedule, drain_s
 from compiler.hardware import GIB, DeviceSpec
 from compiler.lengths import LengthDist
-from compiler.models import ModelSpec
+from compiler.models import ModelSpec, resolve_model
 from compiler.strategy import ParallelStrategy
 from compiler.timing import Links, generation_time
 
@@ -109,3 +110,51 @@ def test_continuous_batching_bills_no_partial_wave():
     while not engine.idle:
         finished += engine.advance()
     assert engine.clock == pytest.approx(seconds) and finished[-1] == 4 and sorted(finished) == [0, 1, 2, 3, 4]
+
+
+def test_drain_schedule_by_hand():
+    # the 5 responses above in 4 slots: step 0 with 4 live of age 0, step 1 with 2 live (the long
+    # one of age 1, the late short one of age 0: 1 token), steps 2-3 the long one alone (age 2)
+    partial = DrainSchedule.of((1, 1, 1, 1, 4), slots=4)
+    assert (partial.responses, partial.batch.tolist(), partial.age.tolist(), partial.steps.tolist()) == (
+        5, [4, 2, 1], [0, 1, 2], [1, 1, 2])
+    # every response admitted at once: runs end at the distinct lengths 2 and 5;
+    # 3 live for 2 steps, then the longest alone for 3 steps, holding its 2 generated tokens
+    full = DrainSchedule.of((2, 2, 5), slots=8)
+    assert (full.responses, full.batch.tolist(), full.age.tolist(), full.steps.tolist()) == (
+        3, [3, 1], [0, 2], [2, 3])
+
+
+def _step_by_step_drain(c, lengths, slots):
+    """The drain by its definition, one decode step at a time (``step_s`` of the live batch
+    and its context), admitting queued responses into freed slots in the golden-ratio order."""
+    order = sorted(range(len(lengths)), key=lambda i: (i * (math.sqrt(5) - 1) / 2) % 1.0)
+    queue, live, seconds = [lengths[i] for i in order], [], c.prefill_s(len(lengths))
+    while queue or live:
+        while queue and len(live) < slots:
+            live.append([queue.pop(0), 0])  # [tokens left, tokens generated]
+        context = sum(c.prompt_len + age for _, age in live)
+        seconds += c.step_s(len(live), context) if any(left > 0 for left, _ in live) else 0.0
+        live = [[left - 1, age + 1] for left, age in live if left > 1]
+    return seconds
+
+
+@pytest.mark.parametrize("spec", ["dense", "moe"])
+def test_vectorised_drain_equals_its_definition(spec):
+    # a dense replica on the slow-compute device of the crossover test (runs cross from compute- to
+    # memory-bound) and Qwen3-30B-A3B (the experts a batch touches, min(1, b k / E), change with b)
+    model = LLAMA2_7B if spec == "dense" else resolve_model("Qwen3-30B-A3B")
+    slow = Links(DeviceSpec("slow", peak_flops=2e13, memory_bytes=80 * GIB, hbm_bandwidth=1e12,
+                            intra_node_bandwidth=100e9, inter_node_bandwidth=10e9, host_bandwidth=10e9,
+                            collective_latency_s=1e-6), devices_per_node=8, efficiency=1.0)
+    c = DecodeCost.build(model, ParallelStrategy(tp=2), dtype="bf16", mfu=0.5, links=slow, overhead_s=1e-3,
+                         prompt_len=7)
+    rng = random.Random(3)
+    for _ in range(12):
+        lengths = tuple(sorted(rng.randint(1, 300) for _ in range(rng.randint(1, 40))))
+        slots = rng.choice([1, 3, len(lengths), len(lengths) + 4])
+        assert drain_s(c, lengths, slots) == pytest.approx(_step_by_step_drain(c, lengths, slots), rel=1e-9)
+    # each run costed at once equals the scalar closed form bit for bit
+    b, context, n = (np.array(v, dtype=np.int64) for v in zip(*[(rng.randint(1, 64), rng.randint(0, 10**5),
+                                                                   rng.randint(1, 5000)) for _ in range(200)]))
+    assert c.runs_s(b, context, n).tolist() == [c.run_s(*map(int, run)) for run in zip(b, context, n)]

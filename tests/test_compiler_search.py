@@ -181,7 +181,7 @@ def _every_layout(graph, cluster, cfg):
 
 @pytest.mark.parametrize("spec,mode,n_nodes", [("Qwen2.5-7B", "async", 8), ("Qwen2.5-7B", "sync", 8),
                                               ("Qwen3-30B-A3B", "async", 8), ("Qwen3-30B-A3B", "async", 32),
-                                              ("Qwen2.5-72B", "sync", 32)])
+                                              ("Qwen2.5-72B", "sync", 32), ("Qwen3-30B-A3B", "sync", 32)])
 def test_pruned_search_equals_every_layout(spec, mode, n_nodes):
     graph, cluster = grpo_graph(spec), ClusterConfig(n_nodes, 8, "H100")
     cfg = CompileConfig(prompts_per_step=256, mode=mode)
