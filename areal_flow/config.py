@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "tiny-arith"
-    """Preset name (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id."""
+    """Preset name, case ignored (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id org/name;
+    compile and run resolve it alike (areal_flow.models.names)."""
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run

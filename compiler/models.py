@@ -12,10 +12,12 @@ parameter count of a Llama/Qwen2/Qwen3(-MoE)-style decoder computed from them:
 
 Active parameters (the ones a token's FLOPs see) count ``k`` routed experts of ``E``.
 
-Presets are ``config.json`` excerpts of the published models (Hugging Face model cards),
-so presets and files go through the same parser. ``tiny-arith`` is this project's
-arithmetic model (``areal_flow.models.presets``, plain data: Qwen2, hidden 128, 4 layers,
-vocab 50, the character tokenizer's), read without importing torch.
+Presets are ``config.json`` excerpts of the published models (Hugging Face model cards,
+``areal_flow.models.presets.PUBLISHED_CONFIGS``), so presets and files go through the same
+parser; which preset, file or hub id a name means is ``areal_flow.models.names``'s call.
+``tiny-arith`` is this project's arithmetic model (``areal_flow.models.presets``, plain
+data: Qwen2, hidden 128, 4 layers, vocab 50, the character tokenizer's), read without
+importing torch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
-from areal_flow.models.presets import CHAR_VOCAB_SIZE
+from areal_flow.models.names import ModelNameError, preset_key, resolve_name
+from areal_flow.models.presets import CHAR_VOCAB_SIZE, GGUF_PRESETS, PUBLISHED_CONFIGS
 from areal_flow.models.presets import PRESETS as TINY_PRESETS
 
 
@@ -139,38 +142,13 @@ class ModelSpec:
         return asdict(self)
 
 
-def _qwen2(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
-    return dict(
-        model_type="qwen2", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-    )
-
-
-def _llama(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
-    return dict(
-        model_type="llama", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-    )
-
-
-# Excerpts of each model's published config.json (Hugging Face hub, model cards).
+# Tiny presets (this project's, character vocabulary) and published models' config.json excerpts.
 MODEL_PRESETS: dict[str, dict] = {
-    **{name: _qwen2(p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
-                    p.intermediate_size, CHAR_VOCAB_SIZE, True) for name, p in TINY_PRESETS.items()},
-    "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True),
-    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
-    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
-    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
-    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
-    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
-    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336, 128256, False),
-    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672, 128256, False),
-    "Qwen3-30B-A3B": dict(
-        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-        num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
-        attention_bias=False,
-    ),
+    **{name: dict(model_type="qwen2", hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
+                  num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+                  intermediate_size=p.intermediate_size, vocab_size=CHAR_VOCAB_SIZE, tie_word_embeddings=True)
+       for name, p in TINY_PRESETS.items()},
+    **PUBLISHED_CONFIGS,
 }
 
 
@@ -221,52 +199,60 @@ def spec_from_config(config: dict, name: str) -> ModelSpec:
 
 
 def resolve_model(spec: str) -> ModelSpec:
-    """A preset name (case-insensitive, a hub prefix such as ``Qwen/`` ignored), a
-    ``config.json`` path, a folder holding one, a ``.gguf`` file (its metadata), or a hub id
-    found in the local Hugging Face cache — the specs the runtime loads
-    (``areal_flow.models.hf.resolve_folder``, ``~`` expanded alike), read without torch.
-    ``<preset>-rm`` (a reward model the runtime trains from the preset) has the preset's
-    shape: its scalar head is noise next to the backbone. An instruction-tuned variant of a
-    preset (``HuggingFaceTB/SmolLM2-135M-Instruct``, ``Qwen/Qwen2.5-7B-Instruct``) not in the
-    cache has its base preset's shape (their published config.json files agree on it).
+    """The shape of the model ``spec`` names, read without torch.
+
+    What ``spec`` refers to is decided by ``areal_flow.models.names.resolve_name``, the step
+    the run's weights loader (``areal_flow.models.hf.resolve_folder``) takes too; from it:
+    a preset has its table's shape (a GGUF preset its published model's); a ``.gguf`` file
+    its metadata; a folder its ``config.json``; a ``config.json`` file itself; a hub id the
+    ``config.json`` of its snapshot in the local Hugging Face cache, else its preset's shape
+    (``Qwen/Qwen2.5-7B``), else, for an instruction-tuned variant
+    (``HuggingFaceTB/SmolLM2-135M-Instruct``, ``-chat``, ``-it``), its base preset's shape
+    (their published config.json files agree on it). ``<preset>-rm`` (a reward model the
+    runtime trains from the preset) has the preset's shape: its scalar head is noise next
+    to the backbone.
 
     Raises:
-        ModelSpecError: unknown preset and no such file; the message lists the presets.
+        ModelSpecError: the name refers to nothing (the message of
+            ``areal_flow.models.names.ModelNameError``, which lists the presets), a file or
+            folder is missing or unreadable, or a hub id is neither cached nor a preset's.
     """
     if spec.lower().endswith("-rm") and not Path(spec).expanduser().exists():
         return resolve_model(spec[:-3])
-    key = _preset_key(spec)
-    if key is not None:
-        return spec_from_config(MODEL_PRESETS[key], key)
-    path = Path(spec).expanduser()  # as the runtime's areal_flow.models.hf.resolve_folder reads it
-    if path.suffix == ".gguf" and path.is_file():
-        return spec_from_config(_gguf_config(path), str(path))
-    cached = _hub_cache_config(spec)
-    if cached is not None:
-        path = cached
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file() and path.suffix == ".json":
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ModelSpecError(f"model config {path}: line {err.lineno}: {err.msg}") from err
-        return spec_from_config(config, str(path))
-    base = _preset_key(re.sub(r"-(instruct|chat|it)$", "", spec, flags=re.IGNORECASE))
-    if base is not None:  # an instruction-tuned variant has its base model's config.json shape
-        return spec_from_config(MODEL_PRESETS[base], base)
-    hub = ("; as a hub id it is not in the local Hugging Face cache (the runtime would download it; "
-           "download it first or pass its folder or config.json)") if spec.count("/") == 1 else ""
-    raise ModelSpecError(
-        f"model spec {spec!r}: not a preset and not a config.json file or folder{hub}; "
-        f"presets: {', '.join(MODEL_PRESETS)}"
-    )
+    try:
+        ref = resolve_name(spec)
+    except ModelNameError as err:
+        raise ModelSpecError(str(err)) from err
+    if ref.kind in ("tiny", "preset", "shape"):
+        return _preset_spec(ref.preset)
+    if ref.kind == "gguf":
+        if not ref.path.is_file():
+            raise ModelSpecError(f"model.path {spec!r}: GGUF file not found")
+        return spec_from_config(_gguf_config(ref.path), str(ref.path))
+    if ref.kind == "hub" and ref.path is None:
+        base = ref.preset or preset_key(re.sub(r"-(instruct|chat|it)$", "", spec.split("/")[1], flags=re.IGNORECASE))
+        if base is None:
+            raise ModelSpecError(
+                f"model.path {spec!r}: a hub id not in the local Hugging Face cache and not a preset's (the run "
+                "would download it; download it first or pass its folder or config.json)")
+        return _preset_spec(base)
+    if not ref.path.exists():
+        raise ModelSpecError(f"model.path {spec!r}: no such file or folder")
+    path = ref.path / "config.json" if ref.path.is_dir() else ref.path
+    if not path.is_file():
+        raise ModelSpecError(f"model.path {spec!r}: {ref.path} is not a model folder (no config.json) "
+                             "nor a config.json file")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelSpecError(f"model config {path}: line {err.lineno}: {err.msg}") from err
+    return spec_from_config(config, str(path))
 
 
-def _preset_key(spec: str) -> str | None:
-    """The preset ``spec`` names: case ignored, a hub organisation (``Qwen/``) ignored."""
-    presets = {key.lower(): key for key in MODEL_PRESETS}
-    return presets.get(spec.lower()) or presets.get(spec.rsplit("/", 1)[-1].lower())
+def _preset_spec(key: str) -> ModelSpec:
+    """The shape of preset ``key`` (a GGUF preset: its published model's)."""
+    shape = GGUF_PRESETS[key].shape if key in GGUF_PRESETS else key
+    return spec_from_config(MODEL_PRESETS[shape], shape)
 
 
 def _gguf_config(path: Path) -> dict:
@@ -298,16 +284,3 @@ def _gguf_config(path: Path) -> dict:
         "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
     }
-
-
-def _hub_cache_config(spec: str) -> Path | None:
-    """``config.json`` of hub id ``org/name`` in the local Hugging Face cache (newest snapshot), or None."""
-    import os
-
-    if spec.count("/") != 1 or Path(spec).exists():
-        return None
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    hub = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
-    snapshots = sorted((hub / f"models--{spec.replace('/', '--')}" / "snapshots").glob("*/config.json"),
-                       key=lambda p: p.stat().st_mtime)
-    return snapshots[-1] if snapshots else None

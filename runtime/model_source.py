@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_flow.config import ExperimentConfig
 from areal_flow.dtypes import torch_dtype
-from areal_flow.models import tiny
 
 
 def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -> Path:
@@ -63,16 +62,23 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
 
 
 def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Path:
-    if spec in tiny.PRESETS:
+    """The version-0 folder of ``spec``, resolved by ``areal_flow.models.names.resolve_name``
+    (as the compiler resolves it): a tiny preset (any case) is warm-started, anything else
+    is ``areal_flow.models.hf.folder_of`` its resolution."""
+    from areal_flow.models.names import resolve_name
+
+    ref = resolve_name(spec)
+    if ref.kind == "tiny":
         from runtime.engines.sft import SFTConfig, warm_start
 
         steps = ws.get("steps", 0) if ws.get("enabled", True) else 0
-        return warm_start(task, spec, SFTConfig(steps=steps, batch_size=ws.get("batch_size", 64), lr=ws.get("lr", 3e-3),
-                                                seed=seed, teacher_bug_rate=ws.get("teacher_bug_rate", 0.0)),
+        return warm_start(task, ref.preset, SFTConfig(steps=steps, batch_size=ws.get("batch_size", 64),
+                                                      lr=ws.get("lr", 3e-3), seed=seed,
+                                                      teacher_bug_rate=ws.get("teacher_bug_rate", 0.0)),
                           progress=progress)
-    from areal_flow.models.hf import resolve_folder
+    from areal_flow.models.hf import folder_of
 
-    return resolve_folder(spec)
+    return folder_of(ref)
 
 
 def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32):

