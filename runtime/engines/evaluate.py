@@ -160,7 +160,7 @@ def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, te
         (ModuleNotFoundError, FileNotFoundError, OSError) naming ``spec``.
     """
     from areal_flow.config import ExperimentConfig
-    from areal_flow.models import tiny
+    from areal_flow.models.names import resolve_name
     from runtime.model_source import load_pretrained, prepare_initial_model
 
     if n < 1 or samples < 0:
@@ -168,13 +168,14 @@ def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, te
     cfg = cfg or ExperimentConfig()
     start = time.perf_counter()
     task = build_eval_task(task_name, cfg.seed, max_digits, cfg.dataset.path)
-    if spec in tiny.PRESETS:
-        cfg.model.path = spec
+    ref = resolve_name(spec)  # as compile and run resolve it
+    if ref.kind == "tiny":
+        cfg.model.path = ref.preset
         folder = prepare_initial_model(cfg, task, progress=progress)
     else:
-        from areal_flow.models.hf import resolve_folder
+        from areal_flow.models.hf import folder_of
 
-        folder = resolve_folder(spec)
+        folder = folder_of(ref)
     model, tokenizer = load_pretrained(folder, cfg.model.dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
