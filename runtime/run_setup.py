@@ -117,6 +117,7 @@ class RunSetup:
                 check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
                                         critic=self.plan.models[node.model]["head"] != "lm",
                                         max_tokens_per_micro_batch=node.attrs.get("max_tokens_per_micro_batch", 0))
+        self._check_token_budget()
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
@@ -124,6 +125,44 @@ class RunSetup:
             if self.show_progress:
                 print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
+
+    def _check_token_budget(self) -> None:
+        """Refuse a ``train.max_tokens_per_micro_batch`` below the longest trajectory the run
+        can make (before any worker starts): for ``generate``, the longest of this run's
+        training prompts in tokens (``encode_prompt``, as the generator feeds them) +
+        ``max_new_tokens``; for ``rollout``, the episode's ``max_context`` tokens.
+
+        Raises:
+            ConfigError: names ``train.max_tokens_per_micro_batch``, the train_step node and the
+                needed minimum (tokens).
+        """
+        from areal_flow.config import ConfigError
+
+        budgets = [(n.name, n.attrs.get("max_tokens_per_micro_batch", 0)) for n in self.topo.train_steps]
+        budgets = [(name, b) for name, b in budgets if b]
+        if not budgets:
+            return
+        gen = self.topo.generate
+        folder = self.folders[gen.model]
+        if gen.op == "rollout":
+            from compiler.plan import decode_value
+            from runtime.executors.rollout import episode_context
+
+            longest, what = episode_context(decode_value(gen.attrs), folder), "the episode's max_context"
+        else:
+            from transformers import AutoTokenizer
+
+            from areal_flow.ops.generate import encode_prompt
+
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            problems = self.task.train_problems(self.topo.steps * self.topo.batch_groups, seed=self.plan.run["seed"] + 1)
+            prompt = max(len(encode_prompt(tokenizer, p["prompt"], gen.attrs.get("chat_template"))) for p in problems)
+            longest = prompt + gen.attrs["max_new_tokens"]
+            what = f"the longest training prompt ({prompt} tokens) + gen.max_new_tokens ({gen.attrs['max_new_tokens']})"
+        for name, budget in budgets:
+            if budget < longest:
+                raise ConfigError(f"train.max_tokens_per_micro_batch={budget} (train_step '{name}') is below "
+                                  f"{what} = {longest} tokens; set it to at least {longest}, or 0 (off)")
 
     def _held_out(self, folder, when: str) -> None:
         """``accuracy_<when>`` on the held-out set (and the answer kinds, or for episodes of a

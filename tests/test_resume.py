@@ -307,3 +307,29 @@ def test_ppo_critic_and_its_optimizer_resume_bit_for_bit(tmp_path, warm_cache):
     assert _same(*heads)
     assert not _same(_weights(tmp_path / "whole/critic"), _weights(tmp_path / "whole/checkpoints/version_2/critic"))
     _exactly_once(tmp_path / "dies", k=0)
+
+
+class _TwoPrompts:
+    """A task whose training prompts are fixed, so the longest is known by hand."""
+
+    def train_problems(self, n: int, seed: int) -> list[dict]:
+        return [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}]
+
+
+def test_a_token_budget_below_the_longest_trajectory_is_refused_before_workers(tmp_path):
+    from areal_flow.config import ConfigError
+    from areal_flow.models.tokenizer import build_char_tokenizer
+    from runtime.run_setup import RunSetup
+
+    build_char_tokenizer().save_pretrained(tmp_path / "policy")
+    # longest prompt "10+20=": <bos> + 6 characters = 7 tokens; + gen.max_new_tokens 5 = 12 tokens
+    for budget, refused in ((11, True), (12, False)):
+        setup = RunSetup.create(_plan(tmp_path, "train.pack_sequences=true",
+                                      f"train.max_tokens_per_micro_batch={budget}"), show_progress=False)
+        setup.task, setup.folders = _TwoPrompts(), {setup.topo.generate.model: str(tmp_path / "policy")}
+        if refused:
+            with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch=11 \(train_step 'train_step'\) "
+                                                  r"is below .*prompt \(7 tokens\) .*set it to at least 12"):
+                setup._check_token_budget()
+        else:
+            setup._check_token_budget()
