@@ -145,6 +145,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         path = Path(args.plan)
         if not path.is_file():
             raise CLIError(f"plan file not found: {path}")
+        if args.resume and args.resume != "auto":
+            _resume_folder(args.resume)
         run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
         return 0
     if not args.file:
@@ -152,8 +154,40 @@ def _cmd_run(args: argparse.Namespace) -> int:
     flow = load_flow(args.file, args.flow)
     cfg = _config(flow, args)
     if args.resume:
+        if cfg.resume and cfg.resume != args.resume:
+            raise CLIError(f"--resume {args.resume} and resume={cfg.resume} both given; pass one of them")
+        if args.resume != "auto":
+            folder = _resume_folder(args.resume)
+            given = dict(o.split("=", 1) for o in args.overrides if o.startswith(("name=", "out_dir=")))
+            for key, own in (("name", folder.name), ("out_dir", str(folder.parent))):
+                value = given.get(key)
+                same = value is None or (Path(value).resolve() == Path(own).resolve() if key == "out_dir"
+                                         else value == own)
+                if not same:
+                    raise CLIError(f"--resume {args.resume} is the run folder of {key}={own}, but {key}={value} "
+                                   f"was also given; drop {key}= (the run folder sets it)")
+            cfg.name, cfg.out_dir = folder.name, str(folder.parent)
         cfg.resume = args.resume
     return run_flow(flow, cfg)
+
+
+def _resume_folder(arg: str) -> Path:
+    """The run folder ``--resume`` names (``runs/<name>``).
+
+    Raises:
+        CLIError: the folder does not exist, is a checkpoint folder inside a run folder (names
+            the run folder to pass), or holds no ``plan.json``.
+    """
+    folder = Path(arg)
+    if not folder.is_dir():
+        raise CLIError(f"--resume {arg}: no such folder (pass a run folder, runs/<name>)")
+    if folder.resolve().parent.name == "checkpoints" and folder.name.startswith("version_"):
+        run = folder.resolve().parent.parent
+        raise CLIError(f"--resume {arg}: a checkpoint folder; pass the run folder {run} (a resume continues from "
+                       "its last complete checkpoint)")
+    if not (folder / "plan.json").is_file():
+        raise CLIError(f"--resume {arg}: not a run folder (no plan.json); runs write runs/<name>/")
+    return folder
 
 
 def run_flow(flow: Flow, cfg) -> int:
