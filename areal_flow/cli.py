@@ -331,7 +331,8 @@ def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="areal-flow", description=__doc__.split("\n")[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the module doc's first paragraph
+    parser = argparse.ArgumentParser(prog="areal-flow", description=summary)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("graph", help="trace a graph file and print its nodes and edges")
     _add_graph_args(p)
@@ -364,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
     p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
-    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat"), help="test set and reward")
+    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat", "longtail"),
+                   help="test set and reward")
     p.add_argument("--n", type=int, default=500, help="test problems (default 500)")
     p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
