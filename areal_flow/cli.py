@@ -1,7 +1,8 @@
 """The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``simulate``, ``eval``,
 ``config``, ``timeline`` and ``replay``.
 
-Owns argument parsing and the loading of graph files; the work is the compiler's
+Owns argument parsing and the loading of graph files (the run command's checks, ``--resume``
+included, are ``areal_flow.cli_run``); the work is the compiler's
 (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
 
     areal-flow graph graphs/arith_grpo.py                       # nodes, edges, staleness
@@ -135,66 +136,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if args.plan:
-        from compiler.plan import Plan
-        from runtime.launch import run
+    from areal_flow.cli_run import run_command
 
-        if args.file or args.overrides or args.config or args.flow:
-            raise CLIError("run --plan PLAN.json takes no graph file, --config, --flow or overrides: the plan is the "
-                           "whole program (edit it, or compile a new one)")
-        path = Path(args.plan)
-        if not path.is_file():
-            raise CLIError(f"plan file not found: {path}")
-        if args.resume and args.resume != "auto":
-            _resume_folder(args.resume)
-        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
-        return 0
-    if not args.file:
-        raise CLIError("run needs a graph file, or --plan PLAN.json")
-    flow = load_flow(args.file, args.flow)
-    cfg = _config(flow, args)
-    if args.resume:
-        if cfg.resume and cfg.resume != args.resume:
-            raise CLIError(f"--resume {args.resume} and resume={cfg.resume} both given; pass one of them")
-        if args.resume != "auto":
-            folder = _resume_folder(args.resume)
-            given = dict(o.split("=", 1) for o in args.overrides if o.startswith(("name=", "out_dir=")))
-            for key, own in (("name", folder.name), ("out_dir", str(folder.parent))):
-                value = given.get(key)
-                same = value is None or (Path(value).resolve() == Path(own).resolve() if key == "out_dir"
-                                         else value == own)
-                if not same:
-                    raise CLIError(f"--resume {args.resume} is the run folder of {key}={own}, but {key}={value} "
-                                   f"was also given; drop {key}= (the run folder sets it)")
-            cfg.name, cfg.out_dir = folder.name, str(folder.parent)
-        cfg.resume = args.resume
-    return run_flow(flow, cfg)
-
-
-def _resume_folder(arg: str) -> Path:
-    """The run folder ``--resume`` names (``runs/<name>``).
-
-    Raises:
-        CLIError: the folder does not exist, is a checkpoint folder inside a run folder (names
-            the run folder to pass), or holds no ``plan.json``.
-    """
-    folder = Path(arg)
-    if not folder.is_dir():
-        raise CLIError(f"--resume {arg}: no such folder (pass a run folder, runs/<name>)")
-    if folder.resolve().parent.name == "checkpoints" and folder.name.startswith("version_"):
-        run = folder.resolve().parent.parent
-        raise CLIError(f"--resume {arg}: a checkpoint folder; pass the run folder {run} (a resume continues from "
-                       "its last complete checkpoint)")
-    if not (folder / "plan.json").is_file():
-        raise CLIError(f"--resume {arg}: not a run folder (no plan.json); runs write runs/<name>/")
-    return folder
-
-
-def run_flow(flow: Flow, cfg) -> int:
-    from runtime.launch import run_experiment
-
-    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
-    return 0
+    return run_command(args)
 
 
 def _cmd_viz(args: argparse.Namespace) -> int:
@@ -348,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_args(p, optional=True)
     p.add_argument("--plan", help="run this plan.json (from 'areal-flow compile --plan'); nothing else is read")
     p.add_argument("--resume", metavar="RUN_FOLDER",
-                   help="continue the run in RUN_FOLDER (runs/<name>) from its last complete checkpoint; 'auto': "
-                        "resume if the run's folder holds one, else start fresh (config key resume)")
+                   help="continue the run in RUN_FOLDER (runs/<name>; it sets name and out_dir) from its last "
+                        "complete checkpoint; 'auto': resume if the run's folder holds one, else start fresh (config "
+                        "key resume)")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("viz", help="draw a plan.json as a placement graph")
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
@@ -452,8 +397,12 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
     parser.add_argument("--config", help="YAML config (default: the .yaml beside this file)")
     args = parser.parse_args(argv)
+    from areal_flow.cli_run import run_flow
+
     return _guarded(lambda a: run_flow(flow, _config(flow, a)), args)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # `python -m areal_flow.cli`: run the imported module, whose CLIError
+    from areal_flow.cli import main as imported_main  # is the one areal_flow.cli_run raises
+
+    raise SystemExit(imported_main())
