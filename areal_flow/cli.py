@@ -1,7 +1,8 @@
 """The ``areal-flow`` command line: ``graph``, ``compile``, ``run``, ``viz``, ``simulate``, ``eval``,
 ``config``, ``timeline`` and ``replay``.
 
-Owns argument parsing and the loading of graph files; the work is the compiler's
+Owns argument parsing and the loading of graph files (the run command's checks, ``--resume``
+included, are ``areal_flow.cli_run``); the work is the compiler's
 (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
 
     areal-flow graph graphs/arith_grpo.py                       # nodes, edges, staleness
@@ -137,32 +138,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if args.plan:
-        from compiler.plan import Plan
-        from runtime.launch import run
+    from areal_flow.cli_run import run_command
 
-        if args.file or args.overrides or args.config or args.flow:
-            raise CLIError("run --plan PLAN.json takes no graph file, --config, --flow or overrides: the plan is the "
-                           "whole program (edit it, or compile a new one)")
-        path = Path(args.plan)
-        if not path.is_file():
-            raise CLIError(f"plan file not found: {path}")
-        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
-        return 0
-    if not args.file:
-        raise CLIError("run needs a graph file, or --plan PLAN.json")
-    flow = load_flow(args.file, args.flow)
-    cfg = _config(flow, args)
-    if args.resume:
-        cfg.resume = args.resume
-    return run_flow(flow, cfg)
-
-
-def run_flow(flow: Flow, cfg) -> int:
-    from runtime.launch import run_experiment
-
-    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
-    return 0
+    return run_command(args)
 
 
 def _cmd_viz(args: argparse.Namespace) -> int:
@@ -299,7 +277,8 @@ def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="areal-flow", description=__doc__.split("\n")[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the module doc's first paragraph
+    parser = argparse.ArgumentParser(prog="areal-flow", description=summary)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("graph", help="trace a graph file and print its nodes and edges")
     _add_graph_args(p)
@@ -315,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_args(p, optional=True)
     p.add_argument("--plan", help="run this plan.json (from 'areal-flow compile --plan'); nothing else is read")
     p.add_argument("--resume", metavar="RUN_FOLDER",
-                   help="continue the run in RUN_FOLDER (runs/<name>) from its last complete checkpoint; 'auto': "
-                        "resume if the run's folder holds one, else start fresh (config key resume)")
+                   help="continue the run in RUN_FOLDER (runs/<name>; it sets name and out_dir) from its last "
+                        "complete checkpoint; 'auto': resume if the run's folder holds one, else start fresh (config "
+                        "key resume)")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("viz", help="draw a plan.json as a placement graph")
     p.add_argument("plan", help="plan.json from 'areal-flow compile --plan'")
@@ -332,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
     p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
-    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat"), help="test set and reward")
+    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat", "longtail"),
+                   help="test set and reward")
     p.add_argument("--n", type=int, default=500, help="test problems (default 500)")
     p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
@@ -418,8 +399,12 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
     parser.add_argument("--config", help="YAML config (default: the .yaml beside this file)")
     args = parser.parse_args(argv)
+    from areal_flow.cli_run import run_flow
+
     return _guarded(lambda a: run_flow(flow, _config(flow, a)), args)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # `python -m areal_flow.cli`: run the imported module, whose CLIError
+    from areal_flow.cli import main as imported_main  # is the one areal_flow.cli_run raises
+
+    raise SystemExit(imported_main())

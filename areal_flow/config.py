@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -333,6 +334,10 @@ class ExperimentConfig:
             self.train.micro_batch_size = math.ceil(rows / self.train.gradient_accumulation_steps)
         if self.compile.prompts_per_step is None:
             self.compile.prompts_per_step = self.train.batch_size
+        if self.resume not in ("", "auto") and not os.path.isdir(self.resume):
+            boolean = " (YAML reads yes/no/true/false as a boolean)" if self.resume in ("True", "False") else ""
+            raise ConfigError(f"resume={self.resume!r}{boolean}: expected '' (a new run), 'auto' (resume <out_dir>/<name> if it "
+                              "holds a complete checkpoint, else start) or an existing run folder (what --resume sets)")
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("train.checkpoint_every", self.train.checkpoint_every),

@@ -32,11 +32,13 @@ measured columns, which is the likely source of the ~17-23 MiB by which
 On the logits: the prediction keeps 8 bytes per token and vocabulary entry (fp32
 logits and their gradient); fp32 cross-entropy also materialises its log-softmax.
 
-    python bench/memory_model.py
+    python bench/memory_model.py                  # every strategy
+    python bench/memory_model.py --strategy t2    # one (repeatable)
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import resource
@@ -105,12 +107,18 @@ def measure(rank: int, world_size: int, strategy: ParallelStrategy, config: Para
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strategy", action="append", choices=sorted({text for text, _ in STRATEGIES}),
+                        help="measure only this strategy (repeatable; default: all)")
+    args = parser.parse_args()
     model_config = Qwen2Config(**MODEL)
     spec = spec_from_config(model_config.to_dict(), "bench-qwen2-tiny")
     print(f"model: {spec.n_params / 1e6:.2f} M params ({spec.n_params * 4 / MIB:.1f} MiB fp32), "
           f"batch {BATCH} x {SEQ} tokens, fp32, CPU/gloo; memory = RSS growth per rank (MiB)")
     print(f"{'strategy':<14}{'rank':>5}{'peak':>9}{'pred.total':>11}{'ratio':>7}{'states':>9}{'pred.states':>12}{'ratio':>7}")
     for text, config in STRATEGIES:
+        if args.strategy and text not in args.strategy:
+            continue
         strategy = ParallelStrategy.parse(text)
         predicted = training_memory(
             spec, strategy, tokens_per_step=BATCH * SEQ, micro_batches=config.n_microbatches, dtype="fp32",

@@ -61,9 +61,23 @@ class RunSetup:
 
         topo = build_topology(plan)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
+        wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
+        checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
+        if resume == "auto" and not checkpointing:
+            print("areal-flow: warning: resume=auto without train.checkpoint_every: this run writes no checkpoint, "
+                  "so it can never be resumed", file=sys.stderr)
+        if wide is not None and checkpointing:
+            print(f"areal-flow: warning: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks: its "
+                  "checkpoints (train.checkpoint_every) hold the weights only, and resume refuses them", file=sys.stderr)
+        if wide is not None and resume == "auto":  # "resume if there is one, else start" (docs/RESUME.md)
+            print(f"areal-flow: note: resume=auto: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks, "
+                  "which resume does not support; starting a new run", file=sys.stderr)
+            resume = ""
         checkpoint = resume_point(resume, out_dir)
         if checkpoint is not None:
-            _check_resumable(plan, topo, out_dir)
+            _check_resumable(plan, topo, out_dir, checkpoint.version)
+            if json.loads((out_dir / "plan.json").read_text())["run"]["steps"] != plan.run["steps"]:
+                (out_dir / "plan.json").write_text(plan.to_json())  # continued for more steps: the plan it runs
             print(f"areal-flow: resuming {out_dir} from {checkpoint.folder.name} (step {checkpoint.version} of "
                   f"{topo.steps})", file=sys.stderr)
         else:
@@ -117,6 +131,7 @@ class RunSetup:
                 check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
                                         critic=self.plan.models[node.model]["head"] != "lm",
                                         max_tokens_per_micro_batch=node.attrs.get("max_tokens_per_micro_batch", 0))
+        self._check_token_budget()
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
@@ -124,6 +139,44 @@ class RunSetup:
             if self.show_progress:
                 print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
+
+    def _check_token_budget(self) -> None:
+        """Refuse a ``train.max_tokens_per_micro_batch`` below the longest trajectory the run
+        can make (before any worker starts): for ``generate``, the longest of this run's
+        training prompts in tokens (``encode_prompt``, as the generator feeds them) +
+        ``max_new_tokens``; for ``rollout``, the episode's ``max_context`` tokens.
+
+        Raises:
+            ConfigError: names ``train.max_tokens_per_micro_batch``, the train_step node and the
+                needed minimum (tokens).
+        """
+        from areal_flow.config import ConfigError
+
+        budgets = [(n.name, n.attrs.get("max_tokens_per_micro_batch", 0)) for n in self.topo.train_steps]
+        budgets = [(name, b) for name, b in budgets if b]
+        if not budgets:
+            return
+        gen = self.topo.generate
+        folder = self.folders[gen.model]
+        if gen.op == "rollout":
+            from compiler.plan import decode_value
+            from runtime.executors.rollout import episode_context
+
+            longest, what = episode_context(decode_value(gen.attrs), folder), "the episode's max_context"
+        else:
+            from transformers import AutoTokenizer
+
+            from areal_flow.ops.generate import encode_prompt
+
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            problems = self.task.train_problems(self.topo.steps * self.topo.batch_groups, seed=self.plan.run["seed"] + 1)
+            prompt = max(len(encode_prompt(tokenizer, p["prompt"], gen.attrs.get("chat_template"))) for p in problems)
+            longest = prompt + gen.attrs["max_new_tokens"]
+            what = f"the longest training prompt ({prompt} tokens) + gen.max_new_tokens ({gen.attrs['max_new_tokens']})"
+        for name, budget in budgets:
+            if budget < longest:
+                raise ConfigError(f"train.max_tokens_per_micro_batch={budget} (train_step '{name}') is below "
+                                  f"{what} = {longest} tokens; set it to at least {longest}, or 0 (off)")
 
     def _held_out(self, folder, when: str) -> None:
         """``accuracy_<when>`` on the held-out set (and the answer kinds, or for episodes of a
@@ -208,12 +261,18 @@ class RunSetup:
 RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
+USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name", "run.out_dir": "out_dir"}
+"""The config key a user sets for a ``plan.run`` key a resume compares."""
 
-def _check_resumable(plan: Plan, topo: Topology, out_dir: Path) -> None:
+
+def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) -> None:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
-    ``plan`` beyond :data:`RUNTIME_ONLY`) or with a multi-rank trainer (ResumeError)."""
+    ``plan`` beyond :data:`RUNTIME_ONLY`, and beyond ``train.steps`` when the new value is at
+    least the checkpoint's ``version``: continuing a run for more steps) or with a multi-rank
+    trainer (ResumeError, naming the config keys that differ)."""
     def program(data: dict) -> dict:
-        run = {k: v for k, v in data.get("run", {}).items() if k not in RUNTIME_ONLY}
+        ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= version else ())
+        run = {k: v for k, v in data.get("run", {}).items() if k not in ignored}
         return {**{k: v for k, v in data.items() if k != "id"}, "run": run}
 
     try:
@@ -223,10 +282,13 @@ def _check_resumable(plan: Plan, topo: Topology, out_dir: Path) -> None:
     now = program(json.loads(plan.to_json()))
     if before != now:
         keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
-                      {f"run.{k}" for k in before["run"].keys() | now["run"].keys()
+                      {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
                        if before["run"].get(k) != now["run"].get(k)})
+        steps = (f"; train.steps={plan.run['steps']} is below the checkpoint's step {version}"
+                 if "train.steps" in keys else "")
         raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
-                          f"{', '.join(keys)}); resume with the same graph and config, or start a new run")
+                          f"{', '.join(keys)}{steps}); resume with the same graph and config (train.steps may grow), "
+                          "or start a new run")
     wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
     if wide is not None:
         raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} "

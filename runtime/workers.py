@@ -25,6 +25,7 @@ version)`` (``runtime.checkpoint.sampling_seed``; the embedded engine), so a res
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from compiler.plan import Plan, decode_value
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.checkpoint import sampling_seed
 from runtime.context import WorkerContext
+from runtime.engines.precision import MIN_SPEEDUP
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.trace import TraceRecorder, now_us
 from runtime.weights import WeightSubscriber
@@ -112,6 +114,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     ctx = worker_context(spec)
     nodes = [ctx.node(n) for n in worker_group(spec).nodes]
     gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
+    precision = engine_precision(spec, gen)
     local = [n for n in nodes if n.grain != "stream"]
     executors = {n.name: make_executor(n, ctx) for n in local}
     key = spec.secret
@@ -184,9 +187,38 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         trace.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
-    return {**counts, **getattr(gen, "counts", {}), "final_version": gen.version,
+    return {**counts, **getattr(gen, "counts", {}), **precision, "final_version": gen.version,
             "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
             **failure_counts(executors)}
+
+
+def engine_precision(spec: WorkerSpec, gen) -> dict:
+    """Say on stderr which dtype replica ``spec.rank``'s embedded engine decodes in: for
+    ``gen.dtype=auto`` the choice and its measured decode-step speedup
+    (``runtime.engines.precision``); and warn when it is not float32 while a train_step's
+    ``train.loss.use_decoupled_loss`` is false (the behavior log-probs are then the PPO
+    reference: README "Performance"). Returns ``engine_dtype`` (and ``engine_dtype_speedup``,
+    fp32 seconds / 16-bit seconds of one decode step) for the replica's summary, or ``{}``
+    for an engine without one (vLLM)."""
+    engine = getattr(gen, "engine", None)
+    dtype = getattr(engine, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return {}
+    name, where = str(dtype).removeprefix("torch."), f"generate '{gen.node.name}' replica {spec.rank}"
+    out = {"engine_dtype": name}
+    speedup = getattr(engine, "dtype_speedup", None)
+    if speedup is not None:
+        out["engine_dtype_speedup"] = round(speedup, 3)
+        low = "float16" if str(getattr(engine, "device", "cpu")).startswith("cuda") else "bfloat16"
+        print(f"{where}: gen.dtype=auto chose {name} ({low} decode step {speedup:.2f}x as fast as float32; "
+              f"{MIN_SPEEDUP}x needed)", file=sys.stderr)
+    coupled = [n.name for n in spec.plan.nodes if n.op == "train_step"
+               and not n.attrs.get("loss", {}).get("use_decoupled_loss", False)]
+    if dtype != torch.float32 and coupled:
+        print(f"{where}: warning: the engine decodes in {name} while train.loss.use_decoupled_loss is false "
+              f"(train_step '{coupled[0]}'): its behavior log-probs, off from the trainer's float32 "
+              "ones, are then the PPO reference (README \"Performance\"); set use_decoupled_loss=true or gen.dtype=float32", file=sys.stderr)
+    return out
 
 
 def seed_sampling(gen, spec: WorkerSpec) -> None:

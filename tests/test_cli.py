@@ -77,3 +77,22 @@ def test_config_lists_keys_defaults_docs_and_aliases():
     resolved = _cli("config", "graphs/arith_grpo.yaml", "training.seed=7", "actor.optimizer.lr=0.5")
     assert resolved.returncode == 0, resolved.stderr
     assert "\nseed: 7\n" in resolved.stdout and "  lr: 0.5\n" in resolved.stdout
+
+
+def test_help_names_every_command_and_eval_knows_the_longtail_task():
+    from areal_flow.cli import build_parser
+    from runtime.engines.evaluate import build_eval_task
+
+    out = _cli("--help")
+    assert out.returncode == 0 and "config, timeline and replay." in " ".join(out.stdout.split()), out.stdout
+    args = build_parser().parse_args(["eval", "runs/longtail_grpo/model", "--task", "longtail"])
+    task = build_eval_task(args.task, seed=1)
+    problem = task.test_set(1)[0]
+    assert task.reward(problem["answer"] + "<eos>", problem["answer"]) == 1.0  # the task's own answer is right
+    assert task.reward(problem["answer"] + " 0", problem["answer"]) == 0.0  # one number too many
+
+
+def test_bench_memory_model_help_runs_nothing():
+    out = subprocess.run([sys.executable, "bench/memory_model.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0 and "--strategy" in out.stdout and "strategy  rank" not in out.stdout, out.stdout

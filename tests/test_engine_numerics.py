@@ -117,3 +117,26 @@ def test_top_p_cut_tokens_are_never_drawn():
     freq = (ids == 0).float().mean().item()
     assert abs(freq - 0.625) < 5 * math.sqrt(0.625 * 0.375 / n)
     assert torch.allclose(logps[ids == 1], torch.tensor(math.log(0.3)), atol=1e-6)  # untruncated log-prob
+
+
+def test_each_replica_says_which_dtype_auto_chose_and_warns_for_a_coupled_loss(monkeypatch, capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from runtime.workers import engine_precision
+    from test_resume import _plan
+
+    monkeypatch.setattr(precision, "_decode_step_seconds", lambda model, device, rows, dtypes: [1.0, 0.4])
+    monkeypatch.setattr(precision, "_CHOICES", {})
+    engine = GenerationEngine(_model(0), TOK, max_batch_size=4, dtype="auto")  # 1.0 / 0.4 = 2.5x >= 1.3x: bf16
+    gen = SimpleNamespace(engine=engine, node=SimpleNamespace(name="generate"))
+    spec = SimpleNamespace(rank=1, plan=_plan(tmp_path))  # train.loss.use_decoupled_loss defaults to false
+    assert engine_precision(spec, gen) == {"engine_dtype": "bfloat16", "engine_dtype_speedup": 2.5}
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("generate 'generate' replica 1: gen.dtype=auto chose bfloat16 (bfloat16 decode step 2.50x as "
+                        "fast as float32; 1.3x needed)")
+    assert len(lines) == 2 and "warning: the engine decodes in bfloat16 while train.loss.use_decoupled_loss" in lines[1]
+    spec.plan = _plan(tmp_path, "train.loss.use_decoupled_loss=true")
+    engine_precision(spec, gen)
+    assert "warning" not in capsys.readouterr().err  # the recomputed proximal log-probs are the reference
+    forced = SimpleNamespace(engine=GenerationEngine(_model(0), TOK, max_batch_size=4), node=gen.node)
+    assert engine_precision(spec, forced) == {"engine_dtype": "float32"} and capsys.readouterr().err == ""

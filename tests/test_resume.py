@@ -269,24 +269,73 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
         RunSetup.create(_plan(tmp_path, "train.lr=5e-4"), show_progress=False, resume=str(run_dir))
     with pytest.raises(ResumeError, match="resuming runs on the local scheduler only"):
         run(_plan(tmp_path, "scheduler.type=ray"), show_progress=False, resume="auto")
-    wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1")
+    wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1",
+                 "train.checkpoint_every=1")
     (run_dir / "plan.json").write_text(wide.to_json())
+    capsys.readouterr()
     with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
-        RunSetup.create(wide, show_progress=False, resume="auto")
+        RunSetup.create(wide, show_progress=False, resume=str(run_dir))
+    assert capsys.readouterr().err.count("hold the weights only, and resume refuses them") == 1
+    fresh = RunSetup.create(wide, show_progress=False, resume="auto")  # resume=auto: "else start"
+    err = capsys.readouterr().err
+    assert fresh.checkpoint is None and "runs on 2 ranks, which resume does not support; starting a new run" in err
+    assert not (run_dir / "checkpoints").exists()  # the earlier folder was moved aside
+
+
+def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, capsys):
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir  # train.steps=3
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
+    with pytest.raises(ResumeError, match=r"differ in train.steps; train.steps=1 is below the checkpoint's step 2"):
+        RunSetup.create(_plan(tmp_path, "train.steps=1"), show_progress=False, resume="auto")
+    setup = RunSetup.create(_plan(tmp_path, "train.steps=5"), show_progress=False, resume="auto")
+    assert setup.checkpoint.version == 2 and setup.topo.steps == 5
+    assert json.loads((run_dir / "plan.json").read_text())["run"]["steps"] == 5  # the plan the folder now runs
+    assert "resume=auto without train.checkpoint_every" in capsys.readouterr().err
+
+
+def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_arguments_are_checked_in_one_line(tmp_path):
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir  # tmp_path/exp
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
+    cases = [(("--resume", str(tmp_path / "nope")), f"--resume {tmp_path / 'nope'}: no such folder"),
+             (("--resume", str(run_dir / "checkpoints/version_2")), f"a checkpoint folder; pass the run folder {run_dir}"),
+             (("--resume", str(run_dir), "name=other"), "is the run folder of name=exp, but name=other was also given"),
+             (("--resume", str(run_dir), "resume=auto"), f"--resume {run_dir} and resume=auto both given"),
+             (("resume=yes",), "resume='True' (YAML reads yes/no/true/false as a boolean): expected '' (a new run), "
+                                "'auto'"),
+             (("resume=latest",), "resume='latest': expected '' (a new run), 'auto'"),
+             # name and out_dir come from the folder: the plan is compared with exp's, and differs in train.lr only
+             (("--resume", str(run_dir), "train.lr=5e-4"), f"cannot resume {run_dir}: its plan.json is another "
+                                                            "program than this run's (they differ in nodes)")]
+    for args, message in cases:
+        done = _run_cli(tmp_path, *args)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, (args, done.stderr[-2000:])
+        assert done.stderr.startswith("areal-flow: error: ") and message in done.stderr, (args, done.stderr)
 
 
 def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY,
-                           f"out_dir={tmp_path}", "name=exp", "--resume", str(tmp_path / "other")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
-    assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
-                                  f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
-    assert not (tmp_path / "exp").exists()  # nothing started
     plan = tmp_path / "plan.json"
     subprocess.run([sys.executable, "-m", "areal_flow.cli", "compile", "graphs/arith_grpo.py", *TINY,
                     f"out_dir={tmp_path}", "name=exp", "--plan", "-o", str(plan)], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/plan.json").write_text(plan.read_text())
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(plan), "--resume",
+                           str(tmp_path / "other")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.startswith(f"areal-flow: error: --resume {tmp_path / 'other'}: this plan writes to "
+                                  f"{tmp_path / 'exp'} (out_dir and name)") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "exp").exists()  # nothing started
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp/plan.json").write_text(plan.read_text())
     done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(plan), "--resume",
                            str(tmp_path / "exp")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr == (f"areal-flow: error: --resume {tmp_path / 'exp'}: no complete "
@@ -307,3 +356,29 @@ def test_ppo_critic_and_its_optimizer_resume_bit_for_bit(tmp_path, warm_cache):
     assert _same(*heads)
     assert not _same(_weights(tmp_path / "whole/critic"), _weights(tmp_path / "whole/checkpoints/version_2/critic"))
     _exactly_once(tmp_path / "dies", k=0)
+
+
+class _TwoPrompts:
+    """A task whose training prompts are fixed, so the longest is known by hand."""
+
+    def train_problems(self, n: int, seed: int) -> list[dict]:
+        return [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}]
+
+
+def test_a_token_budget_below_the_longest_trajectory_is_refused_before_workers(tmp_path):
+    from areal_flow.config import ConfigError
+    from areal_flow.models.tokenizer import build_char_tokenizer
+    from runtime.run_setup import RunSetup
+
+    build_char_tokenizer().save_pretrained(tmp_path / "policy")
+    # longest prompt "10+20=": <bos> + 6 characters = 7 tokens; + gen.max_new_tokens 5 = 12 tokens
+    for budget, refused in ((11, True), (12, False)):
+        setup = RunSetup.create(_plan(tmp_path, "train.pack_sequences=true",
+                                      f"train.max_tokens_per_micro_batch={budget}"), show_progress=False)
+        setup.task, setup.folders = _TwoPrompts(), {setup.topo.generate.model: str(tmp_path / "policy")}
+        if refused:
+            with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch=11 \(train_step 'train_step'\) "
+                                                  r"is below .*prompt \(7 tokens\) .*set it to at least 12"):
+                setup._check_token_budget()
+        else:
+            setup._check_token_budget()

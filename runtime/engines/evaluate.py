@@ -67,7 +67,7 @@ def answer_accuracy(task, answers: list[str], problems: list[dict]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-EVAL_TASKS = ("gsm8k", "arith", "arith-chat")
+EVAL_TASKS = ("gsm8k", "arith", "arith-chat", "longtail")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -116,8 +116,9 @@ def sampled_correct(engine, tokenizer, task, problems: list[dict], n_samples: in
 def build_eval_task(name: str, seed: int = 1, max_digits: int = 2, dataset_path: str = ""):
     """The task of ``areal-flow eval --task``: ``gsm8k`` (shipped test split, or
     ``dataset_path``), ``arith`` (the main job's: ``max_digits``-digit ``+``/``-``, plain
-    prompts), ``arith-chat`` (the same problems as chat questions). ``seed`` fixes the
-    arithmetic test set as a run's ``seed`` does.
+    prompts), ``arith-chat`` (the same problems as chat questions), ``longtail`` (count on
+    from a number, ``graphs/longtail_grpo.py``'s task). ``seed`` fixes the arithmetic and
+    long-tail test sets as a run's ``seed`` does.
 
     Raises:
         ValueError: an unknown task name, listing the known ones.
@@ -130,6 +131,10 @@ def build_eval_task(name: str, seed: int = 1, max_digits: int = 2, dataset_path:
         from areal_flow.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(seed=seed, max_digits=max_digits, prompt_style="chat" if name == "arith-chat" else "plain")
+    if name == "longtail":
+        from areal_flow.tasks.longtail import LongTailTask
+
+        return LongTailTask(seed=seed)
     raise ValueError(f"--task {name!r}: expected one of {', '.join(EVAL_TASKS)}")
 
 

@@ -27,7 +27,8 @@ from areal_flow.dtypes import torch_dtype
 MIN_SPEEDUP = 1.3
 """``auto`` picks the 16-bit type only when its decode step is this many times faster than fp32."""
 
-_CHOICES: dict[tuple, torch.dtype] = {}
+_CHOICES: dict[tuple, tuple[torch.dtype, float]] = {}
+"""Per (device, rows, model shape): ``auto``'s choice and its measured speedup (below)."""
 
 
 def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.nn.Module) -> torch.dtype:
@@ -46,12 +47,24 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
     if isinstance(name, torch.dtype) or str(name).lower() != "auto":
         return torch_dtype(name, "gen.dtype", extra=("auto",))
     low = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
-    cfg = model.config
-    key = (str(device), rows, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    key = _key(device, rows, model)
     if key not in _CHOICES:
         fp32_s, low_s = _decode_step_seconds(model, device, rows, (torch.float32, low))
-        _CHOICES[key] = low if fp32_s >= MIN_SPEEDUP * low_s else torch.float32
-    return _CHOICES[key]
+        _CHOICES[key] = (low if fp32_s >= MIN_SPEEDUP * low_s else torch.float32, fp32_s / low_s)
+    return _CHOICES[key][0]
+
+
+def auto_speedup(device: str, rows: int, model: torch.nn.Module) -> float | None:
+    """The decode-step speedup ``auto`` measured for this device, rows and model shape:
+    fp32 seconds / 16-bit seconds of one step (> 1: the 16-bit step is faster); None when
+    :func:`engine_dtype` has not measured it in this process (e.g. ``gen.dtype`` forced)."""
+    choice = _CHOICES.get(_key(device, rows, model))
+    return None if choice is None else choice[1]
+
+
+def _key(device: str, rows: int, model: torch.nn.Module) -> tuple:
+    cfg = model.config
+    return (str(device), rows, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
 
 
 @torch.inference_mode()

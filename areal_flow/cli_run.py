@@ -1,0 +1,84 @@
+"""The ``areal-flow run`` command: a graph or a saved plan, and what ``--resume`` accepts.
+
+Owns the run command's argument checks (the ``--resume`` folder, and ``name``/``out_dir``
+taken from it); the run itself is the runtime's (``runtime.launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from areal_flow.cli import CLIError, _config, load_flow
+from areal_flow.dsl import Flow
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``areal-flow run``: a graph file with its config and overrides, or ``--plan PLAN.json``;
+    with ``--resume`` (see :func:`resume_folder`).
+
+    Raises:
+        CLIError: bad arguments, naming them (``--plan`` with a graph file, a missing file, a
+            ``--resume`` folder that cannot be one, ``--resume`` with a different ``resume=``,
+            ``name=``/``out_dir=`` other than the ``--resume`` folder's).
+    """
+    if args.plan:
+        from compiler.plan import Plan
+        from runtime.launch import run
+
+        if args.file or args.overrides or args.config or args.flow:
+            raise CLIError("run --plan PLAN.json takes no graph file, --config, --flow or overrides: the plan is the "
+                           "whole program (edit it, or compile a new one)")
+        path = Path(args.plan)
+        if not path.is_file():
+            raise CLIError(f"plan file not found: {path}")
+        if args.resume and args.resume != "auto":
+            resume_folder(args.resume)
+        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
+        return 0
+    if not args.file:
+        raise CLIError("run needs a graph file, or --plan PLAN.json")
+    flow = load_flow(args.file, args.flow)
+    cfg = _config(flow, args)
+    if args.resume:
+        if cfg.resume and cfg.resume != args.resume:
+            raise CLIError(f"--resume {args.resume} and resume={cfg.resume} both given; pass one of them")
+        if args.resume != "auto":
+            folder = resume_folder(args.resume)
+            given = dict(o.split("=", 1) for o in args.overrides if o.startswith(("name=", "out_dir=")))
+            for key, own in (("name", folder.name), ("out_dir", str(folder.parent))):
+                value = given.get(key)
+                same = value is None or (Path(value).resolve() == Path(own).resolve() if key == "out_dir"
+                                         else value == own)
+                if not same:
+                    raise CLIError(f"--resume {args.resume} is the run folder of {key}={own}, but {key}={value} "
+                                   f"was also given; drop {key}= (the run folder sets it)")
+            cfg.name, cfg.out_dir = folder.name, str(folder.parent)
+        cfg.resume = args.resume
+    return run_flow(flow, cfg)
+
+
+def resume_folder(arg: str) -> Path:
+    """The run folder ``--resume`` names (``runs/<name>``).
+
+    Raises:
+        CLIError: the folder does not exist, is a checkpoint folder inside a run folder (names
+            the run folder to pass), or holds no ``plan.json``.
+    """
+    folder = Path(arg)
+    if not folder.is_dir():
+        raise CLIError(f"--resume {arg}: no such folder (pass a run folder, runs/<name>)")
+    if folder.resolve().parent.name == "checkpoints" and folder.name.startswith("version_"):
+        run = folder.resolve().parent.parent
+        raise CLIError(f"--resume {arg}: a checkpoint folder; pass the run folder {run} (a resume continues from "
+                       "its last complete checkpoint)")
+    if not (folder / "plan.json").is_file():
+        raise CLIError(f"--resume {arg}: not a run folder (no plan.json); runs write runs/<name>/")
+    return folder
+
+
+def run_flow(flow: Flow, cfg) -> int:
+    from runtime.launch import run_experiment
+
+    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
+    return 0
