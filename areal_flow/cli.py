@@ -75,7 +75,9 @@ def default_config_path(flow: Flow, given: str | None) -> str | None:
     return str(candidate) if candidate.is_file() else None
 
 
-def _config(flow: Flow, args: argparse.Namespace):
+def flow_config(flow: Flow, args: argparse.Namespace):
+    """The experiment config of a graph command: ``--config`` (else the yaml beside the graph
+    file) with the command's overrides; the run is named after the flow unless ``name`` is set."""
     from areal_flow.config_load import load_config
 
     cfg = load_config(default_config_path(flow, args.config), args.overrides)
@@ -86,7 +88,7 @@ def _config(flow: Flow, args: argparse.Namespace):
 
 def _cmd_graph(args: argparse.Namespace) -> int:
     flow = load_flow(args.file, args.flow)
-    print(flow(_config(flow, args)).describe())
+    print(flow(flow_config(flow, args)).describe())
     return 0
 
 
@@ -121,7 +123,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     _check_viz_path(args.viz)
     _check_output_folder(args.output if args.plan else None)
     flow = load_flow(args.file, args.flow)
-    cfg = _config(flow, args)
+    cfg = flow_config(flow, args)
     if args.allocation:
         cfg.compile.allocation = args.allocation
     from areal_flow.program import compile_program

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from areal_flow.cli import CLIError, _config, load_flow
+from areal_flow.cli import CLIError, flow_config, load_flow
 from areal_flow.dsl import Flow
 
 
@@ -39,7 +39,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")
     flow = load_flow(args.file, args.flow)
-    cfg = _config(flow, args)
+    cfg = flow_config(flow, args)
     if args.resume:
         if cfg.resume and cfg.resume != args.resume:
             raise CLIError(f"--resume {args.resume} and resume={cfg.resume} both given; pass one of them")
