@@ -403,7 +403,7 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from areal_flow.cli_run import run_flow
 
-    return _guarded(lambda a: run_flow(flow, _config(flow, a)), args)
+    return _guarded(lambda a: run_flow(flow, flow_config(flow, a)), args)
 
 
 if __name__ == "__main__":  # `python -m areal_flow.cli`: run the imported module, whose CLIError
