@@ -1,6 +1,6 @@
 """Exact resume and a dead trainer restarted (issue 13): the checkpoint layout and its atomic
-write, the run folder rewound to a checkpoint, and end-to-end runs whose trainer is killed
-(loopback only, bounded in time)."""
+write, the run folder rewound to a checkpoint (its timeline kept, issue 17), a complete run's
+resume, and end-to-end runs whose trainer is killed (loopback only, bounded in time)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,40 @@ def test_rewinding_keeps_the_steps_before_the_checkpoint(tmp_path):
     (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n')
     with pytest.raises(ValueError, match=r"trajectories.jsonl:2: not a trajectory record"):
         rewind_run_dir(tmp_path, 1)
+
+
+def test_a_resume_keeps_the_earlier_timeline_and_leaves_the_gap_out(tmp_path):
+    """Issue 17: a resumed worker appends to its span file; the timeline covers both attempts,
+    its wall time is the attempts' own (the 60 s between them left out)."""
+    from runtime.timeline import format_timeline, summarize
+    from runtime.trace import TraceRecorder, merge_trace, now_us
+
+    (tmp_path / "plan.json").write_text(_plan(tmp_path).to_json())
+    start = now_us() - 61_000_000
+    first = TraceRecorder(tmp_path, "train_step/0")  # the attempt that was interrupted: busy 1 s of 1 s
+    first.complete("train_step", "step", start, start + 1_000_000, step=0)
+    first.close()
+    rewind_run_dir(tmp_path, 1)  # 60 s later: resumed from version_1
+    again = TraceRecorder(tmp_path, "train_step/0")  # the resumed attempt: busy 1 s of 2 s
+    resumed = now_us() + 1000
+    again.complete("train_step", "step", resumed, resumed + 1_000_000, step=1)
+    again.complete("train_step", "step", resumed + 1_900_000, resumed + 2_000_000, step=2)
+    again.complete("train_step", "step", resumed + 1_000_000, resumed + 1_900_000, cat="edge", wait="batch")
+    again.close()
+    merge_trace(tmp_path)
+    t = summarize(tmp_path)
+    assert t.attempts == [0, 1]
+    assert t.wall_s == pytest.approx(1.0 + 2.0, abs=1e-6)  # not 63 s: the gap is no attempt's
+    assert t.nodes["train_step"].busy_us == 2_100_000 and t.nodes["train_step"].fraction == pytest.approx(2.1 / 3)
+    assert format_timeline(t).startswith("timeline over 3.00 s (2 attempts, from versions 0, 1; the time between "
+                                         "them left out)")
+    markers = [json.loads(x) for x in (tmp_path / "trace" / "driver.jsonl").read_text().splitlines()]
+    assert [(m["name"], m["cat"], m["args"]) for m in markers] == [("attempt", "run", {"from_version": 1})]
+
+
+def test_a_rewind_without_a_trace_folder_writes_none(tmp_path):
+    rewind_run_dir(tmp_path, 2)  # logging.trace=false: no trace/ to mark
+    assert not (tmp_path / "trace").exists()
 
 
 # --- end to end: a trainer killed mid-run ------------------------------------------------------
@@ -273,6 +307,21 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     (run_dir / "plan.json").write_text(wide.to_json())
     with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
         RunSetup.create(wide, show_progress=False, resume="auto")
+
+
+def test_resuming_a_complete_run_runs_nothing_and_writes_nothing(tmp_path, capsys):
+    from runtime.launch import run
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 3, _models, {"version": 3}, next_index=6)  # TINY: 3 steps
+    (run_dir / "summary.json").write_text('{"samples_trained": 24}')
+    (run_dir / "trace.json").write_text("kept")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert run(_plan(tmp_path), show_progress=False, resume=str(run_dir)) == {"samples_trained": 24}
+    assert f"{run_dir} is complete: version_3 holds all 3 steps; nothing to resume" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    assert (run_dir / "trace.json").read_text() == "kept"
 
 
 def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
