@@ -248,6 +248,25 @@ def test_sync_run_resumed_from_a_checkpoint_reaches_the_same_weights(tmp_path, u
     assert _event_steps(tmp_path / "cut") == list(range(STEPS))  # events continue, each step once
     summary = json.loads((tmp_path / "cut/summary.json").read_text())
     assert summary["samples_trained"] == STEPS * B * N and summary["restarts"]["resumed_from_version"] == cut.version
+    _timeline_covers_both_attempts(tmp_path / "cut", cut.version)
+    kept = {p: p.read_bytes() for p in (tmp_path / "cut/summary.json", tmp_path / "cut/trace.json")}
+    err = _finish(_cli(tmp_path, "cut", "async.max_staleness=0", "--resume", str(tmp_path / "cut")))
+    assert f"{tmp_path / 'cut'} is complete: version_{STEPS} holds all {STEPS} steps; nothing to resume" in err
+    assert all(p.read_bytes() == data for p, data in kept.items())  # a complete run's resume writes nothing
+
+
+def _timeline_covers_both_attempts(out: Path, version: int) -> None:
+    """Issue 17: the interrupted attempt's spans are still in trace.json beside the resumed one's."""
+    from runtime.timeline import load_events, summarize
+
+    assert summarize(out).attempts == [0, version]
+    steps = [e["args"]["step"] for e in load_events(out) if e["name"] == "train_step" and e["cat"] == "node"]
+    assert set(steps) == set(range(STEPS)) and min(steps) == 0  # steps < version: trained by the first attempt
+    from runtime.calibrate import compare
+
+    c = compare(out)  # issue 17: --simulate on a resumed run, versions from the resume point
+    assert c.calibration.first_version == version  # loads of versions version+1 .., the last one's maybe not
+    assert c.calibration.versions in (STEPS - 1 - version, STEPS - version) and c.steps >= 1
 
 
 @pytest.mark.slow
