@@ -42,8 +42,8 @@ from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.plan import Plan
 from compiler.simulate import SimResult, simulate
-from runtime.trace import ATTEMPT
 from runtime.timeline import TimelineError, load_events, load_plan, split_attempts
+from runtime.trace import ATTEMPT
 
 
 class CalibrationError(TimelineError):
