@@ -17,8 +17,12 @@ from this machine, so the simulator is first *calibrated* on the run (:func:`cal
 * lengths: prompt tokens (mean) and a lognormal fitted to the response lengths (mean and
   the standard deviation of their logarithm, ``compiler.lengths``).
 
-Both sides use the simulator's window: from the load of version ``w = max(1, S // 4)`` to
-the load of version ``S`` (``S`` = versions the replicas loaded); a node's busy fraction is
+A resumed (or restarted) run is calibrated on its last attempt only (``runtime.timeline.
+split_attempts``): its spans, and the trajectories it trained (steps ``>= v0``, ``v0`` = the
+version it started from; without an attempt marker, the first version it loaded minus 1).
+Both sides use the simulator's window: from the load of version ``v0 + w``,
+``w = max(1, S // 4)``, to the load of version ``v0 + S`` (``S`` = versions the replicas
+loaded in the attempt, the simulator's steps from its version 0 = ``v0``); a node's busy fraction is
 its seconds inside the window over ``window x instances`` (the generator's replicas, else 1).
 Nodes of role ``cpu`` (reward, advantage) are not simulated: the simulator charges them
 nothing; their measured fraction is printed alone.
@@ -38,7 +42,8 @@ from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.plan import Plan
 from compiler.simulate import SimResult, simulate
-from runtime.timeline import TimelineError, load_events, load_plan
+from runtime.timeline import TimelineError, load_events, load_plan, split_attempts
+from runtime.trace import ATTEMPT
 
 
 class CalibrationError(TimelineError):
@@ -55,7 +60,8 @@ class Calibration:
         sync_s: seconds per version (publish + receive + load).
         prompt_tokens / response_tokens: means over the trained trajectories, tokens.
         response_log_sigma: standard deviation of ``log(response tokens)``.
-        versions: ``S``, the policy versions the replicas loaded.
+        versions: ``S``, the policy versions the replicas loaded (in the last attempt).
+        first_version: ``v0``, the version the last attempt started from (0: not resumed).
     """
 
     gen_s_per_token: float
@@ -65,6 +71,7 @@ class Calibration:
     response_tokens: float
     response_log_sigma: float
     versions: int
+    first_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,16 +108,28 @@ def _loads(events: list[dict], sync: str) -> dict[int, int]:
     return loads
 
 
-def _trajectories(run_dir: Path) -> list[dict]:
+def _trajectories(run_dir: Path, first_step: int) -> list[dict]:
+    """The trained trajectories of steps ``>= first_step``."""
     path = run_dir / "trajectories" / "trajectories.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if r["step"] >= first_step]
     if not rows:
-        raise CalibrationError(f"{path}: no trained trajectories to count tokens from")
+        raise CalibrationError(f"{path}: no trained trajectories of steps >= {first_step} to count tokens from")
     return rows
 
 
+def _last_attempt(events: list[dict], sync: str) -> tuple[int, list[dict]]:
+    """``(v0, spans)`` of the run's last attempt (module doc)."""
+    first, spans = split_attempts(events)[-1]
+    if not any(e["name"] == ATTEMPT and e["cat"] == "run" for e in events):  # no marker: from its first load
+        loaded = _loads(spans, sync)
+        first = min(loaded) - 1 if loaded else 0
+    return first, spans
+
+
 def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
-    """The run's plan, its :class:`Calibration` and its spans (``ph: X`` events).
+    """The run's plan, its :class:`Calibration` and the spans (``ph: X`` events) of its last
+    attempt (module doc).
 
     Raises:
         CalibrationError: no generation node, no trajectories, fewer than 2 weight loads, no
@@ -118,15 +137,16 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
         TimelineError: no plan.json or no trace.
     """
     run_dir = Path(run_dir)
-    plan, events = load_plan(run_dir), load_events(run_dir)
+    plan = load_plan(run_dir)
     sync, gen = _sync_name(plan), next((n for n in plan.nodes if n.role == "generation"), None)
     if gen is None:
         raise CalibrationError(f"{run_dir / 'plan.json'}: no generation node to calibrate the simulator on")
+    first, events = _last_attempt(load_events(run_dir), sync)
     loads = _loads(events, sync)
     if len(loads) < 2:
         raise CalibrationError(f"{run_dir / 'trace.json'}: {len(loads)} weight load(s) of '{sync}'; the comparison "
                                "needs at least 2 (run more train.steps)")
-    rows = _trajectories(run_dir)
+    rows = _trajectories(run_dir, first)
     trained = (max(r["step"] for r in rows) + 1) * plan.workload["batch_groups"]
     engine = [e for e in events if e["name"] == gen.name and e["cat"] == "node"]
     ends = [e["ts"] + e["dur"] for e in engine if any(i < trained for i in e["args"].get("finished", []))]
@@ -150,7 +170,8 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
     return plan, Calibration(
         gen_s_per_token=gen_s / sum(out_tokens), node_s_per_token=per_token, sync_s=sync_s,
         prompt_tokens=(all_tokens - sum(out_tokens)) / len(rows), response_tokens=sum(out_tokens) / len(rows),
-        response_log_sigma=math.sqrt(sum((x - mean_log) ** 2 for x in logs) / len(logs)), versions=max(loads),
+        response_log_sigma=math.sqrt(sum((x - mean_log) ** 2 for x in logs) / len(logs)),
+        versions=max(loads) - first, first_version=first,
     ), events
 
 
@@ -173,7 +194,8 @@ def calibrated_plan(plan: Plan, cal: Calibration) -> tuple[Plan, DecodeCost]:
 
 
 def compare(run_dir: Path | str) -> Comparison:
-    """Simulate the run's plan calibrated on its trace and measure the same window (module doc).
+    """Simulate the run's plan calibrated on its trace (its last attempt) and measure the same
+    window (module doc).
 
     Raises:
         CalibrationError / TimelineError: see :func:`calibrate`.
@@ -181,8 +203,13 @@ def compare(run_dir: Path | str) -> Comparison:
     plan, cal, events = calibrate(run_dir)
     sim_plan, cost = calibrated_plan(plan, cal)
     result = simulate(sim_plan, steps=cal.versions, seed=int(plan.run.get("seed", 0)), decode_cost=cost)
-    loads = _loads(events, _sync_name(plan))
-    lo, hi = loads[result.warmup], loads[cal.versions]
+    loads, sync = _loads(events, _sync_name(plan)), _sync_name(plan)
+    window = (cal.first_version + result.warmup, cal.first_version + cal.versions)
+    missing = [v for v in window if v not in loads]
+    if missing:
+        raise CalibrationError(f"{Path(run_dir) / 'trace.json'}: no '{sync}' load of version {missing[0]}, an end "
+                               f"of the window {window[0]}..{window[1]} (loaded: {sorted(loads)})")
+    lo, hi = loads[window[0]], loads[window[1]]
     gen = next(n for n in plan.nodes if n.role == "generation")
     seconds: dict[str, int] = defaultdict(int)
     workers: dict[str, set] = defaultdict(set)
@@ -200,7 +227,9 @@ def format_comparison(c: Comparison) -> str:
     """The side-by-side table ``areal-flow timeline --simulate`` prints."""
     cal = c.calibration
     lines = [f"predicted (compiler.simulate, calibrated on this run's own trace) vs measured, versions "
-             f"{c.simulated.warmup}..{cal.versions} ({c.steps} steps, {c.window_s:.2f} s measured)",
+             f"{cal.first_version + c.simulated.warmup}..{cal.first_version + cal.versions} ({c.steps} steps, "
+             f"{c.window_s:.2f} s measured" + (f"; the attempt resumed from version {cal.first_version}"
+                                              if cal.first_version else "") + ")",
              f"calibration, measured on this run: generation {cal.gen_s_per_token * 1e3:.3f} ms per response token; "
              + "; ".join(f"{n} {s * 1e3:.4f} ms per trained token" for n, s in cal.node_s_per_token.items())
              + f"; sync {cal.sync_s * 1e3:.1f} ms per version; prompts {cal.prompt_tokens:.1f} tokens, responses "

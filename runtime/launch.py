@@ -13,7 +13,8 @@ the trainer's version). A trainer (or other stage worker) that dies without repo
 under their indices, the run folder is rewound to it (``runtime.run_dir.rewind_run_dir``).
 A worker that raises stops the others and is re-raised with its traceback; what was
 already written (events, trajectories) stays. ``resume`` continues a run from its folder's
-last checkpoint the same way (local scheduler, single-rank trainers).
+last checkpoint the same way (local scheduler, single-rank trainers); a run whose last
+checkpoint holds all its steps is complete, and its resume runs nothing.
 
 Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
 turns: a lock per such mesh is held around each engine step and each train step.
@@ -72,8 +73,21 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
             raise ResumeError(f"resume={resume}: resuming runs on the local scheduler only (scheduler.type=local)")
         return run_on_ray(plan, show_progress)
     setup = RunSetup.create(plan, show_progress, resume)
+    if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
+        return _already_complete(setup)
     setup.prepare()
     return _LocalRun(setup).execute()
+
+
+def _already_complete(setup: RunSetup) -> dict:
+    """A resume of a run whose checkpoint is at its last step: say so and return its
+    ``summary.json`` (``{}`` when it has none); nothing is run and no file is written."""
+    import json
+
+    summary = setup.out_dir / "summary.json"
+    print(f"areal-flow: {setup.out_dir} is complete: {setup.checkpoint.folder.name} holds all {setup.topo.steps} "
+          "steps; nothing to resume", file=sys.stderr)
+    return json.loads(summary.read_text()) if summary.is_file() else {}
 
 
 

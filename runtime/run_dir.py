@@ -7,7 +7,8 @@ name is taken) and the new run gets a fresh, empty folder, so no event file, tra
 checkpoint or model of the earlier run sits beside the new one and nothing is deleted. A
 resumed run (``--resume``, ``resume=auto``, or a trainer restarted from its last checkpoint,
 ``runtime.checkpoint``): the folder is kept, and what was written after the checkpoint is
-undone (:func:`rewind_run_dir`) so every trained sample is in ``trajectories/`` once.
+undone (:func:`rewind_run_dir`) so every trained sample is in ``trajectories/`` once; the
+timeline's span files are kept and the new attempt is marked in them (``runtime.trace``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
+
+from runtime.trace import mark_attempt
 
 
 def fresh_run_dir(folder: Path, now: float | None = None) -> Path | None:
@@ -49,7 +52,8 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
     """Make run ``folder`` continue from the checkpoint of policy ``version``: keep the
     trajectories of steps ``< version`` in ``trajectories/trajectories.jsonl`` (later lines
     were trained by the attempt that did not reach the next checkpoint; they are trained
-    again), and remove unfinished checkpoint folders (``checkpoints/*.tmp``).
+    again), remove unfinished checkpoint folders (``checkpoints/*.tmp``), and mark the new
+    attempt in the timeline (``runtime.trace.mark_attempt``; the earlier spans are kept).
 
     Returns:
         the samples kept and their staleness histogram (versions -> samples), so the run's
@@ -74,4 +78,5 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
         path.write_text("".join(f"{line}\n" for line in kept))
     for tmp in (folder / "checkpoints").glob("*.tmp"):
         shutil.rmtree(tmp)
+    mark_attempt(folder, version)
     return samples, staleness

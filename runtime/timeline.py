@@ -6,7 +6,9 @@ from ``trace/*.jsonl`` when the run died before merging), ``plan.json`` and
 
 * per graph node: busy time (the sum of its spans, microseconds) over ``instances x wall``,
   where ``instances`` is the number of workers that ran it (generation replicas) and
-  ``wall`` the span of the whole trace (first start to last end); idle = 1 - busy;
+  ``wall`` the sum over the run's attempts (a resumed or restarted run has several,
+  :func:`split_attempts`) of each attempt's first start to last end, so the time between
+  an interrupted attempt and its resume is left out; idle = 1 - busy;
 * per node with phase spans (a train_step's ``forward``/``backward``/``optimizer``,
   ``runtime.train_phases``): count, total seconds and mean ms per phase, and the phases'
   share of the node's busy time (they nest in its spans, so they do not add to busy);
@@ -28,7 +30,7 @@ from html import escape
 from pathlib import Path
 
 from compiler.plan import Plan
-from runtime.trace import TRACE_FILE, merge_trace
+from runtime.trace import ATTEMPT, TRACE_FILE, merge_trace
 
 
 class TimelineError(ValueError):
@@ -61,13 +63,15 @@ class EdgeWait:
 @dataclass
 class Timeline:
     """Attributes: wall_s (seconds), nodes (by name), waits (by (edge, kind)), staleness
-    (edge -> {versions: tokens}), phases ((node, phase) -> :class:`PhaseUse`)."""
+    (edge -> {versions: tokens}), phases ((node, phase) -> :class:`PhaseUse`), attempts (the
+    policy version each attempt started from: ``[0]`` for a run never resumed)."""
 
     wall_s: float
     nodes: dict[str, NodeUse]
     waits: dict[tuple[str, str], EdgeWait]
     staleness: dict[str, dict[int, int]] = field(default_factory=dict)
     phases: dict[tuple[str, str], PhaseUse] = field(default_factory=dict)
+    attempts: list[int] = field(default_factory=lambda: [0])
 
 
 def load_events(run_dir: Path) -> list[dict]:
@@ -80,6 +84,20 @@ def load_events(run_dir: Path) -> list[dict]:
     if not path.is_file() and merge_trace(run_dir) is None:
         raise TimelineError(f"{run_dir}: no {TRACE_FILE} and no trace/ folder (was logging.trace=false?)")
     return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def split_attempts(events: list[dict]) -> list[tuple[int, list[dict]]]:
+    """The run's attempts, in order: ``(from_version, spans)`` per attempt. An ``attempt``
+    span (``runtime.trace.mark_attempt``) starts a new one; spans before the first marker
+    belong to an attempt from version 0 (left out when there are none: a hand-made or
+    truncated trace). The markers themselves are not in ``spans``."""
+    attempts: list[tuple[int, list[dict]]] = [(0, [])]
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["name"] == ATTEMPT and e["cat"] == "run":
+            attempts.append((int(e["args"].get("from_version", 0)), []))
+        else:
+            attempts[-1][1].append(e)
+    return attempts[1:] if not attempts[0][1] and len(attempts) > 1 else attempts
 
 
 def load_plan(run_dir: Path) -> Plan:
@@ -109,11 +127,12 @@ def summarize(run_dir: Path | str) -> Timeline:
         TimelineError: no trace, or no ``plan.json``.
     """
     run_dir = Path(run_dir)
-    plan, events = load_plan(run_dir), load_events(run_dir)
-    if not events:
+    plan = load_plan(run_dir)
+    attempts = [(v, spans) for v, spans in split_attempts(load_events(run_dir)) if spans]
+    if not attempts:
         raise TimelineError(f"{run_dir / TRACE_FILE}: holds no spans")
-    start = min(e["ts"] for e in events)
-    wall_us = max(e["ts"] + e["dur"] for e in events) - start
+    wall_us = sum(max(e["ts"] + e["dur"] for e in s) - min(e["ts"] for e in s) for _, s in attempts)
+    events = [e for _, spans in attempts for e in spans]
     busy: dict[str, int] = defaultdict(int)
     workers: dict[str, set] = defaultdict(set)
     waits: dict[tuple[str, str], list[int]] = defaultdict(list)
@@ -133,12 +152,15 @@ def summarize(run_dir: Path | str) -> Timeline:
     bounded = [f"{e.src}->{e.dst}" for e in plan.edges if e.max_staleness is not None]
     hist = token_staleness(run_dir / "trajectories" / "trajectories.jsonl")
     phase_use = {key: PhaseUse(len(d), sum(d) / 1e6, sum(d) / len(d) / 1000) for key, d in phases.items()}
-    return Timeline(wall_us / 1e6, nodes, edge_waits, {bounded[0]: hist} if bounded and hist else {}, phase_use)
+    return Timeline(wall_us / 1e6, nodes, edge_waits, {bounded[0]: hist} if bounded and hist else {}, phase_use,
+                    [v for v, _ in attempts])
 
 
 def format_timeline(t: Timeline) -> str:
     """The report printed by ``areal-flow timeline``."""
-    lines = [f"timeline over {t.wall_s:.2f} s", "", "node            busy    idle   instances  busy s"]
+    resumed = (f" ({len(t.attempts)} attempts, from versions {', '.join(map(str, t.attempts))}; the time "
+               "between them left out)") if len(t.attempts) > 1 else ""
+    lines = [f"timeline over {t.wall_s:.2f} s{resumed}", "", "node            busy    idle   instances  busy s"]
     for name, u in t.nodes.items():
         lines.append(f"{name:14s} {u.fraction:6.1%}  {1 - u.fraction:6.1%}  {u.instances:9d}  {u.busy_us / 1e6:6.2f}")
     if t.phases:

@@ -8,7 +8,11 @@ what is timed: the workers (``runtime.workers``) and the router (``runtime.route
 Each worker appends its spans to ``runs/<name>/trace/<worker>.jsonl`` (one JSON object a
 line: ``name``, ``cat``, ``ts``, ``dur``, ``proc``, ``track``, ``args``), buffered and flushed
 every :data:`FLUSH_EVENTS` spans or :data:`FLUSH_S` seconds and on close, so a crashed
-worker loses at most that much. :func:`merge_trace` turns the files into ``trace.json``:
+worker loses at most that much. The files are appended to, never emptied: a new run starts
+in an empty folder (``runtime.run_dir``), and a resumed run, or one whose workers were
+restarted from a checkpoint, keeps the earlier attempts' spans; each such attempt starts
+with a zero-length ``attempt`` span (category ``run``, ``args.from_version``) on the
+driver's ``attempts`` track (:func:`mark_attempt`). :func:`merge_trace` turns the files into ``trace.json``:
 one ``pid`` per ``proc`` (a worker such as ``generation/0``, or an edge such as
 ``edge reward->advantage``) and one ``tid`` per ``track`` in it, named by metadata events.
 
@@ -38,6 +42,8 @@ TRACE_DIR = "trace"
 TRACE_FILE = "trace.json"
 FLUSH_EVENTS = 512
 FLUSH_S = 1.0
+ATTEMPT = "attempt"
+"""Name of the span that marks where a resumed or restarted attempt starts (module doc)."""
 
 
 def now_us() -> int:
@@ -68,7 +74,6 @@ class TraceRecorder:
         self._path = worker_file(Path(run_dir), worker) if self.enabled else None
         if self.enabled:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._path.write_text("")  # a rerun of the same name starts a new timeline
 
     @classmethod
     def for_plan(cls, plan, run_dir: Path | str, worker: str) -> "TraceRecorder":
@@ -109,6 +114,20 @@ class TraceRecorder:
     def close(self) -> None:
         if self.enabled:
             self.flush()
+
+
+def mark_attempt(run_dir: Path | str, version: int, now: int | None = None) -> bool:
+    """Append the ``attempt`` span of an attempt that continues from policy ``version`` to
+    ``<run_dir>/trace/driver.jsonl`` (module doc), at ``now`` (microseconds, default
+    :func:`now_us`). Nothing is written when the run has no ``trace/`` folder
+    (``logging.trace=false``); returns whether it was written."""
+    if not (Path(run_dir) / TRACE_DIR).is_dir():
+        return False
+    recorder = TraceRecorder(run_dir, "driver")
+    ts = now_us() if now is None else now
+    recorder.complete(ATTEMPT, "attempts", ts, ts, cat="run", from_version=version)
+    recorder.close()
+    return True
 
 
 def read_spans(run_dir: Path) -> list[dict]:

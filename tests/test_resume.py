@@ -1,6 +1,6 @@
 """Exact resume and a dead trainer restarted (issue 13): the checkpoint layout and its atomic
-write, the run folder rewound to a checkpoint, and end-to-end runs whose trainer is killed
-(loopback only, bounded in time)."""
+write, the run folder rewound to a checkpoint (its timeline kept, issue 17), a complete run's
+resume, and end-to-end runs whose trainer is killed (loopback only, bounded in time)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,40 @@ def test_rewinding_keeps_the_steps_before_the_checkpoint(tmp_path):
     (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n')
     with pytest.raises(ValueError, match=r"trajectories.jsonl:2: not a trajectory record"):
         rewind_run_dir(tmp_path, 1)
+
+
+def test_a_resume_keeps_the_earlier_timeline_and_leaves_the_gap_out(tmp_path):
+    """Issue 17: a resumed worker appends to its span file; the timeline covers both attempts,
+    its wall time is the attempts' own (the 60 s between them left out)."""
+    from runtime.timeline import format_timeline, summarize
+    from runtime.trace import TraceRecorder, merge_trace, now_us
+
+    (tmp_path / "plan.json").write_text(_plan(tmp_path).to_json())
+    start = now_us() - 61_000_000
+    first = TraceRecorder(tmp_path, "train_step/0")  # the attempt that was interrupted: busy 1 s of 1 s
+    first.complete("train_step", "step", start, start + 1_000_000, step=0)
+    first.close()
+    rewind_run_dir(tmp_path, 1)  # 60 s later: resumed from version_1
+    again = TraceRecorder(tmp_path, "train_step/0")  # the resumed attempt: busy 1 s of 2 s
+    resumed = now_us() + 1000
+    again.complete("train_step", "step", resumed, resumed + 1_000_000, step=1)
+    again.complete("train_step", "step", resumed + 1_900_000, resumed + 2_000_000, step=2)
+    again.complete("train_step", "step", resumed + 1_000_000, resumed + 1_900_000, cat="edge", wait="batch")
+    again.close()
+    merge_trace(tmp_path)
+    t = summarize(tmp_path)
+    assert t.attempts == [0, 1]
+    assert t.wall_s == pytest.approx(1.0 + 2.0, abs=1e-6)  # not 63 s: the gap is no attempt's
+    assert t.nodes["train_step"].busy_us == 2_100_000 and t.nodes["train_step"].fraction == pytest.approx(2.1 / 3)
+    assert format_timeline(t).startswith("timeline over 3.00 s (2 attempts, from versions 0, 1; the time between "
+                                         "them left out)")
+    markers = [json.loads(x) for x in (tmp_path / "trace" / "driver.jsonl").read_text().splitlines()]
+    assert [(m["name"], m["cat"], m["args"]) for m in markers] == [("attempt", "run", {"from_version": 1})]
+
+
+def test_a_rewind_without_a_trace_folder_writes_none(tmp_path):
+    rewind_run_dir(tmp_path, 2)  # logging.trace=false: no trace/ to mark
+    assert not (tmp_path / "trace").exists()
 
 
 # --- end to end: a trainer killed mid-run ------------------------------------------------------
@@ -214,6 +248,25 @@ def test_sync_run_resumed_from_a_checkpoint_reaches_the_same_weights(tmp_path, u
     assert _event_steps(tmp_path / "cut") == list(range(STEPS))  # events continue, each step once
     summary = json.loads((tmp_path / "cut/summary.json").read_text())
     assert summary["samples_trained"] == STEPS * B * N and summary["restarts"]["resumed_from_version"] == cut.version
+    _timeline_covers_both_attempts(tmp_path / "cut", cut.version)
+    kept = {p: p.read_bytes() for p in (tmp_path / "cut/summary.json", tmp_path / "cut/trace.json")}
+    err = _finish(_cli(tmp_path, "cut", "async.max_staleness=0", "--resume", str(tmp_path / "cut")))
+    assert f"{tmp_path / 'cut'} is complete: version_{STEPS} holds all {STEPS} steps; nothing to resume" in err
+    assert all(p.read_bytes() == data for p, data in kept.items())  # a complete run's resume writes nothing
+
+
+def _timeline_covers_both_attempts(out: Path, version: int) -> None:
+    """Issue 17: the interrupted attempt's spans are still in trace.json beside the resumed one's."""
+    from runtime.timeline import load_events, summarize
+
+    assert summarize(out).attempts == [0, version]
+    steps = [e["args"]["step"] for e in load_events(out) if e["name"] == "train_step" and e["cat"] == "node"]
+    assert set(steps) == set(range(STEPS)) and min(steps) == 0  # steps < version: trained by the first attempt
+    from runtime.calibrate import compare
+
+    c = compare(out)  # issue 17: --simulate on a resumed run, versions from the resume point
+    assert c.calibration.first_version == version  # loads of versions version+1 .., the last one's maybe not
+    assert c.calibration.versions in (STEPS - 1 - version, STEPS - version) and c.steps >= 1
 
 
 @pytest.mark.slow
@@ -319,6 +372,21 @@ def test_resume_arguments_are_checked_in_one_line(tmp_path):
         done = _run_cli(tmp_path, *args)
         assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, (args, done.stderr[-2000:])
         assert done.stderr.startswith("areal-flow: error: ") and message in done.stderr, (args, done.stderr)
+
+
+def test_resuming_a_complete_run_runs_nothing_and_writes_nothing(tmp_path, capsys):
+    from runtime.launch import run
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 3, _models, {"version": 3}, next_index=6)  # TINY: 3 steps
+    (run_dir / "summary.json").write_text('{"samples_trained": 24}')
+    (run_dir / "trace.json").write_text("kept")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert run(_plan(tmp_path), show_progress=False, resume=str(run_dir)) == {"samples_trained": 24}
+    assert f"{run_dir} is complete: version_3 holds all 3 steps; nothing to resume" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    assert (run_dir / "trace.json").read_text() == "kept"
 
 
 def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
