@@ -90,7 +90,6 @@ def _already_complete(setup: RunSetup) -> dict:
     return json.loads(summary.read_text()) if summary.is_file() else {}
 
 
-
 def _time_shared(topo: Topology) -> list:
     """Meshes the plan gives to generation and to another worker group (``|`` in the
     allocation): their workers take turns through one lock (local scheduler)."""
