@@ -23,7 +23,10 @@ from compiler.viz import node_colors, occupancy
 
 WIDTH = 1100
 BOX_W, BOX_H, COL_GAP, ROW_GAP = 170, 58, 50, 24
-CELL, CELL_GAP, PAD = 20, 4, 10
+CELL, CELL_GAP, PAD, TITLE_H = 20, 4, 10, 26
+CHAR_W = 6.5
+"""Upper bound of one character's width in px at the pages' 11 px sans-serif (Helvetica/Arial
+average ~5.5-6.1): labels are laid out by it so that none is clipped or overlaps a box."""
 
 _CSS = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 16px; color: #222; }
@@ -78,11 +81,18 @@ def _graph_svg(plan: Plan, colors: dict[str, str], lines: dict[str, list[str]] |
     ``edge_labels["src->dst"]``), weight edges dashed. ``lines``: each node's text (default:
     name, placement, memory and time); ``ink``: its text colour (default by role)."""
     depth = _depths(plan)
+    labels = {}
+    for e in plan.edges:
+        label = [f"staleness <= {e.max_staleness}"] if e.max_staleness is not None else []
+        label += [edge_labels[f"{e.src}->{e.dst}"]] if edge_labels and f"{e.src}->{e.dst}" in edge_labels else []
+        if label and e.kind != "weights":
+            labels[(e.src, e.dst)] = "; ".join(label)
+    gap = max([COL_GAP] + [CHAR_W * len(t) + 16 for t in labels.values()])  # every label fits between its boxes
     rows: dict[int, int] = {}
     pos = {}
     for n in plan.nodes:
         col = min(depth[n.name], len(plan.nodes))
-        pos[n.name] = (20 + col * (BOX_W + COL_GAP), 30 + rows.get(col, 0) * (BOX_H + ROW_GAP))
+        pos[n.name] = (20 + col * (BOX_W + gap), 30 + rows.get(col, 0) * (BOX_H + ROW_GAP))
         rows[col] = rows.get(col, 0) + 1
     height = max(y for _, y in pos.values()) + BOX_H + 70
     width = max(WIDTH, max(x for x, _ in pos.values()) + BOX_W + 20)
@@ -98,10 +108,8 @@ def _graph_svg(plan: Plan, colors: dict[str, str], lines: dict[str, list[str]] |
             continue
         sx, sy, tx, ty = x1 + BOX_W, y1 + BOX_H / 2, x2, y2 + BOX_H / 2
         parts.append(f'<line{_attrs(x1=sx, y1=sy, x2=tx, y2=ty, stroke="#555", marker_end="url(#arrow)")}/>')
-        label = [f"staleness <= {e.max_staleness}"] if e.max_staleness is not None else []
-        label += [edge_labels[f"{e.src}->{e.dst}"]] if edge_labels and f"{e.src}->{e.dst}" in edge_labels else []
-        if label:
-            parts.append(_text((sx + tx) / 2, (sy + ty) / 2 - 5, "; ".join(label), text_anchor="middle"))
+        if (e.src, e.dst) in labels:
+            parts.append(_text((sx + tx) / 2, (sy + ty) / 2 - 5, labels[(e.src, e.dst)], text_anchor="middle"))
     for n in plan.nodes:
         x, y = pos[n.name]
         fill = colors[n.name]
@@ -131,7 +139,7 @@ def _svg(width: float, height: float, parts: list[str]) -> str:
 def _machines_svg(plan: Plan, colors: dict[str, str]) -> str:
     n_nodes, per_node = plan.cluster["n_nodes"], plan.cluster["n_gpus_per_node"]
     box_w = 2 * PAD + per_node * (CELL + CELL_GAP) - CELL_GAP
-    box_h = 22 + CELL + PAD
+    box_h = TITLE_H + CELL + PAD
     per_row = max(1, (WIDTH - 20) // (box_w + 14))
     occupied = occupancy(plan)
     origin = {}
@@ -143,7 +151,7 @@ def _machines_svg(plan: Plan, colors: dict[str, str]) -> str:
         parts.append(_text(x + PAD, y + 15, f"machine n{m} ({per_node} x {plan.cluster['gpu']})"))
         for d in range(per_node):
             who = occupied[(m, d)]
-            cx, cy = x + PAD + d * (CELL + CELL_GAP), y + 22
+            cx, cy = x + PAD + d * (CELL + CELL_GAP), y + TITLE_H
             gpu = f"n{m}:g{d}"
             tip = f"{gpu}: {' | '.join(who) if who else 'idle'}"
             parts.append(f"<g{_attrs(data_gpu=gpu, data_node=' '.join(who) or 'idle')}><title>{escape(tip)}</title>")
@@ -153,20 +161,21 @@ def _machines_svg(plan: Plan, colors: dict[str, str]) -> str:
                 parts.append(f'<rect{_attrs(x=cx, y=cy + i * share, width=CELL, height=share, fill=fill, stroke="#666")}/>')
             parts.append("</g>")
     parts.extend(_group_outlines(plan, origin))
-    for r in plan.routes:
+    rows = -(-n_nodes // per_row)
+    bottom = 10 + rows * (box_h + 14)
+    for i, r in enumerate(plan.routes):
         (sx, sy), (tx, ty) = origin[r.src_mesh.first_node], origin[r.dst_mesh.first_node]
         sx, sy = sx + PAD + (r.src_mesh.first_device + r.src_mesh.n_devices / 2) * (CELL + CELL_GAP), sy + box_h
         tx, ty = tx + PAD + (r.dst_mesh.first_device + r.dst_mesh.n_devices / 2) * (CELL + CELL_GAP), ty + box_h
-        low = max(sy, ty) + 40
+        low = max(sy, ty) + 12  # inside the gap under the lower machine row: crosses no title
         path = f"M{sx:.1f},{sy:.1f} C{sx:.1f},{low:.1f} {tx:.1f},{low:.1f} {tx:.1f},{ty:.1f}"
         parts.append(f'<path{_attrs(d=path, fill="none", stroke="#d62728", stroke_width=2, marker_end="url(#sync)")}/>')
-        label = (
+        label = (  # under the grid, one line a route: never over a machine
             f"weight sync {r.src} -> {r.dst}: {r.bytes / r.replicas / 1e9:.2f} GB x {r.replicas}, "
             f"{r.seconds:.2f} s over {r.link}"
         )
-        parts.append(_text((sx + tx) / 2, low - 6, label, text_anchor="middle", fill="#d62728"))
-    rows = -(-n_nodes // per_row)
-    return _svg(WIDTH, 10 + rows * (box_h + 14) + 70, parts)
+        parts.append(_text(10, bottom + 14 + 16 * i, label, fill="#d62728"))
+    return _svg(WIDTH, bottom + 24 + 16 * len(plan.routes), parts)
 
 
 def _group_outlines(plan: Plan, origin: dict[int, tuple[float, float]]) -> list[str]:
@@ -190,7 +199,7 @@ def _group_outlines(plan: Plan, origin: dict[int, tuple[float, float]]) -> list[
                     x, y = origin[machine]
                     x0 = x + PAD + min(devs) * (CELL + CELL_GAP) - inset
                     width = (max(devs) - min(devs) + 1) * (CELL + CELL_GAP) - CELL_GAP + 2 * inset
-                    attrs = dict(x=x0, y=y + 22 - inset, width=width, height=CELL + 2 * inset, fill="none",
+                    attrs = dict(x=x0, y=y + TITLE_H - inset, width=width, height=CELL + 2 * inset, fill="none",
                                  stroke="#111", stroke_width=1.5, data_node=n.name)
                     if dash:
                         attrs["stroke_dasharray"] = dash

@@ -178,3 +178,32 @@ def test_dot_and_graphviz_formats(plan, tmp_path):
     assert render(plan, tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="suffix"):
         render(plan, tmp_path / "plan.pdf")
+
+
+def test_html_labels_fit_their_gaps_and_stay_off_the_machines(tmp_path):
+    # 16 x 8: four rows of machines; a long edge label (the timeline's mean waits) on every
+    # data edge. Checked on the SVG: each data-edge label's width (11 px text at <= 6.5 px a
+    # character, Helvetica/Arial's widest average) lies between the two boxes it joins, and
+    # each weight-sync label lies below every machine box.
+    from compiler.viz_html import BOX_W, graph_page
+
+    plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=16, n_gpus_per_node=8, gpu="H100"), CompileConfig())
+    labels = {f"{e.src}->{e.dst}": "mean wait 1234.5 ms, 17 items" for e in plan.edges if e.kind != "weights"}
+    page = graph_page("t", plan, {n.name: "#ccc" for n in plan.nodes}, {n.name: [n.name] for n in plan.nodes},
+                      labels, {}, render(plan, tmp_path / "p.html").read_text().split("<body>", 1)[1])
+    svgs = [ET.fromstring(s[:s.index("</svg>") + 6]) for s in ("<svg" + p for p in page.split("<svg")[1:])]
+    ns = "{http://www.w3.org/2000/svg}"
+    graph, machines = svgs[0], svgs[2]
+    boxes = [(float(r.get("x")), float(r.get("y"))) for r in graph.iter(ns + "rect")]
+    edge_texts = [t for t in graph.iter(ns + "text") if t.text and t.text.startswith("staleness")
+                  or t.text and t.text.startswith("mean wait")]
+    assert edge_texts
+    for t in edge_texts:
+        x, y, half = float(t.get("x")), float(t.get("y")), 6.5 * len(t.text) / 2
+        row = [bx for bx, by in boxes if by <= y <= by + 58]
+        left = max(bx + BOX_W for bx in row if bx + BOX_W <= x)
+        right = min(bx for bx in row if bx >= x)
+        assert left <= x - half and x + half <= right, (t.text, left, x - half, x + half, right)
+    machine_bottom = max(float(r.get("y")) + float(r.get("height")) for r in machines.iter(ns + "rect"))
+    sync = [t for t in machines.iter(ns + "text") if t.text and t.text.startswith("weight sync")]
+    assert sync and all(float(t.get("y")) - 11 > machine_bottom for t in sync)
