@@ -13,21 +13,9 @@ import zmq
 from runtime.channel_auth import Signer, Verifier
 from runtime.channels import MessageReceiver, MessageSender, ipc_address
 from runtime.weights import WeightPublisher, WeightSubscriber
+from test_channels import _Bomb  # unpickling it sets a flag: a replayed message must not be unpickled
 
 KEY = b"k" * 32
-
-
-class _Bomb:
-    """Unpickling it would set a flag: a replayed message must not be unpickled."""
-
-    ran = False
-
-    def __reduce__(self):
-        return (_Bomb._explode, ())
-
-    @staticmethod
-    def _explode():
-        _Bomb.ran = True
 
 
 def _capture(sock) -> list:
