@@ -71,7 +71,7 @@ def runner_up(plan: Plan) -> str | None:
     diffs = _differences(best, other)
     parts = ", ".join(f"{key} {delta:+.2f} s" for key, delta in diffs[:2]) or "none (a tie broken by the serial time)"
     margin = other.step_time_s - best.step_time_s
-    verb = "beats" if margin >= 0 else "is slower than"
+    verb = "ties with" if round(margin, 2) == 0 else "beats" if margin > 0 else "is slower than"
     return (f"{verb} the next allocation '{other.allocation}' ({other.step_time_s:.2f} s, {margin:+.2f} s); "
             f"largest differences (next minus this): {parts}")
 

@@ -81,7 +81,7 @@ def format_table(plan: Plan) -> str:
     if why:
         lines.append(f"why this allocation: {why}")
     if len(plan.alternatives) > 1:
-        lines.append("alternatives (best first):")
+        lines.append("alternatives (this plan's allocation first, then the search's by step time):")
         for i, alt in enumerate(plan.alternatives, 1):
             lines.append(f"  {i}. {alt.step_time_s:8.2f} s  idle {alt.idle_fraction:6.1%}  {alt.allocation}")
     lines.extend(f"WARNING: {w}" for w in plan.warnings)
