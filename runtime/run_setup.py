@@ -55,27 +55,19 @@ class RunSetup:
 
         Raises:
             ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
-                folder whose ``plan.json`` is another program, or the plan trains on several ranks.
+                folder whose ``plan.json`` is another program.
         """
         from compiler import format_table
 
         topo = build_topology(plan)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
-        wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
             print("areal-flow: warning: resume=auto without train.checkpoint_every: this run writes no checkpoint, "
                   "so it can never be resumed", file=sys.stderr)
-        if wide is not None and checkpointing:
-            print(f"areal-flow: warning: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks: its "
-                  "checkpoints (train.checkpoint_every) hold the weights only, and resume refuses them", file=sys.stderr)
-        if wide is not None and resume == "auto":  # "resume if there is one, else start" (docs/RESUME.md)
-            print(f"areal-flow: note: resume=auto: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks, "
-                  "which resume does not support; starting a new run", file=sys.stderr)
-            resume = ""
         checkpoint = resume_point(resume, out_dir)
         if checkpoint is not None:
-            _check_resumable(plan, topo, out_dir, checkpoint.version)
+            _check_resumable(plan, out_dir, checkpoint.version)
             if json.loads((out_dir / "plan.json").read_text())["run"]["steps"] != plan.run["steps"]:
                 (out_dir / "plan.json").write_text(plan.to_json())  # continued for more steps: the plan it runs
             print(f"areal-flow: resuming {out_dir} from {checkpoint.folder.name} (step {checkpoint.version} of "
@@ -265,11 +257,11 @@ USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name",
 """The config key a user sets for a ``plan.run`` key a resume compares."""
 
 
-def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) -> None:
+def _check_resumable(plan: Plan, out_dir: Path, version: int) -> None:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
     ``plan`` beyond :data:`RUNTIME_ONLY`, and beyond ``train.steps`` when the new value is at
-    least the checkpoint's ``version``: continuing a run for more steps) or with a multi-rank
-    trainer (ResumeError, naming the config keys that differ)."""
+    least the checkpoint's ``version``: continuing a run for more steps; ResumeError, naming
+    the config keys that differ, e.g. ``compile.allocation`` for another world size)."""
     def program(data: dict) -> dict:
         ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= version else ())
         run = {k: v for k, v in data.get("run", {}).items() if k not in ignored}
@@ -289,11 +281,6 @@ def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) ->
         raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
                           f"{', '.join(keys)}{steps}); resume with the same graph and config (train.steps may grow), "
                           "or start a new run")
-    wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
-    if wide is not None:
-        raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} "
-                          "ranks; resume supports single-rank trainers only (a sharded optimizer state is not "
-                          "checkpointed)")
 
 
 def _spares(task, chunk: int, seed: int) -> Iterator[dict]:

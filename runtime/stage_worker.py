@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from runtime.channels import MessageReceiver, MessageSender
-from runtime.checkpoint import capture_rng, model_folder, read_state, restore_rng, write_checkpoint
+from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, write_checkpoint
 from runtime.context import WorkerContext
 from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
@@ -295,10 +295,14 @@ class _Stage:
 
         def fill(folder: Path) -> None:
             for node in nodes:
-                self.executors[node.name].save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
+                executor = self.executors[node.name]
+                executor.save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
+                if executor.world_size > 1:  # a sharded optimizer: every rank writes its shards
+                    executor.save_sharded(folder / SHARDED_DIR)
 
         state = {"version": version, "rng": capture_rng(),
-                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes}}
+                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
+                 "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes}}
         write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups)
 
     def _restore(self) -> int:
@@ -309,7 +313,8 @@ class _Stage:
         for node in self.batch_nodes:
             if node.op == "train_step":
                 self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),
-                                                          state["optimizers"][node.name])
+                                                          state["optimizers"][node.name],
+                                                          state.get("world_sizes", {}).get(node.name, 1))
         restore_rng(state["rng"])
         return int(state["version"])
 

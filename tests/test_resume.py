@@ -294,6 +294,46 @@ def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(
     assert (tmp_path / "async/model/model.safetensors").is_file()
 
 
+# --- a multi-rank trainer: model and optimizer shards with torch.distributed.checkpoint --------
+
+DP2 = ["cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1", "async.max_staleness=0",
+       "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
+
+
+def _sharded_optimizer(folder: Path) -> dict:
+    """The whole state a ``trainer_dcp/`` folder holds (DCP's own converter to one torch.save file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "trainer_dcp", folder.parent / f"{folder.name}.pt")
+    return torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_dp2_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache):
+    _finish(_cli(tmp_path, "whole", *DP2))
+    whole = tmp_path / "whole"
+    version_2 = whole / "checkpoints/version_2"
+    files = latest_checkpoint(whole).manifest()["files"]
+    assert {"trainer_dcp/.metadata", "trainer_dcp/__0_0.distcp", "trainer_dcp/__1_0.distcp"} <= files.keys()
+    assert read_state(version_2)["world_sizes"] == {"train_step": 2}
+    saved, weights = _sharded_optimizer(version_2), _weights(version_2)
+    moments = saved["optimizer"]["state"]
+    for name, tensor in weights.items():  # the shards join into whole tensors: the weights HF has, AdamW's moments
+        if name in saved["model"]:
+            assert torch.equal(saved["model"][name], tensor)
+            assert moments[name]["exp_avg"].shape == tensor.shape and moments[name]["exp_avg"].abs().sum() > 0
+            assert float(moments[name]["step"]) == 2.0  # two optimizer steps before version 2
+    err, _ = _run_killed(tmp_path, "cut", *DP2, "scheduler.max_restarts=0", code=1)
+    cut = latest_checkpoint(tmp_path / "cut")
+    assert cut.version == 2 and _same(_weights(cut.folder), weights)
+    err = _finish(_cli(tmp_path, "cut", *DP2, "--resume", str(tmp_path / "cut")))
+    assert f"resuming {tmp_path / 'cut'} from version_2 (step 2 of 4)" in err
+    assert not _same(_weights(tmp_path / "cut/model"), weights)  # steps 2 and 3 trained after it
+    assert _same(_weights(tmp_path / "cut/model"), _weights(whole / "model"))  # bit-identical on two ranks
+    ids = [r["sample_id"] for r in records(tmp_path / "cut")]
+    assert len(ids) == len(set(ids)) == 4 * B * N
+
+
 # --- what a resume accepts (compile only: no model runs) ---------------------------------------
 
 TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
@@ -325,14 +365,11 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1",
                  "train.checkpoint_every=1")
     (run_dir / "plan.json").write_text(wide.to_json())
-    capsys.readouterr()
-    with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
-        RunSetup.create(wide, show_progress=False, resume=str(run_dir))
-    assert capsys.readouterr().err.count("hold the weights only, and resume refuses them") == 1
-    fresh = RunSetup.create(wide, show_progress=False, resume="auto")  # resume=auto: "else start"
-    err = capsys.readouterr().err
-    assert fresh.checkpoint is None and "runs on 2 ranks, which resume does not support; starting a new run" in err
-    assert not (run_dir / "checkpoints").exists()  # the earlier folder was moved aside
+    assert RunSetup.create(wide, show_progress=False, resume=str(run_dir)).checkpoint.version == 2  # issue 13: DCP
+    one_rank = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d1 + gen:d1",
+                     "train.checkpoint_every=1")
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in .*nodes"):
+        RunSetup.create(one_rank, show_progress=False, resume=str(run_dir))  # another world size: refused
 
 
 def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, capsys):
