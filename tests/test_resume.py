@@ -296,8 +296,8 @@ def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(
 
 # --- a multi-rank trainer: model and optimizer shards with torch.distributed.checkpoint --------
 
-DP2 = ["cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1", "async.max_staleness=0",
-       "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
+WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0",
+        "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
 
 
 def _sharded_optimizer(folder: Path) -> dict:
@@ -309,7 +309,11 @@ def _sharded_optimizer(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_dp2_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache):
+@pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1"])
+def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache,
+                                                                                        allocation):
+    """FSDP2 (dp2) and DTensor TP (tp2) shards: saved, joined and loaded back bit for bit."""
+    DP2 = [*WIDE, f"compile.allocation={allocation}"]
     _finish(_cli(tmp_path, "whole", *DP2))
     whole = tmp_path / "whole"
     version_2 = whole / "checkpoints/version_2"
