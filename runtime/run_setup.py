@@ -257,6 +257,29 @@ USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name",
 """The config key a user sets for a ``plan.run`` key a resume compares."""
 
 
+def _check_world_sizes(before: dict, now: dict, out_dir: Path) -> None:
+    """Refuse a resume whose train_step runs on another number of ranks than the one that
+    wrote the checkpoints (``before``, ``now``: the two plans as JSON): its sharded model and
+    optimizer state (``trainer_dcp/``) is loaded by the same world size only.
+
+    Raises:
+        ResumeError: naming the train_step, both strategies and both world sizes.
+    """
+    from compiler.strategy import ParallelStrategy
+
+    def sizes(data: dict) -> dict[str, tuple[str, int]]:
+        return {n["name"]: (n["strategy"], ParallelStrategy.parse(n["strategy"]).world_size)
+                for n in data.get("nodes", []) if n.get("op") == "train_step" and n.get("strategy")}
+
+    then, later = sizes(before), sizes(now)
+    for name in then.keys() & later.keys():
+        if then[name][1] != later[name][1]:
+            raise ResumeError(f"cannot resume {out_dir}: train_step '{name}' wrote its checkpoints on world size "
+                              f"{then[name][1]} (strategy {then[name][0]}) and would resume on world size "
+                              f"{later[name][1]} (strategy {later[name][0]}); resharding a checkpoint to another "
+                              "world size is not supported: resume with the run's compile.allocation")
+
+
 def _check_resumable(plan: Plan, out_dir: Path, version: int) -> None:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
     ``plan`` beyond :data:`RUNTIME_ONLY`, and beyond ``train.steps`` when the new value is at
@@ -272,6 +295,7 @@ def _check_resumable(plan: Plan, out_dir: Path, version: int) -> None:
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot resume {out_dir}: its plan.json cannot be read ({e})") from None
     now = program(json.loads(plan.to_json()))
+    _check_world_sizes(before, now, out_dir)
     if before != now:
         keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
                       {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
