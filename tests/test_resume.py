@@ -338,6 +338,22 @@ def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_
     assert len(ids) == len(set(ids)) == 4 * B * N
 
 
+
+@pytest.mark.slow
+def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(tmp_path, warm_cache):
+    """Rank 0 (the process on the trainer's inbox) is killed: the trainer's process ends by
+    the same signal, and the scheduler restarts it from version_2 on two ranks."""
+    wide = [*WIDE, "compile.allocation=train:d2 + gen:d1"]
+    _finish(_cli(tmp_path, "whole", *wide))
+    err, _ = _run_killed(tmp_path, "dies", *wide, "scheduler.max_restarts=1")
+    assert "train_step/0: rank 0 was ended by signal 9 (exit code -9)" in err
+    line = next(x for x in err.splitlines() if "restarting every worker" in x)
+    assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_2")
+    assert _same(_weights(tmp_path / "dies/model"), _weights(tmp_path / "whole/model"))
+    ids = [r["sample_id"] for r in records(tmp_path / "dies")]
+    assert len(ids) == len(set(ids)) == 4 * B * N
+    assert json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]["trainer_restarts"] == 1
+
 # --- what a resume accepts (compile only: no model runs) ---------------------------------------
 
 TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
