@@ -116,10 +116,10 @@ def spawn_workers(
                 start_method="spawn",
             )
         except ProcessException as exc:
+            if isinstance(exc, ProcessExitedException) and exc.exit_code < 0:  # the first to end was killed
+                raise RankKilled(exc.error_index, -exc.exit_code) from exc  # (the others' errors follow from it)
             errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
             details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
-            if not errors and isinstance(exc, ProcessExitedException) and exc.exit_code < 0:
-                raise RankKilled(exc.error_index, -exc.exit_code) from exc
             raise WorkerError("\n".join(details) or str(exc)) from exc
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
 
