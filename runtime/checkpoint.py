@@ -7,7 +7,11 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
   format at the top, any other trained model, e.g. a critic, in a sub-folder named by it);
 * ``trainer_state.pt`` (``torch.save``): ``version``; per train_step node its optimizer's
   ``state_dict`` (AdamW moments and step counts; the learning rate is constant, so there is
-  no schedule state); the trainer's RNG states (torch, Python ``random``, numpy);
+  no schedule state; ``None`` for a multi-rank train_step) and its world size; the trainer's
+  (rank 0's) RNG states (torch, Python ``random``, numpy);
+* ``trainer_dcp/`` (:data:`SHARDED_DIR`), for a train_step of several ranks: its model and
+  optimizer shards as ``torch.distributed.checkpoint`` writes them (one ``.distcp`` file a
+  rank and ``.metadata``), loaded by the same world size on resume;
 * ``manifest.json``, written last: ``version``, ``next_index`` (the first admission index
   not yet trained, ``v * B``: every group below it was trained exactly once, every group at
   or above it is admitted again under its index after a resume; the driver reads it here
@@ -35,13 +39,14 @@ import numpy as np
 import torch
 
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "trainer_dcp"
 MANIFEST = "manifest.json"
 PREFIX = "version_"
 
 
 class ResumeError(ValueError):
-    """A resume that cannot happen (no complete checkpoint, another run's folder, a
-    multi-rank trainer); the message names the folder or the cause."""
+    """A resume that cannot happen (no complete checkpoint, another run's folder or
+    program); the message names the folder or the cause."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ the trainer's version). A trainer (or other stage worker) that dies without repo
 under their indices, the run folder is rewound to it (``runtime.run_dir.rewind_run_dir``).
 A worker that raises stops the others and is re-raised with its traceback; what was
 already written (events, trajectories) stays. ``resume`` continues a run from its folder's
-last checkpoint the same way (local scheduler, single-rank trainers); a run whose last
+last checkpoint the same way (local scheduler); a run whose last
 checkpoint holds all its steps is complete, and its resume runs nothing.
 
 Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
@@ -154,15 +154,13 @@ class _LocalRun:
         the groups admitted after it (they are admitted again under their indices).
 
         Raises:
-            WorkerFailed: the restarts are used up, or the trainer runs on several ranks.
+            WorkerFailed: the restarts are used up.
         """
         setup, router = self.setup, self.router
         limit = int(setup.plan.run["scheduler"].get("max_restarts", 0))
-        wide = any(n.parallel.world_size > 1 for n in setup.topo.train_steps)
-        if wide or self.restarts + self.stage_restarts >= limit:
-            why = "a multi-rank trainer is not restarted" if wide else \
-                f"restarts so far {self.restarts + self.stage_restarts}, scheduler.max_restarts={limit}"
-            raise WorkerFailed(f"worker {died}; {why}")
+        if self.restarts + self.stage_restarts >= limit:
+            raise WorkerFailed(f"worker {died}; restarts so far {self.restarts + self.stage_restarts}, "
+                               f"scheduler.max_restarts={limit}")
         self.stage_restarts += 1
         setup.checkpoint = latest_checkpoint(setup.out_dir)
         version = setup.checkpoint.version if setup.checkpoint else 0

@@ -27,7 +27,11 @@ Protocol, every step:
    weight channel; metrics are summed / token-weighted over the DP ranks
    (:func:`merge_dp_metrics`).
 
-A ``None`` command ends the loop: one last gather, rank 0 saves the model.
+A command without a batch asks every rank for the full weights (a restarted replica's
+resync) or, with ``checkpoint`` set, to save or load the ranks' shards of model and optimizer
+state with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`,
+:meth:`RankTrainer.load_state`). A ``None`` command ends the loop: one last gather, rank 0
+saves the model.
 Supported: ``dp`` and ``tp`` (and both) for the policy; a critic's train_step and
 ``pp``/``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
 """
@@ -42,6 +46,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
@@ -184,6 +190,30 @@ class RankTrainer:
                 state.update(bucket.tensors)
         return state if self.rank == 0 else None
 
+    def save_state(self, folder: str | Path) -> None:
+        """Save this rank's shards of the model and AdamW state (moments, step counts) to
+        ``folder`` with ``torch.distributed.checkpoint`` (``get_state_dict``, then ``dcp.save``:
+        one ``__<rank>_0.distcp`` file per rank and a ``.metadata`` file from rank 0; PyTorch
+        docs, "Distributed Checkpoint - torch.distributed.checkpoint"). Every rank must call it
+        (collectives); ``folder`` must be on a file system every rank sees.
+        """
+        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def load_state(self, folder: str | Path) -> None:
+        """Load what :meth:`save_state` wrote to ``folder`` into this rank's shards (every rank
+        calls it; DCP reads each shard's slice of the saved tensors, bit for bit).
+
+        Raises:
+            FileNotFoundError / RuntimeError (from DCP): ``folder`` holds no DCP checkpoint, or
+                one of other tensors (names the missing keys).
+        """
+        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(self.parallel.module, self.algorithm.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
 
 def broadcast_command(command: dict | None) -> dict | None:
     """Rank 0 sends ``command`` to every rank (the others pass None and get it)."""
@@ -203,8 +233,14 @@ def _follow(trainer: RankTrainer) -> None:
     """A rank other than 0: step on every broadcast batch until the ``None`` command."""
     while (command := broadcast_command(None)) is not None:
         batch = command["batch"]
-        if batch is None:  # between steps: only the weights (a restarted replica's resync)
-            trainer.gather_weights()
+        if batch is None:  # between steps: a checkpoint's sharded state, or the weights only (a resync)
+            checkpoint = command.get("checkpoint")
+            if checkpoint is None:
+                trainer.gather_weights()
+            elif checkpoint[0] == "save":
+                trainer.save_state(checkpoint[1])
+            else:
+                trainer.load_state(checkpoint[1])
             continue
         trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
                                                               command["micro_batches"])

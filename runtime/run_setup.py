@@ -55,27 +55,19 @@ class RunSetup:
 
         Raises:
             ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
-                folder whose ``plan.json`` is another program, or the plan trains on several ranks.
+                folder whose ``plan.json`` is another program.
         """
         from compiler import format_table
 
         topo = build_topology(plan)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
-        wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
             print("areal-flow: warning: resume=auto without train.checkpoint_every: this run writes no checkpoint, "
                   "so it can never be resumed", file=sys.stderr)
-        if wide is not None and checkpointing:
-            print(f"areal-flow: warning: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks: its "
-                  "checkpoints (train.checkpoint_every) hold the weights only, and resume refuses them", file=sys.stderr)
-        if wide is not None and resume == "auto":  # "resume if there is one, else start" (docs/RESUME.md)
-            print(f"areal-flow: note: resume=auto: train_step '{wide.name}' runs on {wide.parallel.world_size} ranks, "
-                  "which resume does not support; starting a new run", file=sys.stderr)
-            resume = ""
         checkpoint = resume_point(resume, out_dir)
         if checkpoint is not None:
-            _check_resumable(plan, topo, out_dir, checkpoint.version)
+            _check_resumable(plan, out_dir, checkpoint.version)
             if json.loads((out_dir / "plan.json").read_text())["run"]["steps"] != plan.run["steps"]:
                 (out_dir / "plan.json").write_text(plan.to_json())  # continued for more steps: the plan it runs
             print(f"areal-flow: resuming {out_dir} from {checkpoint.folder.name} (step {checkpoint.version} of "
@@ -265,11 +257,34 @@ USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name",
 """The config key a user sets for a ``plan.run`` key a resume compares."""
 
 
-def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) -> None:
+def _check_world_sizes(before: dict, now: dict, out_dir: Path) -> None:
+    """Refuse a resume whose train_step runs on another number of ranks than the one that
+    wrote the checkpoints (``before``, ``now``: the two plans as JSON): its sharded model and
+    optimizer state (``trainer_dcp/``) is loaded by the same world size only.
+
+    Raises:
+        ResumeError: naming the train_step, both strategies and both world sizes.
+    """
+    from compiler.strategy import ParallelStrategy
+
+    def sizes(data: dict) -> dict[str, tuple[str, int]]:
+        return {n["name"]: (n["strategy"], ParallelStrategy.parse(n["strategy"]).world_size)
+                for n in data.get("nodes", []) if n.get("op") == "train_step" and n.get("strategy")}
+
+    then, later = sizes(before), sizes(now)
+    for name in then.keys() & later.keys():
+        if then[name][1] != later[name][1]:
+            raise ResumeError(f"cannot resume {out_dir}: train_step '{name}' wrote its checkpoints on world size "
+                              f"{then[name][1]} (strategy {then[name][0]}) and would resume on world size "
+                              f"{later[name][1]} (strategy {later[name][0]}); resharding a checkpoint to another "
+                              "world size is not supported: resume with the run's compile.allocation")
+
+
+def _check_resumable(plan: Plan, out_dir: Path, version: int) -> None:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
     ``plan`` beyond :data:`RUNTIME_ONLY`, and beyond ``train.steps`` when the new value is at
-    least the checkpoint's ``version``: continuing a run for more steps) or with a multi-rank
-    trainer (ResumeError, naming the config keys that differ)."""
+    least the checkpoint's ``version``: continuing a run for more steps; ResumeError, naming
+    the config keys that differ, e.g. ``compile.allocation`` for another world size)."""
     def program(data: dict) -> dict:
         ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= version else ())
         run = {k: v for k, v in data.get("run", {}).items() if k not in ignored}
@@ -280,6 +295,7 @@ def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) ->
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot resume {out_dir}: its plan.json cannot be read ({e})") from None
     now = program(json.loads(plan.to_json()))
+    _check_world_sizes(before, now, out_dir)
     if before != now:
         keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
                       {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
@@ -289,11 +305,6 @@ def _check_resumable(plan: Plan, topo: Topology, out_dir: Path, version: int) ->
         raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
                           f"{', '.join(keys)}{steps}); resume with the same graph and config (train.steps may grow), "
                           "or start a new run")
-    wide = next((n for n in topo.train_steps if n.parallel.world_size > 1), None)
-    if wide is not None:
-        raise ResumeError(f"cannot resume {out_dir}: train_step '{wide.name}' runs on {wide.parallel.world_size} "
-                          "ranks; resume supports single-rank trainers only (a sharded optimizer state is not "
-                          "checkpointed)")
 
 
 def _spares(task, chunk: int, seed: int) -> Iterator[dict]:

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from runtime.channels import MessageReceiver, MessageSender
-from runtime.checkpoint import capture_rng, model_folder, read_state, restore_rng, write_checkpoint
+from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, write_checkpoint
 from runtime.context import WorkerContext
 from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
@@ -45,18 +47,26 @@ from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nod
 def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
     """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
     metrics (a trainer); ``lease`` is held around each train step when the plan time-shares
-    the mesh with generation. A multi-rank policy train_step spawns its ranks here."""
+    the mesh with generation. A multi-rank policy train_step spawns its ranks here; when one
+    of them is ended by a signal, this process ends by the same signal (a dead trainer, which
+    the local scheduler restarts from the last checkpoint, ``runtime.launch``)."""
     group = worker_group(spec)
     if group.batch_nodes and group.strategy.world_size > 1:
         from runtime.executors.train import TrainSettings
+        from runtime.parallel.launch import RankKilled
         from runtime.parallel_trainer import run_ranks
 
         ctx = worker_context(spec)
         policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
                       ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
-        return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease), spec.recv_timeout_s + 120.0,
-                         device_type=spec.plan.device_type, backend=spec.plan.backend)
+        try:
+            return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
+                             spec.recv_timeout_s + 120.0, device_type=spec.plan.device_type, backend=spec.plan.backend)
+        except RankKilled as exc:  # die as the rank did: the scheduler restarts the trainer from its checkpoint
+            print(f"areal-flow: {spec.group}/{spec.rank}: {exc}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), exc.signal)
+            raise
     return _Stage(spec, worker_context(spec), group, report, lease).run()
 
 
@@ -295,10 +305,14 @@ class _Stage:
 
         def fill(folder: Path) -> None:
             for node in nodes:
-                self.executors[node.name].save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
+                executor = self.executors[node.name]
+                executor.save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
+                if executor.world_size > 1:  # a sharded optimizer: every rank writes its shards
+                    executor.save_sharded(folder / SHARDED_DIR)
 
         state = {"version": version, "rng": capture_rng(),
-                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes}}
+                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
+                 "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes}}
         write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups)
 
     def _restore(self) -> int:
@@ -309,7 +323,8 @@ class _Stage:
         for node in self.batch_nodes:
             if node.op == "train_step":
                 self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),
-                                                          state["optimizers"][node.name])
+                                                          state["optimizers"][node.name],
+                                                          state.get("world_sizes", {}).get(node.name, 1))
         restore_rng(state["rng"])
         return int(state["version"])
 

@@ -325,14 +325,13 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1",
                  "train.checkpoint_every=1")
     (run_dir / "plan.json").write_text(wide.to_json())
-    capsys.readouterr()
-    with pytest.raises(ResumeError, match="train_step 'train_step' runs on 2 ranks; resume supports single-rank"):
-        RunSetup.create(wide, show_progress=False, resume=str(run_dir))
-    assert capsys.readouterr().err.count("hold the weights only, and resume refuses them") == 1
-    fresh = RunSetup.create(wide, show_progress=False, resume="auto")  # resume=auto: "else start"
-    err = capsys.readouterr().err
-    assert fresh.checkpoint is None and "runs on 2 ranks, which resume does not support; starting a new run" in err
-    assert not (run_dir / "checkpoints").exists()  # the earlier folder was moved aside
+    assert RunSetup.create(wide, show_progress=False, resume=str(run_dir)).checkpoint.version == 2  # issue 13: DCP
+    one_rank = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d1 + gen:d1",
+                     "train.checkpoint_every=1")
+    with pytest.raises(ResumeError, match=r"train_step 'train_step' wrote its checkpoints on world size 2 "
+                                          r"\(strategy d2\) and would resume on world size 1 \(strategy d1\); "
+                                          "resharding a checkpoint to another world size is not supported"):
+        RunSetup.create(one_rank, show_progress=False, resume=str(run_dir))
 
 
 def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, capsys):

@@ -184,19 +184,50 @@ class TrainStepExecutor:
 
     def optimizer_state(self) -> dict | None:
         """The optimizer's ``state_dict`` (AdamW moments and step counts) for a checkpoint
-        (``runtime.checkpoint``); None on several ranks (their state is sharded; not checkpointed)."""
+        (``runtime.checkpoint``); None on several ranks (their state is sharded: :meth:`save_sharded`)."""
         return None if self.ranks is not None else self.optimizer.state_dict()
 
-    def load_checkpoint(self, folder: Path, optimizer_state: dict) -> None:
-        """Continue from a checkpoint: the weights :meth:`save` wrote to ``folder`` and the
-        optimizer's ``state_dict`` (bit for bit: fp32 weights and moments are stored as they are).
+    @property
+    def world_size(self) -> int:
+        """Ranks this train_step runs on (1: this process alone)."""
+        return self.ranks.strategy.world_size if self.ranks is not None else 1
+
+    def save_sharded(self, folder: Path) -> None:
+        """A multi-rank train_step: every rank saves its shards of model and optimizer state
+        to ``folder`` (``torch.distributed.checkpoint``; ``RankTrainer.save_state``).
 
         Raises:
-            RuntimeError: a multi-rank train_step (its resume is not supported), or weights
-                that do not fit the model (torch names the keys).
+            RuntimeError: a single-rank train_step (its state is whole: :meth:`optimizer_state`).
         """
+        if self.ranks is None:
+            raise RuntimeError(f"{self.node.name}: runs on one rank; its optimizer state is saved whole")
+        from runtime.parallel_trainer import broadcast_command
+
+        broadcast_command({"batch": None, "checkpoint": ("save", str(folder))})
+        self.ranks.save_state(folder)
+
+    def load_checkpoint(self, folder: Path, optimizer_state: dict | None, world_size: int = 1) -> None:
+        """Continue from a checkpoint written by a train_step of ``world_size`` ranks: on one
+        rank the weights :meth:`save` wrote to ``folder`` and the optimizer's ``state_dict``;
+        on several the shards :meth:`save_sharded` wrote to ``folder/trainer_dcp`` (bit for
+        bit either way: fp32 weights and moments are stored as they are).
+
+        Raises:
+            RuntimeError: the checkpoint's world size is not this train_step's (names both;
+                resharding is not supported), or weights that do not fit the model (torch
+                names the keys).
+        """
+        if world_size != self.world_size:
+            raise RuntimeError(f"{self.node.name}: the checkpoint {folder} was written by {world_size} rank(s) and "
+                               f"this train_step runs on {self.world_size}; resume with the checkpoint's allocation "
+                               "(resharding to another world size is not supported)")
         if self.ranks is not None:
-            raise RuntimeError(f"{self.node.name}: resume of a multi-rank train_step is not supported")
+            from runtime.checkpoint import SHARDED_DIR
+            from runtime.parallel_trainer import broadcast_command
+
+            broadcast_command({"batch": None, "checkpoint": ("load", str(folder / SHARDED_DIR))})
+            self.ranks.load_state(folder / SHARDED_DIR)
+            return
         if self.critic:
             weights = type(self.model).load(folder).state_dict()
         else:

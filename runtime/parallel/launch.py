@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from compiler.strategy import ParallelStrategy
 from runtime.parallel.validate import validate_strategy_for_model
@@ -33,6 +33,15 @@ WorkerFn = Callable[..., Any]
 
 class WorkerError(RuntimeError):
     """A worker process raised; the message holds the rank and its traceback."""
+
+
+class RankKilled(WorkerError):
+    """A worker process ended by a signal without raising (killed, out of memory):
+    ``rank`` and ``signal`` (its number, e.g. 9 for SIGKILL)."""
+
+    def __init__(self, rank: int, signal: int) -> None:
+        super().__init__(f"rank {rank} was ended by signal {signal} (exit code {-signal})")
+        self.rank, self.signal = rank, signal
 
 
 def free_loopback_port() -> int:
@@ -92,6 +101,7 @@ def spawn_workers(
     Raises:
         ValueError: ``world_size < 1``.
         WorkerError: a worker raised; the message holds its rank and traceback.
+        RankKilled: a worker was ended by a signal (none raised).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one worker")
@@ -106,6 +116,8 @@ def spawn_workers(
                 start_method="spawn",
             )
         except ProcessException as exc:
+            if isinstance(exc, ProcessExitedException) and exc.exit_code < 0:  # the first to end was killed
+                raise RankKilled(exc.error_index, -exc.exit_code) from exc  # (the others' errors follow from it)
             errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
             details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
             raise WorkerError("\n".join(details) or str(exc)) from exc

@@ -1,0 +1,75 @@
+"""Resume of a multi-rank trainer (issue 13): its model and optimizer shards saved with
+``torch.distributed.checkpoint`` (``trainer_dcp/``), a two-rank run interrupted and resumed,
+and a two-rank trainer whose rank is killed restarted from them (loopback only, bounded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runs import records
+from runtime.checkpoint import latest_checkpoint, read_state
+from test_resume import B, N, _cli, _finish, _run_killed, _same, _weights
+
+# --- a multi-rank trainer: model and optimizer shards with torch.distributed.checkpoint --------
+
+WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0",
+        "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
+
+
+def _sharded_optimizer(folder: Path) -> dict:
+    """The whole state a ``trainer_dcp/`` folder holds (DCP's own converter to one torch.save file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "trainer_dcp", folder.parent / f"{folder.name}.pt")
+    return torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1"])
+def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache,
+                                                                                        allocation):
+    """FSDP2 (dp2) and DTensor TP (tp2) shards: saved, joined and loaded back bit for bit."""
+    DP2 = [*WIDE, f"compile.allocation={allocation}"]
+    _finish(_cli(tmp_path, "whole", *DP2))
+    whole = tmp_path / "whole"
+    version_2 = whole / "checkpoints/version_2"
+    files = latest_checkpoint(whole).manifest()["files"]
+    assert {"trainer_dcp/.metadata", "trainer_dcp/__0_0.distcp", "trainer_dcp/__1_0.distcp"} <= files.keys()
+    assert read_state(version_2)["world_sizes"] == {"train_step": 2}
+    saved, weights = _sharded_optimizer(version_2), _weights(version_2)
+    moments = saved["optimizer"]["state"]
+    for name, tensor in weights.items():  # the shards join into whole tensors: the weights HF has, AdamW's moments
+        if name in saved["model"]:
+            assert torch.equal(saved["model"][name], tensor)
+            assert moments[name]["exp_avg"].shape == tensor.shape and moments[name]["exp_avg"].abs().sum() > 0
+            assert float(moments[name]["step"]) == 2.0  # two optimizer steps before version 2
+    err, _ = _run_killed(tmp_path, "cut", *DP2, "scheduler.max_restarts=0", code=1)
+    cut = latest_checkpoint(tmp_path / "cut")
+    assert cut.version == 2 and _same(_weights(cut.folder), weights)
+    err = _finish(_cli(tmp_path, "cut", *DP2, "--resume", str(tmp_path / "cut")))
+    assert f"resuming {tmp_path / 'cut'} from version_2 (step 2 of 4)" in err
+    assert not _same(_weights(tmp_path / "cut/model"), weights)  # steps 2 and 3 trained after it
+    assert _same(_weights(tmp_path / "cut/model"), _weights(whole / "model"))  # bit-identical on two ranks
+    ids = [r["sample_id"] for r in records(tmp_path / "cut")]
+    assert len(ids) == len(set(ids)) == 4 * B * N
+
+
+
+@pytest.mark.slow
+def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(tmp_path, warm_cache):
+    """Rank 0 (the process on the trainer's inbox) is killed: the trainer's process ends by
+    the same signal, and the scheduler restarts it from version_2 on two ranks."""
+    wide = [*WIDE, "compile.allocation=train:d2 + gen:d1"]
+    _finish(_cli(tmp_path, "whole", *wide))
+    err, _ = _run_killed(tmp_path, "dies", *wide, "scheduler.max_restarts=1")
+    assert "train_step/0: rank 0 was ended by signal 9 (exit code -9)" in err
+    line = next(x for x in err.splitlines() if "restarting every worker" in x)
+    assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_2")
+    assert _same(_weights(tmp_path / "dies/model"), _weights(tmp_path / "whole/model"))
+    ids = [r["sample_id"] for r in records(tmp_path / "dies")]
+    assert len(ids) == len(set(ids)) == 4 * B * N
+    assert json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]["trainer_restarts"] == 1
