@@ -51,9 +51,9 @@ class WorkerContext:
     def tokenizer(self):
         """The policy's tokenizer (every model of a run shares the policy's vocabulary)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from areal_flow.models.tokenizer import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.folders[self.policy_name()])
+            self._tokenizer = load_tokenizer(self.folders[self.policy_name()])
         return self._tokenizer
 
     @property

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from areal_flow.config import ExperimentConfig
 from areal_flow.dtypes import torch_dtype
+from areal_flow.models.tokenizer import load_tokenizer
 
 
 def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -> Path:
@@ -95,4 +96,4 @@ def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32
     dtype = torch_dtype(dtype)
     transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    return model, load_tokenizer(folder)

@@ -156,11 +156,10 @@ class RunSetup:
 
             longest, what = episode_context(decode_value(gen.attrs), folder), "the episode's max_context"
         else:
-            from transformers import AutoTokenizer
-
+            from areal_flow.models.tokenizer import load_tokenizer
             from areal_flow.ops.generate import encode_prompt
 
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = load_tokenizer(folder)
             problems = self.task.train_problems(self.topo.steps * self.topo.batch_groups, seed=self.plan.run["seed"] + 1)
             prompt = max(len(encode_prompt(tokenizer, p["prompt"], gen.attrs.get("chat_template"))) for p in problems)
             longest = prompt + gen.attrs["max_new_tokens"]

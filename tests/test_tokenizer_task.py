@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from areal_flow.models.tiny import PRESETS, build_model
-from areal_flow.models.tokenizer import build_char_tokenizer
+from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 from areal_flow.tasks.arithmetic import TEST_ID_OFFSET, ArithmeticTask
 
 
@@ -28,6 +28,18 @@ def test_tokenizer_round_trip_and_reload(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again.encode(text) == ids
     assert again.decode(ids, skip_special_tokens=True) == text
+    assert (again.pad_token_id, again.eos_token_id, again.padding_side) == (0, 2, "left")
+
+
+def test_tokenizer_reloads_with_spaces_next_to_a_qwen2_model(tmp_path):
+    # A warm-start folder holds the tiny Qwen2 model and the tokenizer; AutoTokenizer
+    # (transformers 5) would read config.json's qwen2 type and drop the spaces.
+    tok = build_char_tokenizer()
+    build_model("tiny-s", len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = load_tokenizer(tmp_path)
+    # by hand: bos 1; "o" 38, "r" 41, "d" 27, "e" 28, "r" 41, " " 23, "7" 11, "2" 6
+    assert again.encode("order 72") == [1, 38, 41, 27, 28, 41, 23, 11, 6]
     assert (again.pad_token_id, again.eos_token_id, again.padding_side) == (0, 2, "left")
 
 

@@ -3,11 +3,13 @@
 One token per character of a small fixed alphabet (digits, arithmetic symbols, space,
 lowercase letters) plus four special tokens. Every encoded text starts with ``<bos>``;
 callers append ``<eos>`` to training targets themselves. The result is a
-``transformers.PreTrainedTokenizerFast`` so it saves with ``save_pretrained`` and reloads
-with ``AutoTokenizer.from_pretrained(folder)`` like any Hub tokenizer.
+``transformers.PreTrainedTokenizerFast`` so it saves with ``save_pretrained``; reload a
+model folder's tokenizer with :func:`load_tokenizer`, not ``AutoTokenizer`` (see there).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -47,3 +49,21 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=1024,
     )
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in a model folder, exactly as its ``tokenizer.json`` defines it.
+
+    ``AutoTokenizer.from_pretrained`` (transformers 5) picks the tokenizer class from the
+    folder's ``config.json`` model type and, for ``qwen2``, rebuilds the Qwen2 byte-level
+    pre-tokenizer in code instead of the saved one: with the character tokenizer next to a
+    tiny Qwen2 model it silently drops every space (``"order 72"`` encodes as
+    ``"order72"``), so a model warm-started on spaced text is run on unspaced text. Loading
+    the file as it is gives the same ids as at training time; for Hub / GGUF-converted
+    folders (e.g. SmolLM2) it matches ``AutoTokenizer`` (same ids, special tokens and chat
+    template).
+
+    Raises:
+        OSError: ``folder`` holds no tokenizer files (from ``from_pretrained``).
+    """
+    return PreTrainedTokenizerFast.from_pretrained(folder)

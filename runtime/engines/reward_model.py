@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import transformers
 import xxhash
-from transformers import AutoTokenizer
 
 from areal_flow.models.reward_model import RewardModel
+from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.tasks.arithmetic import buggy_answer
 from runtime.engines.sft import cache_root, fit_sampled_batches
@@ -152,7 +152,7 @@ def fit_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig,
         ``(model, tokenizer, stats)``, model in eval mode; ``stats = {"seconds",
         "final_loss" (BCE nats/pair over the last 20 steps; None after 0 steps), "n_params"}``.
     """
-    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    tokenizer = load_tokenizer(base_folder)
     model = RewardModel.from_backbone(base_folder, seed=cfg.seed)
     ids, attn = encode_candidates(tokenizer, pairs := labelled_candidates(
         task.train_problems(cfg.n_problems, seed=cfg.seed), cfg.seed))
@@ -172,7 +172,7 @@ def train_reward_model(task, base_folder: str | Path, cfg: RewardModelConfig, pr
     """Folder of the RM trained from ``base_folder``'s backbone for ``task``, trained on first use.
 
     The folder is ``<cache_dir or cache_root()>/reward_model/<reward_model_key(...)>/`` and
-    holds the RM (``RewardModel.load``), the base tokenizer (``AutoTokenizer``) and
+    holds the RM (``RewardModel.load``), the base tokenizer (``load_tokenizer``) and
     ``rm_stats.json``; it is written to a temporary sibling and renamed into place, so a
     concurrent reader never sees a half-written folder.
 
@@ -219,7 +219,7 @@ def reward_model_accuracy(folder: str | Path, task, n: int = 500, batch_size: in
     Raises:
         FileNotFoundError: ``folder`` is not an RM folder (from ``RewardModel.load``).
     """
-    model, tokenizer = RewardModel.load(folder), AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = RewardModel.load(folder), load_tokenizer(folder)
     pairs = heldout_candidates(task, n)
     ids, attn = encode_candidates(tokenizer, pairs)
     labels = torch.tensor([p["label"] for p in pairs])

@@ -24,12 +24,12 @@ import torch
 import transformers
 import xxhash
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from areal_flow.cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported for callers
 from areal_flow.envs.episode import encode_dialogue
 from areal_flow.models.tiny import build_model
-from areal_flow.models.tokenizer import build_char_tokenizer
+from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 
 @dataclass(frozen=True)
 class SFTConfig:
@@ -208,4 +208,4 @@ def warm_start(task, preset: str, cfg: SFTConfig, cache_dir: str | Path | None =
 def load_warm_start(folder: str | Path) -> tuple[PreTrainedModel, object]:
     """Load ``(model, tokenizer)`` from a ``warm_start`` folder: fp32, eval mode, CPU."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    return model, load_tokenizer(folder)
