@@ -2,8 +2,8 @@
 ``config``, ``timeline`` and ``replay``.
 
 Owns argument parsing and the loading of graph files (the run command's checks, ``--resume``
-included, are ``areal_flow.cli_run``); the work is the compiler's
-(``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
+included, are ``areal_flow.cli_run``; ``eval``, ``timeline`` and ``replay`` are
+``areal_flow.cli_inspect``); the work is the compiler's (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
 
     areal-flow graph graphs/arith_grpo.py                       # nodes, edges, staleness
     areal-flow compile graphs/gsm8k_grpo.py cluster.n_nodes=4 cluster.n_gpus_per_node=8 --plan
@@ -98,10 +98,10 @@ VIZ_SUFFIXES = (".html", ".svg", ".png", ".dot")
 def _check_viz_path(path: str | None) -> None:
     if path is not None and Path(path).suffix not in VIZ_SUFFIXES:
         raise CLIError(f"{path}: the placement graph is written as {', '.join(VIZ_SUFFIXES)}; pick one of these suffixes")
-    _check_output_folder(path)
+    check_output_folder(path)
 
 
-def _check_output_folder(path: str | None) -> None:
+def check_output_folder(path: str | None) -> None:
     """Raises CLIError when ``path``'s folder does not exist (before any work is done)."""
     if path is not None and not Path(path).parent.is_dir():
         raise CLIError(f"{path}: output folder {Path(path).parent} does not exist")
@@ -121,7 +121,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler import format_table
 
     _check_viz_path(args.viz)
-    _check_output_folder(args.output if args.plan else None)
+    check_output_folder(args.output if args.plan else None)
     flow = load_flow(args.file, args.flow)
     cfg = flow_config(flow, args)
     if args.allocation:
@@ -207,68 +207,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import json
+    from areal_flow.cli_inspect import eval_command
 
-    from areal_flow.config_load import load_config
-    from runtime.engines.evaluate import evaluate_model
-
-    _check_output_folder(args.out)
-    cfg = load_config(args.config, args.overrides)
-    max_digits = cfg.dataset.max_digits if args.config or any(o.startswith("dataset.max_digits=")
-                                                               for o in args.overrides) else 2
-    try:
-        result = evaluate_model(args.model, args.task, n=args.n, samples=args.samples, temperature=args.temperature,
-                                cfg=cfg, max_digits=max_digits)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
-        raise CLIError(str(exc).splitlines()[0]) from None
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
-    return 0
-
-
-def _run_folder(path: str) -> Path:
-    folder = Path(path)
-    if not (folder / "plan.json").is_file():
-        raise CLIError(f"{folder}: not a run folder (no plan.json); runs write runs/<name>/")
-    return folder
+    return eval_command(args)
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from runtime.timeline import TimelineError, format_timeline, summarize, to_html
+    from areal_flow.cli_inspect import timeline_command
 
-    folder = _run_folder(args.run)
-    try:
-        timeline = summarize(folder)
-    except TimelineError as exc:
-        raise CLIError(str(exc)) from None
-    print(format_timeline(timeline))
-    out = Path(args.output) if args.output else folder / "timeline.html"
-    _check_output_folder(str(out))
-    out.write_text(to_html(folder, timeline))
-    print(f"\ntimeline graph written to {out}; open {folder / 'trace.json'} in https://ui.perfetto.dev")
-    if args.simulate:
-        from runtime.calibrate import compare, format_comparison
-
-        try:
-            print("\n" + format_comparison(compare(folder)))
-        except TimelineError as exc:
-            raise CLIError(str(exc)) from None
-    return 0
+    return timeline_command(args)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from runtime.record import RecordError
-    from runtime.replay import format_report, replay
+    from areal_flow.cli_inspect import replay_command
 
-    folder = _run_folder(args.run)
-    try:
-        report = replay(folder, args.edge, until=args.until)
-    except RecordError as exc:
-        raise CLIError(str(exc)) from None
-    print(format_report(report))
-    return 0 if report.identical else 1
+    return replay_command(args)
 
 
 def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:

@@ -96,3 +96,12 @@ def test_bench_memory_model_help_runs_nothing():
     out = subprocess.run([sys.executable, "bench/memory_model.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0 and "--strategy" in out.stdout and "strategy  rank" not in out.stdout, out.stdout
+
+
+def test_timeline_and_replay_name_a_folder_that_is_not_a_run(tmp_path, capsys):
+    from areal_flow.cli import main
+
+    (tmp_path / "trace.json").write_text("{}")  # a trace alone does not make a run folder: plan.json does
+    for argv in (["timeline", str(tmp_path)], ["replay", str(tmp_path), "--from", "advantage->train_step"]):
+        assert main(argv) == 2
+        assert f"{tmp_path}: not a run folder (no plan.json)" in capsys.readouterr().err

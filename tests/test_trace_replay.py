@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from areal_flow import Model, flow, ops
+from areal_flow.cli import main
 from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
 from runtime.launch import run_experiment
@@ -130,6 +131,7 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     report = replay(run, "advantage->train_step")
     assert [(c.step, c.node) for c in report.checks] == [(0, "train_step"), (1, "train_step"), (2, "train_step")]
     assert [c.replayed for c in report.checks] == digests and report.identical
+    assert main(["replay", str(run), "--from", "advantage->train_step", "--until", "1"]) == 0  # the command: exit 0
 
 
 @pytest.mark.slow
