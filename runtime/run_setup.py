@@ -264,8 +264,9 @@ PLACEMENT = ("allocation", "alternatives", "colocated", "overlapped", "idle_frac
 """Plan fields the compiler derives from ``compile.allocation`` and the cluster's size: a
 resume may change them together with the train_steps' strategies (it reshards)."""
 
-NODE_PLACEMENT = ("mesh", "memory", "times", "micro_batches", "concurrent")
-"""Fields of a plan node derived from the allocation (and ``strategy`` of a train_step)."""
+NODE_PLACEMENT = ("mesh", "memory", "times", "micro_batches")
+"""Fields of a plan node derived from the allocation (and ``strategy`` of a train_step;
+``micro_batches`` counts per DP rank). A generation node's ``concurrent`` is not: it must stay."""
 
 
 def _program(data: dict, ignored_run: tuple[str, ...], placement: bool) -> dict:
