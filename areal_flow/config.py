@@ -306,7 +306,7 @@ class ExperimentConfig:
     out_dir: str = "runs"
     """Folder for TensorBoard events, trajectories and the final model."""
     resume: str = ""
-    """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Local scheduler; a multi-rank trainer resumes on its own world size (docs/RESUME.md)."""
+    """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Local scheduler; another compile.allocation of the train_step reshards its checkpoint (docs/RESUME.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)

@@ -10,9 +10,13 @@ trained: the staleness rule admits ``(k + v + 1) * B`` by version ``v``, AReaL, 
 2025, §5) and groups a replica still holds for redelivery (``Router.unconfirmed``). It
 prints the samples as a table, then the median RSS of the first and last quarter of the
 samples taken after the first step (flat memory: a ratio near 1) and the largest queue
-sizes against their bound.
+sizes against their bound. With ``--tracemalloc`` the driver's Python allocations are traced
+(``tracemalloc``, 8 frames, started at the first sample): a snapshot at the second sample and
+one at the last (the run still live), and the
+allocation sites whose live memory grew most between them are printed with their growth per
+step (bytes), to find what the driver keeps per step.
 
-    python bench/soak.py [--every 2] [key=value ...]   # e.g. train.steps=400
+    python bench/soak.py [--every 2] [--tracemalloc] [key=value ...]   # e.g. train.steps=400
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,9 +55,25 @@ def rss_mib(proc: psutil.Process) -> tuple[float, float]:
     return proc.memory_info().rss / MIB, children
 
 
+def _print_growth(first_step: int, first: tracemalloc.Snapshot, last_step: int, last: tracemalloc.Snapshot,
+                  top: int = 8) -> None:
+    """The ``top`` allocation sites of the driver whose live bytes grew most from ``first``
+    (taken after step ``first_step``) to ``last`` (after ``last_step``), per step between."""
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")]
+    diff = last.filter_traces(ignore).compare_to(first.filter_traces(ignore), "traceback")
+    span = max(1, last_step - first_step)
+    total = sum(d.size_diff for d in diff)
+    print(f"driver Python allocations (tracemalloc), steps {first_step} -> {last_step}: {total / 1024:+.1f} KiB "
+          f"({total / span:+.1f} B per step); largest changes:")
+    for d in diff[:top]:
+        frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in list(d.traceback)[::-1][:4])
+        print(f"  {d.size_diff / 1024:+9.1f} KiB ({d.size_diff / span:+8.1f} B/step, {d.count_diff:+6d} blocks)  {frames}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument("--tracemalloc", action="store_true", help="trace the driver's allocations: the top growth")
     parser.add_argument("overrides", nargs="*", help="config overrides after the soak's defaults")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="soak-"))
@@ -70,6 +91,7 @@ def main() -> None:
     bound = (cfg.async_.max_staleness + 2) * cfg.train.batch_size
     samples: list[tuple[float, int, float, float, int, int, int]] = []
     done = threading.Event()
+    traced: list[tuple[int, tracemalloc.Snapshot]] = []  # (steps done, snapshot) at the second and last sample
 
     def sample() -> None:
         me, start = psutil.Process(), time.perf_counter()
@@ -80,6 +102,10 @@ def main() -> None:
             steps = sum(1 for _ in log.open()) // per_step if log.is_file() else 0
             if steps == 0:  # workers still starting: not the steady state
                 continue
+            if args.tracemalloc and not tracemalloc.is_tracing():
+                tracemalloc.start(8)  # from the first step: tracing the startup too is far slower
+            elif args.tracemalloc:  # the second sample's, then the latest (the run's objects still live)
+                traced[1 if traced else 0:] = [(steps, tracemalloc.take_snapshot())]
             driver, workers = rss_mib(me)
             router = routers[-1]
             admission = router.admission
@@ -94,6 +120,8 @@ def main() -> None:
     finally:
         done.set()
         sampler.join()
+    if len(traced) == 2:
+        _print_growth(*traced[0], *traced[1])
     print(f"{'t (s)':>7} {'step':>5} {'driver MiB':>11} {'workers MiB':>12} {'generating':>11} "
           f"{'not trained':>12} {'held':>5}")
     for t, step, driver, workers, running, untrained, held in samples[:: max(1, len(samples) // 25)]:

@@ -11,11 +11,13 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
   (rank 0's) RNG states (torch, Python ``random``, numpy);
 * ``trainer_dcp/`` (:data:`SHARDED_DIR`), for a train_step of several ranks: its model and
   optimizer shards as ``torch.distributed.checkpoint`` writes them (one ``.distcp`` file a
-  rank and ``.metadata``), loaded by the same world size on resume;
+  rank and ``.metadata``), loaded on resume by any world size and strategy (``runtime.reshard``);
 * ``manifest.json``, written last: ``version``, ``next_index`` (the first admission index
   not yet trained, ``v * B``: every group below it was trained exactly once, every group at
   or above it is admitted again under its index after a resume; the driver reads it here
-  without loading the optimizer state) and every file's size in bytes. A folder counts as
+  without loading the optimizer state), ``strategies`` (each train_step's plan strategy,
+  e.g. ``d2``: a resume on another one reshards, ``runtime.reshard``) and every file's size in
+  bytes. A folder counts as
   complete only when its manifest is there and every size matches.
 
 The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, then the
@@ -109,13 +111,15 @@ def _fsync(path: Path) -> None:
 
 
 def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict,
-                     next_index: int) -> Path:
+                     next_index: int, strategies: dict[str, str] | None = None) -> Path:
     """Write ``root/version_<version>`` atomically (module doc) and return it.
 
     Args:
         fill: writes the models into the folder it is given (the temporary one).
         state: the trainer state (module doc), saved as ``trainer_state.pt``.
         next_index: the first admission index not yet trained (the manifest's).
+        strategies: each train_step's plan strategy (e.g. ``{"train_step": "d2"}``; the
+            manifest's, read by a resume on another allocation, ``runtime.run_setup``).
 
     Raises:
         OSError: the folder cannot be written (names the path); nothing complete is left then.
@@ -130,7 +134,8 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync(path)
         sizes[str(path.relative_to(tmp))] = path.stat().st_size
-    (tmp / MANIFEST).write_text(json.dumps({"version": version, "next_index": next_index, "files": sizes}, indent=1))
+    (tmp / MANIFEST).write_text(json.dumps({"version": version, "next_index": next_index, "strategies": strategies or {},
+                                                "files": sizes}, indent=1))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
     if final.exists():  # left by an attempt that died after this version (never the one resumed from)

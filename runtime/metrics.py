@@ -82,7 +82,6 @@ class RunLogger:
         self.start = time.perf_counter()
         self.samples = 0
         self.staleness = Counter()
-        self.history: list[dict] = []
 
     def log_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar at any step (e.g. ``eval/accuracy`` of a mid-run evaluation), to every writer."""
@@ -105,7 +104,6 @@ class RunLogger:
         scalars["samples_per_s"] = self.samples / max(elapsed, 1e-9)
         for key, value in scalars.items():
             self.log_scalar(EXTRA_TAGS.get(key, key if "/" in key else f"rl/{key}"), value, step)
-        self.history.append({"step": step, **scalars})
         self.bar.set_postfix(
             reward=f"{metrics['reward']:.2f}",
             acc=f"{metrics['accuracy']:.2f}",

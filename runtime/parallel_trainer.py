@@ -28,9 +28,9 @@ Protocol, every step:
    (:func:`merge_dp_metrics`).
 
 A command without a batch asks every rank for the full weights (a restarted replica's
-resync) or, with ``checkpoint`` set, to save or load the ranks' shards of model and optimizer
-state with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`,
-:meth:`RankTrainer.load_state`). A ``None`` command ends the loop: one last gather, rank 0
+resync) or, with ``checkpoint`` set, to save the ranks' shards of model and optimizer state
+with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
+of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
 Supported: ``dp`` and ``tp`` (and both) for the policy; a critic's train_step and
 ``pp``/``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
@@ -47,13 +47,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.registry import build_algorithm
 from compiler.strategy import ParallelStrategy, StrategyError
+from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
@@ -61,6 +62,7 @@ from runtime.parallel.mesh import build_device_mesh, dp_cp_mesh
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
+from runtime.reshard import load_sharded, load_whole_into_ranks
 from runtime.executors.train import TrainSettings, micro_batch_size
 from runtime.weights import DEFAULT_BUCKET_BYTES
 
@@ -200,19 +202,23 @@ class RankTrainer:
         model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
 
-    def load_state(self, folder: str | Path) -> None:
-        """Load what :meth:`save_state` wrote to ``folder`` into this rank's shards (every rank
-        calls it; DCP reads each shard's slice of the saved tensors, bit for bit).
+    def load_state(self, folder: str | Path, world_size: int, node: str) -> None:
+        """Load checkpoint ``folder`` (``runtime.checkpoint``), written by train_step ``node`` on
+        ``world_size`` ranks, into this rank's shards, whatever the strategy that wrote it
+        (every rank calls it; ``runtime.reshard``): several ranks' ``trainer_dcp/`` is read slice
+        by slice; one process's weights and AdamW ``state_dict`` (``trainer_state.pt``) are
+        scattered. Bit for bit either way.
 
         Raises:
             FileNotFoundError / RuntimeError (from DCP): ``folder`` holds no DCP checkpoint, or
                 one of other tensors (names the missing keys).
+            KeyError: ``trainer_state.pt`` holds no optimizer state of ``node``.
         """
-        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(self.parallel.module, self.algorithm.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        if world_size > 1:
+            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR)
+        else:
+            load_whole_into_ranks(self.parallel.module, self.algorithm.optimizer, folder,
+                                  read_state(Path(folder))["optimizers"][node])
 
 
 def broadcast_command(command: dict | None) -> dict | None:
@@ -240,7 +246,7 @@ def _follow(trainer: RankTrainer) -> None:
             elif checkpoint[0] == "save":
                 trainer.save_state(checkpoint[1])
             else:
-                trainer.load_state(checkpoint[1])
+                trainer.load_state(*checkpoint[1:])
             continue
         trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
                                                               command["micro_batches"])

@@ -71,7 +71,6 @@ class Router:
         self.versions: dict[int, int] = {}
         self.in_flight: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # at the replica (balancing)
         self.unconfirmed: list[dict[tuple[int, int], dict]] = [{} for _ in replicas]  # not yet at the trainer
-        self.completed: set[int] = set()
         self.dispatched = self.resampled = self.redispatched = 0
         self._outbox: list[list[tuple]] = [[] for _ in replicas]
         self._lock = threading.Lock()
@@ -113,8 +112,7 @@ class Router:
             if kind == "dropped":
                 self.unconfirmed[replica].pop((index, attempt), None)
                 self._resample(index, attempt)
-            elif index not in self.completed:
-                self.completed.add(index)
+            elif self.admission.is_running(index):  # else a copy re-sent after a replica's restart: completed already
                 self.admission.complete(index)
         elif kind == "received":  # the trainer holds the group: no replica needs to keep it
             for held in self.unconfirmed:

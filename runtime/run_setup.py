@@ -67,11 +67,14 @@ class RunSetup:
                   "so it can never be resumed", file=sys.stderr)
         checkpoint = resume_point(resume, out_dir)
         if checkpoint is not None:
-            _check_resumable(plan, out_dir, checkpoint.version)
-            if json.loads((out_dir / "plan.json").read_text())["run"]["steps"] != plan.run["steps"]:
-                (out_dir / "plan.json").write_text(plan.to_json())  # continued for more steps: the plan it runs
+            reshards = _check_resumable(plan, out_dir, checkpoint)
+            before = _program(json.loads((out_dir / "plan.json").read_text()), RUNTIME_ONLY, placement=False)
+            if before != _program(json.loads(plan.to_json()), RUNTIME_ONLY, placement=False):
+                (out_dir / "plan.json").write_text(plan.to_json())  # more steps, another allocation: the plan it runs
             print(f"areal-flow: resuming {out_dir} from {checkpoint.folder.name} (step {checkpoint.version} of "
                   f"{topo.steps})", file=sys.stderr)
+            for line in reshards:
+                print(f"areal-flow: {line}", file=sys.stderr)
         else:
             moved = fresh_run_dir(out_dir)
             if moved is not None:
@@ -256,54 +259,80 @@ USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name",
 """The config key a user sets for a ``plan.run`` key a resume compares."""
 
 
-def _check_world_sizes(before: dict, now: dict, out_dir: Path) -> None:
-    """Refuse a resume whose train_step runs on another number of ranks than the one that
-    wrote the checkpoints (``before``, ``now``: the two plans as JSON): its sharded model and
-    optimizer state (``trainer_dcp/``) is loaded by the same world size only.
+PLACEMENT = ("allocation", "alternatives", "colocated", "overlapped", "idle_fraction", "step_time_s", "training_s",
+             "generation_s", "sync_s", "warnings")
+"""Plan fields the compiler derives from ``compile.allocation`` and the cluster's size: a
+resume may change them together with the train_steps' strategies (it reshards)."""
 
-    Raises:
-        ResumeError: naming the train_step, both strategies and both world sizes.
-    """
+NODE_PLACEMENT = ("mesh", "memory", "times", "micro_batches")
+"""Fields of a plan node derived from the allocation (and ``strategy`` of a train_step;
+``micro_batches`` counts per DP rank). A generation node's ``concurrent`` is not: it must stay."""
+
+
+def _program(data: dict, ignored_run: tuple[str, ...], placement: bool) -> dict:
+    """The parts of a plan (as JSON) a resume must keep: all but ``id``, ``run`` keys in
+    ``ignored_run`` and, with ``placement``, what the allocation decides (:data:`PLACEMENT`,
+    :data:`NODE_PLACEMENT`, the train_steps' strategies, the routes' meshes and costs, the
+    cluster's size)."""
+    run = {k: v for k, v in data.get("run", {}).items() if k not in ignored_run}
+    kept = {**{k: v for k, v in data.items() if k != "id"}, "run": run}
+    if not placement:
+        return kept
+    kept = {k: v for k, v in kept.items() if k not in PLACEMENT}
+    kept["cluster"] = {k: v for k, v in data.get("cluster", {}).items() if k not in ("n_gpus_per_node", "n_nodes")}
+    kept["nodes"] = [{k: v for k, v in n.items() if k not in NODE_PLACEMENT and
+                      not (k == "strategy" and n.get("op") == "train_step")} for n in data.get("nodes", [])]
+    kept["routes"] = [{k: v for k, v in r.items() if k in ("src", "dst", "replicas")} for r in data.get("routes", [])]
+    return kept
+
+
+def _reshards(before: dict, now: dict, written: dict[str, str]) -> list[str]:
+    """One line per train_step whose strategy on resume differs from the one that wrote the
+    checkpoint (``written``: the manifest's ``strategies``, else ``before``'s plan), naming
+    both world sizes and strategies."""
     from compiler.strategy import ParallelStrategy
 
-    def sizes(data: dict) -> dict[str, tuple[str, int]]:
-        return {n["name"]: (n["strategy"], ParallelStrategy.parse(n["strategy"]).world_size)
-                for n in data.get("nodes", []) if n.get("op") == "train_step" and n.get("strategy")}
+    def strategies(data: dict) -> dict[str, str]:
+        return {n["name"]: n["strategy"] for n in data.get("nodes", []) if n.get("op") == "train_step"
+                and n.get("strategy")}
 
-    then, later = sizes(before), sizes(now)
-    for name in then.keys() & later.keys():
-        if then[name][1] != later[name][1]:
-            raise ResumeError(f"cannot resume {out_dir}: train_step '{name}' wrote its checkpoints on world size "
-                              f"{then[name][1]} (strategy {then[name][0]}) and would resume on world size "
-                              f"{later[name][1]} (strategy {later[name][0]}); resharding a checkpoint to another "
-                              "world size is not supported: resume with the run's compile.allocation")
+    then, later = {**strategies(before), **written}, strategies(now)
+    lines = []
+    for name in sorted(then.keys() & later.keys()):
+        a, b = ParallelStrategy.parse(then[name]), ParallelStrategy.parse(later[name])
+        if a.short() != b.short():
+            lines.append(f"train_step '{name}' reshards its checkpoint from world size {a.world_size} (strategy "
+                         f"{a.short()}) to world size {b.world_size} (strategy {b.short()})")
+    return lines
 
 
-def _check_resumable(plan: Plan, out_dir: Path, version: int) -> None:
+def _check_resumable(plan: Plan, out_dir: Path, checkpoint: Checkpoint) -> list[str]:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
-    ``plan`` beyond :data:`RUNTIME_ONLY`, and beyond ``train.steps`` when the new value is at
-    least the checkpoint's ``version``: continuing a run for more steps; ResumeError, naming
-    the config keys that differ, e.g. ``compile.allocation`` for another world size)."""
-    def program(data: dict) -> dict:
-        ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= version else ())
-        run = {k: v for k, v in data.get("run", {}).items() if k not in ignored}
-        return {**{k: v for k, v in data.items() if k != "id"}, "run": run}
-
+    ``plan`` beyond :data:`RUNTIME_ONLY`, beyond ``train.steps`` when the new value is at
+    least the checkpoint's version (continuing a run for more steps), and beyond the
+    placement when ``compile.allocation`` or the cluster's size differs (:func:`_program`:
+    another allocation of the train_step reshards its checkpoint); ResumeError, naming the
+    config keys that differ). Returns the reshard lines (:func:`_reshards`; empty when the
+    strategies are the checkpoint's)."""
+    ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= checkpoint.version else ())
     try:
-        before = program(json.loads((out_dir / "plan.json").read_text()))
+        before = json.loads((out_dir / "plan.json").read_text())
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot resume {out_dir}: its plan.json cannot be read ({e})") from None
-    now = program(json.loads(plan.to_json()))
-    _check_world_sizes(before, now, out_dir)
-    if before != now:
-        keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
-                      {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
-                       if before["run"].get(k) != now["run"].get(k)})
-        steps = (f"; train.steps={plan.run['steps']} is below the checkpoint's step {version}"
-                 if "train.steps" in keys else "")
-        raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
-                          f"{', '.join(keys)}{steps}); resume with the same graph and config (train.steps may grow), "
-                          "or start a new run")
+    now = json.loads(plan.to_json())
+    moved = (before.get("allocation"), before.get("cluster")) != (now.get("allocation"), now.get("cluster"))
+    if _program(before, ignored, placement=moved) == _program(now, ignored, placement=moved):
+        return _reshards(before, now, checkpoint.manifest().get("strategies", {}))
+    before, now = _program(before, ignored, placement=moved), _program(now, ignored, placement=moved)
+    keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
+                  {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
+                   if before["run"].get(k) != now["run"].get(k)})
+    steps = (f"; train.steps={plan.run['steps']} is below the checkpoint's step {checkpoint.version}"
+             if "train.steps" in keys else "")
+    allocation = "; compile.allocation may change the train_steps' strategies only" if moved else ""
+    raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
+                      f"{', '.join(keys)}{steps}{allocation}); resume with the same graph and config (train.steps "
+                      "may grow, the train_step may get another strategy), or start a new run")
 
 
 def _spares(task, chunk: int, seed: int) -> Iterator[dict]:

@@ -313,7 +313,8 @@ class _Stage:
         state = {"version": version, "rng": capture_rng(),
                  "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
                  "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes}}
-        write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups)
+        write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups,
+                         strategies={n.name: n.strategy for n in nodes if n.strategy})
 
     def _restore(self) -> int:
         """Load the checkpoint ``spec.resume`` into the train_step executors and this

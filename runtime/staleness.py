@@ -122,6 +122,10 @@ class AdmissionController:
         self._running.add(index)
         return index
 
+    def is_running(self, index: int) -> bool:
+        """True while the group with admission ``index`` is admitted and not yet completed."""
+        return index in self._running
+
     def complete(self, index: int) -> None:
         """Mark the group with admission ``index`` completed and sent (moves it running → accepted).
 

@@ -232,12 +232,17 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
                  "train.checkpoint_every=1")
     (run_dir / "plan.json").write_text(wide.to_json())
     assert RunSetup.create(wide, show_progress=False, resume=str(run_dir)).checkpoint.version == 2  # issue 13: DCP
-    one_rank = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d1 + gen:d1",
-                     "train.checkpoint_every=1")
-    with pytest.raises(ResumeError, match=r"train_step 'train_step' wrote its checkpoints on world size 2 "
-                                          r"\(strategy d2\) and would resume on world size 1 \(strategy d1\); "
-                                          "resharding a checkpoint to another world size is not supported"):
-        RunSetup.create(one_rank, show_progress=False, resume=str(run_dir))
+    capsys.readouterr()
+    one_rank = _plan(tmp_path, "cluster.n_gpus_per_node=2", "compile.allocation=train:d1 + gen:d1",
+                     "train.checkpoint_every=1")  # another allocation of the train_step (and cluster size): reshards
+    assert RunSetup.create(one_rank, show_progress=False, resume=str(run_dir)).checkpoint.version == 2
+    assert ("areal-flow: train_step 'train_step' reshards its checkpoint from world size 2 (strategy d2) to world "
+            "size 1 (strategy d1)") in capsys.readouterr().err
+    assert json.loads((run_dir / "plan.json").read_text())["allocation"] == "train:d1 + gen:d1"  # the plan it runs
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes, routes; "
+                                          r"compile.allocation may change the train_steps' strategies only\)"):
+        RunSetup.create(_plan(tmp_path, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 + gen:d2",
+                              "train.checkpoint_every=1"), show_progress=False, resume=str(run_dir))  # generation too
 
 
 def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, capsys):

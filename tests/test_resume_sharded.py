@@ -73,3 +73,52 @@ def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(
     ids = [r["sample_id"] for r in records(tmp_path / "dies")]
     assert len(ids) == len(set(ids)) == 4 * B * N
     assert json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]["trainer_restarts"] == 1
+
+
+# --- resharding: a checkpoint resumed on another world size or strategy -------------------------
+
+ALLOCATIONS = {"d1": "train:d1 + gen:d1", "d2": "train:d2 + gen:d1", "t2": "train:t2 + gen:d1"}
+WORLD = {"d1": 1, "d2": 2, "t2": 2}
+STRATEGY = {"d1": "d1", "d2": "d2", "t2": "d1t2"}  # the plan's compact form (dp written out)
+HOPS = ["d2", "d1", "d2", "t2", "d2"]  # 2 steps on each: d2 -> d1 -> d2 -> t2 -> d2
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_path, warm_cache):
+    """One run trained 2 steps at a time on :data:`HOPS`, each hop resuming the previous hop's
+    last checkpoint on another strategy, against an uninterrupted run of 10 steps on d2
+    (checkpoints every 2 steps: the reference weights at every hop's last version).
+
+    Not bit-identical: FSDP2's reduce-scatter, TP's partial matmuls and one process sum the
+    same fp32 gradients in another order (relative ~1e-7), and AdamW's ``m / (sqrt(v) + eps)``
+    (Loshchilov & Hutter 2019, Alg. 2) magnifies that for elements whose gradient is near
+    ``eps`` or whose moments nearly cancel; later steps build on the earlier differences.
+    Tolerance: at every hop's version ``v`` every weight is within 1 % of the largest move the
+    reference made over those two steps (``max |w_v - w_(v-2)|``, ~2e-2 at lr 1e-2). A resume
+    that lost the weights or AdamW's moments fails it: a fresh AdamW's first step moves every
+    element with ``|g| >> eps`` by ~lr (bias-corrected ``m / sqrt(v) = sign(g)``), not by the
+    continued moments' step."""
+    steps = 2 * len(HOPS)
+    _finish(_cli(tmp_path, "whole", *WIDE, f"train.steps={steps}", f"compile.allocation={ALLOCATIONS['d2']}"))
+    reference = {v: _weights(tmp_path / f"whole/checkpoints/version_{v}") for v in range(2, steps + 1, 2)}
+    worst = {}
+    for hop, strategy in enumerate(HOPS):
+        version = 2 * (hop + 1)
+        resume = ["--resume", str(tmp_path / "hops")] if hop else []
+        err = _finish(_cli(tmp_path, "hops", *WIDE, f"train.steps={version}", f"compile.allocation={ALLOCATIONS[strategy]}",
+                           *resume))
+        weights = _weights(tmp_path / "hops/model")
+        if not hop:  # the same strategy and data as the reference so far
+            assert _same(weights, reference[2])
+            continue
+        before = HOPS[hop - 1]
+        assert (f"train_step 'train_step' reshards its checkpoint from world size {WORLD[before]} (strategy "
+                f"{STRATEGY[before]}) to world size {WORLD[strategy]} (strategy {STRATEGY[strategy]})") in err
+        plan = json.loads((tmp_path / "hops/plan.json").read_text())  # the plan the folder now runs
+        assert next(n["strategy"] for n in plan["nodes"] if n["op"] == "train_step") == STRATEGY[strategy]
+        moved = max(float((reference[version][k] - reference[version - 2][k]).abs().max()) for k in weights)
+        worst[f"{before}->{strategy}"] = max(float((weights[k] - reference[version][k]).abs().max()) for k in weights)
+        assert weights.keys() == reference[version].keys() and moved > 1e-3
+        assert worst[f"{before}->{strategy}"] <= 0.01 * moved, (worst, moved)
+    ids = [r["sample_id"] for r in records(tmp_path / "hops")]
+    assert len(ids) == len(set(ids)) == steps * B * N

@@ -207,26 +207,29 @@ class TrainStepExecutor:
         self.ranks.save_state(folder)
 
     def load_checkpoint(self, folder: Path, optimizer_state: dict | None, world_size: int = 1) -> None:
-        """Continue from a checkpoint written by a train_step of ``world_size`` ranks: on one
-        rank the weights :meth:`save` wrote to ``folder`` and the optimizer's ``state_dict``;
-        on several the shards :meth:`save_sharded` wrote to ``folder/trainer_dcp`` (bit for
-        bit either way: fp32 weights and moments are stored as they are).
+        """Continue from a checkpoint written by a train_step of ``world_size`` ranks, on this
+        train_step's ranks whatever their number and strategy (``runtime.reshard``): the weights
+        :meth:`save` wrote to ``folder`` and the optimizer's ``state_dict`` (``optimizer_state``)
+        when one process wrote it, the shards :meth:`save_sharded` wrote to ``folder/trainer_dcp``
+        when several did (bit for bit either way: fp32 weights and moments are stored as they are).
 
         Raises:
-            RuntimeError: the checkpoint's world size is not this train_step's (names both;
-                resharding is not supported), or weights that do not fit the model (torch
-                names the keys).
+            RuntimeError: weights that do not fit the model (torch names the keys), or a
+                ``trainer_dcp/`` of other tensors (DCP names them).
         """
-        if world_size != self.world_size:
-            raise RuntimeError(f"{self.node.name}: the checkpoint {folder} was written by {world_size} rank(s) and "
-                               f"this train_step runs on {self.world_size}; resume with the checkpoint's allocation "
-                               "(resharding to another world size is not supported)")
+        from runtime.checkpoint import SHARDED_DIR
+
         if self.ranks is not None:
-            from runtime.checkpoint import SHARDED_DIR
             from runtime.parallel_trainer import broadcast_command
 
-            broadcast_command({"batch": None, "checkpoint": ("load", str(folder / SHARDED_DIR))})
-            self.ranks.load_state(folder / SHARDED_DIR)
+            command = ("load", str(folder), world_size, self.node.name)
+            broadcast_command({"batch": None, "checkpoint": command})
+            self.ranks.load_state(*command[1:])
+            return
+        if world_size > 1:  # several ranks wrote it, this process loads the whole tensors
+            from runtime.reshard import load_sharded
+
+            load_sharded(self.model, self.optimizer, folder / SHARDED_DIR)
             return
         if self.critic:
             weights = type(self.model).load(folder).state_dict()

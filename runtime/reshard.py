@@ -1,0 +1,90 @@
+"""Loading a train_step's checkpoint into another parallel layout than the one that wrote it.
+
+Owns the conversion between the two forms a checkpoint keeps a policy's model and AdamW
+state in (``runtime.checkpoint``) and the trainer layouts it can be loaded into:
+
+* **whole** (a train_step of one process): the weights in ``model.safetensors``
+  (``transformers``) and the optimizer's own ``state_dict`` in ``trainer_state.pt``
+  (state keyed by the parameter's position in ``model.parameters()``);
+* **sharded** (a train_step of several ranks): ``trainer_dcp/``, written by
+  ``torch.distributed.checkpoint`` from ``get_state_dict``: every tensor stored once as a
+  *global* tensor named by its fully qualified name (FQN), each rank's file holding its
+  slices, ``.metadata`` their offsets.
+
+============  ===========================================  ==========================================
+checkpoint    trainer of one process                       trainer of several ranks (any dp x tp)
+============  ===========================================  ==========================================
+whole         ``load_state_dict`` (``runtime.executors``)   :func:`load_whole_into_ranks`
+sharded       :func:`load_sharded` (no process group)       :func:`load_sharded` (every rank its slice)
+============  ===========================================  ==========================================
+
+DCP matches saved and wanted tensors by FQN and global offsets, so a sharded checkpoint loads
+into any sharding of the same tensors (FSDP2's ``Shard(0)`` over dp, DTensor TP's
+row/column shards and replicas, or whole tensors in one process): PyTorch docs,
+"Distributed Checkpoint - torch.distributed.checkpoint" (load-time resharding) and
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``, FQN-keyed
+optimizer state). AdamW's moments are shaped like their parameters, so they reshard with
+them; the step counts are scalars. Every path copies the stored fp32 values: nothing is
+recomputed, so the loaded tensors equal the checkpoint's bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
+    """Load a sharded checkpoint's ``folder`` (``trainer_dcp/``: keys ``model`` and
+    ``optimizer``) into ``model`` and its ``optimizer``, whatever their layout: on several
+    ranks (FSDP2 / DTensor TP module; every rank calls it, collectives) each rank reads the
+    slices of the global tensors its shards cover; in a process without a process group
+    (a one-process trainer) the whole tensors.
+
+    Raises:
+        FileNotFoundError / RuntimeError (from DCP): ``folder`` holds no DCP checkpoint, or one
+            of other tensors (DCP names the missing keys or the mismatched shapes).
+    """
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))  # no process group: DCP reads in this process alone
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The FQN-keyed whole state of ``model`` and ``optimizer`` on CPU: ``(model_state,
+    optimizer_state)``, every tensor full-size (``get_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``; on several ranks a collective, rank 0 gets the
+    tensors and the other ranks empty dicts). Optimizer state: ``{"state": {fqn: {"step",
+    "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}``."""
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_folder: str | Path,
+                          optimizer_state: dict) -> None:
+    """Load a one-process checkpoint into this rank's shards (every rank calls it: the
+    distribution is a collective; rank 0's copy is scattered).
+
+    Each rank reads the whole weights from ``model_folder`` into a plain copy of the model,
+    builds AdamW on it and loads ``optimizer_state`` (the positional ``state_dict``), so that
+    ``get_state_dict`` names the moments by FQN as the sharded module does; ``set_state_dict``
+    with ``full_state_dict=True`` then cuts every tensor to this rank's placement
+    (``distribute_tensor``). Peak memory: one whole model and its AdamW state per rank, for
+    the duration of the call.
+
+    Raises:
+        ValueError: ``optimizer_state`` does not fit the model (torch's message: parameter
+            counts of the groups differ).
+        RuntimeError: weights that do not fit ``module`` (torch names the keys).
+    """
+    from runtime.model_source import load_pretrained
+
+    plain, _ = load_pretrained(model_folder)
+    plain_optimizer = torch.optim.AdamW(plain.parameters())
+    plain_optimizer.load_state_dict(optimizer_state)  # lr, betas, weight decay come from the state
+    model_state, optim_state = get_state_dict(plain, plain_optimizer)
+    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))

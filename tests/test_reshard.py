@@ -1,0 +1,141 @@
+"""Resharding a train_step's checkpoint to another world size or strategy (issue 13,
+``runtime.reshard``): the model and AdamW state a checkpoint holds, loaded into another
+layout, equal the checkpoint's whole tensors bit for bit.
+
+Four checkpoints of the tiny policy after AdamW steps on the batch of test_parallel_rl:
+``d1`` (one process: ``model.safetensors`` + the optimizer's positional ``state_dict``),
+``d2`` (FSDP2) and ``t2`` (DTensor TP, two steps so that it differs from ``d2``), the last two
+written by DCP. Each is loaded into every other layout (one process, d2, t2); what the
+loaded trainer holds is gathered whole and compared with ``torch.equal`` to what the
+checkpoint's files hold, read independently of the code under test: DCP's own converter
+(``dcp_to_torch_save``) for ``trainer_dcp/``; the safetensors file and the positional AdamW
+state named by ``named_parameters()`` order (``torch.optim.Optimizer.state_dict``: parameters
+are numbered in the order they were given) for a one-process checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
+from compiler.strategy import ParallelStrategy
+from runtime.checkpoint import SHARDED_DIR, STATE_FILE
+from runtime.model_source import load_pretrained
+from runtime.parallel.launch import spawn_workers
+from runtime.parallel_trainer import RankTrainer
+from runtime.reshard import load_sharded, whole_state
+from test_parallel_rl import LR, _batch, _spec
+
+NODE = "train_step"
+LOADS = [("d2", 2, "t2"), ("t2", 2, "d2"), ("d1", 1, "d2"), ("d1", 1, "t2")]  # (checkpoint, its world size, into)
+MOMENTS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _save_and_load_on_ranks(rank: int, world_size: int, root: Path, batch: dict) -> dict | None:
+    """Worker: write the d2 and t2 checkpoints, then load each checkpoint of :data:`LOADS`
+    into a fresh trainer of the other strategy; rank 0 returns what each holds, gathered whole."""
+    import torch.distributed as dist
+
+    for strategy, steps in (("d2", 1), ("t2", 2)):
+        trainer = RankTrainer.build(_spec(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
+        for _ in range(steps):
+            trainer.step(batch)
+        trainer.save_state(root / strategy / SHARDED_DIR)
+    dist.barrier()
+    loaded = {}
+    for source, size, strategy in LOADS:
+        trainer = RankTrainer.build(_spec(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
+        trainer.load_state(root / source, size, NODE)
+        loaded[(source, strategy)] = whole_state(trainer.parallel.module, trainer.algorithm.optimizer)
+    return loaded if rank == 0 else None
+
+
+def _one_process_checkpoint(root: Path, batch: dict) -> None:
+    """``root/d1``: one AdamW step in one process, saved as a one-process train_step saves it."""
+    torch.manual_seed(0)
+    model, tokenizer = load_pretrained(root / "policy")
+    spec = _spec(root / "policy", "grpo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    build_algorithm("grpo", model.train(), optimizer, micro_batch_size=spec.micro_batch_size,
+                    max_grad_norm=spec.max_grad_norm, temperature=spec.temperature).update_parameters(batch)
+    model.save_pretrained(root / "d1")
+    tokenizer.save_pretrained(root / "d1")
+    torch.save({"optimizers": {NODE: optimizer.state_dict()}}, root / "d1" / STATE_FILE)
+
+
+def _by_name(model: torch.nn.Module, positional: dict) -> dict[str, dict]:
+    """AdamW's positional ``state`` named by ``model.named_parameters()`` order."""
+    names = [name for name, _ in model.named_parameters()]
+    return {names[i]: state for i, state in positional["state"].items()}
+
+
+def _expected(root: Path, source: str) -> tuple[dict, dict]:
+    """``(weights, moments by name)`` as checkpoint ``root/source`` holds them on disk."""
+    if source == "d1":
+        plain, _ = load_pretrained(root / "policy")
+        return load_file(root / "d1/model.safetensors"), _by_name(plain, torch.load(root / "d1" / STATE_FILE)[
+            "optimizers"][NODE])
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(root / source / SHARDED_DIR, root / f"{source}.pt")
+    whole = torch.load(root / f"{source}.pt", weights_only=False)
+    return whole["model"], whole["optimizer"]["state"]
+
+
+def _assert_holds(weights: dict, moments: dict, expected: tuple[dict, dict], label: str) -> None:
+    want_weights, want_moments = expected
+    assert want_weights.keys() <= weights.keys() and len(want_moments) == len(moments) > 0, label
+    for name, tensor in want_weights.items():
+        assert torch.equal(weights[name], tensor), f"{label}: weight {name}"
+    for name, state in want_moments.items():
+        assert state["exp_avg_sq"].abs().sum() > 0, f"{label}: {name} was never stepped"  # not zeros against zeros
+        for key in MOMENTS:
+            assert torch.equal(torch.as_tensor(moments[name][key]), torch.as_tensor(state[key])), f"{label}: {name} {key}"
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("reshard")
+    tokenizer = build_char_tokenizer()
+    build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    batch = _batch(root / "policy")
+    _one_process_checkpoint(root, batch)
+    loaded = spawn_workers(_save_and_load_on_ranks, 2, (root, batch), backend="gloo")[0]
+    return root, loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,size,strategy", LOADS)
+def test_a_checkpoint_loads_into_two_ranks_of_another_strategy_bit_for_bit(resharded, source, size, strategy):
+    root, loaded = resharded
+    weights, optim = loaded[(source, strategy)]
+    _assert_holds(weights, optim["state"], _expected(root, source), f"{source} -> {strategy}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["d2", "t2"])
+def test_a_sharded_checkpoint_loads_into_one_process_bit_for_bit(resharded, source):
+    root, _ = resharded
+    model, _ = load_pretrained(root / "policy")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    load_sharded(model, optimizer, root / source / SHARDED_DIR)  # no process group in this process
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    _assert_holds(state, _by_name(model, optimizer.state_dict()), _expected(root, source), f"{source} -> d1")
+
+
+@pytest.mark.slow
+def test_the_checkpoints_differ(resharded):
+    """The comparisons above could not pass by loading the wrong checkpoint."""
+    root, _ = resharded
+    weights = {source: _expected(root, source)[0]["model.norm.weight"] for source in ("d1", "d2", "t2")}
+    initial = load_file(root / "policy/model.safetensors")["model.norm.weight"]
+    assert not torch.equal(weights["d2"], weights["t2"]) and not torch.equal(weights["d1"], initial)
+    assert not torch.equal(weights["d1"], weights["t2"])
