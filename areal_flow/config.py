@@ -246,7 +246,7 @@ class SchedulerConfig:
     device_resource: str = ""
     """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
     max_restarts: int = 3
-    """Restarts of dead workers in a run: a generation replica or actor (its groups are regenerated), or on the local scheduler a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
+    """Restarts of dead workers in a run, on either scheduler: a generation replica or actor (its groups are regenerated), or a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
 
