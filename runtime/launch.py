@@ -111,6 +111,16 @@ def _drain(metrics, logger: RunLogger) -> None:
             return
 
 
+def _stop(procs: dict) -> None:
+    """End the worker processes still running (each gets 0.5 s to finish, then SIGTERM)."""
+    for p in procs.values():
+        if p.is_alive():
+            p.join(timeout=0.5)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+
+
 class _LocalRun:
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup
@@ -234,13 +244,9 @@ class _LocalRun:
                     break
                 done[name] = payload
             return done
-        except KeyboardInterrupt:  # the steps reported so far are logged (Ctrl-C names the last checkpoint)
+        except KeyboardInterrupt:  # stopped first, so every step reported is logged and no checkpoint follows
+            _stop(procs)
             _drain(metrics, logger)
             raise
         finally:
-            for p in procs.values():
-                if p.is_alive():
-                    p.join(timeout=0.5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join()
+            _stop(procs)

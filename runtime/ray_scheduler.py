@@ -192,9 +192,9 @@ class _RayRun:
         try:
             workers = self._drive(specs, logger, router)
         except BaseException as exc:
-            self._pull(logger)  # the steps the trainer reported before it died or Ctrl-C (the checkpoint's included)
-            if isinstance(exc, StageDied):
-                self._stop_actors(wait=True)  # gone (names free) before the next attempt starts
+            if isinstance(exc, (StageDied, KeyboardInterrupt)):  # gone (names free) before the next attempt, and
+                self._stop_actors(wait=True)  # after Ctrl-C no checkpoint follows the one it names
+            self._pull(logger)  # the steps the trainer reported before (the checkpoint's included)
             raise
         finally:
             stop.set()

@@ -139,10 +139,13 @@ def run_attempts(setup, restarts: Restarts, attempt: Callable[[RunLogger], dict]
             raise
 
 
-def say_interrupted(setup, steps_done: int) -> None:
-    """Say on stderr, after a Ctrl-C, how many steps were done and which checkpoint a
-    ``--resume`` continues from (read from the run folder: the last complete one)."""
+def say_interrupted(setup, steps_logged: int) -> None:
+    """Say on stderr, after a Ctrl-C (the workers stopped), how many steps were done (those
+    logged, or the last checkpoint's version when higher: a trainer ended between its
+    checkpoint and its report) and which checkpoint a ``--resume`` continues from (read from
+    the run folder: the last complete one)."""
     last = latest_checkpoint(setup.out_dir)
+    steps_done = max(steps_logged, last.version if last else 0)
     note = (f"last checkpoint: {last.folder} (areal-flow run ... --resume {setup.out_dir} continues from it)" if last
             else "no checkpoint was saved (train.checkpoint_every)")
     print(f"\nareal-flow: interrupted after {steps_done} of {setup.topo.steps} steps; {note}", file=sys.stderr)

@@ -382,4 +382,4 @@ def test_ctrl_c_on_the_local_scheduler_names_the_last_checkpoint(tmp_path, warm_
     line = next(x for x in capsys.readouterr().err.splitlines() if "interrupted after" in x)
     assert line.endswith(f"of 40 steps; last checkpoint: {last.folder} (areal-flow run ... --resume "
                          f"{tmp_path / 'stop'} continues from it)"), line
-    assert last.version >= 2 and int(line.split("interrupted after ")[1].split()[0]) >= last.version
+    assert 2 <= last.version < 40  # stopped mid-run, the workers before the line: no checkpoint after the named one
