@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import cloudpickle
 import ray
 import ray.cloudpickle
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -100,7 +100,10 @@ def _exit_cause(exc: RayActorError) -> str:
     """Why an actor died, in a few words from Ray's error: ``killed by `ray.kill```, or
     ``worker process died (SYSTEM_ERROR: Worker unexpectedly exits ...)`` for a killed or
     crashed process (the last ``The actor is dead because ...`` of the message, without
-    Ray's advice)."""
+    Ray's advice); for an actor Ray restarts, ``unreachable: RpcError: ...``."""
+    if isinstance(exc, ActorUnavailableError):  # a restartable actor's process gone: "The actor <id> is unavailable"
+        why = str(exc).partition(" is unavailable: ")[2].split(". The task may or may not")[0]
+        return f"unreachable: {why.removeprefix('The actor is temporarily unavailable: ')}"
     lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip() and not line.startswith("\t")]
     text = " ".join(lines).rpartition("The actor is dead because ")[2].split(". Some common causes")[0].rstrip(".")
     text = text.removeprefix("it was ")

@@ -76,7 +76,7 @@ def test_a_death_before_any_checkpoint_restarts_from_version_0(tmp_path, capsys)
 
 def test_the_death_cause_is_the_few_words_of_rays_message():
     pytest.importorskip("ray")
-    from ray.exceptions import RayActorError
+    from ray.exceptions import ActorUnavailableError, RayActorError
 
     from runtime.ray_scheduler import _exit_cause
 
@@ -90,6 +90,36 @@ def test_the_death_cause_is_the_few_words_of_rays_message():
                             "code 2. End of file. Some common causes include: (1) the process was killed by the OOM")
     assert _exit_cause(crashed) == ("worker process died (SYSTEM_ERROR: Worker unexpectedly exits with a connection "
                                     "error code 2. End of file)")
+    # Ray 2.60's words for a restartable actor (max_restarts > 0) whose process died
+    gone = ActorUnavailableError("The actor is temporarily unavailable: RpcError: RPC error: Socket closed "
+                                 "rpc_code: 14", None)
+    assert _exit_cause(gone) == "unreachable: RpcError: RPC error: Socket closed rpc_code: 14"
+
+
+def test_kill_at_entries_are_checked_and_fire_once_per_run(tmp_path):
+    import subprocess
+    import sys
+
+    from areal_flow.config import ConfigError, parse_kill_at
+
+    assert parse_kill_at("train_step/0:weights_published:4") == ("train_step/0", "weights_published", 4)
+    for entry in ("generate/0:weights_loaded:2", "generate:weights_received:2", "generate/0:weights_received:0",
+                  "generate/0:weights_received"):
+        with pytest.raises(ConfigError, match=f"debug.kill_at entry '{entry}': expected"):
+            parse_kill_at(entry)
+    # the point fires in a child process (it SIGKILLs itself); with the marker written, not again
+    plan = ("from types import SimpleNamespace as S; "
+            "p = S(run={'debug': {'kill_at': ['generate/0:weights_received:2']}})")
+    child = [sys.executable, "-c", f"{plan}; from runtime.faults import kill_point; "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 1); "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/1', 'weights_received', 2); print('passed'); "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 2); print('not reached')"]
+    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9 and done.stdout == "passed\n", done.stderr
+    assert "generate/0: debug.kill_at generate/0:weights_received:2: killing this process" in done.stderr
+    assert (tmp_path / "faults/generate-0-weights_received-2").read_text() == "generate/0:weights_received:2"
+    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "passed\nnot reached\n", done.stderr
 
 
 # --- on Ray -----------------------------------------------------------------------------------
@@ -246,3 +276,21 @@ def test_async_run_survives_a_dead_generation_actor_and_a_dead_trainer(tmp_path,
     restarts = summary["restarts"]
     assert restarts["replica_restarts"] == 1 and restarts["trainer_restarts"] == 1
     assert summary["samples_trained"] == STEPS * B * N and (tmp_path / "async/model/model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_kills_mid_weight_update_keep_a_ray_run_bit_for_bit(tmp_path, two_slots, uninterrupted, warm_cache, capsys):
+    """The replica killed holding version 2 not yet loaded; the trainer killed having sent version 4 before it
+    recorded step 3 (so the last checkpoint, version_2, is behind what the replica may hold)."""
+    summary = _run(tmp_path, two_slots, "mid", "async.max_staleness=0", "scheduler.max_restarts=2",
+                   "debug.kill_at=[generate/0:weights_received:2, train_step/0:weights_published:4]")
+    assert sorted(p.name for p in (tmp_path / "mid/faults").iterdir()) == [
+        "generate-0-weights_received-2", "train_step-0-weights_published-4"]  # both points fired
+    err = capsys.readouterr().err
+    assert "areal-flow: generate/0 died (unreachable: " in err and "Ray restarts it at policy version 1 (1/2)" in err
+    assert "areal-flow: train_step/0 died (worker process died" in err
+    assert "restarting every worker from version_2 at step 2 (2/2 restarts)" in err
+    assert _same(_weights(tmp_path / "mid/model"), _weights(uninterrupted / "model"))
+    _exactly_once(tmp_path / "mid", k=0)
+    assert _event_steps(tmp_path / "mid") == list(range(STEPS))
+    assert summary["restarts"]["replica_restarts"] == 1 and summary["restarts"]["trainer_restarts"] == 1
