@@ -96,32 +96,6 @@ def test_the_death_cause_is_the_few_words_of_rays_message():
     assert _exit_cause(gone) == "unreachable: RpcError: RPC error: Socket closed rpc_code: 14"
 
 
-def test_kill_at_entries_are_checked_and_fire_once_per_run(tmp_path):
-    import subprocess
-    import sys
-
-    from areal_flow.config import ConfigError, parse_kill_at
-
-    assert parse_kill_at("train_step/0:weights_published:4") == ("train_step/0", "weights_published", 4)
-    for entry in ("generate/0:weights_loaded:2", "generate:weights_received:2", "generate/0:weights_received:0",
-                  "generate/0:weights_received"):
-        with pytest.raises(ConfigError, match=f"debug.kill_at entry '{entry}': expected"):
-            parse_kill_at(entry)
-    # the point fires in a child process (it SIGKILLs itself); with the marker written, not again
-    plan = ("from types import SimpleNamespace as S; "
-            "p = S(run={'debug': {'kill_at': ['generate/0:weights_received:2']}})")
-    child = [sys.executable, "-c", f"{plan}; from runtime.faults import kill_point; "
-             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 1); "
-             f"kill_point(p, {str(tmp_path)!r}, 'generate/1', 'weights_received', 2); print('passed'); "
-             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 2); print('not reached')"]
-    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == -9 and done.stdout == "passed\n", done.stderr
-    assert "generate/0: debug.kill_at generate/0:weights_received:2: killing this process" in done.stderr
-    assert (tmp_path / "faults/generate-0-weights_received-2").read_text() == "generate/0:weights_received:2"
-    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "passed\nnot reached\n", done.stderr
-
-
 # --- on Ray -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
