@@ -241,7 +241,7 @@ def test_ctrl_c_stops_cleanly_and_names_the_checkpoint(tmp_path, two_nodes, caps
     second = tmp_path / "arith_grpo" / "checkpoints" / "version_2" / "config.json"  # step 0's metrics are out by then
 
     def interrupt():
-        _wait_for(second.is_file)
+        _wait_for(second.is_file, timeout_s=300)  # actors start slowly on a loaded machine
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt, daemon=True).start()
