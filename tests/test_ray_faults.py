@@ -4,8 +4,8 @@ killed) and restarted from the last checkpoint, a generation actor killed beside
 (``runtime.restarts``) and Ray's death causes, without Ray.
 
 The runs use the parity graph of ``test_resume`` (6 steps x 2 groups x 4 samples, a
-checkpoint every 2 steps) on one raylet on 127.0.0.1 with 2 CPUs and two ``gpu_slot``
-stand-in devices (generation on one, the trainer on the other); see ``test_ray_scheduler``
+checkpoint every 2 steps) on one raylet on 127.0.0.1 with 2 CPUs and three ``gpu_slot``
+stand-in devices (generation on one, the trainer on another, or on two for ``train:d2``); see ``test_ray_scheduler``
 for why the Ray tests keep Ray on loopback. Every wait is bounded.
 """
 
@@ -100,10 +100,10 @@ def test_the_death_cause_is_the_few_words_of_rays_message():
 
 @pytest.fixture(scope="module")
 def two_slots(loopback_ray):  # noqa: F811 (the imported fixture)
-    """One raylet on 127.0.0.1 with 2 CPUs and two ``gpu_slot`` stand-in devices."""
+    """One raylet on 127.0.0.1 with 2 CPUs and three ``gpu_slot`` stand-in devices (a dp2 trainer needs them)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"gpu_slot": 2},
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"gpu_slot": 3},
                                                             "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False})
     yield cluster
@@ -268,3 +268,19 @@ def test_kills_mid_weight_update_keep_a_ray_run_bit_for_bit(tmp_path, two_slots,
     _exactly_once(tmp_path / "mid", k=0)
     assert _event_steps(tmp_path / "mid") == list(range(STEPS))
     assert summary["restarts"]["replica_restarts"] == 1 and summary["restarts"]["trainer_restarts"] == 1
+
+
+@pytest.mark.slow
+def test_a_dp2_trainer_killed_on_ray_is_restarted_from_its_sharded_checkpoint(tmp_path, two_slots, warm_cache,
+                                                                             capsys):
+    """Rank 0 of a train:d2 trainer (a child process of its actor) killed after sending version 4: the actor
+    ends by the same signal and every actor restarts from version_2 (trainer_dcp/), bit for bit."""
+    wide = ("async.max_staleness=0", "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1")
+    _run(tmp_path, two_slots, "whole", *wide)
+    summary = _run(tmp_path, two_slots, "dies", *wide, "scheduler.max_restarts=1",
+                   "debug.kill_at=[train_step/0:weights_published:4]")
+    assert "restarting every worker from version_2 at step 2 (1/1 restarts)" in capsys.readouterr().err
+    assert (tmp_path / "dies/checkpoints/version_2/trainer_dcp/.metadata").is_file()
+    assert _same(_weights(tmp_path / "dies/model"), _weights(tmp_path / "whole/model"))
+    _exactly_once(tmp_path / "dies", k=0)
+    assert summary["restarts"]["trainer_restarts"] == 1 and summary["workers"]["train_step/0"]["world_size"] == 2
