@@ -122,8 +122,7 @@ def run_attempts(setup, restarts: Restarts, attempt: Callable[[RunLogger], dict]
         KeyboardInterrupt: Ctrl-C.
     """
     while True:
-        rewind = setup.checkpoint is not None or restarts.trainer > 0
-        logger = setup.logger(rewind=rewind)
+        logger = setup.logger(rewind=setup.checkpoint is not None or restarts.trainer > 0)
         try:
             return logger, attempt(logger)
         except StageDied as died:
@@ -131,7 +130,7 @@ def run_attempts(setup, restarts: Restarts, attempt: Callable[[RunLogger], dict]
             restarts.from_checkpoint(setup, died)
         except KeyboardInterrupt:
             logger.close()
-            first = setup.checkpoint.version if rewind and setup.checkpoint else 0
+            first = setup.checkpoint.version if setup.checkpoint else 0
             say_interrupted(setup, logger.history[-1]["step"] + 1 if logger.history else first)
             raise
         except BaseException:
