@@ -246,7 +246,7 @@ class SchedulerConfig:
     device_resource: str = ""
     """Ray resource one plan device stands for (e.g. a custom 'gpu_slot'); empty = GPU, or CPU when cluster.gpu=cpu."""
     max_restarts: int = 3
-    """Restarts of dead workers in a run: a generation replica or actor (its groups are regenerated), or on the local scheduler a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
+    """Restarts of dead workers in a run, on either scheduler: a generation replica or actor (its groups are regenerated), or a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
 
@@ -284,6 +284,26 @@ class LoggingConfig:
             raise ConfigError("logging.wandb=true needs the wandb package: pip install 'areal-flow[wandb]'")
 
 
+KILL_POINTS = ("weights_received", "weights_published")
+"""The points ``debug.kill_at`` names (``runtime.faults``)."""
+
+
+def parse_kill_at(entry: str) -> tuple[str, str, int]:
+    """``(worker, point, version)`` of one ``debug.kill_at`` entry ``<group>/<rank>:<point>:<version>``.
+
+    Raises:
+        ConfigError: another shape, a point not in :data:`KILL_POINTS`, a version below 1
+            (quotes the entry).
+    """
+    parts = entry.split(":") if isinstance(entry, str) else []
+    worker, point, version = parts if len(parts) == 3 else ("", "", "")
+    group, _, rank = worker.rpartition("/")
+    if not (group and rank.isdigit() and point in KILL_POINTS and version.isdigit() and int(version) >= 1):
+        raise ConfigError(f"debug.kill_at entry {entry!r}: expected '<group>/<rank>:<point>:<version>' with a point "
+                          f"of {', '.join(KILL_POINTS)} and a version >= 1, e.g. 'generate/0:weights_received:2'")
+    return worker, point, int(version)
+
+
 @dataclass
 class DebugConfig:
     """Debugging aids (off by default; each costs time or memory)."""
@@ -295,6 +315,10 @@ class DebugConfig:
     """Edges 'src->dst' into a batch node of the trainer (e.g. advantage->train_step) whose every item is stored
     under <run>/record/<src>-<dst>/ with a digest of the weights after each step; `areal-flow replay <run> --from
     src->dst` re-runs the downstream nodes on it and checks the weights bit for bit."""
+    kill_at: list[str] = field(default_factory=list)
+    """Fault injection (drills, tests): entries '<group>/<rank>:<point>:<version>' make that worker SIGKILL its own
+    process once per run at the point for that policy version; points: weights_received (a generation replica has the
+    version, not yet loaded), weights_published (the trainer sent it, has not recorded its step); runtime/faults.py."""
 
 
 @dataclass
@@ -306,7 +330,7 @@ class ExperimentConfig:
     out_dir: str = "runs"
     """Folder for TensorBoard events, trajectories and the final model."""
     resume: str = ""
-    """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Local scheduler; another compile.allocation of the train_step reshards its checkpoint (docs/RESUME.md)."""
+    """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Either scheduler; another compile.allocation of the train_step reshards its checkpoint (docs/RESUME.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
@@ -338,6 +362,8 @@ class ExperimentConfig:
             boolean = " (YAML reads yes/no/true/false as a boolean)" if self.resume in ("True", "False") else ""
             raise ConfigError(f"resume={self.resume!r}{boolean}: expected '' (a new run), 'auto' (resume <out_dir>/<name> if it "
                               "holds a complete checkpoint, else start) or an existing run folder (what --resume sets)")
+        for entry in self.debug.kill_at:
+            parse_kill_at(entry)
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("train.checkpoint_every", self.train.checkpoint_every),

@@ -13,8 +13,9 @@ the trainer's version). A trainer (or other stage worker) that dies without repo
 under their indices, the run folder is rewound to it (``runtime.run_dir.rewind_run_dir``).
 A worker that raises stops the others and is re-raised with its traceback; what was
 already written (events, trajectories) stays. ``resume`` continues a run from its folder's
-last checkpoint the same way (local scheduler); a run whose last
-checkpoint holds all its steps is complete, and its resume runs nothing.
+last checkpoint the same way, on either scheduler; a run whose last checkpoint holds all
+its steps is complete, and its resume runs nothing. The restart budget, the attempt loop,
+the console lines and the summary's ``restarts`` are shared with Ray (``runtime.restarts``).
 
 Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
 turns: a lock per such mesh is held around each engine step and each train step.
@@ -36,16 +37,12 @@ import threading
 import traceback
 
 from compiler.plan import Plan
-from runtime.checkpoint import ResumeError, latest_checkpoint
 from runtime.metrics import RunLogger
+from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
 from runtime.run_setup import RunSetup
 from runtime.topology import Topology
 from runtime.stage_worker import run_stage_worker
 from runtime.workers import WorkerSpec, run_generation_replica
-
-
-class WorkerFailed(RuntimeError):
-    """A worker process raised; the message holds its traceback."""
 
 
 def run_experiment(graph, cfg, show_progress: bool = True) -> dict:
@@ -63,18 +60,18 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
 
     Raises:
         runtime.topology.TopologyError: the plan asks for what the runtime cannot run.
-        ResumeError: ``resume`` asks for what cannot be resumed (names the folder or cause).
-        WorkerFailed: a worker raised (its traceback is in the message).
+        runtime.checkpoint.ResumeError: ``resume`` asks for what cannot be resumed (names the
+            folder or cause).
+        WorkerFailed: a worker raised (its traceback is in the message), or workers died
+            more often than ``scheduler.max_restarts``.
     """
-    if plan.run["scheduler"]["type"] == "ray":
-        from runtime.ray_scheduler import run_on_ray
-
-        if resume:
-            raise ResumeError(f"resume={resume}: resuming runs on the local scheduler only (scheduler.type=local)")
-        return run_on_ray(plan, show_progress)
     setup = RunSetup.create(plan, show_progress, resume)
     if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
         return _already_complete(setup)
+    if plan.run["scheduler"]["type"] == "ray":
+        from runtime.ray_scheduler import run_on_ray
+
+        return run_on_ray(setup)
     setup.prepare()
     return _LocalRun(setup).execute()
 
@@ -114,65 +111,28 @@ def _drain(metrics, logger: RunLogger) -> None:
             return
 
 
-class _StageDied(Exception):
-    """A non-generation worker process died without reporting (killed, crashed)."""
-
-    def __init__(self, name: str, exitcode) -> None:
-        super().__init__(f"{name} died (exit code {exitcode})")
-        self.name, self.exitcode = name, exitcode
+def _stop(procs: dict) -> None:
+    """End the worker processes still running (each gets 0.5 s to finish, then SIGTERM)."""
+    for p in procs.values():
+        if p.is_alive():
+            p.join(timeout=0.5)
+        if p.is_alive():
+            p.terminate()
+            p.join()
 
 
 class _LocalRun:
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup
-        self.restarts = 0  # generation replicas restarted
-        self.stage_restarts = 0  # restarts of every worker from the last checkpoint (a trainer died)
-        self.replayed = 0  # groups admitted after that checkpoint, admitted again
+        self.restarts = Restarts.for_run(setup)
 
     def execute(self) -> dict:
         setup = self.setup
-        started_from = setup.checkpoint.version if setup.checkpoint else None
         try:
-            while True:
-                logger = setup.logger(rewind=setup.checkpoint is not None or self.stage_restarts > 0)
-                try:
-                    workers = self._attempt(logger)
-                    break
-                except _StageDied as died:
-                    logger.close()
-                    self._from_checkpoint(died)
+            logger, workers = run_attempts(setup, self.restarts, self._attempt)
         finally:
             setup.merge_trace()
-        restarts = {"resumed_from_version": started_from, "trainer_restarts": self.stage_restarts,
-                    "replica_restarts": self.restarts, "replayed_groups": self.replayed,
-                    "dropped_duplicates": sum(w.get("duplicates", 0) for w in workers.values())}
-        return setup.finish(logger, workers, restarts=restarts)
-
-    def _from_checkpoint(self, died: _StageDied) -> None:
-        """After ``died``: within ``scheduler.max_restarts``, the next attempt starts every worker
-        from the run's last complete checkpoint (version 0 without one), says so, and counts
-        the groups admitted after it (they are admitted again under their indices).
-
-        Raises:
-            WorkerFailed: the restarts are used up.
-        """
-        setup, router = self.setup, self.router
-        limit = int(setup.plan.run["scheduler"].get("max_restarts", 0))
-        if self.restarts + self.stage_restarts >= limit:
-            raise WorkerFailed(f"worker {died}; restarts so far {self.restarts + self.stage_restarts}, "
-                               f"scheduler.max_restarts={limit}")
-        self.stage_restarts += 1
-        setup.checkpoint = latest_checkpoint(setup.out_dir)
-        version = setup.checkpoint.version if setup.checkpoint else 0
-        first = version * setup.topo.batch_groups
-        admitted = router.admission.accepted + router.admission.running
-        self.replayed += max(0, admitted - first)
-        where = setup.checkpoint.folder.name if setup.checkpoint else "version 0 (no checkpoint yet)"
-        again = f"groups {first}..{admitted - 1} admitted after it are admitted again under their indices" \
-            if admitted > first else "no group was admitted after it"
-        print(f"areal-flow: {died}; restarting every worker from {where} at step {version} "
-              f"({self.stage_restarts + self.restarts}/{limit} restarts): {again}, trajectories and events of steps "
-              f">= {version} are rewound", file=sys.stderr)
+        return setup.finish(logger, workers, restarts=self.restarts.block(workers))
 
     def _attempt(self, logger: RunLogger) -> dict:
         """Start every worker (from :attr:`RunSetup.checkpoint` when set) and run to the end."""
@@ -195,32 +155,28 @@ class _LocalRun:
             stop.set()
             router_thread.join(timeout=10)
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched, "replica_restarts": self.restarts,
+                             "redispatched": router.redispatched, "replica_restarts": self.restarts.replicas,
                              "rejected_messages": router.rejected}
         return workers
 
     def _restart(self, name: str, proc, specs: list[WorkerSpec], topo: Topology, ctx, results):
         """Start a dead generation replica again (``scheduler.max_restarts`` in all): it waits
         for the trainer's current version (resync), and the router sends it again every group
-        it held, under the same indices. Any other worker's death fails the run.
+        it held, under the same indices.
 
         Raises:
-            _StageDied: a non-generation worker died (:meth:`_from_checkpoint` handles it).
+            StageDied: a non-generation worker died (``runtime.restarts.run_attempts`` restarts
+                every worker from the last checkpoint).
             WorkerFailed: too many restarts.
         """
         from dataclasses import replace
 
         spec = next(s for s in specs if f"{s.group}/{s.rank}" == name)
-        limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
         if topo.groups[spec.group].kind != "generation":
-            raise _StageDied(name, proc.exitcode)
-        if self.restarts + self.stage_restarts >= limit:
-            raise WorkerFailed(f"worker {name} died (exit code {proc.exitcode}); restarts so far "
-                               f"{self.restarts + self.stage_restarts}, scheduler.max_restarts={limit}")
-        self.restarts += 1
+            admission = self.router.admission
+            raise StageDied(name, f"exit code {proc.exitcode}", admission.accepted + admission.running)
         version = self.router.versions.get(spec.rank, 0)
-        print(f"areal-flow: {name} died (exit code {proc.exitcode}); restarting it at policy version {version} "
-              f"({self.restarts}/{limit})", file=sys.stderr)
+        self.restarts.replica(name, f"exit code {proc.exitcode}", version)
         spec = replace(spec, resume_version=version, resync=self.trainer_inbox)
         self.router.replace_replica(spec.rank, spec.inbox)
         lease = self.leases.get(topo.groups[spec.group].mesh)
@@ -269,7 +225,7 @@ class _LocalRun:
                     try:
                         for name in dead:
                             procs[name] = self._restart(name, procs[name], specs, topo, ctx, results)
-                    except _StageDied:
+                    except StageDied:
                         _drain(metrics, logger)  # the steps it reported before dying (the checkpoint's included)
                         raise
                     continue
@@ -288,10 +244,9 @@ class _LocalRun:
                     break
                 done[name] = payload
             return done
+        except KeyboardInterrupt:  # stopped first, so every step reported is logged and no checkpoint follows
+            _stop(procs)
+            _drain(metrics, logger)
+            raise
         finally:
-            for p in procs.values():
-                if p.is_alive():
-                    p.join(timeout=0.5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join()
+            _stop(procs)

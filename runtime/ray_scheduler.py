@@ -18,11 +18,16 @@ semantics the runtime relies on (FIFO with back-pressure, admission indices, exa
 checks, versioned and checksummed weight buckets) are the channels', and the driver stays
 out of the data path except for the router's small messages and per-step metrics.
 
-Fault tolerance: Ray restarts a dead generation replica in its bundle (up to
-``scheduler.max_restarts`` times); the driver reruns it on the same addresses, waiting for
-the trainer's current version (which the trainer republishes on a ``resync`` message), and
-the router sends it again every group it held, under the same indices; a group delivered
-twice is dropped by the trainer. Any other actor's death fails the run.
+Fault tolerance, within ``scheduler.max_restarts`` in all (``runtime.restarts``, shared
+with the local scheduler): Ray restarts a dead generation replica in its bundle; the driver
+reruns it on the same addresses, waiting for the trainer's current version (which the
+trainer republishes on a ``resync`` message), and the router sends it again every group it
+held, under the same indices; a group delivered twice is dropped by the trainer. When the
+trainer's actor (or another stage worker's) dies, the driver kills every actor of the
+attempt and starts them all again, in the same placement groups, from the run's last
+complete checkpoint, as the local scheduler does; a resumed run (``--resume``) starts from
+it the same way. The trainer reports each step's metrics into a queue actor the driver
+reads (``ray.util.queue.Queue``), which outlives a dead trainer.
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ from types import SimpleNamespace
 import cloudpickle
 import ray
 import ray.cloudpickle
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
-from runtime.launch import WorkerFailed
-from runtime.run_setup import RunSetup
+from runtime.checkpoint import latest_checkpoint
 from runtime.metrics import RunLogger
+from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
+from runtime.run_setup import RunSetup
 from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 
@@ -66,18 +73,18 @@ def _settings(plan: Plan) -> SimpleNamespace:
                            name=plan.run["name"])
 
 
-def run_on_ray(plan: Plan, show_progress: bool = True) -> dict:
-    """Run ``plan`` on Ray; returns the local scheduler's summary plus ``ray`` (address,
-    placement of the actors).
+def run_on_ray(setup: RunSetup) -> dict:
+    """Run the plan of ``setup`` (``RunSetup.create``: a new run, or a resumed one) on Ray;
+    returns the local scheduler's summary plus ``ray`` (address, placement of the actors,
+    last checkpoint).
 
     Raises:
         runtime.ray_cluster.RayClusterUnreachable / ClusterMismatchError: before any model
             is touched.
-        WorkerFailed: a worker raised or died.
+        WorkerFailed: a worker raised, or workers died more often than ``scheduler.max_restarts``.
     """
-    setup = RunSetup.create(plan, show_progress)
     share_pickle_by_value()
-    cfg = _settings(plan)
+    cfg = _settings(setup.plan)
     connection = connect(cfg)
     run = _RayRun(setup, cfg)
     try:
@@ -89,15 +96,33 @@ def run_on_ray(plan: Plan, show_progress: bool = True) -> dict:
         connection.close()
 
 
+def _exit_cause(exc: RayActorError) -> str:
+    """Why an actor died, in a few words from Ray's error: ``killed by `ray.kill```, or
+    ``worker process died (SYSTEM_ERROR: Worker unexpectedly exits ...)`` for a killed or
+    crashed process (the last ``The actor is dead because ...`` of the message, without
+    Ray's advice); for an actor Ray restarts, ``unreachable: RpcError: ...``."""
+    if isinstance(exc, ActorUnavailableError):  # a restartable actor's process gone: "The actor <id> is unavailable"
+        why = str(exc).partition(" is unavailable: ")[2].split(". The task may or may not")[0]
+        return f"unreachable: {why.removeprefix('The actor is temporarily unavailable: ')}"
+    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip() and not line.startswith("\t")]
+    text = " ".join(lines).rpartition("The actor is dead because ")[2].split(". Some common causes")[0].rstrip(".")
+    text = text.removeprefix("it was ")
+    if " Worker exit type: " in text:
+        kind, _, detail = text.split(" Worker exit type: ", 1)[1].partition(" Worker exit detail: ")
+        text = f"worker process died ({kind}: {detail})" if detail else f"worker process died ({kind})"
+    text = text or str(exc).splitlines()[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 class _RayRun:
     def __init__(self, setup: RunSetup, cfg) -> None:
         self.setup, self.cfg = setup, cfg
         self.resource = device_resource(cfg)
         self.pgs: dict = {}
         self.actors: dict[str, object] = {}
-        self.steps_done, self.last_checkpoint = 0, None
-        self.restarts = 0
-        self.trainer: str | None = None
+        self.placement: dict = {}
+        self.restarts = Restarts.for_run(setup)
+        self.sink: Queue | None = None
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan (fails when taken)."""
@@ -121,14 +146,40 @@ class _RayRun:
         return ray.remote(WorkerActor).options(**opts).remote()
 
     def execute(self, connection) -> dict:
-        setup, topo = self.setup, self.setup.topo
-        sharing: dict = {}
+        setup = self.setup
+        self.sink = Queue(actor_options={"num_cpus": 0})  # outside the placement groups: it holds no device
+        try:
+            logger, workers = run_attempts(setup, self.restarts, self._attempt)
+        finally:
+            setup.merge_trace()
+        placement = self.placement
+        self.cleanup()  # free the cluster before the held-out evaluation
+        last = latest_checkpoint(setup.out_dir)
+        return setup.finish(logger, workers, restarts=self.restarts.block(workers),
+                            ray={"address": connection.address or "local", "placement": placement,
+                                 "last_checkpoint": str(last.folder) if last else None})
+
+    def _start_actors(self) -> None:
+        """One actor per worker of the topology in its mesh's placement group (generation
+        replicas restartable by Ray); the mesh's devices are split evenly among its actors."""
+        topo, sharing = self.setup.topo, {}
         for g in topo.groups.values():
             sharing[g.mesh] = sharing.get(g.mesh, 0) + g.replicas
         for g in topo.groups.values():
             for r in range(g.replicas):
-                restarts = int(self.cfg.scheduler.max_restarts) if g.kind == "generation" else 0
+                restarts = self.restarts.limit if g.kind == "generation" else 0
                 self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
+
+    def _attempt(self, logger: RunLogger) -> dict:
+        """Start every actor (its worker from :attr:`RunSetup.checkpoint` when set), run to the
+        end, return the workers' reports (``runtime.restarts.run_attempts`` calls it again
+        after a trainer's death, once this attempt's actors are gone).
+
+        Raises:
+            StageDied: the trainer's (or another stage worker's) actor died.
+        """
+        setup, topo = self.setup, self.setup.topo
+        self._start_actors()
         host = self._bind_host()
         addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote(host)) for r in range(g.replicas)]
                      for g in topo.groups.values()}
@@ -137,38 +188,26 @@ class _RayRun:
                                 for r in range(gen.replicas)]
         control = free_tcp_endpoint(host)
         specs = setup.specs(addresses, control, threads=1)
-        specs = [replace(s, out_dir=str(setup.out_dir)) for s in specs]
         router = setup.router(addresses[gen.name], control)
         stop = threading.Event()
         router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
         router_thread.start()
-        logger = setup.logger()
         try:
             workers = self._drive(specs, logger, router)
-        except KeyboardInterrupt:
-            if self.trainer is not None:  # the metrics (and checkpoints) the trainer has reported but we not yet read
-                self._pull(logger, self.trainer, timeout_s=10)
-            logger.close()
-            self.cleanup()
-            note = (f"last checkpoint: {self.last_checkpoint}" if self.last_checkpoint else
-                    "no checkpoint was saved (train.checkpoint_every)")
-            print(f"\nareal-flow: interrupted after {self.steps_done} of {topo.steps} steps; {note}", file=sys.stderr)
-            raise
-        except BaseException:
-            logger.close()
+        except BaseException as exc:
+            if isinstance(exc, (StageDied, KeyboardInterrupt)):  # gone (names free) before the next attempt, and
+                self._stop_actors(wait=True)  # after Ctrl-C no checkpoint follows the one it names
+            self._pull(logger)  # the steps the trainer reported before (the checkpoint's included)
             raise
         finally:
             stop.set()
             router_thread.join(timeout=10)
-            setup.merge_trace()
-        placement = {name: {**ray.get(a.where.remote()), "mesh": topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
-                     for name, a in self.actors.items()}
-        self.cleanup()  # free the cluster before the held-out evaluation
+        self.placement = {name: {**ray.get(a.where.remote()), "mesh": topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
+                          for name, a in self.actors.items()}
         workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched, "rejected_messages": router.rejected}
-        return setup.finish(logger, workers, ray={"address": connection.address or "local", "placement": placement,
-                                                  "last_checkpoint": self.last_checkpoint,
-                                                  "replica_restarts": self.restarts})
+                             "redispatched": router.redispatched, "replica_restarts": self.restarts.replicas,
+                             "rejected_messages": router.rejected}
+        return workers
 
     def _bind_host(self) -> str:
         """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
@@ -188,12 +227,13 @@ class _RayRun:
     def _drive(self, specs, logger: RunLogger, router) -> dict:
         topo = self.setup.topo
         by_name = {f"{s.group}/{s.rank}": s for s in specs}
-        trainer = self.trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
-        pending = {self.actors[n].run.remote(s, topo.groups[s.group].kind == "generation"): n for n, s in by_name.items()}
+        trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
+        pending = {self.actors[n].run.remote(s, topo.groups[s.group].kind == "generation", self.sink): n
+                   for n, s in by_name.items()}
         results: dict = {}
         while trainer not in results:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            self._pull(logger, trainer)
+            self._pull(logger)
             for ref in ready:
                 name = pending.pop(ref)
                 try:
@@ -203,21 +243,23 @@ class _RayRun:
                 except RayActorError as exc:
                     spec = by_name[name]
                     if topo.groups[spec.group].kind != "generation":
-                        raise WorkerFailed(f"the {name} actor died: {exc}") from None
+                        admission = router.admission
+                        raise StageDied(name, _exit_cause(exc), admission.accepted + admission.running) from None
                     spec = by_name[name] = self._restart(name, spec, router, by_name[trainer].inbox, exc)
                     pending[self.actors[name].run.remote(spec, True)] = name
-        self._pull(logger, trainer)
+        self._pull(logger)
         return results
 
-    def _restart(self, name: str, spec, router, trainer_inbox: str, exc: Exception):
-        """Wait for Ray to bring the replica back; its spec with the version to resume at."""
-        self.restarts += 1
-        limit = int(self.cfg.scheduler.max_restarts)
-        if self.restarts > limit:
-            raise WorkerFailed(f"generation replicas died {self.restarts} times (scheduler.max_restarts={limit}): {exc}")
+    def _restart(self, name: str, spec, router, trainer_inbox: str, exc: RayActorError):
+        """Count the restart (``runtime.restarts``), wait for Ray to bring the replica back;
+        its spec with the version to resume at.
+
+        Raises:
+            WorkerFailed: the restarts are used up, or the actor is not back within
+                ``RESTART_TIMEOUT_S`` seconds.
+        """
         version = router.versions.get(spec.rank, 0)
-        print(f"areal-flow: {name} died; Ray restarts it at policy version {version} ({self.restarts}/{limit})",
-              file=sys.stderr)
+        self.restarts.replica(name, _exit_cause(exc), version, how="Ray restarts it")
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:  # calls fail until Ray marks the actor restarting; then they wait for it
             try:
@@ -230,25 +272,46 @@ class _RayRun:
         router.replace_replica(spec.rank, spec.inbox)
         return replace(spec, resume_version=version, resync=trainer_inbox)
 
-    def _pull(self, logger: RunLogger, trainer: str, timeout_s: float = 60) -> None:
-        try:
-            for metrics in ray.get(self.actors[trainer].metrics.remote(), timeout=timeout_s):
-                logger.log_step(metrics)
-                self.steps_done = metrics["step"] + 1
-                self.last_checkpoint = metrics.get("checkpoint", self.last_checkpoint)
-        except (RayActorError, GetTimeoutError):
-            return
+    def _pull(self, logger: RunLogger) -> None:
+        """Log every step's metrics waiting in the sink."""
+        waiting = self.sink.qsize()
+        for metrics in self.sink.get_nowait_batch(waiting) if waiting else []:
+            logger.log_step(metrics)
 
-    def cleanup(self) -> None:
-        """Kill the actors and remove the placement groups (idempotent)."""
+    def _stop_actors(self, wait: bool = False) -> None:
+        """Kill this attempt's actors (idempotent); with ``wait``, until Ray has them dead
+        (their names free for the next attempt's).
+
+        Raises:
+            WorkerFailed: one still holds its name after ``RESTART_TIMEOUT_S`` seconds.
+        """
         for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        for name in self.actors if wait else ():
+            while True:
+                try:
+                    ray.get_actor(f"{self.cfg.name}/{name}", namespace=NAMESPACE)
+                except ValueError:  # no live actor of that name
+                    break
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"actor {self.cfg.name}/{name} still alive {RESTART_TIMEOUT_S:g} s "
+                                       "after ray.kill")
+                time.sleep(POLL_S / 5)
+        self.actors = {}
+
+    def cleanup(self) -> None:
+        """Kill the actors and the metrics sink, remove the placement groups (idempotent)."""
+        self._stop_actors()
+        if self.sink is not None:
+            self.sink.shutdown(force=True)
+            self.sink = None
         for pg in self.pgs.values():
             try:
                 remove_placement_group(pg)
             except Exception:  # already removed
                 pass
-        self.actors, self.pgs = {}, {}
+        self.pgs = {}

@@ -58,10 +58,7 @@ def _where() -> dict:
 class WorkerActor:
     """Runs one worker of the plan (``runtime.workers``): a generation replica or a stage
     worker (the trainer); Ray restarts a replica (same placement) when it dies. Calls other
-    than ``run`` (metrics, endpoints) are served concurrently (``max_concurrency > 1``)."""
-
-    def __init__(self) -> None:
-        self._metrics: queue.Queue = queue.Queue()
+    than ``run`` (``where``, ``endpoint``) are served concurrently (``max_concurrency > 1``)."""
 
     def where(self) -> dict:
         """``{"node_id", "ip"}`` of the node it runs on."""
@@ -71,20 +68,25 @@ class WorkerActor:
         """A fresh channel address on this node (see :func:`free_tcp_endpoint`)."""
         return free_tcp_endpoint(bind_host)
 
-    def run(self, spec: WorkerSpec, generation: bool) -> dict:
+    def run(self, spec: WorkerSpec, generation: bool, sink=None) -> dict:
+        """Run the worker ``spec`` describes to its end and return its report. A trainer puts
+        each step's metrics into ``sink`` (a ``ray.util.queue.Queue`` the driver reads), which
+        outlives this actor, so the steps reported before a death are not lost."""
         if generation:
             return run_generation_replica(spec)
         # A multi-rank trainer reports from its rank 0, a child process: through a process
-        # queue, drained into this actor's queue by a thread.
+        # queue, drained into the sink by a thread.
         inbox = mp.get_context("spawn").Queue()
         done = threading.Event()
 
         def drain() -> None:
             while not done.is_set() or not inbox.empty():
                 try:
-                    self._metrics.put(inbox.get(timeout=0.1))
+                    metrics = inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
+                if sink is not None:
+                    sink.put(metrics)
 
         thread = threading.Thread(target=drain, daemon=True)
         thread.start()
@@ -93,12 +95,3 @@ class WorkerActor:
         finally:
             done.set()
             thread.join(timeout=5)
-
-    def metrics(self) -> list[dict]:
-        """Per-step metrics put since the last call, oldest first."""
-        out = []
-        while True:
-            try:
-                out.append(self._metrics.get_nowait())
-            except queue.Empty:
-                return out

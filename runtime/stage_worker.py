@@ -35,6 +35,7 @@ from pathlib import Path
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, write_checkpoint
 from runtime.context import WorkerContext
+from runtime.faults import kill_point
 from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
 from runtime.record import EdgeRecorder, check_edges
@@ -272,6 +273,8 @@ class _Stage:
                     with self.trace.span(sync_node(self.ctx.plan, node.name), "weights", phase="publish",
                                          version=step + 1):
                         publisher.publish(result["weights"], step + 1)
+                    kill_point(self.ctx.plan, self.spec.out_dir, f"{self.spec.group}/{self.spec.rank}",
+                               "weights_published", step + 1)
                     self.version = step + 1
                     stats["weights/sync_s"] = time.perf_counter() - started
                     stats["weights/bytes"] = float(publisher.published_bytes - sent)

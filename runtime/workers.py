@@ -37,6 +37,7 @@ from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.checkpoint import sampling_seed
 from runtime.context import WorkerContext
 from runtime.engines.precision import MIN_SPEEDUP
+from runtime.faults import kill_point
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.trace import TraceRecorder, now_us
 from runtime.weights import WeightSubscriber
@@ -144,6 +145,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
             started = now_us()
             update = weights.poll()
             if update is not None:
+                kill_point(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}", "weights_received", update[0])
                 trace.complete(sync, "weights", started, now_us(), phase="receive", version=update[0])
                 with trace.span(sync, "weights", phase="load", version=update[0]):
                     gen.update_weights(update[1], update[0])

@@ -227,7 +227,7 @@ def test_killed_generation_actor_restarts_and_no_group_is_lost(tmp_path, two_nod
     killer.start()
     summary = run_experiment(graph, cfg, show_progress=False)
     killer.join(timeout=5)
-    assert summary["ray"]["replica_restarts"] == 1
+    assert summary["restarts"]["replica_restarts"] == 1 and summary["restarts"]["trainer_restarts"] == 0
     records = _assert_each_sample_trained_once(tmp_path / "arith_grpo", steps=4, batch=2, n=4)
     assert {r["staleness"] for r in records} == {0}  # the restarted replica resumed at the trainer's version
     assert summary["workers"]["train_step/0"]["resyncs"] == 1
@@ -241,7 +241,7 @@ def test_ctrl_c_stops_cleanly_and_names_the_checkpoint(tmp_path, two_nodes, caps
     second = tmp_path / "arith_grpo" / "checkpoints" / "version_2" / "config.json"  # step 0's metrics are out by then
 
     def interrupt():
-        _wait_for(second.is_file)
+        _wait_for(second.is_file, timeout_s=300)  # actors start slowly on a loaded machine
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt, daemon=True).start()

@@ -215,7 +215,6 @@ def _plan(tmp_path: Path, *overrides: str):
 
 
 def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys):
-    from runtime.launch import run
     from runtime.run_setup import RunSetup
 
     run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
@@ -226,8 +225,6 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     assert f"resuming {run_dir} from version_2 (step 2 of 3)" in capsys.readouterr().err
     with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes\)"):
         RunSetup.create(_plan(tmp_path, "train.lr=5e-4"), show_progress=False, resume=str(run_dir))
-    with pytest.raises(ResumeError, match="resuming runs on the local scheduler only"):
-        run(_plan(tmp_path, "scheduler.type=ray"), show_progress=False, resume="auto")
     wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1",
                  "train.checkpoint_every=1")
     (run_dir / "plan.json").write_text(wide.to_json())
@@ -360,3 +357,34 @@ def test_a_token_budget_below_the_longest_trajectory_is_refused_before_workers(t
                 setup._check_token_budget()
         else:
             setup._check_token_budget()
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_local_scheduler_names_the_last_checkpoint(tmp_path, warm_cache, capsys):
+    """Issue 13: as on Ray (test_ray_scheduler), Ctrl-C says which checkpoint a resume continues from."""
+    import _thread
+
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+    from runtime.launch import run_experiment
+
+    (tmp_path / "parity.py").write_text(PARITY_GRAPH)
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*RUN, "train.steps=40", f"out_dir={tmp_path}", "name=stop"])
+    second = tmp_path / "stop/checkpoints/version_2"
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(tmp_path / "stop") is None or not second.is_dir():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(load_flow(tmp_path / "parity.py")(cfg), cfg, show_progress=False)
+    last = latest_checkpoint(tmp_path / "stop")
+    line = next(x for x in capsys.readouterr().err.splitlines() if "interrupted after" in x)
+    assert line.endswith(f"of 40 steps; last checkpoint: {last.folder} (areal-flow run ... --resume "
+                         f"{tmp_path / 'stop'} continues from it)"), line
+    assert 2 <= last.version < 40  # stopped mid-run, the workers before the line: no checkpoint after the named one

@@ -1,0 +1,55 @@
+"""Fault drills (``debug.kill_at``, ``runtime/faults.py``): the entries' check, the point that
+fires once per run, and on the local scheduler a generation replica and the trainer killed
+mid-weight-update (the same kills on Ray: ``test_ray_faults``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_resume import STEPS, _cli, _event_steps, _exactly_once, _finish, _same, _weights, uninterrupted  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_kill_at_entries_are_checked_and_fire_once_per_run(tmp_path):
+    from areal_flow.config import ConfigError, parse_kill_at
+
+    assert parse_kill_at("train_step/0:weights_published:4") == ("train_step/0", "weights_published", 4)
+    for entry in ("generate/0:weights_loaded:2", "generate:weights_received:2", "generate/0:weights_received:0",
+                  "generate/0:weights_received"):
+        with pytest.raises(ConfigError, match=f"debug.kill_at entry '{entry}': expected"):
+            parse_kill_at(entry)
+    # the point fires in a child process (it SIGKILLs itself); with the marker written, not again
+    plan = ("from types import SimpleNamespace as S; "
+            "p = S(run={'debug': {'kill_at': ['generate/0:weights_received:2']}})")
+    child = [sys.executable, "-c", f"{plan}; from runtime.faults import kill_point; "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 1); "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/1', 'weights_received', 2); print('passed'); "
+             f"kill_point(p, {str(tmp_path)!r}, 'generate/0', 'weights_received', 2); print('not reached')"]
+    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9 and done.stdout == "passed\n", done.stderr
+    assert "generate/0: debug.kill_at generate/0:weights_received:2: killing this process" in done.stderr
+    assert (tmp_path / "faults/generate-0-weights_received-2").read_text() == "generate/0:weights_received:2"
+    done = subprocess.run(child, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "passed\nnot reached\n", done.stderr
+
+
+@pytest.mark.slow
+def test_local_kills_mid_weight_update_keep_the_run_bit_for_bit(tmp_path, uninterrupted, warm_cache):  # noqa: F811
+    """As on Ray: the replica killed holding version 2 not yet loaded, the trainer killed after sending version 4
+    and before recording step 3 (the last checkpoint, version_2, is then behind what the replica was sent)."""
+    err = _finish(_cli(tmp_path, "mid", "async.max_staleness=0", "scheduler.max_restarts=2",
+                       "debug.kill_at=[generate/0:weights_received:2, train_step/0:weights_published:4]"))
+    assert "areal-flow: generate/0 died (exit code -9); restarting it at policy version 1 (1/2)" in err
+    assert ("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_2 at step 2 "
+            "(2/2 restarts)") in err
+    assert _same(_weights(tmp_path / "mid/model"), _weights(uninterrupted / "model"))
+    _exactly_once(tmp_path / "mid", k=0)
+    assert _event_steps(tmp_path / "mid") == list(range(STEPS))
+    restarts = json.loads((tmp_path / "mid/summary.json").read_text())["restarts"]
+    assert restarts["replica_restarts"] == 1 and restarts["trainer_restarts"] == 1
