@@ -16,7 +16,7 @@ scores, so its sigmoid is no calibrated probability and a 0.5 threshold means no
 A pair is tokenized exactly as the policy's trajectory reaches the trainer
 (``runtime.batching.collate``): ``encode_prompt(tokenizer, prompt)`` + the answer's ids +
 EOS, right-padded. This lives beside ``sft.py`` (not in ``areal_flow.models``) because it
-owns a cache under ``runtime.engines.sft.cache_root()``; the library never imports runtime.
+owns a cache under ``areal_flow.cache.cache_root()``; the library never imports runtime.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from areal_flow.models.reward_model import RewardModel
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.tasks.arithmetic import buggy_answer
-from runtime.engines.sft import cache_root, fit_sampled_batches
+from areal_flow.cache import cache_root
+from runtime.engines.sft import fit_sampled_batches
 
 STATS_FILE = "rm_stats.json"
 _OPERATION = re.compile(r"(\d+)\s*([+-])\s*(\d+)")  # "37+58=" and "What is 37 + 58? ..."

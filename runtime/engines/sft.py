@@ -26,7 +26,7 @@ import xxhash
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from areal_flow.cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported for callers
+from areal_flow.cache import cache_root
 from areal_flow.envs.episode import encode_dialogue
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
