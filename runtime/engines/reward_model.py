@@ -33,11 +33,11 @@ import torch
 import transformers
 import xxhash
 
+from areal_flow.cache import cache_root
 from areal_flow.models.reward_model import RewardModel
 from areal_flow.models.tokenizer import load_tokenizer
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.tasks.arithmetic import buggy_answer
-from areal_flow.cache import cache_root
 from runtime.engines.sft import fit_sampled_batches
 
 STATS_FILE = "rm_stats.json"
