@@ -6,7 +6,8 @@ one process tree; with ``--repeats R`` the variants alternate R times (interleav
 change of machine load hits all of them alike). Evaluation is off so only the
 generate/train loop is timed. Two wall times per run: the summary's (the RL phase,
 worker start-up included: spawning, imports, model loading, ~15 s here) and the loop's,
-from the first to the last span of the run's trace (what asynchrony can change). It prints
+from the generator's first engine step (every worker has started; a worker that started
+earlier only waited) to the last span of the run's trace (what asynchrony can change). It prints
 both with their ratios, each run's generator and trainer busy time, the generator's batch
 occupancy over time and the ideal speed-up computed from the synchronous runs' spans.
 
@@ -165,11 +166,11 @@ def analyse(summary: dict) -> dict:
     if not steps:
         raise ValueError(f"{summary['out_dir']}: no engine-step spans with rows/slots (logging.trace=false?)")
     gen_proc = steps[0]["proc"]
-    start = min(s["ts"] for s in spans)
+    start = steps[0]["ts"]  # the generator's first step: every worker has started (the loop's start)
     end = max(s["ts"] + s["dur"] for s in spans)
     busy_us = sum(s["dur"] for s in steps)
     occ_busy = sum(s["dur"] * s["args"]["rows"] / s["args"]["slots"] for s in steps) / busy_us
-    gen_other, train = busy_times(spans, gen_proc)
+    gen_other, train = busy_times([s for s in spans if s["ts"] + s["dur"] > start], gen_proc)
     return {"steps": steps, "bins": occupancy_bins(steps, start, end), "occ_busy": occ_busy,
             "occ_wall": occ_busy * busy_us / max(1, end - start), "gen_other_s": gen_other, "train_s": train,
             "loop_s": (end - start) / 1e6, "gen_s": busy_us / 1e6 + gen_other}
@@ -221,7 +222,8 @@ def main(argv: list[str]) -> None:
         i = ideal_ratio(s["loop_s"], s["gen_s"], s["train_s"], s1["steps"], s1["gen_other_s"], s1["train_s"],
                         cfg.train.steps)
         ideals.append(i["ideal_ratio"])
-        print(f"[{round_ + 1}] ideal: sync G={i['G']:.1f} s, T={i['T']:.1f} s, O={i['O']:.1f} s; one thread G1={i['G1']:.1f} s "
+        print(f"[{round_ + 1}] ideal: sync G={i['G']:.1f} s, T={i['T']:.1f} s, O={i['O']:.1f} s; "
+              f"one thread G1={i['G1']:.1f} s "
               f"(x{i['G1'] / i['G']:.2f}), T1={i['T1']:.1f} s (x{i['T1'] / i['T']:.2f}); {i['tokens']} tokens, "
               f"full-batch step {i['step_full_s'] * 1e3:.1f} ms -> G1_full={i['G1_full']:.1f} s (tail G1/G1_full "
               f"{i['G1'] / i['G1_full']:.2f}); ideal async loop {i['ideal_async_s']:.1f} s, ideal ratio "
