@@ -6,9 +6,12 @@ one process tree; with ``--repeats R`` the variants alternate R times (interleav
 change of machine load hits all of them alike). Evaluation is off so only the
 generate/train loop is timed. Two wall times per run: the summary's (the RL phase,
 worker start-up included: spawning, imports, model loading, ~15 s here) and the loop's,
-from the generator's first engine step (every worker has started; a worker that started
-earlier only waited) to the last span of the run's trace (what asynchrony can change). It prints
-both with their ratios, each run's generator and trainer busy time, the generator's batch
+from the generator's first engine step to the last span of the run's trace (what asynchrony
+can change), less the time the generator sat idle before every other worker had started
+(start-up, not the loop: a trainer still loading its model; a worker that started earlier
+than the generator only waited). It prints
+both with their ratios, the load average at each round's start and at the end, each run's
+generator and trainer busy time, the generator's batch
 occupancy over time and the ideal speed-up computed from the synchronous runs' spans.
 
     python bench/async_vs_sync.py [--task arith|longtail] [--repeats R] [async_k=K] [key=value ...]
@@ -56,6 +59,7 @@ do not slow each other (shared caches, memory bandwidth, other jobs on the box).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -149,6 +153,16 @@ def occupancy_bins(steps: list[dict], start_us: int, end_us: int, bins: int = BI
     return out
 
 
+def clip(spans: list[dict], lo: int, hi: int) -> list[dict]:
+    """``spans`` cut to ``[lo, hi]`` (microseconds); those outside it are dropped."""
+    out = []
+    for s in spans:
+        a, b = max(lo, s["ts"]), min(hi, s["ts"] + s["dur"])
+        if b > a:
+            out.append({**s, "ts": a, "dur": b - a})
+    return out
+
+
 def busy_times(spans: list[dict], gen_proc: str) -> tuple[float, float]:
     """``(E, T)`` seconds: the generator's busy time outside its engine steps (the union of its
     non-edge spans less the engine steps'), and the union of the non-edge spans of the other
@@ -159,6 +173,19 @@ def busy_times(spans: list[dict], gen_proc: str) -> tuple[float, float]:
     return max(0.0, union_seconds(gen) - steps), union_seconds(train)
 
 
+def loop_window(spans: list[dict], gen_proc: str, first_step_us: int) -> tuple[int, int, float]:
+    """``(start, end, waited)`` of the RL loop (module doc): ``start`` the generator's first
+    engine step, ``end`` the last span's end (microseconds), ``waited`` the seconds in
+    ``[start, ready]`` the generator was idle, ``ready`` the latest first span of the other
+    workers (their start-up; ``driver`` and the router's ``edge ...`` tracks are not workers)."""
+    workers = {s["proc"] for s in spans} - {"driver", gen_proc}
+    ready = max([first_step_us] + [min(s["ts"] for s in spans if s["proc"] == p) for p in workers
+                                   if not p.startswith("edge ")])
+    gen_spans = [s for s in spans if s["proc"] == gen_proc and s["cat"] != "edge"]
+    waited = (ready - first_step_us) / 1e6 - union_seconds(clip(gen_spans, first_step_us, ready))
+    return first_step_us, max(s["ts"] + s["dur"] for s in spans), waited
+
+
 def analyse(summary: dict) -> dict:
     """Occupancy and busy times of one run, from its trace (``<run>/trace/*.jsonl``)."""
     spans = read_spans(Path(summary["out_dir"]))
@@ -166,14 +193,13 @@ def analyse(summary: dict) -> dict:
     if not steps:
         raise ValueError(f"{summary['out_dir']}: no engine-step spans with rows/slots (logging.trace=false?)")
     gen_proc = steps[0]["proc"]
-    start = steps[0]["ts"]  # the generator's first step: every worker has started (the loop's start)
-    end = max(s["ts"] + s["dur"] for s in spans)
+    start, end, waited = loop_window(spans, gen_proc, steps[0]["ts"])
     busy_us = sum(s["dur"] for s in steps)
     occ_busy = sum(s["dur"] * s["args"]["rows"] / s["args"]["slots"] for s in steps) / busy_us
-    gen_other, train = busy_times([s for s in spans if s["ts"] + s["dur"] > start], gen_proc)
+    gen_other, train = busy_times(spans, gen_proc)
     return {"steps": steps, "bins": occupancy_bins(steps, start, end), "occ_busy": occ_busy,
             "occ_wall": occ_busy * busy_us / max(1, end - start), "gen_other_s": gen_other, "train_s": train,
-            "loop_s": (end - start) / 1e6, "gen_s": busy_us / 1e6 + gen_other}
+            "loop_s": (end - start) / 1e6 - waited, "waited_s": waited, "gen_s": busy_us / 1e6 + gen_other}
 
 
 def sparkline(values: list[float]) -> str:
@@ -203,6 +229,8 @@ def main(argv: list[str]) -> None:
     walls: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     ideals: list[float] = []
     for round_ in range(args.repeats):
+        print(f"[{round_ + 1}] load average (1, 5, 15 min) {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              f"on {os.cpu_count()} cores", flush=True)
         runs = {}
         for label, k, extra in variants:
             cfg = load_config(root / "graphs" / f"{graph}.yaml",
@@ -213,7 +241,7 @@ def main(argv: list[str]) -> None:
             walls[label].append(summary["wall_s"])
             loops[label].append(a["loop_s"])
             print(f"[{round_ + 1}] {label:>12} (max_staleness={k}): {summary['wall_s']:7.1f} s "
-                  f"(loop {a['loop_s']:.1f} s; generator busy {a['gen_s']:.1f} s, trainer busy {a['train_s']:.1f} s) "
+                  f"(loop {a['loop_s']:.1f} s, less {a['waited_s']:.1f} s of start-up; generator busy {a['gen_s']:.1f} s, trainer busy {a['train_s']:.1f} s) "
                   f"for {summary['samples_trained']} samples, staleness histogram {summary['staleness_histogram']}",
                   flush=True)
             print(f"    occupancy over time |{sparkline(a['bins'])}|  mean {a['occ_wall']:.0%} of the wall, "
@@ -234,6 +262,7 @@ def main(argv: list[str]) -> None:
     print(f"async speed-up (mean sync / mean async): loop {loop['sync'] / loop['async']:.2f}x (wall "
           f"{mean['sync'] / mean['async']:.2f}x), ideal (loop) {ideal:.2f}x, measured / ideal "
           f"{loop['sync'] / loop['async'] / ideal:.0%}")
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if "async-nonint" in mean:
         print(f"interruptible generation on vs off (off / on): loop {loop['async-nonint'] / loop['async']:.2f}x (wall "
               f"{mean['async-nonint'] / mean['async']:.2f}x)")

@@ -166,6 +166,24 @@ def test_busy_times_count_nested_spans_once():
     assert bench.busy_times(spans, "generation/0") == pytest.approx((0.001, 0.004))
 
 
+def test_loop_window_leaves_out_the_generators_wait_for_a_late_trainer():
+    bench = _bench()
+
+    def span(proc, cat, ts, dur, **args):
+        return {"proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    # Generator steps at [100, 300) and [300, 400), then idle until the trainer's first span at
+    # 1000 (its model was loading); the router's admission track starts at 50, before the loop.
+    spans = [span("edge dataset->generate", "edge", 50, 100), span("generate/0", "node", 100, 200, rows=2, slots=2),
+             span("generate/0", "node", 300, 100, rows=1, slots=2), span("train_step/0", "edge", 1000, 500),
+             span("train_step/0", "node", 1500, 300)]
+    # waited = (1000 - 100) - 300 busy = 600 us; the loop is [100, 1800) less 600 us = 1.1 ms.
+    assert bench.loop_window(spans, "generate/0", 100) == (100, 1800, pytest.approx(600e-6))
+    # A trainer that was ready before the first step costs no wait.
+    early = [{**s, "ts": 20} if s["proc"] == "train_step/0" and s["cat"] == "edge" else s for s in spans]
+    assert bench.loop_window(early, "generate/0", 100)[2] == pytest.approx(0.0)
+
+
 def test_occupancy_bins_by_hand():
     bench = _bench()
     # 4 slots over [0, 40): steps [0, 10) at 4 rows and [10, 15) at 2 rows, then idle.
