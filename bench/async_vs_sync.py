@@ -45,7 +45,8 @@ admission), which asynchrony does not remove. From ``sync-1t``:
   gives the one-core step time at full occupancy ``d(C)``, ``C`` the slots, so generation
   with a batch that never empties takes ``G1_full = (R / C) d(C) + E1``;
 * asynchronously, generating step i+1 overlaps training step i: a two-stage pipeline of N
-  steps of ``g = G1_full / N`` and ``t = T1 / N`` takes ``g + t + (N - 1) max(g, t)``, so
+  steps of ``g = G1_full / N`` and ``t = T1 / N`` takes ``g + t + (N - 1) max(g, t)`` (the
+  makespan of N identical jobs on a two-machine flow shop, Johnson 1954), so
   ``W_async* = max(G1_full, T1) + min(G1_full, T1) / N + O`` and the ideal ratio is
   ``W_sync / W_async*``.
 
