@@ -249,6 +249,8 @@ class SchedulerConfig:
     """Restarts of dead workers in a run, on either scheduler: a generation replica or actor (its groups are regenerated), or a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
+    threads_per_worker: int = 0
+    """torch intra-op threads of each worker process (local scheduler); 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
 
 
 @dataclass
@@ -368,6 +370,7 @@ class ExperimentConfig:
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("train.checkpoint_every", self.train.checkpoint_every),
                            ("scheduler.max_restarts", self.scheduler.max_restarts),
+                           ("scheduler.threads_per_worker", self.scheduler.threads_per_worker),
                            ("async.max_staleness", self.async_.max_staleness),
                            ("warm_start.steps", self.warm_start.steps), ("gen.temperature", self.gen.temperature)):
             if value < 0:

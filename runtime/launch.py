@@ -23,7 +23,8 @@ turns: a lock per such mesh is held around each engine step and each train step.
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
-needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``.
+needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``. ``scheduler.threads_per_worker`` > 0
+sets every worker's threads instead.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class _LocalRun:
         control = f"ipc://{sock}/control"
         n_procs = sum(g.replicas for g in topo.groups.values())
         cores = os.cpu_count() or 2
-        threads = cores if topo.max_staleness == 0 else max(1, cores // n_procs)
+        threads = int(setup.plan.run["scheduler"].get("threads_per_worker", 0)) or (
+            cores if topo.max_staleness == 0 else max(1, cores // n_procs))
         specs = setup.specs(addresses, control, threads)
         router = self.router = setup.router(addresses[topo.generation.name], control)
         stop = threading.Event()

@@ -69,6 +69,7 @@ def test_bad_values_and_malformed_input(tmp_path):
     ("gen.temperature=-1", r"gen.temperature=-1.0: must be >= 0"),
     ("gen.top_p=0", r"gen.top_p=0.0: must be in \(0, 1\]"),
     ("gen.max_new_tokens=0", r"gen.max_new_tokens=0: must be >= 1"),
+    ("scheduler.threads_per_worker=-1", r"scheduler.threads_per_worker=-1: must be >= 0"),
 ])
 def test_out_of_range_values_name_the_key_before_any_work(override, message):
     with pytest.raises(ConfigError, match=message):

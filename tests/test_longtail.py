@@ -128,16 +128,60 @@ def _span(ts: int, dur: int, rows: int, slots: int = 4) -> dict:
     return {"ts": ts, "dur": dur, "proc": "generation/0", "cat": "node", "args": {"rows": rows, "slots": slots}}
 
 
-def test_ideal_ratio_of_a_synchronous_run_by_hand():
+def test_ideal_ratio_of_the_two_synchronous_runs_by_hand():
     bench = _bench()
-    # Engine steps of 4 slots: d = 1 ms + 0.5 ms per row: rows 4, 2, 1, 1 -> 3, 2, 1.5, 1.5 ms.
+    # One-thread run, engine steps of 4 slots: d = 1 ms + 0.5 ms per row: rows 4, 2, 1, 1 -> 3, 2, 1.5, 1.5 ms.
     steps = [_span(0, 3000, 4), _span(3000, 2000, 2), _span(5000, 1500, 1), _span(6500, 1500, 1)]
-    r = bench.ideal_ratio(wall_s=0.020, steps=steps, gen_other_s=0.001, train_s=0.006, n_steps=2)
-    # G = 8 ms + 1 ms, T = 6 ms, O = 20 - 9 - 6 = 5 ms; R = 8 tokens, d(4) = 3 ms
-    # G_full = 8 / 4 * 3 + 1 = 7 ms; ideal = max(7, 6) + min(7, 6) / 2 + 5 = 15 ms.
-    assert r["G"] == pytest.approx(0.009) and r["O"] == pytest.approx(0.005) and r["tokens"] == 8
-    assert r["step_full_s"] == pytest.approx(0.003) and r["G_full"] == pytest.approx(0.007)
-    assert r["ideal_async_s"] == pytest.approx(0.015) and r["ideal_ratio"] == pytest.approx(20 / 15)
+    r = bench.ideal_ratio(wall_s=0.020, gen_s=0.009, train_s=0.006, steps_1t=steps, gen_other_1t_s=0.001,
+                          train_1t_s=0.008, n_steps=2)
+    # All-cores run: O = 20 - 9 - 6 = 5 ms. One thread: G1 = 8 + 1 = 9 ms, R = 8 tokens, d(4) = 3 ms,
+    # G1_full = 8 / 4 * 3 + 1 = 7 ms; T1 = 8 ms > G1_full: ideal = 8 + 7 / 2 + 5 = 16.5 ms.
+    assert r["O"] == pytest.approx(0.005) and r["G1"] == pytest.approx(0.009) and r["tokens"] == 8
+    assert r["step_full_s"] == pytest.approx(0.003) and r["G1_full"] == pytest.approx(0.007)
+    assert r["ideal_async_s"] == pytest.approx(0.0165) and r["ideal_ratio"] == pytest.approx(20 / 16.5)
+    # A trainer of 4 ms on one thread: generation is the longer stage, 7 + 4 / 2 + 5 = 14 ms.
+    r = bench.ideal_ratio(wall_s=0.020, gen_s=0.009, train_s=0.006, steps_1t=steps, gen_other_1t_s=0.001,
+                          train_1t_s=0.004, n_steps=2)
+    assert r["ideal_async_s"] == pytest.approx(0.014) and r["ideal_ratio"] == pytest.approx(20 / 14)
+    with pytest.raises(ValueError, match="n_steps"):
+        bench.ideal_ratio(0.02, 0.009, 0.006, [], 0.001, 0.004, 2)
+
+
+def test_busy_times_count_nested_spans_once():
+    bench = _bench()
+    # [0, 10) holds [2, 5); [8, 12) overlaps it; [20, 25) is apart: 12 + 5 = 17 us.
+    assert bench.union_seconds([{"ts": 0, "dur": 10}, {"ts": 2, "dur": 3}, {"ts": 8, "dur": 4},
+                                {"ts": 20, "dur": 5}]) == pytest.approx(17e-6)
+
+    def span(proc, cat, ts, dur, **args):
+        return {"proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    spans = [span("generation/0", "node", 0, 3000, rows=4, slots=4), span("generation/0", "node", 3000, 2000, rows=2,
+                                                                            slots=4),
+             span("generation/0", "node", 5000, 1000), span("generation/0", "edge", 0, 10000),
+             span("train_step/0", "node", 6000, 4000), span("train_step/0", "phase", 6000, 1000, phase="forward"),
+             span("train_step/0", "phase", 7000, 2500, phase="backward"), span("driver", "node", 0, 9000)]
+    # E: the reward span, 1 ms (engine steps and the edge wait excluded); T: the train step's
+    # 4 ms, its phases inside it not added again (a plain sum would give 7.5 ms).
+    assert bench.busy_times(spans, "generation/0") == pytest.approx((0.001, 0.004))
+
+
+def test_loop_window_leaves_out_the_generators_wait_for_a_late_trainer():
+    bench = _bench()
+
+    def span(proc, cat, ts, dur, **args):
+        return {"proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+    # Generator steps at [100, 300) and [300, 400), then idle until the trainer's first span at
+    # 1000 (its model was loading); the router's admission track starts at 50, before the loop.
+    spans = [span("edge dataset->generate", "edge", 50, 100), span("generate/0", "node", 100, 200, rows=2, slots=2),
+             span("generate/0", "node", 300, 100, rows=1, slots=2), span("train_step/0", "edge", 1000, 500),
+             span("train_step/0", "node", 1500, 300)]
+    # waited = (1000 - 100) - 300 busy = 600 us; the loop is [100, 1800) less 600 us = 1.1 ms.
+    assert bench.loop_window(spans, "generate/0", 100) == (100, 1800, pytest.approx(600e-6))
+    # A trainer that was ready before the first step costs no wait.
+    early = [{**s, "ts": 20} if s["proc"] == "train_step/0" and s["cat"] == "edge" else s for s in spans]
+    assert bench.loop_window(early, "generate/0", 100)[2] == pytest.approx(0.0)
 
 
 def test_occupancy_bins_by_hand():
@@ -150,9 +194,12 @@ def test_occupancy_bins_by_hand():
 
 @pytest.mark.slow
 def test_longtail_graph_runs_two_steps_through_the_cli(tmp_path):
+    # threads_per_worker=3: no automatic value on this 2-core box (k=0: 2 threads; k>=1: 1)
     cli_run(REPO / "graphs" / "longtail_grpo.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=2",
-            "eval.enabled=false", "warm_start.steps=20", "gen.max_new_tokens=24", f"out_dir={tmp_path}")
+            "eval.enabled=false", "warm_start.steps=20", "gen.max_new_tokens=24", f"out_dir={tmp_path}",
+            "async.max_staleness=0", "scheduler.threads_per_worker=3", "debug.record=[advantage->train_step]")
     out = tmp_path / "longtail_grpo"
+    assert json.loads((out / "record" / "advantage-train_step" / "meta.json").read_text())["threads"] == 3
     assert len(records(out)) == 2 * 2 * 2  # steps x groups x samples
     spans = [json.loads(line) for f in (out / "trace").glob("*.jsonl") for line in f.read_text().splitlines()]
     engine = [s for s in spans if "rows" in s["args"]]
