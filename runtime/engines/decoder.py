@@ -18,6 +18,15 @@ of row ``r`` is ``index < len_r`` (plus causality inside a prefill). A decode st
 each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
 sequence's row is filled by moving the last active row into it.
 
+Matrix products: on CPU with oneDNN, every packed weight (and the LM head) is reordered once
+at ``pack`` time into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+the layout inductor's freezing pass uses) and multiplied by ``torch.ops.mkldnn._linear_pointwise``;
+``F.linear`` would reorder the weight again on every call (bf16: same kernel, bit-identical
+products; fp32: oneDNN instead of MKL, the same sums in another order). Measured on this
+CPU, one thread, 30 distinct weights as in a decode step: ``[64, 576] @ [576, 3072]`` 1.65x
+faster in bf16 and ``[32, 576] @ [576, 3072]`` 1.7x faster in fp32. Other devices and dtypes
+keep ``F.linear``.
+
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
 ``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
@@ -36,26 +45,52 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-class _Layer:
-    """One decoder layer's packed weights (engine dtype)."""
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """True when ``weight`` can be held in oneDNN's blocked layout: a CPU fp32 tensor, or bf16
+    where the CPU has bf16 units (``torch.ops.mkldnn._is_mkldnn_bf16_supported``)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
-    def __init__(self, layer, dtype: torch.dtype) -> None:
+
+def _pack_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight [out, in]`` in oneDNN's blocked layout for products of about ``rows`` rows
+    (any row count works), or ``weight`` itself where oneDNN cannot hold it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if _onednn_packs(weight) else weight
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in] @ weight.T + bias`` -> ``[..., out]``; ``weight`` from :func:`_pack_weight`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class _Layer:
+    """One decoder layer's packed weights (engine dtype; matrices from :func:`_pack_weight`)."""
+
+    def __init__(self, layer, dtype: torch.dtype, rows: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
 
         def cast(t):
             return None if t is None else t.detach().to(dtype)
 
+        def pack(t):
+            return _pack_weight(cast(t), rows)
+
         def bias(lin):
             return lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=lin.weight.device)
 
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = cast(torch.cat([p.weight for p in projs]))
+        self.wqkv = pack(torch.cat([p.weight for p in projs]))
         self.bqkv = cast(torch.cat([bias(p) for p in projs])) if any(p.bias is not None for p in projs) else None
-        self.wo, self.bo = cast(attn.o_proj.weight), cast(attn.o_proj.bias)
-        self.wgu = cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.wo, self.bo = pack(attn.o_proj.weight), cast(attn.o_proj.bias)
+        self.wgu = pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         gu_bias = mlp.gate_proj.bias is not None
         self.bgu = cast(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])) if gu_bias else None
-        self.wd, self.bd = cast(mlp.down_proj.weight), cast(mlp.down_proj.bias)
+        self.wd, self.bd = pack(mlp.down_proj.weight), cast(mlp.down_proj.bias)
         self.ln1, self.ln2 = cast(layer.input_layernorm.weight), cast(layer.post_attention_layernorm.weight)
         self.eps1 = layer.input_layernorm.variance_epsilon
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
@@ -103,11 +138,11 @@ class KVDecoder:
     def pack(self) -> None:
         """(Re)build the packed weights from the model's current parameters."""
         with torch.no_grad():
-            self.layers = [_Layer(layer, self.dtype) for layer in self.base.layers]
+            self.layers = [_Layer(layer, self.dtype, self.max_rows) for layer in self.base.layers]
             self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
             head = self.model.lm_head.weight
             same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr()
-            self.head = self.embed if same else head.detach().to(self.dtype)
+            self.head = _pack_weight(self.embed if same else head.detach().to(self.dtype), self.max_rows)
             self.head_bias = None if self.model.lm_head.bias is None else self.model.lm_head.bias.detach().to(self.dtype)
             self.norm, self.norm_eps = self.base.norm.weight.detach().to(self.dtype), self.base.norm.variance_epsilon
 
@@ -151,7 +186,7 @@ class KVDecoder:
         rows, t, _ = h.shape
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         for i, w in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(h, w.ln1, w.eps1), w.wqkv, w.bqkv)
+            qkv = _linear(_rms_norm(h, w.ln1, w.eps1), w.wqkv, w.bqkv)
             qk = qkv[..., :(nh + nkv) * hd].view(rows, t, nh + nkv, hd)
             v = qkv[..., (nh + nkv) * hd:].view(rows, t, nkv, hd).transpose(1, 2)
             if w.qn is not None:
@@ -159,14 +194,14 @@ class KVDecoder:
             qk = qk.transpose(1, 2)  # [rows, heads + kv_heads, T, hd]: RoPE on q and k at once
             qk = qk * cos + qk.unflatten(-1, (2, half)).flip(-2).flatten(-2) * sin
             o = attend(i, qk[:, :nh], qk[:, nh:], v, w.scaling)
-            h = h + F.linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
-            gu = F.linear(_rms_norm(h, w.ln2, w.eps2), w.wgu, w.bgu)
+            h = h + _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
+            gu = _linear(_rms_norm(h, w.ln2, w.eps2), w.wgu, w.bgu)
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, w.wd, w.bd)
+            h = h + _linear(F.silu(g) * u, w.wd, w.bd)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(h, self.norm, self.norm_eps), self.head, self.head_bias).float()
+        return _linear(_rms_norm(h, self.norm, self.norm_eps), self.head, self.head_bias).float()
 
     def prefill(self, seqs: list[list[int]], first_row: int) -> torch.Tensor:
         """Full forward of ``seqs`` (right-padded together), writing their keys/values
