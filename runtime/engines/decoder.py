@@ -14,7 +14,7 @@ Cache: per layer one key and one value tensor ``[rows, kv_heads, capacity, head_
 allocated once and grown by doubling (rows up to ``max_rows``, capacity up to the model's
 context). Row ``r`` holds its sequence's keys at cache indices ``0 .. len_r - 1`` with no
 padding in between, so a token's position equals its cache index and the attention mask
-of row ``r`` is ``index < len_r`` (plus causality inside a prefill). A decode step writes
+of row ``r`` is ``index < len_r`` (a prefill needs causality only: see ``prefill``). A decode step writes
 each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
 sequence's row is filled by moving the last active row into it.
 
@@ -38,11 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (Zhang & Sennrich 2019, eq. 4),
-    one fused op; torch computes it in fp32 for bf16/fp16 input, as HF's RMSNorm does."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+from runtime.engines import layer_ops
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
@@ -177,31 +173,31 @@ class KVDecoder:
                 c[dst] = c[src]
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Run every layer on ``h [rows, T, hidden]``; ``attend(i, q, k, v, scale)`` returns ``[rows, heads, T, hd]``."""
+        """Run every layer on ``h [rows, T, hidden]``; ``attend(i, q, k, v, scale)`` returns
+        ``[rows, heads, T, hd]``. Returns the final norm of the last layer's output, ``[rows, T, hidden]``."""
         cos, sin = self.base.rotary_emb(h, positions)
         half = self.head_dim // 2
         # rotate_half(x) * sin == flip_halves(x) * (sin with its first half negated)
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rows, t, _ = h.shape
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        x = layer_ops.rms_norm(h, self.layers[0].ln1, self.layers[0].eps1)
         for i, w in enumerate(self.layers):
-            qkv = _linear(_rms_norm(h, w.ln1, w.eps1), w.wqkv, w.bqkv)
-            qk = qkv[..., :(nh + nkv) * hd].view(rows, t, nh + nkv, hd)
-            v = qkv[..., (nh + nkv) * hd:].view(rows, t, nkv, hd).transpose(1, 2)
-            if w.qn is not None:
-                qk = torch.cat((_rms_norm(qk[:, :, :nh], w.qn, w.qk_eps), _rms_norm(qk[:, :, nh:], w.kn, w.qk_eps)), 2)
-            qk = qk.transpose(1, 2)  # [rows, heads + kv_heads, T, hd]: RoPE on q and k at once
-            qk = qk * cos + qk.unflatten(-1, (2, half)).flip(-2).flatten(-2) * sin
-            o = attend(i, qk[:, :nh], qk[:, nh:], v, w.scaling)
-            h = h + _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
-            gu = _linear(_rms_norm(h, w.ln2, w.eps2), w.wgu, w.bgu)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + _linear(F.silu(g) * u, w.wd, w.bd)
-        return h
+            qkv = _linear(x, w.wqkv, w.bqkv)
+            q, k, v = layer_ops.rope_split(qkv, cos, sin, self.n_heads, self.n_kv, w.qn, w.kn, w.qk_eps)
+            o = attend(i, q, k, v, w.scaling)
+            attn_out = _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
+            h, x = layer_ops.add_rms_norm(h, attn_out, w.ln2, w.eps2)
+            mlp_out = _linear(layer_ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
+            # the residual add meets the next layer's input norm, or the final norm after the last layer
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            norm, eps = (nxt.ln1, nxt.eps1) if nxt is not None else (self.norm, self.norm_eps)
+            h, x = layer_ops.add_rms_norm(h, mlp_out, norm, eps)
+        return x
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return _linear(_rms_norm(h, self.norm, self.norm_eps), self.head, self.head_bias).float()
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head on the final-normed ``x [rows, hidden]`` -> fp32 logits ``[rows, vocab]``."""
+        return _linear(x, self.head, self.head_bias).float()
 
     def prefill(self, seqs: list[list[int]], first_row: int) -> torch.Tensor:
         """Full forward of ``seqs`` (right-padded together), writing their keys/values
@@ -215,17 +211,19 @@ class KVDecoder:
         ids = ids.to(device)
         lengths = torch.tensor([len(s) for s in seqs], device=device)
         pos = torch.arange(width, device=device)
-        # mask[r, 0, q, k]: causal and key is a real token of row r.
-        mask = ((pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])).unsqueeze(1)
         rows = slice(first_row, first_row + n)
 
         def attend(i, q, k, v, scale):
             self.keys[i][rows, :, :width] = k
             self.values[i][rows, :, :width] = v
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            # Causal alone is exact for the real tokens: with right padding, a query at position
+            # p < len_r sees keys 0..p, all real. Padding queries see padding keys; their outputs
+            # are never read and their cache entries lie at indices >= len_r, which decode
+            # overwrites before its mask (index <= length) admits them.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
-        h = self._layers(F.embedding(ids, self.embed), pos.expand(n, width), attend)
-        return self._logits(h[torch.arange(n, device=device), lengths - 1])
+        x = self._layers(F.embedding(ids, self.embed), pos.expand(n, width), attend)
+        return self._logits(x[torch.arange(n, device=device), lengths - 1])
 
     def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Feed ``last_ids [A]`` (cache rows ``0 .. A-1``) at positions ``lengths [A]``,
@@ -247,5 +245,5 @@ class KVDecoder:
             return F.scaled_dot_product_attention(q, kc[:a, :, :span], vc[:a, :, :span], attn_mask=mask,
                                                   scale=scale, enable_gqa=True)
 
-        h = self._layers(F.embedding(last_ids[:, None], self.embed), lengths[:, None], attend)
-        return self._logits(h[:, 0])
+        x = self._layers(F.embedding(last_ids[:, None], self.embed), lengths[:, None], attend)
+        return self._logits(x[:, 0])

@@ -240,7 +240,8 @@ class GenerationEngine:
             params = [s.request.params for s in rows]
             temps = torch.tensor([p.temperature for p in params], device=self.device)
             top_p = torch.tensor([p.top_p for p in params], device=self.device)
-            ids, logps = sample(torch.cat(logits), temps, top_p, self._gen)
+            # one source (decode or prefill) in most steps: skip the copy of [rows, vocab] fp32
+            ids, logps = sample(logits[0] if len(logits) == 1 else torch.cat(logits), temps, top_p, self._gen)
             return self._record(rows, ids.tolist(), logps.tolist())
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:
