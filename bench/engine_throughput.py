@@ -8,7 +8,10 @@ exactly ``batch * max_new_tokens`` tokens) and the same torch thread count. Toke
 generated tokens divided by wall-clock seconds of the whole ``generate`` call (prefill
 included), best of ``--repeats`` rounds after a short warm-up; the variants run
 interleaved (one call of each per round) so load changes hit all alike. Ratios are to HF
-``generate`` in fp32 at the same batch.
+``generate`` in fp32 at the same batch. Each in-process row also prints tokens/s by this
+process's CPU time (``time.process_time``, best of the rounds): on a box shared with other
+jobs it leaves out the time the process waited for a core, so its ratios vary less between
+runs than the wall-clock ones (other jobs still slow memory and caches).
 
 Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermediate]``
 (the model's gate+up projection) timed in the same run; a token costs ``2 * parameters``
@@ -45,18 +48,21 @@ from runtime.engines.generation import GenerationEngine, GenerationRequest, Samp
 from runtime.engines.precision import matmul_seconds  # noqa: E402
 
 
-def _interleaved_rates(runs: dict, n_tokens: int, repeats: int) -> dict[str, float]:
-    """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call)): best of
-    ``repeats`` rounds, one timed call of every run per round."""
+def _interleaved_rates(runs: dict, n_tokens: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call)) by wall clock and by
+    this process's CPU time (``time.process_time``): each the best of ``repeats`` rounds, one
+    timed call of every run per round."""
     for warm, _ in runs.values():
         warm()
-    best = {name: float("inf") for name in runs}
+    wall = {name: float("inf") for name in runs}
+    cpu = dict(wall)
     for _ in range(repeats):
         for name, (_, run) in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: n_tokens / seconds for name, seconds in best.items()}
+            wall[name] = min(wall[name], time.perf_counter() - start)
+            cpu[name] = min(cpu[name], time.process_time() - start_cpu)
+    return {name: (n_tokens / wall[name], n_tokens / cpu[name]) for name in runs}
 
 
 def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float):
@@ -134,9 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         roofline = flops / (2 * n_params)
         print(f"bf16 matmul [{batch}, {cfg.hidden_size}] @ [{cfg.hidden_size}, {2 * cfg.intermediate_size}]: "
               f"{flops / 1e9:.0f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
-        base = rates["HF generate float32"]
-        for name, rate in rates.items():
-            print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline")
+        base, base_cpu = rates["HF generate float32"]
+        for name, (rate, rate_cpu) in rates.items():
+            # vLLM decodes in its own process: this process's CPU time does not cover it
+            cpu = "" if name == "vLLM" else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
+            print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
 
 
 if __name__ == "__main__":

@@ -148,11 +148,11 @@ class GenerationEngine:
             (default), ``"bfloat16"``, ``"float16"``, or ``"auto"`` (measured choice, see
             ``runtime.engines.precision``). Logits and sampling are always fp32. Behavior
             log-probs against the trainer's fp32 recomputation (``token_logprobs``, the
-            reference), measured on SmolLM2-135M, 32 chat-arithmetic responses (~1,100
+            reference), measured on SmolLM2-135M, 32 chat-arithmetic responses (~1,000
             tokens), T=1, by ``bench/engine_logprob_accuracy.py``: fp32 engine mean |diff|
-            8.8e-6, max 3.6e-5 nats; bf16 engine mean 3.4e-2, max 0.31 and 0.81 in two runs
-            (one token's importance ratio off by 36% and 125%; a fp32 LM head alone only
-            brings the mean to 2.6e-2). So bf16 suits the decoupled loss, whose PPO
+            6.0e-6, max 3.8e-5 nats; bf16 engine mean 3.4e-2, max 0.31 and 0.81 in earlier
+            runs and 0.81 again with the oneDNN-packed products (one token's importance ratio
+            off by up to 125%; a fp32 LM head alone only brings the mean to 2.6e-2). So bf16 suits the decoupled loss, whose PPO
             reference is the recomputation.
 
     Thread safety: ``submit``, ``step`` and ``update_weights`` take one lock, so a weight
@@ -240,7 +240,8 @@ class GenerationEngine:
             params = [s.request.params for s in rows]
             temps = torch.tensor([p.temperature for p in params], device=self.device)
             top_p = torch.tensor([p.top_p for p in params], device=self.device)
-            ids, logps = sample(torch.cat(logits), temps, top_p, self._gen)
+            # one source (decode or prefill) in most steps: skip the copy of [rows, vocab] fp32
+            ids, logps = sample(logits[0] if len(logits) == 1 else torch.cat(logits), temps, top_p, self._gen)
             return self._record(rows, ids.tolist(), logps.tolist())
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:

@@ -60,20 +60,28 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: 
         ``(ids [R] int64, logprobs [R] fp32)``: the behavior log-prob is
         ``log_softmax(logits / T)[id]``, untruncated by top-p (what the trainer recomputes;
         see ``GenerationResult``), at ``T = 1`` for greedy rows.
+
+    One exponential per vocabulary entry: the draw takes ``exp(x - max x)`` unnormalised and
+    the log-prob is ``x_id - max x - log sum exp(x - max x)``, instead of a ``log_softmax``
+    pass and an ``exp`` pass over it. Measured on this CPU, one thread, SmolLM2's ``[64, 49152]``
+    fp32 logits fresh from a decode step: 10.4 -> 9.1 ms a draw; log-prob error against a
+    float64 ``log_softmax`` 4.7e-7 (``log_softmax`` in fp32: 4.4e-6).
     """
     greedy = temps == 0
     scaled = logits if bool((temps == 1).all()) else logits / torch.where(greedy, 1.0, temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    any_greedy = bool(greedy.any())
-    ids = logits.argmax(-1) if any_greedy else None
+    # log_softmax(x)[i] = x[i] - max(x) - log(sum(exp(x - max(x)))): one exp pass gives both the
+    # unnormalised probabilities the draw needs and the normaliser of the log-prob.
+    peak, best = scaled.max(dim=-1, keepdim=True)  # greedy rows: argmax of logits / 1
+    weights = (scaled - peak).exp_()  # [R, vocab], proportional to softmax(scaled), max entry 1
+    total = weights.sum(-1, keepdim=True)
+    ids = best.squeeze(-1)
     if not bool(greedy.all()):
-        probs = logp.exp()
         if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_w, order = weights.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p: drop a token when the
             # mass strictly before it already reaches top_p (the first is always kept).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        drawn = _draw(probs, gen)
-        ids = torch.where(greedy, ids, drawn) if any_greedy else drawn
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+            drop = (sorted_w.cumsum(-1) - sorted_w) >= top_p[:, None] * total
+            weights = torch.zeros_like(weights).scatter(-1, order, sorted_w.masked_fill(drop, 0.0))
+        drawn = _draw(weights, gen)
+        ids = torch.where(greedy, ids, drawn)
+    return ids, (scaled.gather(-1, ids[:, None]) - peak - total.log()).squeeze(-1)
