@@ -82,6 +82,7 @@ class RunLogger:
         self.start = time.perf_counter()
         self.samples = 0
         self.staleness = Counter()
+        self.last_step: int | None = None  # the last step logged (Ctrl-C says how many were done)
 
     def log_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar at any step (e.g. ``eval/accuracy`` of a mid-run evaluation), to every writer."""
@@ -97,6 +98,7 @@ class RunLogger:
         in the steps that carry them.
         """
         step = metrics["step"]
+        self.last_step = step
         self.samples += metrics["samples"]
         self.staleness.update(metrics["staleness"])
         elapsed = time.perf_counter() - self.start

@@ -131,7 +131,7 @@ def run_attempts(setup, restarts: Restarts, attempt: Callable[[RunLogger], dict]
         except KeyboardInterrupt:
             logger.close()
             first = setup.checkpoint.version if setup.checkpoint else 0
-            say_interrupted(setup, logger.history[-1]["step"] + 1 if logger.history else first)
+            say_interrupted(setup, first if logger.last_step is None else logger.last_step + 1)
             raise
         except BaseException:
             logger.close()
