@@ -18,8 +18,8 @@ Read top to bottom, this is the whole algorithm:
 
 Run: ``areal-flow run graphs/agent_support.py`` (knobs in ``graphs/agent_support.yaml``).
 The held-out resolution rate and mean turns, before and after RL, are printed at the end;
-measured results (seeds 2 and 3: resolution up by 12-19 points, mean turns not down) are in
-README.md and docs/AGENTS.md.
+measured results (three seeds: resolution up by 12.5-20 points, mean turns within the
+evaluation's noise) are in README.md and docs/AGENTS.md.
 """
 
 from areal_flow import Model, flow, ops
