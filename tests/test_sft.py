@@ -65,6 +65,12 @@ def test_warm_start_caches_and_learns(tmp_path, monkeypatch):
     other = SFTConfig(steps=61, batch_size=8, lr=1e-2, warmup_steps=5, n_problems=8)
     assert sft.warm_start_key(task, "tiny-s", other) != folder.name
 
+    class _Reworded(_OneProblem):  # same spec(), one text changed (e.g. an env's observation edited)
+        def train_problems(self, n, seed):
+            return [{"prompt": "12 + 34 =", "answer": "46", "id": i} for i in range(n)]
+
+    assert sft.warm_start_key(_Reworded(), "tiny-s", cfg) != folder.name  # a stale warm start is not reused
+
     model, tok = load_warm_start(folder)
     problems = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "12+34=", "answer": "47"}]
     # memorised "46": right for the first, wrong for the second -> 1/2

@@ -67,9 +67,21 @@ class SFTConfig:
     teacher_bug_rate: float = 0.0
 
 
+def training_problems(task, cfg: SFTConfig) -> list[dict]:
+    """The warm start's training rows: ``task.demonstrations`` (a teacher with
+    ``cfg.teacher_bug_rate`` of bugs) when that rate is set, else ``task.train_problems``."""
+    if cfg.teacher_bug_rate:
+        return task.demonstrations(cfg.n_problems, cfg.seed, cfg.teacher_bug_rate)
+    return task.train_problems(cfg.n_problems, seed=cfg.seed)
+
+
 def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
-    """Hex xxhash64 of the SFT config, the preset and ``task.spec()`` (the cache folder name)."""
-    blob = json.dumps({"sft": asdict(cfg), "preset": preset, "task": task.spec()}, sort_keys=True)
+    """Hex xxhash64 of the SFT config, the preset, ``task.spec()`` and the training rows
+    themselves (the cache folder name): an edit to a task's or an env's texts (a prompt, an
+    observation, a scripted dialogue) changes the rows and with them the key, so a stale
+    warm start is never reused."""
+    rows = xxhash.xxh64_hexdigest(json.dumps(training_problems(task, cfg), sort_keys=True, default=str).encode())
+    blob = json.dumps({"sft": asdict(cfg), "preset": preset, "task": task.spec(), "rows": rows}, sort_keys=True)
     return xxhash.xxh64_hexdigest(blob.encode())
 
 
@@ -157,9 +169,7 @@ def train_sft(task, preset: str, cfg: SFTConfig, progress: bool = False) -> tupl
     model = build_model(preset, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         seed=cfg.seed)
-    problems = (task.demonstrations(cfg.n_problems, cfg.seed, cfg.teacher_bug_rate) if cfg.teacher_bug_rate
-                else task.train_problems(cfg.n_problems, seed=cfg.seed))
-    ids, attn, loss_mask = encode_examples(tokenizer, problems)
+    ids, attn, loss_mask = encode_examples(tokenizer, training_problems(task, cfg))
     def loss(idx: torch.Tensor, width: int) -> torch.Tensor:
         return answer_loss(model, ids[idx, :width], attn[idx, :width], loss_mask[idx, :width])
 
