@@ -22,6 +22,7 @@ from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
+from runtime.faults import check_kill_at
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, rewind_run_dir
@@ -60,6 +61,7 @@ class RunSetup:
         from compiler import format_table
 
         topo = build_topology(plan)
+        check_kill_at(plan, topo)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
