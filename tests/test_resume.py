@@ -252,7 +252,8 @@ def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, ca
 
     run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir  # train.steps=3
     write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
-    with pytest.raises(ResumeError, match=r"differ in train.steps: 3 in the run, 1 now; train.steps=1 is below the checkpoint's step 2"):
+    with pytest.raises(ResumeError, match=r"differ in train.steps: 3 in the run, 1 now; train.steps=1 is below the "
+                                          r"checkpoint's step 2"):
         RunSetup.create(_plan(tmp_path, "train.steps=1"), show_progress=False, resume="auto")
     setup = RunSetup.create(_plan(tmp_path, "train.steps=5"), show_progress=False, resume="auto")
     assert setup.checkpoint.version == 2 and setup.topo.steps == 5
@@ -299,8 +300,8 @@ def test_resume_arguments_are_checked_in_one_line(tmp_path):
              (("resume=latest",), "resume='latest': expected '' (a new run), 'auto'"),
              # name and out_dir come from the folder: the plan is compared with exp's, and differs in train.lr only
              (("--resume", str(run_dir), "train.lr=5e-4"), f"cannot resume {run_dir}: its plan.json is another "
-                                                            "program than this run's (they differ in nodes.train_step.attrs.lr: "
-                                                            "0.0001 in the run, 0.0005 now)")]
+                                                            "program than this run's (they differ in "
+                                                            "nodes.train_step.attrs.lr: 0.0001 in the run, 0.0005 now)")]
     for args, message in cases:
         done = _run_cli(tmp_path, *args)
         assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, (args, done.stderr[-2000:])
