@@ -320,7 +320,9 @@ class DebugConfig:
     kill_at: list[str] = field(default_factory=list)
     """Fault injection (drills, tests): entries '<group>/<rank>:<point>:<version>' make that worker SIGKILL its own
     process once per run at the point for that policy version; points: weights_received (a generation replica has the
-    version, not yet loaded), weights_published (the trainer sent it, has not recorded its step); runtime/faults.py."""
+    version, not yet loaded), weights_published (the trainer sent it, has not recorded its step); runtime/faults.py.
+    An entry naming a worker the plan lacks, a point that worker never passes or a version beyond train.steps is
+    refused before any worker starts."""
 
 
 @dataclass

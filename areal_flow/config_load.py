@@ -162,6 +162,8 @@ def _explain(exc: OmegaConfBaseException, source: str, lines: dict[str, int], sc
         return ConfigError(f"unknown config key '{key}' ({where}){hint}")
     message = str(exc).splitlines()[0]
     expected = _expected_type(schema, key)
+    if expected == "list" and "is not a ListConfig" in message:  # e.g. debug.kill_at=generate/0:...
+        return ConfigError(f"config key '{key}' ({where}) takes a list, even of one entry: {key}=[...]")
     return ConfigError(f"config key '{key}' ({where}): {message}" + (f"; expected {expected}" if expected else ""))
 
 

@@ -126,7 +126,7 @@ class NonFiniteGuard:
     def _keep(self, step: int, value: dict) -> None:
         if self._recorder is None:
             self._recorder = EdgeRecorder.start(self.run_dir, self.src, self.node, "advantages", threads=self.threads,
-                                                seed=self.seed, folders=self.folders, root=NONFINITE_DIR, keep=True)
+                                                seed=self.seed, folders=self.folders, root=NONFINITE_DIR)
         trajectories = list(value.get("trajectories", []))
         groups: dict[int, int] = {}
         for t in trajectories:

@@ -15,7 +15,10 @@ writes ``<run>/record/<src>-<dst>/``:
 * ``digests.jsonl``: one line per (step, train_step node): :func:`state_digest` of its
   model's weights after that step.
 
-It must not train or decide what runs.
+A run that continues from a checkpoint of version ``v`` (a restarted trainer, a resume)
+keeps the steps ``< v`` of its record and records the later ones anew
+(:func:`rewind_records`, called by ``runtime.run_dir.rewind_run_dir``). It must not train or
+decide what runs.
 """
 
 from __future__ import annotations
@@ -84,6 +87,26 @@ def check_edges(plan, edges: list[str], batch_nodes: list[str]) -> list[tuple[st
     return out
 
 
+def step_of(path: Path) -> int:
+    """The step of a record file ``step_<n>.pt``."""
+    return int(path.stem.split("_")[1])
+
+
+def rewind_records(run_dir: Path, version: int) -> None:
+    """Drop what every record under ``<run_dir>/record/`` holds of steps ``>= version`` (their
+    ``step_<n>.pt`` and ``digests.jsonl`` lines): a run continuing from the checkpoint of
+    policy ``version`` trains those steps again and records them anew; earlier steps are
+    kept so a replay from the initial weights covers the whole run."""
+    for folder in (Path(run_dir) / RECORD_DIR).glob("*"):
+        for path in folder.glob("step_*.pt"):
+            if step_of(path) >= version:
+                path.unlink()
+        digests = folder / "digests.jsonl"
+        if digests.is_file():
+            kept = [line for line in digests.read_text().splitlines() if json.loads(line)["step"] < version]
+            digests.write_text("".join(f"{line}\n" for line in kept))
+
+
 @dataclass
 class EdgeRecorder:
     """Writes one edge's record (module doc) during a run.
@@ -99,13 +122,13 @@ class EdgeRecorder:
 
     @classmethod
     def start(cls, run_dir: Path, src: str, dst: str, port: str, *, threads: int, seed: int,
-              folders: dict, root: str = RECORD_DIR, keep: bool = False) -> "EdgeRecorder":
-        """Create the folder (``<run_dir>/<root>/<src>-<dst>``) and write ``meta.json``; the
-        folder is emptied of an earlier record unless ``keep``."""
+              folders: dict, root: str = RECORD_DIR) -> "EdgeRecorder":
+        """Create the folder (``<run_dir>/<root>/<src>-<dst>``) and write ``meta.json``. The
+        steps already in it are kept: a new run's folder is empty, and a resumed or restarted
+        run's was rewound to its checkpoint (:func:`rewind_records`), so the record keeps
+        every step from 0 for ``replay``."""
         folder = edge_folder(run_dir, f"{src}->{dst}", root)
         folder.mkdir(parents=True, exist_ok=True)
-        for old in () if keep else (*folder.glob("step_*.pt"), folder / "digests.jsonl"):
-            old.unlink(missing_ok=True)
         meta = {"edge": f"{src}->{dst}", "src": src, "dst": dst, "port": port, "threads": threads, "seed": seed,
                 "folders": {k: str(v) for k, v in folders.items()}}
         (folder / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.record import RecordError, edge_folder, parse_edge, state_digest
+from runtime.record import RecordError, edge_folder, parse_edge, state_digest, step_of
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _load_record(folder: Path, edge: str) -> tuple[dict, dict[tuple[int, str], s
         for line in (folder / "digests.jsonl").read_text().splitlines():
             d = json.loads(line)
             digests[(d["step"], d["node"])] = d["digest"]
-    steps = sorted(folder.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    steps = sorted(folder.glob("step_*.pt"), key=step_of)
     return meta, digests, steps
 
 
@@ -71,7 +71,8 @@ def replay(run_dir: Path | str, edge: str, until: int | None = None) -> ReplayRe
         until: last step to replay (default: every recorded step).
 
     Raises:
-        RecordError: no record of the edge, a node downstream of ``dst`` reads a value that
+        RecordError: no record of the edge, a step missing from it (names the steps; e.g.
+            ``debug.record`` first set on a resume), a node downstream of ``dst`` reads a value that
             was not recorded (names it), or a multi-rank trainer (one process cannot
             reproduce its reduction order).
         FileNotFoundError: the run has no ``plan.json``.
@@ -83,6 +84,13 @@ def replay(run_dir: Path | str, edge: str, until: int | None = None) -> ReplayRe
     run_dir = Path(run_dir)
     src, dst = parse_edge(edge)
     meta, digests, step_files = _load_record(edge_folder(run_dir, edge), edge)
+    step_files = [p for p in step_files if until is None or step_of(p) <= until]
+    recorded = {step_of(p) for p in step_files}
+    lacking = [s for s in range(max(recorded, default=-1) + 1) if s not in recorded]
+    if lacking:
+        raise RecordError(f"replay of {edge!r}: the record lacks step(s) {', '.join(map(str, lacking))} of "
+                          f"0..{max(recorded)}; replay starts from the initial weights and needs every step before "
+                          "the last (record the edge from the run's start)")
     plan = Plan.from_json((run_dir / "plan.json").read_text(), source=str(run_dir / "plan.json"))
     group = next(g for g in build_topology(plan).groups.values() if dst in g.batch_nodes)
     if group.strategy.world_size > 1:
@@ -99,8 +107,6 @@ def replay(run_dir: Path | str, edge: str, until: int | None = None) -> ReplayRe
     for path in step_files:
         record = torch.load(path, weights_only=False)
         step = record["step"]
-        if until is not None and step > until:
-            break
         values = {f"{src}.{src_port}": record["value"]}
         for node in nodes:
             missing = [f"{s}.{p}" for s, p in node.inputs.values() if f"{s}.{p}" not in values]

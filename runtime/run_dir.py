@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from runtime.record import rewind_records
 from runtime.trace import mark_attempt
 
 
@@ -52,7 +53,8 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
     """Make run ``folder`` continue from the checkpoint of policy ``version``: keep the
     trajectories of steps ``< version`` in ``trajectories/trajectories.jsonl`` (later lines
     were trained by the attempt that did not reach the next checkpoint; they are trained
-    again), remove unfinished checkpoint folders (``checkpoints/*.tmp``), and mark the new
+    again), likewise the ``debug.record`` records of those steps (``runtime.record.rewind_records``),
+    remove unfinished checkpoint folders (``checkpoints/*.tmp``), and mark the new
     attempt in the timeline (``runtime.trace.mark_attempt``; the earlier spans are kept).
 
     Returns:
@@ -78,5 +80,6 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
         path.write_text("".join(f"{line}\n" for line in kept))
     for tmp in (folder / "checkpoints").glob("*.tmp"):
         shutil.rmtree(tmp)
+    rewind_records(folder, version)
     mark_attempt(folder, version)
     return samples, staleness

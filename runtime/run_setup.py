@@ -22,6 +22,7 @@ from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
+from runtime.faults import check_kill_at
 from runtime.metrics import RunLogger, format_summary
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, rewind_run_dir
@@ -60,6 +61,7 @@ class RunSetup:
         from compiler import format_table
 
         topo = build_topology(plan)
+        check_kill_at(plan, topo)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
@@ -255,7 +257,11 @@ class RunSetup:
 RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
-USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed", "run.name": "name", "run.out_dir": "out_dir"}
+RUN_FOLDER = ("name", "out_dir")
+"""Keys of ``plan.run`` that place the run folder: the folder given to ``--resume`` is the run,
+so a run folder moved aside (``<name>.old-<stamp>``) or copied resumes where it now is."""
+
+USER_KEYS = {"run.steps": "train.steps", "run.seed": "seed"}
 """The config key a user sets for a ``plan.run`` key a resume compares."""
 
 
@@ -308,13 +314,14 @@ def _reshards(before: dict, now: dict, written: dict[str, str]) -> list[str]:
 
 def _check_resumable(plan: Plan, out_dir: Path, checkpoint: Checkpoint) -> list[str]:
     """Refuse a resume of ``out_dir`` by another program (its ``plan.json`` differs from
-    ``plan`` beyond :data:`RUNTIME_ONLY`, beyond ``train.steps`` when the new value is at
-    least the checkpoint's version (continuing a run for more steps), and beyond the
-    placement when ``compile.allocation`` or the cluster's size differs (:func:`_program`:
-    another allocation of the train_step reshards its checkpoint); ResumeError, naming the
-    config keys that differ). Returns the reshard lines (:func:`_reshards`; empty when the
-    strategies are the checkpoint's)."""
-    ignored = RUNTIME_ONLY + (("steps",) if plan.run["steps"] >= checkpoint.version else ())
+    ``plan`` beyond :data:`RUNTIME_ONLY` and :data:`RUN_FOLDER`, beyond ``train.steps`` when
+    the new value is at least the checkpoint's version (continuing a run for more steps), and
+    beyond the placement when ``compile.allocation`` or the cluster's size differs
+    (:func:`_program`: another allocation of the train_step reshards its checkpoint);
+    ResumeError, naming the dotted keys that differ with both values, :func:`_differences`).
+    Returns the reshard lines (:func:`_reshards`; empty when the strategies are the
+    checkpoint's)."""
+    ignored = RUNTIME_ONLY + RUN_FOLDER + (("steps",) if plan.run["steps"] >= checkpoint.version else ())
     try:
         before = json.loads((out_dir / "plan.json").read_text())
     except (OSError, ValueError) as e:
@@ -323,16 +330,39 @@ def _check_resumable(plan: Plan, out_dir: Path, checkpoint: Checkpoint) -> list[
     moved = (before.get("allocation"), before.get("cluster")) != (now.get("allocation"), now.get("cluster"))
     if _program(before, ignored, placement=moved) == _program(now, ignored, placement=moved):
         return _reshards(before, now, checkpoint.manifest().get("strategies", {}))
-    before, now = _program(before, ignored, placement=moved), _program(now, ignored, placement=moved)
-    keys = sorted({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)} - {"run"} |
-                  {USER_KEYS.get(f"run.{k}", f"run.{k}") for k in before["run"].keys() | now["run"].keys()
-                   if before["run"].get(k) != now["run"].get(k)})
+    diffs = _differences(_program(before, ignored, placement=moved), _program(now, ignored, placement=moved))
+    diffs.sort(key=lambda d: not (d[0].startswith("run.") or ".attrs." in d[0]))  # what the user set first
+    shown = "; ".join(f"{USER_KEYS.get(k, k)}: {a} in the run, {b} now" for k, a, b in diffs[:MAX_SHOWN])
+    more = f"; and {len(diffs) - MAX_SHOWN} more" if len(diffs) > MAX_SHOWN else ""
     steps = (f"; train.steps={plan.run['steps']} is below the checkpoint's step {checkpoint.version}"
-             if "train.steps" in keys else "")
+             if any(k == "run.steps" for k, _, _ in diffs) else "")
     allocation = "; compile.allocation may change the train_steps' strategies only" if moved else ""
     raise ResumeError(f"cannot resume {out_dir}: its plan.json is another program than this run's (they differ in "
-                      f"{', '.join(keys)}{steps}{allocation}); resume with the same graph and config (train.steps "
+                      f"{shown}{more}{steps}{allocation}); resume with the same graph and config (train.steps "
                       "may grow, the train_step may get another strategy), or start a new run")
+
+
+MAX_SHOWN = 6
+"""Differences a refused resume lists (the rest are counted)."""
+
+
+def _differences(before, now, key: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, value before, value now)`` of every leaf where two plans (as JSON)
+    differ, in key order; a list of named entries (``nodes``) is keyed by name (e.g.
+    ``nodes.train_step.attrs.lr``), a missing key shows as ``(absent)``, a value (JSON) is
+    cut to 40 characters."""
+    if isinstance(before, list) and isinstance(now, list) and all(
+            isinstance(x, dict) and "name" in x for x in before + now):
+        before, now = {x["name"]: x for x in before}, {x["name"]: x for x in now}
+    if isinstance(before, dict) and isinstance(now, dict):
+        absent = object()
+        return [d for k in sorted(before.keys() | now.keys(), key=str)
+                for d in _differences(before.get(k, absent), now.get(k, absent), f"{key}.{k}" if key else str(k))]
+    if before == now:
+        return []
+    shown = [("(absent)" if not isinstance(v, (dict, list, str, int, float, bool, type(None))) else json.dumps(v))
+             for v in (before, now)]
+    return [(key, *(v if len(v) <= 40 else f"{v[:37]}..." for v in shown))]
 
 
 def _spares(task, chunk: int, seed: int) -> Iterator[dict]:

@@ -1,6 +1,7 @@
 """Checkpoint files and the run folder (issue 13): a checkpoint counts only once renamed
 with its manifest, a failed write leaves none, where a resume starts, and the run folder
-rewound to a checkpoint (trajectories, events, and the timeline kept across attempts)."""
+rewound to a checkpoint (trajectories, ``debug.record`` records, events, and the timeline
+kept across attempts)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,23 @@ def test_rewinding_keeps_the_steps_before_the_checkpoint(tmp_path):
     (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n')
     with pytest.raises(ValueError, match=r"trajectories.jsonl:2: not a trajectory record"):
         rewind_run_dir(tmp_path, 1)
+
+
+def test_rewinding_keeps_the_records_of_the_steps_before_the_checkpoint(tmp_path):
+    """Issue 13: a debug.record of steps 0..3 rewound to version_2 keeps steps 0 and 1 (their
+    step files and digest lines), so a replay from the initial weights still covers them."""
+    record = tmp_path / "record" / "advantage-train_step"
+    record.mkdir(parents=True)
+    for step in range(4):
+        (record / f"step_{step}.pt").write_bytes(b"x")
+    (record / "meta.json").write_text("{}")
+    (record / "digests.jsonl").write_text("".join(json.dumps({"step": s, "node": "train_step", "digest": f"d{s}"})
+                                                  + "\n" for s in range(4)))
+    rewind_run_dir(tmp_path, 2)
+    assert sorted(p.name for p in record.iterdir()) == ["digests.jsonl", "meta.json", "step_0.pt", "step_1.pt"]
+    assert [json.loads(x)["digest"] for x in (record / "digests.jsonl").read_text().splitlines()] == ["d0", "d1"]
+    rewind_run_dir(tmp_path, 0)  # a restart before the first checkpoint: every step is trained again
+    assert sorted(p.name for p in record.iterdir()) == ["digests.jsonl", "meta.json"]
 
 
 def test_a_resume_keeps_the_earlier_timeline_and_leaves_the_gap_out(tmp_path):

@@ -5,6 +5,7 @@ mid-weight-update (the same kills on Ray: ``test_ray_faults``)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,42 @@ def test_local_kills_mid_weight_update_keep_the_run_bit_for_bit(tmp_path, uninte
     assert _event_steps(tmp_path / "mid") == list(range(STEPS))
     restarts = json.loads((tmp_path / "mid/summary.json").read_text())["restarts"]
     assert restarts["replica_restarts"] == 1 and restarts["trainer_restarts"] == 1
+
+
+def test_kill_at_entries_that_could_never_fire_are_refused_before_any_worker_starts(tmp_path):
+    """Issue 13: arith_grpo has the workers generate/0 (the replica) and train_step/0 (the trainer) and,
+    at train.steps=3, publishes versions 1..3; any other target is one line, exit 2, and no run folder."""
+    from areal_flow.config import ConfigError
+    from runtime.faults import check_kill_at
+    from runtime.topology import build_topology
+    from test_resume import _plan, _run_cli
+
+    plan = _plan(tmp_path, "debug.kill_at=[generate/0:weights_received:3, train_step/0:weights_published:1]")
+    check_kill_at(plan, build_topology(plan))  # both exist: no error
+    cases = {"trainer/0:weights_published:2": "this plan has no worker trainer/0; its workers: generate/0, "
+                                              "train_step/0",
+             "generate/5:weights_received:2": "this plan has no worker generate/5",
+             "train_step/0:weights_published:99": "version 99 is beyond train.steps=3 (the run publishes "
+                                                  "versions 1..3)",
+             "train_step/0:weights_received:2": "worker train_step/0 never passes weights_received; workers of "
+                                                "generate do"}
+    for entry, message in cases.items():
+        plan = _plan(tmp_path, f"debug.kill_at=[{entry}]")
+        with pytest.raises(ConfigError, match=re.escape(f"debug.kill_at entry '{entry}': {message}")):
+            check_kill_at(plan, build_topology(plan))
+    done = _run_cli(tmp_path, f"out_dir={tmp_path}", "name=never",
+                    "debug.kill_at=[generate/0:weights_received:2, generate/5:weights_received:2]")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert done.stderr.startswith("areal-flow: error: debug.kill_at entry 'generate/5:weights_received:2': this "
+                                  "plan has no worker generate/5"), done.stderr
+    assert not (tmp_path / "never").exists()  # nothing written
+
+
+def test_a_list_key_given_one_value_says_it_takes_a_list():
+    from areal_flow.config import ConfigError
+    from areal_flow.config_load import load_config
+
+    for key in ("debug.kill_at", "debug.record"):
+        with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' (command line) takes a list, even of "
+                                                        f"one entry: {key}=[...]")):
+            load_config(REPO / "graphs/arith_grpo.yaml", [f"{key}=train_step/0:weights_published:3"])

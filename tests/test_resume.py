@@ -223,7 +223,9 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     setup = RunSetup.create(_plan(tmp_path, "scheduler.max_restarts=0"), show_progress=False, resume="auto")
     assert setup.checkpoint.version == 2 and (run_dir / "events.out.tfevents.1").read_text() == "kept"
     assert f"resuming {run_dir} from version_2 (step 2 of 3)" in capsys.readouterr().err
-    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes\)"):
+    # issue 13: the dotted key and both values (the plan's lr is train.lr, 1e-4 by default)
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in "
+                                          r"nodes.train_step.attrs.lr: 0.0001 in the run, 0.0005 now\);"):
         RunSetup.create(_plan(tmp_path, "train.lr=5e-4"), show_progress=False, resume=str(run_dir))
     wide = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 + gen:d1",
                  "train.checkpoint_every=1")
@@ -236,8 +238,11 @@ def test_a_resume_keeps_the_folder_and_refuses_another_program(tmp_path, capsys)
     assert ("areal-flow: train_step 'train_step' reshards its checkpoint from world size 2 (strategy d2) to world "
             "size 1 (strategy d1)") in capsys.readouterr().err
     assert json.loads((run_dir / "plan.json").read_text())["allocation"] == "train:d1 + gen:d1"  # the plan it runs
-    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in nodes, routes; "
-                                          r"compile.allocation may change the train_steps' strategies only\)"):
+    # gen:d1 -> gen:d2: the generate node's strategy, and 2 x 4 samples decoded at once over 2 replicas, 4 each
+    with pytest.raises(ResumeError, match=r"another program than this run's \(they differ in "
+                                          r"nodes.generate.concurrent: 8 in the run, 4 now; nodes.generate.strategy: "
+                                          r"\"d1\" in the run, \"d2\" now; routes: .*; compile.allocation may "
+                                          r"change the train_steps' strategies only\)"):
         RunSetup.create(_plan(tmp_path, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 + gen:d2",
                               "train.checkpoint_every=1"), show_progress=False, resume=str(run_dir))  # generation too
 
@@ -247,12 +252,33 @@ def test_a_resume_may_continue_for_more_steps_and_names_train_steps(tmp_path, ca
 
     run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir  # train.steps=3
     write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
-    with pytest.raises(ResumeError, match=r"differ in train.steps; train.steps=1 is below the checkpoint's step 2"):
+    with pytest.raises(ResumeError, match=r"differ in train.steps: 3 in the run, 1 now; train.steps=1 is below the "
+                                          r"checkpoint's step 2"):
         RunSetup.create(_plan(tmp_path, "train.steps=1"), show_progress=False, resume="auto")
     setup = RunSetup.create(_plan(tmp_path, "train.steps=5"), show_progress=False, resume="auto")
     assert setup.checkpoint.version == 2 and setup.topo.steps == 5
     assert json.loads((run_dir / "plan.json").read_text())["run"]["steps"] == 5  # the plan the folder now runs
     assert "resume=auto without train.checkpoint_every" in capsys.readouterr().err
+
+
+def test_a_run_folder_moved_aside_or_copied_resumes_where_it_is(tmp_path, capsys):
+    """Issue 13: the folder given to --resume is the run (the CLI sets name/out_dir from it), so
+    a folder the tool moved aside (``exp.old-<stamp>``) or a copy resumes in place."""
+    import shutil
+
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
+    moved = run_dir.rename(tmp_path / "exp.old-20260101-000000")
+    copy = Path(shutil.copytree(moved, tmp_path / "elsewhere" / "copy"))
+    for folder in (moved, copy):
+        plan = _plan(tmp_path, f"out_dir={folder.parent}", f"name={folder.name}")
+        setup = RunSetup.create(plan, show_progress=False, resume=str(folder))
+        assert setup.out_dir == folder and setup.checkpoint.folder == folder / "checkpoints/version_2"
+        assert json.loads((folder / "plan.json").read_text())["run"]["name"] == folder.name  # the plan it runs
+        assert f"resuming {folder} from version_2" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing written under the old name
 
 
 def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -274,7 +300,8 @@ def test_resume_arguments_are_checked_in_one_line(tmp_path):
              (("resume=latest",), "resume='latest': expected '' (a new run), 'auto'"),
              # name and out_dir come from the folder: the plan is compared with exp's, and differs in train.lr only
              (("--resume", str(run_dir), "train.lr=5e-4"), f"cannot resume {run_dir}: its plan.json is another "
-                                                            "program than this run's (they differ in nodes)")]
+                                                            "program than this run's (they differ in "
+                                                            "nodes.train_step.attrs.lr: 0.0001 in the run, 0.0005 now)")]
     for args, message in cases:
         done = _run_cli(tmp_path, *args)
         assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, (args, done.stderr[-2000:])

@@ -5,7 +5,8 @@
 * a tiny run's trace shows one prompt group's path in order: engine step, reward, the
   channel, advantage, train_step (forward, backward, optimizer inside it), weight publish,
   receive and load on the replica;
-* ``replay`` of a recorded ``advantage->train_step`` gives bit-identical weights per step;
+* ``replay`` of a recorded ``advantage->train_step`` gives bit-identical weights per step,
+  also across a trainer restart; a record missing steps is named;
 * a k = 0 run in asynchronous mode trains the synchronous baseline's weights bit for bit.
 """
 
@@ -21,6 +22,7 @@ from areal_flow.cli import main
 from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
 from runtime.launch import run_experiment
+from runtime.record import RecordError
 from runtime.replay import replay
 from runtime.timeline import summarize, token_staleness
 from runtime.trace import TraceRecorder, merge_trace
@@ -132,6 +134,49 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     assert [(c.step, c.node) for c in report.checks] == [(0, "train_step"), (1, "train_step"), (2, "train_step")]
     assert [c.replayed for c in report.checks] == digests and report.identical
     assert main(["replay", str(run), "--from", "advantage->train_step", "--until", "1"]) == 0  # the command: exit 0
+
+
+@pytest.mark.slow
+def test_a_record_across_a_trainer_restart_replays_bit_identical_over_every_step(tmp_path, warm_cache):
+    """Issue 13: the trainer killed after publishing version 3 restarts from version_2; the record
+    keeps steps 0 and 1 of the first attempt, so replay from the initial weights reproduces all 4;
+    likewise after a resume for 2 more steps (the parity graph of test_resume, through the CLI)."""
+    from test_resume import _cli, _finish
+
+    record = "debug.record=[advantage->train_step]"
+    _finish(_cli(tmp_path, "recr", "train.steps=4", "scheduler.max_restarts=1", record, "logging.trace=false",
+                 "debug.kill_at=[train_step/0:weights_published:3]"))
+    run = tmp_path / "recr"
+    assert json.loads((run / "summary.json").read_text())["restarts"]["trainer_restarts"] == 1
+    folder = run / "record/advantage-train_step"
+    assert sorted(p.name for p in folder.glob("step_*.pt")) == [f"step_{s}.pt" for s in range(4)]
+    digests = [json.loads(x) for x in (folder / "digests.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in digests] == [0, 1, 2, 3]  # the killed attempt's later lines were rewound away
+    assert len({d["digest"] for d in digests}) == 4  # the weights change every step: equal digests mean something
+    report = replay(run, "advantage->train_step")
+    assert [c.step for c in report.checks] == [0, 1, 2, 3]
+    assert [c.replayed for c in report.checks] == [d["digest"] for d in digests] and report.identical
+    assert main(["replay", str(run), "--from", "advantage->train_step"]) == 0
+    _finish(_cli(tmp_path, "recr", "train.steps=6", record, "logging.trace=false", "--resume", str(run)))
+    report = replay(run, "advantage->train_step")
+    assert [c.step for c in report.checks] == [0, 1, 2, 3, 4, 5] and report.identical
+    assert [c.recorded for c in report.checks[:4]] == [d["digest"] for d in digests]  # kept as they were
+
+
+def test_replay_of_a_record_missing_steps_names_them(tmp_path, capsys):
+    """A record lacking steps (e.g. debug.record first set on a resume) cannot replay from the
+    initial weights: one line naming the steps, exit 2, instead of a DIFFERS per step."""
+    record = tmp_path / "record/advantage-train_step"
+    record.mkdir(parents=True)
+    (record / "meta.json").write_text("{}")
+    for step in (2, 3):
+        (record / f"step_{step}.pt").write_bytes(b"x")
+    (tmp_path / "plan.json").write_text("{}")
+    with pytest.raises(RecordError, match=r"the record lacks step\(s\) 0, 1 of 0..3; replay starts from the initial"):
+        replay(tmp_path, "advantage->train_step")
+    assert main(["replay", str(tmp_path), "--from", "advantage->train_step"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks step(s) 0, 1 of 0..3" in err, err
 
 
 @pytest.mark.slow
