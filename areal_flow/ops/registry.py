@@ -151,9 +151,8 @@ def function_parameters(fn: Callable, skip: Iterable[str] = ()) -> list[str] | N
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    skip = set(skip)
-    return [p.name for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
-            and p.name not in skip]
+    skip, by_position = set(skip), (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+    return [p.name for p in params if p.kind not in by_position and p.name not in skip]
 
 
 class UserOp:
