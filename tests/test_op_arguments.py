@@ -87,6 +87,19 @@ def test_user_op_attribute_typo_is_caught_unless_the_function_takes_kwargs():
         OPS.pop("test_args_open")
 
 
+@pytest.mark.parametrize("op, typo, meant", [
+    ("dataset", "nmae", "name"), ("generate", "n_sample", "n_samples"), ("rollout", "max_turn", "max_turns"),
+    ("reward", "overlng", "overlong"), ("filter", "kep", "keep"), ("logprobs", "temprature", "temperature"),
+    ("train_step", "max_stalness", "max_staleness"), ("sync_weights", "too", "to"),
+])
+def test_every_builtin_op_names_a_misspelt_keyword_with_its_line(op, typo, meant):
+    with pytest.raises(GraphError) as err:
+        getattr(ops, op)(**{typo: 1})  # checked before the op runs (here even outside a flow)
+    line = err.traceback[0].lineno + 1  # pytest's line numbers count from 0
+    assert str(err.value).startswith(f"ops.{op} (tests/{HERE}:{line}): unknown argument '{typo}'; "
+                                     f"did you mean '{meant}'? ops.{op} takes: ")
+
+
 @pytest.mark.parametrize("command", ["graph", "compile", "run"])
 def test_every_command_exits_2_with_one_line_before_writing(tmp_path, command):
     graph = tmp_path / "typo.py"

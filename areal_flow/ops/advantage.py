@@ -101,7 +101,7 @@ def advantage(
         raise GraphError(f"{node.where()}: estimator 'multi_turn' needs the episodes of an ops.rollout (turn rewards)")
     if estimator not in ESTIMATORS:
         raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
-    check_arguments(node, estimator_kwargs, ESTIMATORS[estimator].knobs, taker=f"estimator '{estimator}'",
+    check_arguments(node.where(), estimator_kwargs, ESTIMATORS[estimator].knobs, taker=f"estimator '{estimator}'",
                     nearby=_OWN_ARGUMENTS)
     return outputs(node, SPEC)
 

@@ -13,7 +13,7 @@ from typing import Any
 from areal_flow.config import DatasetConfig
 from areal_flow.dsl import Handle, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import CPU, SOURCE, OpDef, check_arguments, define
+from areal_flow.ops.registry import CPU, SOURCE, OpDef, check_arguments, define, op_function
 
 SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
 OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
@@ -21,6 +21,7 @@ OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
 TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
 
 
+@op_function
 def dataset(cfg: Any, *, name: str | None = None) -> Handle:
     """Declare the prompt source.
 
@@ -37,7 +38,7 @@ def dataset(cfg: Any, *, name: str | None = None) -> Handle:
     """
     attrs = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     node = record(SPEC, {}, attrs=attrs, name=name)
-    check_arguments(node, attrs, [f.name for f in dataclasses.fields(DatasetConfig)], taker="dataset config")
+    check_arguments(node.where(), attrs, [f.name for f in dataclasses.fields(DatasetConfig)], taker="dataset config")
     task = attrs.get("name", "arithmetic")
     if task not in TASKS:
         raise GraphError(f"{node.where()}: dataset.name={task!r}: unknown task; known: {', '.join(TASKS)}")
