@@ -73,8 +73,9 @@ def advantage(
 
     Raises:
         GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, an unknown
-            estimator, a keyword argument the estimator does not take (with a did-you-mean), ``kl_coef`` without ``ref_logprobs``, no ``rewards`` for rollouts no
-            env scored, or ``multi_turn`` on single-turn rollouts (naming the node and line).
+            estimator, a keyword argument the estimator does not take (with a did-you-mean
+            and its knobs), ``kl_coef`` without ``ref_logprobs``, no ``rewards`` for rollouts
+            no env scored, or ``multi_turn`` on single-turn rollouts (naming the node and line).
     """
     node = record(
         SPEC,

@@ -135,8 +135,8 @@ def check_arguments(where: str, given: Iterable[str], accepted: Iterable[str], *
             did-you-mean but not accepted here (``estimatr`` -> ``estimator``).
 
     Raises:
-        GraphError: one line naming the node, file:line, the unknown argument, the nearest
-            valid name and what ``taker`` takes.
+        GraphError: one line: ``where`` (node or op, graph file:line), the unknown
+            argument, the nearest valid name and what ``taker`` takes.
     """
     accepted = list(accepted)
     for arg in given:
