@@ -40,10 +40,14 @@ def load_flow(path: str | Path, name: str | None = None) -> Flow:
     """Import a graph file and return its ``@flow`` (the one named ``name`` if several).
 
     Raises:
-        CLIError: the file is missing, is not a ``.py`` file, fails to import (with its error), or holds no
-            (or several, without ``name``) ``@flow`` functions.
+        CLIError: the file is missing, is a folder (listing its graph files), is not a ``.py`` file, fails
+            to import (with its error), or holds no (or several, without ``name``) ``@flow`` functions.
     """
     path = Path(path)
+    if path.is_dir():
+        found = _graph_files(path)
+        listing = f"pass one of its graph files: {', '.join(found)}" if found else "it holds no *.py file with an @flow"
+        raise CLIError(f"{path}: a folder, not a graph file; {listing}")
     if not path.is_file():
         raise CLIError(f"graph file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"areal_flow_graph_{path.stem}", path)
@@ -63,9 +67,16 @@ def load_flow(path: str | Path, name: str | None = None) -> Flow:
         if name not in flows:
             raise CLIError(f"{path}: no @flow named {name!r}; found: {', '.join(flows) or 'none'}")
         return flows[name]
+    if not flows:
+        raise CLIError(f"no @flow function in {path}")
     if len(flows) != 1:
         raise CLIError(f"{path}: expected exactly one @flow, found {len(flows)} ({', '.join(flows)}); pass --flow NAME")
     return next(iter(flows.values()))
+
+
+def _graph_files(folder: Path) -> list[str]:
+    """The ``*.py`` files directly in ``folder`` whose text has an ``@flow`` decorator (sorted paths)."""
+    return sorted(str(f) for f in folder.glob("*.py") if "@flow" in f.read_text(errors="replace"))
 
 
 def default_config_path(flow: Flow, given: str | None) -> str | None:

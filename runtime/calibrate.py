@@ -20,6 +20,9 @@ from this machine, so the simulator is first *calibrated* on the run (:func:`cal
 A resumed (or restarted) run is calibrated on its last attempt only (``runtime.timeline.
 split_attempts``): its spans, and the trajectories it trained (steps ``>= v0``, ``v0`` = the
 version it started from; without an attempt marker, the first version it loaded minus 1).
+Not over all attempts: each restarts the engines (a warm-up inside the window), may run
+another allocation (a resharded resume) and is separated from the next by a restart gap,
+none of which the simulator's one contiguous run models.
 Both sides use the simulator's window: from the load of version ``v0 + w``,
 ``w = max(1, S // 4)``, to the load of version ``v0 + S`` (``S`` = versions the replicas
 loaded in the attempt, the simulator's steps from its version 0 = ``v0``); a node's busy fraction is
@@ -118,13 +121,14 @@ def _trajectories(run_dir: Path, first_step: int) -> list[dict]:
     return rows
 
 
-def _last_attempt(events: list[dict], sync: str) -> tuple[int, list[dict]]:
-    """``(v0, spans)`` of the run's last attempt (module doc)."""
-    first, spans = split_attempts(events)[-1]
+def _last_attempt(events: list[dict], sync: str) -> tuple[int, int, list[dict]]:
+    """``(attempt number (1 = the first), v0, spans)`` of the run's last attempt (module doc)."""
+    attempts = split_attempts(events)
+    first, spans = attempts[-1]
     if not any(e["name"] == ATTEMPT and e["cat"] == "run" for e in events):  # no marker: from its first load
         loaded = _loads(spans, sync)
         first = min(loaded) - 1 if loaded else 0
-    return first, spans
+    return len(attempts), first, spans
 
 
 def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
@@ -141,11 +145,13 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
     sync, gen = _sync_name(plan), next((n for n in plan.nodes if n.role == "generation"), None)
     if gen is None:
         raise CalibrationError(f"{run_dir / 'plan.json'}: no generation node to calibrate the simulator on")
-    first, events = _last_attempt(load_events(run_dir), sync)
+    attempt, first, events = _last_attempt(load_events(run_dir), sync)
     loads = _loads(events, sync)
     if len(loads) < 2:
-        raise CalibrationError(f"{run_dir / 'trace.json'}: {len(loads)} weight load(s) of '{sync}'; the comparison "
-                               "needs at least 2 (run more train.steps)")
+        where = (f" in the last attempt (attempt {attempt}, from version {first}; the simulator is calibrated on it "
+                 "alone)" if attempt > 1 else f" (the run resumed from version {first})" if first else "")
+        raise CalibrationError(f"{run_dir / 'trace.json'}: {len(loads)} weight load(s) of '{sync}'{where}; the "
+                               "comparison needs at least 2 (run more train.steps)")
     rows = _trajectories(run_dir, first)
     trained = (max(r["step"] for r in rows) + 1) * plan.workload["batch_groups"]
     engine = [e for e in events if e["name"] == gen.name and e["cat"] == "node"]

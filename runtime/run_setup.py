@@ -70,6 +70,8 @@ class RunSetup:
         checkpoint = resume_point(resume, out_dir)
         if checkpoint is not None:
             reshards = _check_resumable(plan, out_dir, checkpoint)
+            if checkpoint.version >= topo.steps:  # complete: runtime.launch says so alone; nothing is written
+                return cls(plan, topo, out_dir, show_progress, checkpoint=checkpoint)
             before = _program(json.loads((out_dir / "plan.json").read_text()), RUNTIME_ONLY, placement=False)
             if before != _program(json.loads(plan.to_json()), RUNTIME_ONLY, placement=False):
                 (out_dir / "plan.json").write_text(plan.to_json())  # more steps, another allocation: the plan it runs

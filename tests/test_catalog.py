@@ -34,6 +34,10 @@ def test_estimator_table_equals_the_estimators():
         assert info.needs_values == ("values" in params), name
         assert info.takes_kl == ("kl" in params), name
         assert info.gives_returns == (compute_advantages(name, **inputs).returns is not None), name
+        # Knobs: the keyword defaults, less what the advantage executor fills (KL, group ids).
+        defaults = [p for p, v in params.items() if v.default is not inspect.Parameter.empty]
+        assert list(info.knobs) == [p for p in defaults if p not in ("kl", "kl_coef", "group_ids")], name
+    assert catalog.ESTIMATORS["gae"].knobs == ("gamma", "lam")  # GAE(gamma, lambda), Schulman et al. 2016
 
 
 def test_user_registered_algorithm_is_known_to_the_catalog():

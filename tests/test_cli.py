@@ -32,6 +32,21 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         assert message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
+def test_folder_and_flowless_file_say_what_they_are(tmp_path):
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "mine.py").write_text("from areal_flow import flow\n\n\n@flow\ndef mine(cfg):\n    return None\n")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (("graph", str(tmp_path)), f"{tmp_path}: a folder, not a graph file; pass one of its graph files: {tmp_path / 'mine.py'}"),
+        (("graph", str(tmp_path / "empty")), f"{tmp_path / 'empty'}: a folder, not a graph file; it holds no *.py file with an @flow"),
+        (("compile", str(tmp_path / "helpers.py")), f"no @flow function in {tmp_path / 'helpers.py'}"),
+    ]
+    for args, message in cases:
+        out = _cli(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.strip() == f"areal-flow: error: {message}", (args, out.stderr)
+
+
 def test_viz_polish_errors_name_the_file(tmp_path):
     bad = tmp_path / "not_a_plan.json"
     bad.write_text("nope\n")

@@ -317,8 +317,9 @@ def test_resuming_a_complete_run_runs_nothing_and_writes_nothing(tmp_path, capsy
     (run_dir / "summary.json").write_text('{"samples_trained": 24}')
     (run_dir / "trace.json").write_text("kept")
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-    assert run(_plan(tmp_path), show_progress=False, resume=str(run_dir)) == {"samples_trained": 24}
-    assert f"{run_dir} is complete: version_3 holds all 3 steps; nothing to resume" in capsys.readouterr().err
+    assert run(_plan(tmp_path), show_progress=True, resume=str(run_dir)) == {"samples_trained": 24}
+    out, err = capsys.readouterr()  # that line alone: no "resuming ... (step 3 of 3)", no plan table
+    assert (out, err) == ("", f"areal-flow: {run_dir} is complete: version_3 holds all 3 steps; nothing to resume\n")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     assert (run_dir / "trace.json").read_text() == "kept"
 

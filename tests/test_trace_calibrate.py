@@ -131,3 +131,12 @@ def test_a_resumed_run_is_calibrated_on_its_last_attempt(tmp_path, marked, capsy
                                            "resumed from version 20)")
     assert main(["timeline", str(folder), "--simulate"]) == 0
     assert "versions 21..22" in capsys.readouterr().out
+
+
+def test_too_few_loads_in_a_resumed_run_names_the_last_attempt(tmp_path):
+    """The dead attempt loaded version 21; the resumed one (attempt 2, from 20) loaded none:
+    the refusal says the count is the last attempt's, so it does not read as the run's."""
+    folder = _run_folder(tmp_path, loads=False, resumed_from=20)
+    with pytest.raises(CalibrationError, match=r"trace\.json: 0 weight load\(s\) of 'sync_weights' in the last attempt "
+                                               r"\(attempt 2, from version 20; .*\); the comparison needs at least 2"):
+        compare(folder)

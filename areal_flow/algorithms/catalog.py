@@ -47,12 +47,16 @@ class EstimatorInfo:
         needs_values: reads critic values ``V(s_t)`` (GAE): needs ``critic=``.
         gives_returns: returns value targets, so a critic can be trained on them.
         takes_kl: folds a per-token KL (from ``ref=``) into the token reward.
+        knobs: the keyword arguments a graph may pass it through ``ops.advantage(...,
+            **knobs)`` (its parameters with defaults that the advantage executor does not
+            fill itself: not ``kl``, ``kl_coef`` or ``group_ids``).
     """
 
     name: str
     needs_values: bool = False
     gives_returns: bool = False
     takes_kl: bool = False
+    knobs: tuple[str, ...] = ()
 
 
 ALGORITHMS: dict[str, AlgorithmInfo] = {
@@ -75,14 +79,14 @@ ALGORITHMS: dict[str, AlgorithmInfo] = {
 ESTIMATORS: dict[str, EstimatorInfo] = {
     e.name: e
     for e in (
-        EstimatorInfo("gae", needs_values=True, gives_returns=True),
-        EstimatorInfo("grpo"),
+        EstimatorInfo("gae", needs_values=True, gives_returns=True, knobs=("gamma", "lam")),
+        EstimatorInfo("grpo", knobs=("eps", "std_unbiased")),
         EstimatorInfo("dr_grpo"),
         EstimatorInfo("rloo"),
-        EstimatorInfo("reinforce_pp", gives_returns=True, takes_kl=True),
-        EstimatorInfo("reinforce_pp_baseline", gives_returns=True, takes_kl=True),
-        EstimatorInfo("lite_ppo"),
-        EstimatorInfo("multi_turn", gives_returns=True),
+        EstimatorInfo("reinforce_pp", gives_returns=True, takes_kl=True, knobs=("gamma", "eps")),
+        EstimatorInfo("reinforce_pp_baseline", gives_returns=True, takes_kl=True, knobs=("gamma", "eps")),
+        EstimatorInfo("lite_ppo", knobs=("eps", "std_unbiased")),
+        EstimatorInfo("multi_turn", gives_returns=True, knobs=("gamma", "mode", "baseline")),
     )
 }
 

@@ -27,10 +27,12 @@ KL term in the loss (``train.loss.kl_coef`` with ``kl_in_reward=false``).
 
 from __future__ import annotations
 
+import inspect
+
 from areal_flow.algorithms.catalog import ESTIMATORS
 from areal_flow.dsl import Handle, Model, current_graph, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, define
+from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, check_arguments, define
 
 SPEC = OpSpec(
     "advantage",
@@ -66,12 +68,14 @@ def advantage(
         ref: the frozen reference policy whose KL is folded into the reward (REINFORCE++).
         ref_logprobs: ``logprobs`` handle of a reference model (``ops.logprobs``).
         kl_coef: beta, nats of reward per nat of KL to ``ref_logprobs`` (module doc).
-        **estimator_kwargs: knobs of the estimator.
+        **estimator_kwargs: knobs of the estimator (``catalog.ESTIMATORS[estimator].knobs``,
+            e.g. ``gamma`` and ``lam`` for ``gae``).
 
     Raises:
         GraphError: both ``critic`` and ``ref``, a ``ref`` declared trainable, an unknown
-            estimator, ``kl_coef`` without ``ref_logprobs``, no ``rewards`` for rollouts no
-            env scored, or ``multi_turn`` on single-turn rollouts (naming the node and line).
+            estimator, a keyword argument the estimator does not take (with a did-you-mean
+            and its knobs), ``kl_coef`` without ``ref_logprobs``, no ``rewards`` for rollouts
+            no env scored, or ``multi_turn`` on single-turn rollouts (naming the node and line).
     """
     node = record(
         SPEC,
@@ -98,7 +102,13 @@ def advantage(
         raise GraphError(f"{node.where()}: estimator 'multi_turn' needs the episodes of an ops.rollout (turn rewards)")
     if estimator not in ESTIMATORS:
         raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
+    check_arguments(node.where(), estimator_kwargs, ESTIMATORS[estimator].knobs, taker=f"estimator '{estimator}'",
+                    nearby=_OWN_ARGUMENTS)
     return outputs(node, SPEC)
+
+
+_OWN_ARGUMENTS = [p for p in inspect.signature(advantage).parameters if p != "estimator_kwargs"]
+"""The op's own parameters: a did-you-mean for a misspelt one (``estimatr``)."""
 
 
 def _from_rollout(handle: Handle) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from areal_flow.config import DatasetConfig
 from areal_flow.dsl import Handle, outputs, record
-from areal_flow.graph import OpSpec, PortSpec
-from areal_flow.ops.registry import CPU, SOURCE, OpDef, define
+from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.ops.registry import CPU, SOURCE, OpDef, check_arguments, define, op_function
 
 SPEC = OpSpec("dataset", inputs=(), outputs=(PortSpec("prompts", "prompts"),))
 OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
@@ -20,6 +21,7 @@ OP = define(OpDef(SPEC, SOURCE, CPU, "areal_flow.ops.dataset:build_task"))
 TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
 
 
+@op_function
 def dataset(cfg: Any, *, name: str | None = None) -> Handle:
     """Declare the prompt source.
 
@@ -29,9 +31,18 @@ def dataset(cfg: Any, *, name: str | None = None) -> Handle:
 
     Returns:
         Handle of type ``prompts``.
+
+    Raises:
+        GraphError: a dict key that is no ``DatasetConfig`` field (with a did-you-mean), or
+            an unknown task name (naming the node and graph file:line).
     """
     attrs = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
-    return outputs(record(SPEC, {}, attrs=attrs, name=name), SPEC)
+    node = record(SPEC, {}, attrs=attrs, name=name)
+    check_arguments(node.where(), attrs, [f.name for f in dataclasses.fields(DatasetConfig)], taker="dataset config")
+    task = attrs.get("name", "arithmetic")
+    if task not in TASKS:
+        raise GraphError(f"{node.where()}: dataset.name={task!r}: unknown task; known: {', '.join(TASKS)}")
+    return outputs(node, SPEC)
 
 
 def build_task(attrs: dict, seed: int) -> Any:

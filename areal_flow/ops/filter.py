@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import CPU, GROUP, OpDef, define
+from areal_flow.ops.registry import CPU, GROUP, OpDef, define, op_function
 
 SPEC = OpSpec(
     "filter",
@@ -29,6 +29,7 @@ class DynamicSamplingError(RuntimeError):
     """A batch slot got ``max_attempts`` groups in a row that the filter dropped."""
 
 
+@op_function
 def filter(rollouts: Handle, rewards: Handle, *, keep: str = "informative", max_attempts: int = 8,  # noqa: A001
            name: str | None = None) -> Handle:
     """Declare a group filter.

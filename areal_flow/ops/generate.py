@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define
+from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define, op_function
 
 SPEC = OpSpec(
     "generate",
@@ -24,6 +24,7 @@ OP = define(OpDef(SPEC, STREAM, GENERATION, "runtime.executors.generate:Generate
 ENGINES = ("embedded", "vllm")
 
 
+@op_function
 def generate(
     policy: Model,
     prompts: Handle,

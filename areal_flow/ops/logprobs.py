@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import GROUP, INFERENCE, OpDef, define
+from areal_flow.ops.registry import GROUP, INFERENCE, OpDef, define, op_function
 
 SPEC = OpSpec("logprobs", inputs=(PortSpec("rollouts", "rollouts"),), outputs=(PortSpec("logprobs", "logprobs"),),
               needs_model=True)
 OP = define(OpDef(SPEC, GROUP, INFERENCE, "areal_flow.ops.logprobs:LogprobsExecutor"))
 
 
+@op_function
 def logprobs(model: Model, rollouts: Handle, *, temperature: float = 1.0, name: str | None = None) -> Handle:
     """Declare a forward-only log-prob node of a frozen ``model`` over ``rollouts``.
 

@@ -30,9 +30,11 @@ executor returns ``None`` to drop the group (its batch slot is then resampled).
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 
@@ -115,13 +117,72 @@ def lookup(name: str) -> OpDef:
     return op
 
 
+def check_arguments(where: str, given: Iterable[str], accepted: Iterable[str], *, taker: str,
+                    nearby: Iterable[str] = ()) -> None:
+    """Reject keyword arguments of an op call that nothing downstream takes (a typo).
+
+    Ops that forward free keyword arguments (an advantage estimator's knobs, a user op's
+    function parameters, a dataset's config keys) check them here while the graph is
+    traced, so a typo fails before anything is written instead of inside a worker; every
+    built-in op function checks its own keywords here too (:func:`op_function`).
+
+    Args:
+        where: the culprit and its graph file:line (a node's ``where()``).
+        given: the keyword names the call passed.
+        accepted: the names ``taker`` takes.
+        taker: what takes them, for the message (``"estimator 'grpo'"``).
+        nearby: other valid names of the call (the op's own parameters), offered as a
+            did-you-mean but not accepted here (``estimatr`` -> ``estimator``).
+
+    Raises:
+        GraphError: one line: ``where`` (node or op, graph file:line), the unknown
+            argument, the nearest valid name and what ``taker`` takes.
+    """
+    accepted = list(accepted)
+    for arg in given:
+        if arg in accepted:
+            continue
+        near = difflib.get_close_matches(arg, [*accepted, *nearby], n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        takes = ", ".join(accepted) if accepted else "no extra arguments"
+        raise GraphError(f"{where}: unknown argument '{arg}'; {hint}{taker} takes: {takes}")
+
+
+def function_parameters(fn: Callable, skip: Iterable[str] = ()) -> list[str] | None:
+    """Keyword-passable parameter names of ``fn`` minus ``skip``; None if it takes ``**kwargs``."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    skip, by_position = set(skip), (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+    return [p.name for p in params if p.kind not in by_position and p.name not in skip]
+
+
+def op_function(fn: Callable) -> Callable:
+    """Decorator of a built-in ``ops.<name>`` function: a keyword argument it does not take
+    raises :class:`GraphError` through :func:`check_arguments` (``ops.generate
+    (graphs/x.py:12): unknown argument 'n_sample'; did you mean 'n_samples'? ...``) rather
+    than a bare ``TypeError``. Keywords of a function with ``**kwargs`` are its own to check."""
+    from areal_flow.dsl import user_source
+
+    takes = function_parameters(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if takes is not None and any(k not in takes for k in kwargs):
+            check_arguments(f"ops.{fn.__name__} ({user_source()})", kwargs, takes, taker=f"ops.{fn.__name__}")
+        return fn(*args, **kwargs)
+
+    return call
+
+
 class UserOp:
     """A user-registered op: call it inside a ``@flow`` to record a node.
 
     ``op(handle, ..., name=None, model=None, **attrs)``: positional handles fill the input
     ports in declaration order (or pass them by port name); ``attrs`` are the node's
     attributes, given to the function on the worker. Returns the handle of the first
-    output port (a tuple of handles when there are several).
+    output port (a tuple of handles when there are several). Raises GraphError for an
+    attribute the function does not take (unless it takes ``**kwargs``).
     """
 
     def __init__(self, op: OpDef, fn: Callable) -> None:
@@ -138,6 +199,10 @@ class UserOp:
         inputs = dict(zip(ports, handles))
         inputs.update({k: kwargs.pop(k) for k in list(kwargs) if k in ports})
         node = record(self.op.spec, inputs, model=model, attrs=kwargs, name=name)
+        takes = function_parameters(self.fn, skip=ports)
+        if takes is not None:
+            check_arguments(node.where(), kwargs, takes, taker=f"op '{self.op.name}' (function {self.fn.__name__})",
+                            nearby=[*ports, "name", "model"])
         outs = tuple(Handle(node.name, p.name, p.type) for p in self.op.spec.outputs)
         return outs[0] if len(outs) == 1 else outs
 

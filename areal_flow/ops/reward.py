@@ -26,7 +26,7 @@ from typing import Callable
 
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import CPU, GROUP, INFERENCE, OpDef, define
+from areal_flow.ops.registry import CPU, GROUP, INFERENCE, OpDef, define, op_function
 from areal_flow.types import Trajectory
 
 SPEC = OpSpec("reward", inputs=(PortSpec("rollouts", "rollouts"),), outputs=(PortSpec("rewards", "rewards"),))
@@ -56,6 +56,7 @@ REWARD_FNS: dict[str, Callable[[str, str], float]] = {"arithmetic": _arithmetic,
                                                       "longtail": _longtail}
 
 
+@op_function
 def reward(
     rollouts: Handle,
     *,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.generate import check_sampling
-from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define
+from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define, op_function
 
 SPEC = OpSpec(
     "rollout",
@@ -30,6 +30,7 @@ SPEC = OpSpec(
 OP = define(OpDef(SPEC, STREAM, GENERATION, "runtime.executors.rollout:RolloutExecutor"))
 
 
+@op_function
 def rollout(
     policy: Model,
     prompts: Handle,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from areal_flow.dsl import Handle, Model, current_graph, record
 from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import CPU, ROUTE, OpDef, define
+from areal_flow.ops.registry import CPU, ROUTE, OpDef, define, op_function
 
 SPEC = OpSpec(
     "sync_weights",
@@ -21,6 +21,7 @@ SPEC = OpSpec(
 OP = define(OpDef(SPEC, ROUTE, CPU))
 
 
+@op_function
 def sync_weights(model: Model, *, to: Handle, name: str | None = None) -> None:
     """Declare that ``model``'s new weights go to the generator that produced ``to``.
 

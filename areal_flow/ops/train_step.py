@@ -14,7 +14,7 @@ from __future__ import annotations
 from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
 from areal_flow.dsl import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define
+from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define, op_function
 
 SPEC = OpSpec(
     "train_step",
@@ -25,6 +25,7 @@ SPEC = OpSpec(
 OP = define(OpDef(SPEC, BATCH, TRAINING, "runtime.executors.train:TrainStepExecutor"))
 
 
+@op_function
 def train_step(
     model: Model,
     advantages: Handle,
