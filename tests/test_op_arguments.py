@@ -113,5 +113,5 @@ def test_every_command_exits_2_with_one_line_before_writing(tmp_path, command):
                          capture_output=True, text=True, env=env)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
-    assert f"typo.py:8): unknown argument 'estimatr'; did you mean 'estimator'?" in out.stderr
+    assert "typo.py:8): unknown argument 'estimatr'; did you mean 'estimator'?" in out.stderr
     assert not (tmp_path / "runs").exists()  # run.out_dir (relative to the working folder): nothing written
