@@ -90,8 +90,11 @@ class TrainStepExecutor:
             self.algorithm = self.ranks.algorithm
             return
         self.model = ctx.model(node.model).to(self.device).train()
-        if node.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-            self.model.gradient_checkpointing_enable()
+        if node.activation_checkpointing:  # transformers >= 5.24 names it activation_checkpointing_enable
+            enable = (getattr(self.model, "activation_checkpointing_enable", None)
+                      or getattr(self.model, "gradient_checkpointing_enable", None))
+            if enable is not None:
+                enable()
         s = self.settings
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         if self.critic:
