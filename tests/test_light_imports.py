@@ -26,3 +26,13 @@ def test_graph_and_compile_import_no_torch_or_transformers(args, tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "exit 0 False False"
+
+
+def test_importing_the_library_loads_neither_the_compiler_nor_its_dependencies():
+    """``.venv-vllm`` installs the project without its dependencies (see the Makefile): the
+    engine code it tests imports ``areal_flow``, which must not pull in ``compiler`` (and
+    with it ``xxhash``)."""
+    probe = "import sys, areal_flow, areal_flow.ops; print('compiler' in sys.modules, 'xxhash' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from areal_flow.config import DatasetConfig
 from areal_flow.dsl import Handle, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, SOURCE, OpDef, check_arguments, define, op_function
@@ -38,6 +37,8 @@ def dataset(cfg: Any, *, name: str | None = None) -> Handle:
     """
     attrs = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     node = record(SPEC, {}, attrs=attrs, name=name)
+    from areal_flow.config import DatasetConfig  # here, not at import: `import areal_flow` stays without the compiler
+
     check_arguments(node.where(), attrs, [f.name for f in dataclasses.fields(DatasetConfig)], taker="dataset config")
     task = attrs.get("name", "arithmetic")
     if task not in TASKS:
