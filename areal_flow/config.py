@@ -250,7 +250,7 @@ class SchedulerConfig:
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
     threads_per_worker: int = 0
-    """torch intra-op threads of each worker process (local scheduler); 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
+    """torch intra-op threads of each worker process; on Ray 0 = 1 (one per actor CPU), on the local scheduler 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
 
 
 @dataclass

@@ -187,7 +187,8 @@ class _RayRun:
         addresses["weights"] = [ray.get(self.actors[f"{gen.name}/{r}"].endpoint.remote(host))
                                 for r in range(gen.replicas)]
         control = free_tcp_endpoint(host)
-        specs = setup.specs(addresses, control, threads=1)
+        threads = int(setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
+        specs = setup.specs(addresses, control, threads=threads)
         router = setup.router(addresses[gen.name], control)
         stop = threading.Event()
         router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
