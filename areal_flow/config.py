@@ -105,6 +105,9 @@ class EnvConfig:
     """Discount per turn of the episode return (Sutton & Barto eq. 3.8, one step per turn)."""
     step_timeout_s: float = 30.0
     """Seconds one env.reset / env.step may take; past it the episode fails (counted, left out)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keys merged into every episode's env config (ops.rollout env_config; the dataset row's own keys win),
+    e.g. turn_cost: 0.2 for support_desk and guess_number (the reward of a turn that does not end the episode)."""
 
 
 @dataclass

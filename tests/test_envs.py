@@ -1,6 +1,8 @@
 """Tool-call parsing, the shipped envs (support_desk, guess_number), their tasks' scripted
 teachers, and the dialogue token layout of the supervised warm start. Expected values by hand."""
 
+import random
+
 import pytest
 
 from areal_flow.envs import EnvError, env_class, make_env
@@ -12,7 +14,7 @@ from areal_flow.envs.tools import NOT_A_CALL, ToolCall, ToolCallError, parse_too
 from areal_flow.models.presets import ALPHABET
 from areal_flow.ops.dataset import build_task
 from areal_flow.tasks.guess_number import GuessNumberTask
-from areal_flow.tasks.support_desk import SupportDeskTask, play
+from areal_flow.tasks.support_desk import SupportDeskTask, play, slip
 
 # -- parse_tool_call ------------------------------------------------------------------
 
@@ -192,16 +194,51 @@ def test_support_teacher_resolution_follows_bug_rate():
     perfect = task.teach(rows, 0.0)
     assert all(r["teacher"]["resolved"] for r in perfect)
     # optimal turns: explicit (p = 1/2) 1 turn; vague: lookup resolves track (1/3) in 1 turn, else 2:
-    # E = 1/2 * 1 + 1/2 * (1/3 + 2/3 * 2) = 4/3 turns.
-    assert sum(r["teacher"]["turns"] for r in perfect) / 200 == pytest.approx(4 / 3, abs=0.12)
-    # sloppy with probability b, and then "wrong" (unresolved) with probability 1/2: E[resolved] = 1 - b/2
-    # = 0.75 at b = 0.5; binomial sd on 200 = sqrt(0.75 * 0.25 / 200) = 0.031 -> +-4 sd = [0.63, 0.87].
+    # E = 1/2 * 1 + 1/2 * (1/3 + 2/3 * 2) = 4/3 turns, plus one slip turn with probability 1/4.
+    assert sum(r["teacher"]["turns"] for r in perfect) / 200 == pytest.approx(4 / 3 + 1 / 4, abs=0.15)
+    # sloppy with probability b, then "wrong" with probability 1/2, unresolved on a vague message (p = 1/2):
+    # E[resolved] = 1 - b/4 = 0.875 at b = 0.5; binomial sd on 200 = sqrt(0.875 * 0.125 / 200) = 0.023
+    # -> +-4 sd = [0.78, 0.97].
     sloppy = task.teach(rows, 0.5)
-    assert 0.63 <= sum(r["teacher"]["resolved"] for r in sloppy) / 200 <= 0.87
+    assert 0.78 <= sum(r["teacher"]["resolved"] for r in sloppy) / 200 <= 0.97
+    assert all(r["teacher"]["resolved"] for r in sloppy if r["explicit"])  # explicit messages are never misread
+    # the verbose "ask" agent: ask, look up, act -- 3 turns, 2 when the lookup resolves (track)
+    asks = [r for r in sloppy if r["teacher"]["kind"] == "ask" and not r["teacher"]["slipped"]]
+    assert asks and all(r["teacher"]["turns"] == (2 if r["intent"] == "track" else 3) for r in asks)
+    assert all([s[0] for s in r["segments"][1::2]][:2] == ["how can i help", f"lookup({r['order']})"] for r in asks)
     assert {r["teacher"]["kind"] for r in sloppy} == {"optimal", "wrong", "ask", "lookup"}
     assert task.teach(rows, 0.5) == sloppy and sloppy[0]["segments"][0] == (rows[0]["prompt"], False)
     with pytest.raises(ValueError, match="bug_rate"):
         task.demonstrations(4, 0, 1.5)
+
+
+def test_support_teacher_slips_are_context_and_recovered_from():
+    task = SupportDeskTask(seed=0)
+    rows = task.teach(task.test_set(200), 0.0)
+    slipped = [r for r in rows if r["teacher"]["slipped"]]
+    assert 30 <= len(slipped) <= 70  # binomial(200, 1/4): mean 50, sd 6.1
+    for r in slipped:
+        seg = r["segments"]
+        assert seg[1][1:] == (True, False)  # a policy turn kept out of the loss
+        assert seg[2][0].startswith(("error", "no order")) and not seg[2][1]  # the env says what went wrong
+        assert seg[3:] == play(r, "optimal", None)[0][1:]  # then the optimal dialogue, as if fresh
+    rng = random.Random(0)
+    for _ in range(200):  # one edit of "lookup(4821)": a digit, the ")" or a letter of the name
+        out = slip("lookup(4821)", rng)
+        name, _, rest = out.partition("(")
+        digit_changed = name == "lookup" and len(rest) == 5 and sum(a != b for a, b in zip(rest, "4821)")) == 1
+        assert digit_changed or out == "lookup(4821" or (len(name) == 5 and rest == "4821)"), out
+
+
+def test_turn_cost_comes_from_the_env_config():
+    desk = SupportDeskEnv({"intent": "refund", "order": 4821, "turn_cost": 0.3})
+    desk.reset()
+    assert desk.step("lookup(4821)")[1] == -0.3 and desk.step("refund(4821)")[1] == 1.0
+    game = GuessNumberEnv({"target": 7, "turn_cost": 0})
+    assert game.step("3")[1] == 0.0
+    for bad in (-0.1, "0.2", True):
+        with pytest.raises(EnvError, match=r"support_desk: config turn_cost=.*env\.config\.turn_cost"):
+            SupportDeskEnv({"intent": "refund", "order": 1, "turn_cost": bad})
 
 
 # -- guess_number ---------------------------------------------------------------------
@@ -242,8 +279,12 @@ def test_encode_dialogue_by_hand():
     tok = build_char_tokenizer()
     # ids: <bos>=1 <eos>=2, "0".."9" = 4..13, "." = 21, "a".."z" = 24..49 (h=31 i=32 l=35 o=38 w=46 e=28 r=41)
     ids, mask = encode_dialogue(tok, [("hi", False), ("5", True), ("lower.", False), ("2", True)])
-    assert ids == [1, 31, 32, 9, 2, 35, 38, 46, 28, 41, 21, 6, 2]
-    assert mask == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert ids == [1, 31, 32, 9, 2, 35, 38, 46, 28, 41, 21, 2, 6, 2]  # "lower." ends with EOS, the prompt does not
+    assert mask == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    # a non-target policy turn (a slip the dialogue recovers from) is context, not loss
+    ids, mask = encode_dialogue(tok, [("hi", False), ("5", True, False), ("lower.", False), ("2", True, True)])
+    assert ids == [1, 31, 32, 9, 2, 35, 38, 46, 28, 41, 21, 2, 6, 2]
+    assert mask == [0] * 12 + [1, 1]
 
 
 def test_sft_encodes_dialogue_rows_beside_prompt_rows():

@@ -72,16 +72,17 @@ def test_episode_layout_masks_observation_tokens():
     ep.reward(1.0)
     t = ep.to_trajectory("0:0", 0, gamma=0.5, meta={})
     assert t.prompt_ids == [1, cid("a"), cid("b")]
-    assert t.output_ids == [cid("7"), 2, cid("c"), cid("8"), 2]
-    assert t.loss_mask == [1, 1, 0, 1, 1]
-    assert t.versions == [3, 3, -1, 4, 4] and t.start_version == 3
-    assert t.behavior_logprobs == [-0.5, -0.25, 0.0, -1.0, -2.0]
-    assert t.turn_ids == [0, 0, 0, 1, 1]
+    # the later observation "c" ends with EOS (layout 2): the token before a policy turn is EOS
+    assert t.output_ids == [cid("7"), 2, cid("c"), 2, cid("8"), 2]
+    assert t.loss_mask == [1, 1, 0, 0, 1, 1]
+    assert t.versions == [3, 3, -1, -1, 4, 4] and t.start_version == 3
+    assert t.behavior_logprobs == [-0.5, -0.25, 0.0, 0.0, -1.0, -2.0]
+    assert t.turn_ids == [0, 0, 0, 0, 1, 1]
     assert t.reward == pytest.approx(-0.1 + 0.5 * 1.0)
     batch = collate([t], pad_id=0)
-    assert batch["loss_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert batch["loss_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1]
     assert batch["turn_rewards"][0].tolist() == pytest.approx([-0.1, 1.0])
-    assert batch["versions"][0].tolist() == [-1, -1, -1, 3, 3, -1, 4, 4]
+    assert batch["versions"][0].tolist() == [-1, -1, -1, 3, 3, -1, -1, 4, 4]
 
 
 class FakeEngine:

@@ -71,6 +71,16 @@ def test_warm_start_caches_and_learns(tmp_path, monkeypatch):
 
     assert sft.warm_start_key(_Reworded(), "tiny-s", cfg) != folder.name  # a stale warm start is not reused
 
+    class _Dialogues(_OneProblem):  # scripted dialogues: their token layout is part of the key
+        def train_problems(self, n, seed):
+            return [{"prompt": "hi", "segments": [("hi", False), ("5", True)], "id": i} for i in range(n)]
+
+    dialogue_key = sft.warm_start_key(_Dialogues(), "tiny-s", cfg)
+    monkeypatch.setattr(sft, "LAYOUT_VERSION", sft.LAYOUT_VERSION + 1)
+    assert sft.warm_start_key(_Dialogues(), "tiny-s", cfg) != dialogue_key
+    assert sft.warm_start_key(task, "tiny-s", cfg) == folder.name  # prompt/answer rows have no dialogue layout
+    monkeypatch.undo()
+
     model, tok = load_warm_start(folder)
     problems = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "12+34=", "answer": "47"}]
     # memorised "46": right for the first, wrong for the second -> 1/2

@@ -20,6 +20,19 @@ class EnvError(ValueError):
     """An unknown env name, or an env that breaks the interface (named)."""
 
 
+def turn_cost(env: str, config: dict, default: float) -> float:
+    """``config["turn_cost"]`` (the reward of a turn that does not end the episode is its
+    negative; ``default`` when absent) of the env named ``env``.
+
+    Raises:
+        EnvError: a value that is not a number >= 0 (names the env and the key).
+    """
+    value = config.get("turn_cost", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise EnvError(f"{env}: config turn_cost={value!r}, expected a number >= 0 (env.config.turn_cost)")
+    return float(value)
+
+
 class BaseEnv:
     """One episode of an environment (Gymnasium's ``reset``/``step`` contract, with text).
 

@@ -6,9 +6,14 @@ start on scripted dialogues (:func:`encode_dialogue`), so what a model is warm-s
 is exactly what it later sees:
 
 * no chat template (the character tokenizer): the first observation is
-  ``tokenizer.encode(text)`` (``<bos>`` + characters), every later one
-  ``encode(text, add_special_tokens=False)``; a policy turn is the sampled ids, ending
-  with EOS when it stopped.
+  ``tokenizer.encode(text)`` (``<bos>`` + characters, as ``ops.generate`` lays out a
+  prompt), every later one ``encode(text, add_special_tokens=False)`` followed by EOS
+  (:data:`LAYOUT_VERSION` 2); a policy turn is the sampled ids, ending with EOS when it
+  stopped. So every message after the prompt ends with EOS, as ChatML ends every message
+  with ``<|im_end|>``: the token before a policy turn is always an EOS, and after an
+  observation the policy has never seen (an error message) it still knows that its turn
+  has begun. Layout 1 had no marker, and a tiny policy continued unfamiliar observations'
+  text as if it were its own (docs/AGENTS.md, "Where the turns go").
 * a chat template: observations are chat messages (a text becomes one ``user`` message);
   each one is tokenised as the *difference* between the template rendered with and
   without it (:func:`render_delta`), so the policy's sampled ids are never re-tokenised.
@@ -25,6 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_flow.types import Trajectory
+
+LAYOUT_VERSION = 2
+"""The no-chat token layout (module doc); part of the warm-start cache key, so a model
+warm-started on another layout is never reused."""
 
 
 def _messages(obs) -> list[dict]:
@@ -112,7 +121,7 @@ class Episode:
             self.texts.append(" ".join(str(m.get("content", "")) for m in new))
         else:
             text = obs if isinstance(obs, str) else " ".join(str(m.get("content", "")) for m in _messages(obs))
-            ids = list(self.tokenizer.encode(text)) if first else list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = list(self.tokenizer.encode(text)) if first else _later_observation(self.tokenizer, text)
             self.texts.append(text)
         if first:
             self.prompt_ids = ids
@@ -163,24 +172,32 @@ class Episode:
             turn_ids=list(self.turn_ids), turn_rewards=list(self.turn_rewards))
 
 
-def encode_dialogue(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+def _later_observation(tokenizer, text: str) -> list[int]:
+    """An observation after the first, no chat template: its characters, then EOS."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+
+
+def encode_dialogue(tokenizer, segments: list[tuple]) -> tuple[list[int], list[int]]:
     """A scripted dialogue in the rollout's token layout (no chat template), for SFT.
 
     Args:
-        segments: ``(text, is_policy)`` in order, starting with an observation; a policy
-            turn is followed by EOS, as a sampled turn that stopped.
+        segments: ``(text, is_policy)`` or ``(text, is_policy, is_target)`` in order,
+            starting with an observation; a policy turn is followed by EOS, as a sampled
+            turn that stopped. ``is_target`` False keeps a policy turn in the context but
+            out of the loss (a slip the dialogue recovers from, which the model should
+            learn to recover from, not to make).
 
     Returns:
-        ``(ids, loss_mask)``, ``[len]`` each; ``loss_mask`` is 1 on policy tokens and
-        their EOS.
+        ``(ids, loss_mask)``, ``[len]`` each; ``loss_mask`` is 1 on the tokens of target
+        policy turns and their EOS.
     """
     ids: list[int] = []
     mask: list[int] = []
-    for text, is_policy in segments:
+    for text, is_policy, *target in segments:
         if is_policy:
             seg = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
         else:
-            seg = list(tokenizer.encode(text, add_special_tokens=not ids))
+            seg = _later_observation(tokenizer, text) if ids else list(tokenizer.encode(text))
         ids += seg
-        mask += [int(is_policy)] * len(seg)
+        mask += [int(is_policy and (not target or bool(target[0])))] * len(seg)
     return ids, mask

@@ -29,14 +29,14 @@ digits, ``+-*/=()., ``), so the tiny character model can read it.
 
 from __future__ import annotations
 
-from areal_flow.envs.base import BaseEnv, EnvError, register_env
+from areal_flow.envs.base import BaseEnv, EnvError, register_env, turn_cost
 from areal_flow.envs.tools import ToolCall, ToolCallError, parse_tool_call
 from areal_flow.models.presets import ALPHABET
 
 INTENTS = ("refund", "track", "escalate")
 RESOLVING_TOOL = {"refund": "refund", "track": "lookup", "escalate": "escalate"}
 TURN_COST = 0.1
-"""Reward of a turn that does not end the episode is ``-TURN_COST``."""
+"""Reward of a turn that does not end the episode is ``-TURN_COST`` (config ``turn_cost``)."""
 
 EXPLICIT = {
     "refund": ("refund order {o} please", "my order {o} is broken, refund it", "money back for order {o}"),
@@ -84,14 +84,15 @@ class SupportDeskEnv(BaseEnv):
 
     Config (the dataset row, see ``areal_flow.tasks.support_desk``): ``intent`` (one of
     :data:`INTENTS`), ``order`` (int), ``prompt`` (the first message; built from
-    ``explicit`` / ``template`` when absent).
+    ``explicit`` / ``template`` when absent); ``turn_cost`` (default :data:`TURN_COST`).
 
     ``step`` takes a ``ToolCall`` / ``ToolCallError`` (or a raw string, parsed here) and
     returns ``info = {"resolved": 0/1, "tool_error": 0/1}`` (``tool_error``: a malformed
     call, an unknown tool or an unknown order number; a plain text turn is not one).
 
     Raises:
-        EnvError: ``intent`` missing / unknown, or ``order`` missing / not an integer.
+        EnvError: ``intent`` missing / unknown, ``order`` missing / not an integer, or
+            ``turn_cost`` not a number >= 0.
     """
 
     tools = TOOLS
@@ -105,6 +106,7 @@ class SupportDeskEnv(BaseEnv):
             self.order = int(self.config["order"])
         except (KeyError, TypeError, ValueError):
             raise EnvError(f"support_desk: config order={self.config.get('order')!r}, expected an integer") from None
+        self.turn_cost = turn_cost("support_desk", self.config, TURN_COST)
         self.done = False
 
     def reset(self) -> str:
@@ -138,7 +140,7 @@ class SupportDeskEnv(BaseEnv):
         return self._end("done, bye", resolved=resolved)
 
     def _go_on(self, observation: str, tool_error: int = 0) -> tuple[str, float, bool, dict]:
-        return observation, -TURN_COST, False, {"resolved": 0, "tool_error": tool_error}
+        return observation, -self.turn_cost, False, {"resolved": 0, "tool_error": tool_error}
 
     def _end(self, observation: str, resolved: bool) -> tuple[str, float, bool, dict]:
         self.done = True

@@ -11,11 +11,24 @@ A rollout reads only ``prompt`` and the hidden fields.
 The teacher (:meth:`SupportDeskTask.demonstrations`) acts optimally -- the resolving call
 at once after an explicit message; ``lookup`` first after a vague one (it resolves a
 ``track`` case, else reveals the intent) -- or, with probability ``bug_rate`` per
-episode, sloppily, in one of three ways (weights :data:`SLOPPY_KINDS`): ``wrong`` calls
-a wrong terminal tool at once (unresolved, 1 turn), ``ask`` asks ``"how can i help"``
-first, ``lookup`` looks up first even when the message is explicit (both resolve, with
-an extra turn where it was not needed). So the teacher resolves ``1 - bug_rate / 2`` of
-the cases in expectation.
+episode, sloppily, in one of three ways (weights :data:`SLOPPY_KINDS`): ``wrong`` jumps to
+a terminal call after a vague message without finding out what the customer wants (a
+wrong tool: unresolved, 1 turn; after an explicit message it acts optimally, so the
+dialogues never teach a wrong reading of an explicit message), ``ask`` is verbose: it asks
+``"how can i help"`` first, then looks up the order, then acts (3 turns; 2 for a
+``track`` case, which the lookup resolves), ``lookup`` looks up first even when the
+message is explicit (an extra turn where it was not needed). So the teacher resolves
+``1 - bug_rate / 4`` of the cases in expectation (half the messages are vague), and its
+needless turns are what RL can remove: the optimal teacher takes 4/3 turns on average,
+``ask`` 8/3, ``lookup`` 5/3.
+
+Independently, with probability :data:`SLIP_RATE` a dialogue opens with a slip: the
+first call the teacher was about to make, with one digit of the order changed, its
+closing parenthesis lost or a letter of the tool name dropped (what a sampling policy
+does); the env answers with its error observation and the teacher goes on as it would
+have. The slip stays in the context but out of the loss (``is_target`` False in
+``segments``), so the warm start learns to recover from an error observation, not to
+make the slip.
 """
 
 from __future__ import annotations
@@ -27,10 +40,12 @@ from areal_flow.envs.tools import parse_tool_call
 
 TEST_ID_OFFSET = 1_000_000_000
 """Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
-SLOPPY_KINDS = (("wrong", 0.5), ("ask", 0.25), ("lookup", 0.25))
+SLOPPY_KINDS = (("wrong", 0.5), ("ask", 0.3), ("lookup", 0.2))
 """A sloppy episode's kind and its probability."""
 QUESTION = "how can i help"
 MAX_TURNS = 8
+SLIP_RATE = 0.25
+"""Probability that a teacher's dialogue opens with a slip it recovers from (module doc)."""
 
 
 def teacher_turn(row: dict, kind: str, turn: int, rng: random.Random) -> str:
@@ -38,27 +53,47 @@ def teacher_turn(row: dict, kind: str, turn: int, rng: random.Random) -> str:
     (``"optimal"`` or a :data:`SLOPPY_KINDS` name); ``rng`` picks the wrong tool."""
     order, intent = row["order"], row["intent"]
     right = f"{RESOLVING_TOOL[intent]}({order})"
+    if kind == "ask":
+        return (QUESTION, f"lookup({order})", right)[min(turn, 2)]
     if turn > 0:
         return right
-    if kind == "wrong":
+    if kind == "wrong" and not row["explicit"]:
         return f"{rng.choice([t for t in ('refund', 'escalate') if t != RESOLVING_TOOL[intent]])}({order})"
-    if kind == "ask":
-        return QUESTION
     if kind == "lookup" or not row["explicit"]:
         return f"lookup({order})"
     return right
 
 
-def play(row: dict, kind: str, rng: random.Random, max_turns: int = MAX_TURNS) -> tuple[list, dict]:
+def slip(call: str, rng: random.Random) -> str:
+    """``call`` (``"lookup(4821)"``) as a sampling policy might get it wrong: one digit of
+    the order changed, the closing parenthesis lost, or one letter of the tool name dropped."""
+    name, order = call[:-1].split("(")
+    how = rng.randrange(3)
+    if how == 0:
+        i = rng.randrange(len(order))
+        digit = rng.choice([d for d in "0123456789" if d != order[i] and (i or d != "0")])
+        return f"{name}({order[:i]}{digit}{order[i + 1:]})"
+    if how == 1:
+        return f"{name}({order}"
+    i = rng.randrange(len(name))
+    return f"{name[:i]}{name[i + 1:]}({order})"
+
+
+def play(row: dict, kind: str, rng: random.Random, max_turns: int = MAX_TURNS,
+         slipped: bool = False) -> tuple[list, dict]:
     """Play the teacher against a fresh env, as the rollout loop does (the observation after
-    the last turn is not included). Returns ``(segments, {"resolved", "turns", "return"})``
-    (``return``: undiscounted sum of the turn rewards)."""
+    the last turn is not included); ``slipped``: open with a :func:`slip` of the first call
+    (a non-target segment, module doc). Returns ``(segments, {"resolved", "turns",
+    "return"})`` (``turns`` counts the slip; ``return``: undiscounted sum of the turn rewards)."""
     env = SupportDeskEnv(row)
     obs = env.reset()
     segments, total, info = [(obs, False)], 0.0, {"resolved": 0}
-    for turn in range(max_turns):
-        text = teacher_turn(row, kind, turn, rng)
-        segments.append((text, True))
+    turns = [(teacher_turn(row, kind, t, rng), True) for t in range(max_turns)]
+    if slipped:
+        first = turns[0][0] if turns[0][0].endswith(")") else f"lookup({row['order']})"
+        turns = [(slip(first, rng), False)] + turns[:-1]
+    for turn, (text, target) in enumerate(turns):
+        segments.append((text, True) if target else (text, True, False))
         obs, reward, done, info = env.step(parse_tool_call(text, env.tools))
         total += reward
         if done or turn + 1 == max_turns:
@@ -145,8 +180,9 @@ class SupportDeskTask:
 
     def teach(self, rows: list[dict], bug_rate: float, seed: int = 0) -> list[dict]:
         """``rows`` with ``segments`` replaced by the teacher's dialogue (sloppy with
-        probability ``bug_rate`` per episode, module doc; seeded by ``seed``) and
-        ``teacher`` = ``{"kind", "resolved", "turns", "return"}`` added.
+        probability ``bug_rate`` per episode, opening with a slip with probability
+        :data:`SLIP_RATE`, module doc; seeded by ``seed``) and ``teacher`` =
+        ``{"kind", "slipped", "resolved", "turns", "return"}`` added.
 
         Raises:
             ValueError: ``bug_rate`` outside [0, 1].
@@ -158,8 +194,9 @@ class SupportDeskTask:
         out = []
         for row in rows:
             kind = rng.choices(kinds, weights)[0] if rng.random() < bug_rate else "optimal"
-            segments, stats = play(row, kind, rng)
-            out.append({**row, "segments": segments, "teacher": {"kind": kind, **stats}})
+            slipped = rng.random() < SLIP_RATE
+            segments, stats = play(row, kind, rng, slipped=slipped)
+            out.append({**row, "segments": segments, "teacher": {"kind": kind, "slipped": slipped, **stats}})
         return out
 
     @staticmethod

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from areal_flow.cache import cache_root
-from areal_flow.envs.episode import encode_dialogue
+from areal_flow.envs.episode import LAYOUT_VERSION, encode_dialogue
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer, load_tokenizer
 
@@ -78,10 +78,15 @@ def training_problems(task, cfg: SFTConfig) -> list[dict]:
 def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
     """Hex xxhash64 of the SFT config, the preset, ``task.spec()`` and the training rows
     themselves (the cache folder name): an edit to a task's or an env's texts (a prompt, an
-    observation, a scripted dialogue) changes the rows and with them the key, so a stale
-    warm start is never reused."""
-    rows = xxhash.xxh64_hexdigest(json.dumps(training_problems(task, cfg), sort_keys=True, default=str).encode())
-    blob = json.dumps({"sft": asdict(cfg), "preset": preset, "task": task.spec(), "rows": rows}, sort_keys=True)
+    observation, a scripted dialogue) changes the rows and with them the key, and so does
+    a change of the dialogue token layout (``areal_flow.envs.episode.LAYOUT_VERSION``), so a
+    stale warm start is never reused."""
+    problems = training_problems(task, cfg)
+    rows = xxhash.xxh64_hexdigest(json.dumps(problems, sort_keys=True, default=str).encode())
+    key = {"sft": asdict(cfg), "preset": preset, "task": task.spec(), "rows": rows}
+    if any("segments" in p for p in problems):  # dialogues: their token layout is part of the data
+        key["layout"] = LAYOUT_VERSION
+    blob = json.dumps(key, sort_keys=True)
     return xxhash.xxh64_hexdigest(blob.encode())
 
 
