@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms.returns import multi_turn
-from areal_flow.envs import BaseEnv
+from areal_flow.envs import BaseEnv, env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.models.tokenizer import build_char_tokenizer
 from runtime.batching import collate
@@ -178,6 +178,19 @@ def test_play_episodes_with_the_fake_engine_scores_by_the_env():
                                                                                    {"id": 1, "answer": "6"}], 256)
     assert [t.reward for t in trajs] == [3.0, 0.0]
 
+
+
+def test_env_config_reaches_the_env_and_the_row_wins():
+    """``ops.rollout(env_config=...)`` (the yaml's ``env.config``) is merged under each row: the
+    support desk's turn cost comes from it unless the row sets its own. Reply "x" is a plain
+    text turn (-turn_cost, the episode goes on) for 2 turns: G_0 = -c - c = -2c at gamma 1."""
+    attrs = {**ATTRS, "env": "support_desk", "env_class": env_class("support_desk"), "max_turns": 2,
+             "n_samples": 1, "env_config": {"turn_cost": 0.25}}
+    rows = [{"id": 0, "intent": "refund", "order": 4821},
+            {"id": 1, "intent": "refund", "order": 4821, "turn_cost": 0.5}]
+    trajs = play_episodes(FakeEngine(reply="x"), TOK, attrs, rows, 256)
+    assert [t.turn_rewards for t in trajs] == [[-0.25, -0.25], [-0.5, -0.5]]
+    assert [t.reward for t in trajs] == pytest.approx([-0.5, -1.0])
 
 TEMPLATE_GRAPH = '''
 from areal_flow import Model, flow, ops

@@ -10,10 +10,12 @@ is exactly what it later sees:
   prompt), every later one ``encode(text, add_special_tokens=False)`` followed by EOS
   (:data:`LAYOUT_VERSION` 2); a policy turn is the sampled ids, ending with EOS when it
   stopped. So every message after the prompt ends with EOS, as ChatML ends every message
-  with ``<|im_end|>``: the token before a policy turn is always an EOS, and after an
-  observation the policy has never seen (an error message) it still knows that its turn
-  has begun. Layout 1 had no marker, and a tiny policy continued unfamiliar observations'
-  text as if it were its own (docs/AGENTS.md, "Where the turns go").
+  with ``<|im_end|>``: the token before every policy turn after the first is an EOS, and
+  after an observation the policy has never seen (an error message) it still knows that
+  its turn has begun. Layout 1 had no marker, and a tiny policy continued unfamiliar
+  observations' text as if it were its own (docs/AGENTS.md, "Where the turns went"). The
+  layout holds for any tokenizer without a chat template, so an agent program's later
+  messages (``graphs/arith_openai_agent.py``'s ``"again="``) end with EOS too.
 * a chat template: observations are chat messages (a text becomes one ``user`` message);
   each one is tokenised as the *difference* between the template rendered with and
   without it (:func:`render_delta`), so the policy's sampled ids are never re-tokenised.
@@ -173,7 +175,14 @@ class Episode:
 
 
 def _later_observation(tokenizer, text: str) -> list[int]:
-    """An observation after the first, no chat template: its characters, then EOS."""
+    """An observation after the first, no chat template: its tokens, then EOS.
+
+    Raises:
+        ValueError: the tokenizer has no ``eos_token_id`` (the layout needs one).
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{type(tokenizer).__name__} has no eos_token_id: a multi-turn episode without a chat "
+                         "template ends every later observation with EOS; set the tokenizer's eos_token")
     return list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
 
 

@@ -4,8 +4,8 @@ A plain-text env (no tools): the policy's turn is a number (``"10"``); the obser
 ``"higher."`` (the hidden number is larger), ``"lower."`` or, on a turn that is not an
 integer, ``"say a number from LOW to HIGH."``. The right guess ends the episode.
 
-Rewards per turn: ``+1.0`` for the right guess, ``-TURN_COST`` (0.1) for every other
-turn. A binary search finds any number of ``1..20`` within 5 guesses.
+Rewards per turn: ``+1.0`` for the right guess, ``-turn_cost`` for every other turn
+(config ``turn_cost``, default :data:`TURN_COST` = 0.1). A binary search finds any number of ``1..20`` within 5 guesses.
 """
 
 from __future__ import annotations

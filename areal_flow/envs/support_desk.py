@@ -20,8 +20,10 @@ the intent's call). A wrong order number, an unknown tool or a malformed call ge
 error observation and the episode goes on.
 
 Rewards per turn: ``+1.0`` on the turn that resolves, ``0.0`` on a terminal turn that
-does not, ``-TURN_COST`` (0.1) on every turn that does not end the episode. So with
-``gamma = 0.9`` a 1-turn resolution returns 1.0 and a 2-turn one ``-0.1 + 0.9 = 0.8``.
+does not, ``-turn_cost`` on every turn that does not end the episode (config
+``turn_cost``, default :data:`TURN_COST` = 0.1; ``graphs/agent_support.yaml`` sets 0.3). So
+with ``gamma = 0.9`` a 1-turn resolution returns 1.0 and a 2-turn one ``-0.1 + 0.9 = 0.8``
+(``-0.3 + 0.9 = 0.6`` at 0.3).
 
 Every text the env writes uses only the character tokenizer's alphabet (lowercase,
 digits, ``+-*/=()., ``), so the tiny character model can read it.

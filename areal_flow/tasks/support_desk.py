@@ -66,8 +66,14 @@ def teacher_turn(row: dict, kind: str, turn: int, rng: random.Random) -> str:
 
 def slip(call: str, rng: random.Random) -> str:
     """``call`` (``"lookup(4821)"``) as a sampling policy might get it wrong: one digit of
-    the order changed, the closing parenthesis lost, or one letter of the tool name dropped."""
-    name, order = call[:-1].split("(")
+    the order changed, the closing parenthesis lost, or one letter of the tool name dropped.
+
+    Raises:
+        ValueError: ``call`` is not ``name(digits)``.
+    """
+    name, _, order = call.removesuffix(")").partition("(")
+    if not (name and order.isdigit() and call.endswith(")")):
+        raise ValueError(f"slip: {call!r} is not a call name(digits)")
     how = rng.randrange(3)
     if how == 0:
         i = rng.randrange(len(order))

@@ -4,8 +4,8 @@ before RL, cached on disk by the hash of everything that determines the weights.
 Each example is ``<bos> prompt answer <eos>`` (character tokens), or a scripted multi-turn
 dialogue (a row with ``segments``) in the rollout's token layout
 (``areal_flow.envs.episode.encode_dialogue``); the loss is the mean next-token
-cross-entropy over the answer (policy-turn) characters and their EOS only (the rest is
-context).
+cross-entropy over the answer (policy-turn) characters and their EOS only (the rest,
+including a dialogue's non-target policy turns, is context).
 The defaults are tuned to stop at *partial* competence, leaving RL room to improve: see
 ``SFTConfig``.
 """
@@ -92,8 +92,8 @@ def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
 
 def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``<bos> prompt answer <eos>`` batch; a row with ``"segments"``
-    (``[(text, is_policy), ...]``) is a dialogue, encoded by ``encode_dialogue`` (its
-    policy turns and their EOS are the targets).
+    (``[(text, is_policy[, is_target]), ...]``) is a dialogue, encoded by
+    ``encode_dialogue`` (its target policy turns and their EOS are the targets).
 
     Returns:
         ``input_ids [N, T]`` int64, ``attention_mask [N, T]`` int64, ``loss_mask [N, T]``
