@@ -108,8 +108,12 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     advantage = _one(spans, "advantage", "train_step/0", step=0)
     train = _one([s for s in spans if s["cat"] == "node"], "train_step", "train_step/0", step=0)  # not its phases
     publish = _one(spans, "sync_weights", "train_step/0", phase="publish", version=1)
-    receive = _one(spans, "sync_weights", "generate/0", phase="receive", version=1)
-    load = _one(spans, "sync_weights", "generate/0", phase="load", version=1)
+    # the generator loads the newest version at an engine-step boundary: when versions 1 and 2
+    # are both out by then (a loaded machine), version 1 is never received; take its first one
+    received = min(s["args"]["version"] for s in spans if s["name"] == "sync_weights"
+                   and s["proc"] == "generate/0" and s["args"].get("phase") == "receive")
+    receive = _one(spans, "sync_weights", "generate/0", phase="receive", version=received)
+    load = _one(spans, "sync_weights", "generate/0", phase="load", version=received)
     phases = [s for s in spans if s["name"] == "train_step" and s["cat"] == "phase" and s["args"]["step"] == 0]
     # grpo recomputes no proximal log-probs; 2 groups x 4 = 8 rows fit one micro-batch: one forward, one backward
     assert [(s["args"]["phase"], s["args"].get("micro_batch")) for s in phases] == [
@@ -119,7 +123,8 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     path = [engine, reward, penalty, channel, advantage, *phases, publish]
     assert all(end(a) <= b["ts"] for a, b in zip(path, path[1:]))
     assert end(batch_wait) <= advantage["ts"] and end(channel) <= end(batch_wait)
-    assert publish["ts"] <= end(receive) <= load["ts"]
+    published = _one(spans, "sync_weights", "train_step/0", phase="publish", version=received)
+    assert publish["ts"] <= published["ts"] <= end(receive) <= load["ts"]
     timeline = summarize(run)
     assert set(timeline.nodes) == {"generate", "reward", "penalty", "advantage", "train_step", "sync_weights"}
     assert timeline.waits[("penalty->advantage", "channel")].count == 6  # 3 steps x 2 groups
