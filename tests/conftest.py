@@ -9,6 +9,7 @@ warm-start cache (SFT once per clone) and GGUF conversion.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,13 @@ def pytest_configure(config):
 def warm_cache() -> Path:
     """The session's cache root (see the module doc); run tests name it to say they use it."""
     return Path(os.environ["AREAL_FLOW_CACHE"])
+
+
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """Every test starts with Python's own SIGINT handler: a library that replaced it in an
+    earlier test (for SIG_IGN / SIG_DFL, ``_thread.interrupt_main`` does nothing) must not
+    turn the Ctrl-C tests into runs that never see their KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
