@@ -1,11 +1,23 @@
 """areal-flow: asynchronous RL for language models as a dataflow graph compiled from a Python DSL.
 
 Public API: ``flow`` (decorator), ``Model``, ``ops`` (the node kinds). Configs are in
-``areal_flow.config`` (loaded by ``areal_flow.config_load``); the command line is ``areal_flow.cli`` (``areal-flow``).
+``areal_flow.config`` (loaded by ``areal_flow.config_load``); the command line is ``areal_flow.cli``
+(``areal-flow``). The names load their module on first use, so importing a submodule (the
+runtime reading a plan) does not import the DSL.
 """
 
-from areal_flow import ops
-from areal_flow.dsl import Flow, Handle, Model, flow
+from importlib import import_module
 
-__all__ = ["Flow", "Handle", "Model", "flow", "ops"]
+_EXPORTS = {"Flow": "areal_flow.dsl", "Handle": "areal_flow.tracing", "Model": "areal_flow.tracing",
+            "flow": "areal_flow.dsl", "ops": "areal_flow.ops"}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Load the module that defines ``name``. Raises AttributeError for other names."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_flow' has no attribute {name!r}")
+    return import_module(module) if name == "ops" else getattr(import_module(module), name)

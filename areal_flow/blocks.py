@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from areal_flow import ops
-from areal_flow.dsl import Handle, Model, current_graph
+from areal_flow.tracing import Handle, Model, current_graph
 from areal_flow.graph import GraphError
 
 

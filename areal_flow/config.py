@@ -22,7 +22,7 @@ from typing import Any
 
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.dtypes import DTYPES
-from compiler.config import ClusterConfig, CompileConfig
+from areal_flow.config_compile import ClusterConfig, CompileConfig
 
 
 class ConfigError(ValueError):

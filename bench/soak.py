@@ -36,7 +36,8 @@ import psutil  # noqa: E402
 
 from areal_flow.cli import load_flow  # noqa: E402
 from areal_flow.config_load import load_config  # noqa: E402
-from runtime.launch import RunSetup, run_experiment  # noqa: E402
+from areal_flow.cli.run import run_experiment
+from runtime.run_setup import RunSetup  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.steps=300", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_flow.cli import load_flow  # noqa: E402
 from areal_flow.config_load import load_config  # noqa: E402
-from runtime.launch import run_experiment  # noqa: E402
+from areal_flow.cli.run import run_experiment  # noqa: E402
 from runtime.trace import TraceRecorder  # noqa: E402
 
 

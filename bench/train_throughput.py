@@ -26,7 +26,7 @@ import time
 import torch
 
 from areal_flow.algorithms.micro_batches import plan_micro_batches
-from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.algorithms.lookup import build_algorithm
 
 LAYOUTS = {"padded": dict(), "padded+budget": dict(budget=True), "packed+budget": dict(budget=True, pack=True)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,26 +1,31 @@
 """The compiler: graph + cluster + model specs -> :class:`~compiler.plan.Plan`.
 
-Public entry points: :func:`compile_plan`, :func:`format_table`, ``compiler.viz.render``,
+Public entry points: :func:`compile_plan`, :func:`format_table`, ``compiler.render.render``,
 :class:`Plan` (``plan.json``), the configs :class:`ClusterConfig` / :class:`CompileConfig`
-and the errors a user can meet.
+and the errors a user can meet. Names load their module on first use, so a reader of plans
+(the runtime) imports ``compiler.plan`` without the search.
 """
 
-from compiler.allocation import AllocationError
-from compiler.compile import compile_plan
-from compiler.config import ClusterConfig, CompileConfig, CompileConfigError
-from compiler.errors import InfeasiblePlanError
-from compiler.mesh import MeshSpec
-from compiler.plan import Plan
-from compiler.table import format_table
+from importlib import import_module
 
-__all__ = [
-    "AllocationError",
-    "ClusterConfig",
-    "CompileConfig",
-    "CompileConfigError",
-    "InfeasiblePlanError",
-    "MeshSpec",
-    "Plan",
-    "compile_plan",
-    "format_table",
-]
+_EXPORTS = {
+    "AllocationError": "compiler.allocation",
+    "ClusterConfig": "areal_flow.config_compile",
+    "CompileConfig": "areal_flow.config_compile",
+    "CompileConfigError": "areal_flow.config_compile",
+    "InfeasiblePlanError": "compiler.errors",
+    "MeshSpec": "compiler.mesh",
+    "Plan": "compiler.plan",
+    "compile_plan": "compiler.compile",
+    "format_table": "compiler.table",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Load the module that defines ``name``. Raises AttributeError for other names."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'compiler' has no attribute {name!r}")
+    return getattr(import_module(module), name)

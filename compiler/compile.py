@@ -13,7 +13,7 @@ import json
 import xxhash
 
 from compiler.allocation import resolve
-from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, LengthDistConfig, check_config
+from areal_flow.config_compile import ClusterConfig, CompileConfig, CompileConfigError, LengthDistConfig, check_config
 from compiler.cost import CostModel
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.explain import component_times, plan_warnings

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.config import ClusterConfig, CompileConfig
+from areal_flow.config_compile import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
 from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist

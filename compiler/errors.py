@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler.config import CompileConfig
+from areal_flow.config_compile import CompileConfig
 from compiler.cost import NodeCost
 from compiler.hardware import GIB
 from compiler.workload import GENERATION, DeviceTask

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from compiler.config import CompileConfigError
+from areal_flow.config_compile import CompileConfigError
 
 GB = 1e9  # datasheets use decimal GB/s and TFLOPS
 MIB = 2**20

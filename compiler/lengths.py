@@ -1,7 +1,7 @@
 """Response lengths: the distribution the time model and the simulator draw from.
 
 Owns :class:`LengthDist`, a response-length distribution in tokens built from
-``compile.length_dist`` (:class:`~compiler.config.LengthDistConfig`) and the budget
+``compile.length_dist`` (:class:`~areal_flow.config_compile.LengthDistConfig`) and the budget
 ``max_new_tokens`` (``M``). Every length is clipped to ``[1, M]``: an engine stops a
 response at the budget, so the mass above ``M`` sits at ``M`` (the responses that are cut).
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
 
-from compiler.config import LengthDistConfig, check_length_dist
+from areal_flow.config_compile import LengthDistConfig, check_length_dist
 
 _MOMENT_POINTS = 4096  # mid-quantiles used for E[L] and the steady-state context
 

@@ -201,7 +201,7 @@ class Plan:
         nodes: every graph node; routes: weight syncs; edges: graph edges.
         alternatives: top-k allocations, best first.
         models: model name -> ``{"spec", "trainable", "head"}`` (head: lm, value or reward).
-        run: the run's settings (``areal_flow.program.RunSpec`` as a dict).
+        run: the run's settings (``compiler.program.RunSpec`` as a dict).
         ops: user-registered op name -> its ``OpDef``, encoded.
         device_type / backend: ``cpu``/``gloo`` or ``cuda``/``nccl``.
         workload: what the time model assumed, for ``compiler.simulate``: ``n_sequences``,

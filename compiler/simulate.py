@@ -38,7 +38,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from compiler.config import LengthDistConfig
+from areal_flow.config_compile import LengthDistConfig
 from compiler.decode import ContinuousBatch, DecodeCost
 from compiler.hardware import DeviceSpec
 from compiler.lengths import LengthDist

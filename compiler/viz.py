@@ -1,6 +1,6 @@
 """Drawing a plan: which graph node runs on which devices of which machine.
 
-Owns :func:`render` (format by file suffix) and the Graphviz DOT form of the placement
+Owns the Graphviz DOT form of the placement
 graph; the self-contained HTML page is ``compiler.viz_html``. The drawing shows the
 graph's nodes with their data edges (and staleness bounds), the machines with their
 device blocks coloured by the node running there, and the weight-sync routes with their
@@ -10,7 +10,6 @@ box (``n1-63``) so a 1024-GPU plan stays readable in DOT.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from compiler.plan import Plan
 
@@ -119,35 +118,3 @@ def to_dot(plan: Plan) -> str:
         out.append(f"  {src} -> {dst} [color=red, penwidth=2, label={_q(label)}, fontcolor=red];")
     out.append("}")
     return "\n".join(out) + "\n"
-
-
-def render(plan: Plan, path: str | Path) -> Path:
-    """Write the placement graph of ``plan`` to ``path``; the format follows the suffix:
-    ``.html`` (self-contained page, no network), ``.svg`` / ``.png`` (Graphviz), ``.dot``.
-
-    Raises:
-        ValueError: another suffix.
-        RuntimeError: ``.svg``/``.png`` without the Graphviz ``dot`` program installed.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".html":
-        from compiler.viz_html import to_html
-
-        path.write_text(to_html(plan))
-    elif suffix == ".dot":
-        path.write_text(to_dot(plan))
-    elif suffix in (".svg", ".png"):
-        import graphviz
-
-        try:
-            data = graphviz.Source(to_dot(plan)).pipe(format=suffix[1:])
-        except graphviz.ExecutableNotFound:
-            raise RuntimeError(
-                f"rendering {path.name} needs the Graphviz 'dot' program (apt-get install graphviz); "
-                "the .html and .dot outputs need nothing"
-            ) from None
-        path.write_bytes(data)
-    else:
-        raise ValueError(f"cannot render {path}: suffix must be .html, .svg, .png or .dot")
-    return path

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from compiler.config import CompileConfig, CompileConfigError
+from areal_flow.config_compile import CompileConfig, CompileConfigError
 from compiler.models import ModelSpec, resolve_model
 
 GENERATION, TRAINING, INFERENCE, CPU = "generation", "training", "inference", "cpu"
@@ -177,7 +177,7 @@ def scalar_head_models(graph) -> dict[str, str]:
 def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
     """k of the data edge into the policy's train_step, else the smallest bound on a data
     edge into a train_step, else 1 (the IR edge is the one source of k); 0 for the time
-    model of ``compile.mode=sync`` (``areal_flow.program`` refuses a runnable plan whose
+    model of ``compile.mode=sync`` (``compiler.program`` refuses a runnable plan whose
     mode and edge disagree)."""
     return 0 if cfg.mode == "sync" else _edge_staleness(graph, train)
 

@@ -49,4 +49,6 @@ def agent_support(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(agent_support.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(agent_support))

@@ -35,4 +35,6 @@ def arith_chat_grpo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_chat_grpo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_chat_grpo))

@@ -42,4 +42,6 @@ def arith_dapo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_dapo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_dapo))

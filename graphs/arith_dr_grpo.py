@@ -30,4 +30,6 @@ def arith_dr_grpo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_dr_grpo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_dr_grpo))

@@ -41,4 +41,6 @@ def arith_grpo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_grpo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_grpo))

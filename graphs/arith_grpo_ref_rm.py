@@ -45,4 +45,6 @@ def arith_grpo_ref_rm(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_grpo_ref_rm.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_grpo_ref_rm))

@@ -29,4 +29,6 @@ def arith_gspo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_gspo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_gspo))

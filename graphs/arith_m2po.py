@@ -29,4 +29,6 @@ def arith_m2po(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_m2po.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_m2po))

@@ -38,4 +38,6 @@ def arith_ppo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_ppo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_ppo))

@@ -34,4 +34,6 @@ def arith_reinforce_pp(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_reinforce_pp.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_reinforce_pp))

@@ -29,4 +29,6 @@ def arith_rloo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_rloo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_rloo))

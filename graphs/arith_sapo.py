@@ -28,4 +28,6 @@ def arith_sapo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(arith_sapo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(arith_sapo))

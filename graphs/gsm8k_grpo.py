@@ -35,4 +35,6 @@ def gsm8k_grpo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(gsm8k_grpo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(gsm8k_grpo))

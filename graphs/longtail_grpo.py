@@ -45,4 +45,6 @@ def longtail_grpo(cfg):
 
 
 if __name__ == "__main__":
-    raise SystemExit(longtail_grpo.main())
+    from areal_flow.cli import run_main
+
+    raise SystemExit(run_main(longtail_grpo))

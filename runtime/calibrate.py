@@ -40,7 +40,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiler.config import LengthDistConfig
+from areal_flow.config_compile import LengthDistConfig
 from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.plan import Plan

@@ -46,13 +46,6 @@ from runtime.stage_worker import run_stage_worker
 from runtime.workers import WorkerSpec, run_generation_replica
 
 
-def run_experiment(graph, cfg, show_progress: bool = True) -> dict:
-    """Compile ``graph`` under ``cfg`` into a plan and run it (``areal-flow run graph.py``)."""
-    from areal_flow.program import compile_program
-
-    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume)
-
-
 def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
     """Execute ``plan`` (its only input) with the scheduler it names; returns the summary.
 

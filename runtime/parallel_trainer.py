@@ -52,7 +52,7 @@ from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
-from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.algorithms.lookup import build_algorithm
 from compiler.strategy import ParallelStrategy, StrategyError
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
@@ -64,6 +64,7 @@ from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
 from runtime.reshard import load_sharded, load_whole_into_ranks
 from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
 
 _SUMMED = ("loss", "policy_loss", "n_tokens", "n_seqs")  # totals of the rank's share of the global loss
@@ -219,13 +220,6 @@ class RankTrainer:
         else:
             load_whole_into_ranks(self.parallel.module, self.algorithm.optimizer, folder,
                                   read_state(Path(folder))["optimizers"][node])
-
-
-def broadcast_command(command: dict | None) -> dict | None:
-    """Rank 0 sends ``command`` to every rank (the others pass None and get it)."""
-    box = [command]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _die_with_parent() -> None:

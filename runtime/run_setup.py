@@ -185,7 +185,7 @@ class RunSetup:
         self.extra["eval_kind"] = f"episode success rate ({sampled})" if gen.op == "rollout" else "greedy accuracy"
         if gen.op == "rollout":
             from compiler.plan import decode_value
-            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.evaluate import evaluate_episodes
             from runtime.executors.rollout import episode_context
             from runtime.model_source import load_pretrained
 
@@ -377,7 +377,7 @@ def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
 def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:
     """Held-out greedy accuracy of the policy in ``folder``, and the count of each
     ``task.answer_kind`` (None when the task does not classify its answers)."""
-    from runtime.engines.evaluate import answer_accuracy, greedy_answers
+    from runtime.evaluate import answer_accuracy, greedy_answers
     from runtime.model_source import load_pretrained
 
     model, tokenizer = load_pretrained(folder)

@@ -218,7 +218,7 @@ class _Stage:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
         measured in this worker between steps (``eval.every``)."""
         from areal_flow.ops.dataset import build_task
-        from runtime.engines.evaluate import answer_accuracy, greedy_answers
+        from runtime.evaluate import answer_accuracy, greedy_answers
         from runtime.model_source import load_pretrained
 
         plan = self.ctx.plan
@@ -232,7 +232,7 @@ class _Stage:
         model.load_state_dict(executor.current_state())
         gen = self.ctx.generator()
         if gen.op == "rollout":
-            from runtime.engines.evaluate import evaluate_episodes
+            from runtime.evaluate import evaluate_episodes
             from runtime.executors.rollout import episode_context
 
             limit = episode_context(gen.attrs, executor.settings.model_folder)

@@ -166,7 +166,7 @@ def _check_ops(plan: Plan) -> None:
     ports are wired. Raises TopologyError naming the node."""
     from areal_flow.graph import GraphError
     from areal_flow.ops.registry import lookup
-    from runtime.workers import register_plan_ops
+    from runtime.plan_ops import register_plan_ops
 
     register_plan_ops(plan)
     for node in plan.nodes:

@@ -33,6 +33,7 @@ import torch
 
 from areal_flow.ops.registry import FunctionExecutor, lookup
 from compiler.plan import Plan, decode_value
+from runtime.plan_ops import register_plan_ops
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.checkpoint import sampling_seed
 from runtime.context import WorkerContext
@@ -81,14 +82,6 @@ class WorkerSpec:
     resync: str = ""
     secret: bytes = b""
     resume: str = ""
-
-
-def register_plan_ops(plan: Plan) -> None:
-    """Register the user ops the plan carries (so their executors can be built here)."""
-    from areal_flow.ops.registry import define
-
-    for encoded in plan.ops.values():
-        define(decode_value(encoded))
 
 
 def worker_context(spec: WorkerSpec) -> WorkerContext:

@@ -12,7 +12,8 @@ from areal_flow.algorithms.advantages import ESTIMATORS
 from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.config import LOSS_AGG_MODES, LossConfig
 from areal_flow.algorithms.dapo import fill_dynamic_batch, informative_groups, overlong_penalty
-from areal_flow.algorithms.registry import build_algorithm, get_algorithm, register_algorithm, registered_algorithms
+from areal_flow.algorithms.lookup import build_algorithm, get_algorithm, registered_algorithms
+from areal_flow.algorithms.registry import register_algorithm
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.types import Trajectory
 

@@ -7,7 +7,7 @@ import torch
 
 from areal_flow.algorithms import catalog
 from areal_flow.algorithms.advantages import ESTIMATORS, compute_advantages
-from areal_flow.algorithms.registry import get_algorithm, registered_algorithms
+from areal_flow.algorithms.lookup import get_algorithm, registered_algorithms
 from areal_flow.models.presets import CHAR_VOCAB_SIZE, PRESETS
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer

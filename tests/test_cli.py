@@ -96,7 +96,7 @@ def test_config_lists_keys_defaults_docs_and_aliases():
 
 def test_help_names_every_command_and_eval_knows_the_longtail_task():
     from areal_flow.cli import build_parser
-    from runtime.engines.evaluate import build_eval_task
+    from runtime.evaluate import build_eval_task
 
     out = _cli("--help")
     assert out.returncode == 0 and "config, timeline and replay." in " ".join(out.stdout.split()), out.stdout

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from compiler.config import CompileConfigError, LengthDistConfig
+from areal_flow.config_compile import CompileConfigError, LengthDistConfig
 from compiler.decode import ContinuousBatch, DecodeCost, DrainSchedule, drain_s
 from compiler.hardware import GIB, DeviceSpec
 from compiler.lengths import LengthDist

@@ -11,9 +11,10 @@ import pytest
 
 from areal_flow.graph import Edge, Graph, ModelRef, Node
 from compiler import ClusterConfig, CompileConfig, Plan, compile_plan, format_table
-from compiler.config import LengthDistConfig
+from areal_flow.config_compile import LengthDistConfig
 from compiler.plan import PlanSchemaError
-from compiler.viz import render, to_dot
+from compiler.render import render
+from compiler.viz import to_dot
 
 
 def grpo_7b() -> Graph:

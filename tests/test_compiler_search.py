@@ -10,7 +10,7 @@ import pytest
 from areal_flow.graph import Edge, Graph, ModelRef, Node
 from compiler import AllocationError, ClusterConfig, CompileConfig, InfeasiblePlanError, compile_plan
 from compiler.allocation import parse
-from compiler.config import CompileConfigError
+from areal_flow.config_compile import CompileConfigError
 from compiler.cost import CostModel
 from compiler.hardware import device_spec
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack

@@ -8,7 +8,7 @@ import pytest
 
 from areal_flow.cli import main
 from compiler import ClusterConfig, CompileConfig, compile_plan
-from compiler.config import LengthDistConfig
+from areal_flow.config_compile import LengthDistConfig
 from compiler.simulate import SimulationError, simulate
 from test_compiler_outputs import grpo_7b
 from test_compiler_search import grpo_graph

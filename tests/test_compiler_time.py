@@ -55,7 +55,7 @@ def test_micro_batches_are_chosen_for_time():
     # A = 1 layer per stage x 3 passes (forward, backward x2) x (cp - 1) x 1 s = 3 s per micro-batch.
     # Choosing peak FLOP/s so that C = 16 A = 48 s: f(1) = 51 x 2 = 102, f(2) = 54 x 3/2 = 81,
     # f(4) = 60 x 5/4 = 75, f(8) = 72 x 9/8 = 81, f(16) = 96 x 17/16 = 102 -> m = 4.
-    from compiler.config import ClusterConfig, CompileConfig, LengthDistConfig
+    from areal_flow.config_compile import ClusterConfig, CompileConfig, LengthDistConfig
     from compiler.cost import CostModel
     from compiler.models import ModelSpec
     from compiler.workload import TRAINING, DeviceTask, Workload

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compiler.config import ClusterConfig, CompileConfig, CompileConfigError, check_config
+from areal_flow.config_compile import ClusterConfig, CompileConfig, CompileConfigError, check_config
 from compiler.hardware import DEVICE_PRESETS, GIB, device_spec
 from compiler.memory import generation_memory, kv_bytes_per_sequence, training_memory
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engines.evaluate import build_eval_task, pass_at_k
+from runtime.evaluate import build_eval_task, pass_at_k
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from compiler.plan import Plan
-from runtime.launch import run_experiment
+from areal_flow.cli.run import run_experiment
 from runtime.topology import TopologyError, build_topology
 from runs import records as trained_records
 
@@ -72,7 +72,7 @@ def _scalars(out: Path, tag: str) -> list[float]:
 
 def test_user_op_is_in_the_plan_and_the_topology():
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
 
     plan = compile_program(grpo_with_penalty(cfg), cfg)
     node = plan.node("length_penalty")
@@ -154,7 +154,7 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
 
 def test_a_critic_train_step_on_several_processes_is_refused(tmp_path):
     from areal_flow.cli import load_flow
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
 
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
@@ -286,7 +286,7 @@ def test_observability_of_a_run(tmp_path, warm_cache):
 
 def _compiled() -> dict:
     from areal_flow.cli import load_flow
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", TINY)
     return json.loads(compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg).to_json())
@@ -347,7 +347,7 @@ def test_run_plan_refuses_config_and_names_the_file(tmp_path):
 
 def test_colocated_generation_and_training_take_turns_on_one_mesh():
     from areal_flow.cli import load_flow
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
     from runtime.launch import _time_shared
 
     def topology(*overrides):

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 from areal_flow.ops.filter import DynamicSamplingError, FilterExecutor
 from areal_flow.ops.reward import RewardExecutor
-from areal_flow.program import compile_program
+from compiler.program import compile_program
 from areal_flow.types import Trajectory
 from runtime.topology import build_topology
 
@@ -238,7 +238,7 @@ def half_constant_dapo(cfg):
 
 @pytest.mark.slow
 def test_runtime_replaces_dropped_groups_under_the_same_slot(tmp_path, warm_cache):
-    from runtime.launch import run_experiment
+    from areal_flow.cli.run import run_experiment
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "reward.max_attempts=16"])
     summary = run_experiment(half_constant_dapo(cfg), cfg, show_progress=False)

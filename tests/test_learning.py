@@ -20,7 +20,7 @@ import pytest
 
 from areal_flow.cli import load_flow
 from areal_flow.config_load import load_config
-from runtime.launch import run_experiment
+from areal_flow.cli.run import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model.path=tiny-s", "dataset.max_digits=1", "dataset.ops=+", "warm_start.steps=400",

@@ -128,7 +128,7 @@ def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cach
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
     from runs import records
-    from runtime.launch import run_experiment
+    from areal_flow.cli.run import run_experiment
 
     repo = Path(__file__).resolve().parents[1]
     torch.set_num_threads(1)

@@ -73,7 +73,7 @@ def test_max_nonfinite_steps_must_be_a_positive_integer(bad):
 def _train_executor(tmp_path: Path):
     from areal_flow.cli import load_flow
     from areal_flow.ops.dataset import build_task
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
     from runtime.executors.train import TrainStepExecutor
     from runtime.model_source import prepare_models
     from runtime.workers import WorkerSpec, worker_context

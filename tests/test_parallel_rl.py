@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms.advantages import compute_advantages
-from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.config_load import load_config
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.models.tiny import build_model
@@ -164,7 +164,7 @@ def test_one_rl_step_matches_single_process(one_step, case):
 @pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1"])
 def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path, warm_cache, allocation):
     from areal_flow.cli import default_config_path, load_flow
-    from runtime.launch import run_experiment
+    from areal_flow.cli.run import run_experiment
 
     flow = load_flow(REPO / "graphs/arith_grpo.py")
     cfg = load_config(default_config_path(flow, None), [*TINY_RUN, f"out_dir={tmp_path}",
@@ -204,6 +204,7 @@ def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path,
 def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, warm_cache, monkeypatch, overrides,
                                                                      rule):
     from areal_flow.cli import default_config_path, load_flow
+    from areal_flow.cli.run import run_experiment
     from runtime import launch
 
     def refuse(*args, **kwargs):
@@ -213,4 +214,4 @@ def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, w
     flow = load_flow(REPO / "graphs/arith_grpo.py")
     cfg = load_config(default_config_path(flow, None), [*TINY_RUN, *overrides, f"out_dir={tmp_path}"])
     with pytest.raises(StrategyError, match=rule):
-        launch.run_experiment(flow(cfg), cfg, show_progress=False)
+        run_experiment(flow(cfg), cfg, show_progress=False)

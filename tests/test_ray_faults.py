@@ -114,7 +114,7 @@ def _run(tmp_path: Path, cluster, name: str, *overrides: str, kill=None) -> dict
     """The parity graph on ``cluster``; ``kill(out_dir)`` runs in a thread beside it."""
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
-    from runtime.launch import run_experiment
+    from areal_flow.cli.run import run_experiment
 
     (tmp_path / "parity.py").write_text(PARITY_GRAPH)
     fl = load_flow(tmp_path / "parity.py")

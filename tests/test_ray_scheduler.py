@@ -30,7 +30,7 @@ import pytest
 
 from areal_flow.cli import load_flow
 from areal_flow.config_load import load_config
-from runtime.launch import run_experiment
+from areal_flow.cli.run import run_experiment
 from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]

@@ -272,7 +272,7 @@ def test_a_rerun_starts_in_an_empty_folder_and_moves_the_earlier_one_aside(tmp_p
 def test_runs_of_one_name_do_not_mix(tmp_path, capsys):
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
     from runtime.launch import RunSetup
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=same"])

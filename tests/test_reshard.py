@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
 from compiler.strategy import ParallelStrategy

@@ -208,7 +208,7 @@ TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.st
 def _plan(tmp_path: Path, *overrides: str):
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=exp", *overrides])
     return compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
@@ -394,7 +394,7 @@ def test_ctrl_c_on_the_local_scheduler_names_the_last_checkpoint(tmp_path, warm_
 
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
-    from runtime.launch import run_experiment
+    from areal_flow.cli.run import run_experiment
 
     (tmp_path / "parity.py").write_text(PARITY_GRAPH)
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*RUN, "train.steps=40", f"out_dir={tmp_path}", "name=stop"])

@@ -11,7 +11,7 @@ from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from areal_flow.types import Trajectory
-from runtime.batching import collate
+from areal_flow.batching import collate
 from runtime.engines import reward_model as rm_engine
 from runtime.engines.reward_model import (
     RewardModelConfig,

@@ -14,7 +14,7 @@ from areal_flow.algorithms.returns import multi_turn
 from areal_flow.envs import BaseEnv, env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.models.tokenizer import build_char_tokenizer
-from runtime.batching import collate
+from areal_flow.batching import collate
 from runtime.engines.generation import GenerationResult, SamplingParams
 from runtime.executors.rollout import EpisodeRunner, play_episodes
 from runs import REPO, cli_run, records

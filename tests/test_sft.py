@@ -10,7 +10,7 @@ from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from runtime.engines import sft
-from runtime.engines.evaluate import greedy_accuracy
+from runtime.evaluate import greedy_accuracy
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sft import SFTConfig, answer_loss, encode_examples, load_warm_start, warm_start
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from areal_flow.config_load import load_config
-from areal_flow.program import compile_program
+from compiler.program import compile_program
 from runtime.calibrate import CalibrationError, calibrate, calibrated_plan, compare, format_comparison
 from runtime.trace import TraceRecorder, mark_attempt, merge_trace
 from test_trace_replay import REPO, TINY, penalized_grpo

@@ -21,7 +21,7 @@ from areal_flow import Model, flow, ops
 from areal_flow.cli import main
 from areal_flow.config_load import load_config
 from areal_flow.ops import register_op
-from runtime.launch import run_experiment
+from areal_flow.cli.run import run_experiment
 from runtime.record import RecordError
 from runtime.replay import replay
 from runtime.timeline import summarize, token_staleness
@@ -198,8 +198,8 @@ def test_k0_async_trains_the_synchronous_baselines_weights_bit_for_bit(tmp_path,
 
 
 def test_record_edges_are_checked_before_any_worker_starts():
-    from areal_flow.program import compile_program
-    from compiler.config import CompileConfigError
+    from compiler.program import compile_program
+    from areal_flow.config_compile import CompileConfigError
     from runtime.record import RecordError, check_edges
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, "debug.record=[advantage->train]"])

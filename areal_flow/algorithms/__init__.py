@@ -26,10 +26,10 @@ _EXPORTS = {
     "AdvantageConfig": "config",
     "LossConfig": "config",
     "kl_penalty": "kl",
-    "build_algorithm": "registry",
-    "get_algorithm": "registry",
+    "build_algorithm": "lookup",
+    "get_algorithm": "lookup",
     "register_algorithm": "registry",
-    "registered_algorithms": "registry",
+    "registered_algorithms": "lookup",
 }
 
 __all__ = sorted(_EXPORTS)

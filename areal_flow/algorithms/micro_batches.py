@@ -37,7 +37,7 @@ class MicroBatch:
     Attributes:
         rows: indices into the step batch's rows.
         lengths: tokens of each row: its last attended column + 1 (the row's prompt +
-            response for the right-padded layout of ``runtime.batching.collate``).
+            response for the right-padded layout of ``areal_flow.batching.collate``).
         packed: the packed layout (one row ``[1, sum(lengths)]``) instead of ``[b, w]``.
     """
 

@@ -10,7 +10,6 @@ leaks between episodes.
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Callable
 
 _ENVS: dict[str, type] = {}
@@ -98,23 +97,3 @@ def register_env(name: str) -> Callable[[type], type]:
         return cls
 
     return add
-
-
-def env_class(name: str) -> type:
-    """The class registered as ``name`` (the built-in envs register on first use).
-
-    Raises:
-        EnvError: no env has that name (nearest names listed).
-    """
-    if name not in _ENVS:
-        import areal_flow.envs.builtin  # noqa: F401  (registers the shipped envs)
-    if name not in _ENVS:
-        close = difflib.get_close_matches(name, list(_ENVS), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; registered: {', '.join(sorted(_ENVS))}"
-        raise EnvError(f"unknown env {name!r}{hint} (register one with @register_env)")
-    return _ENVS[name]
-
-
-def make_env(name: str, config: dict) -> BaseEnv:
-    """A fresh instance of env ``name`` for one episode (``config``: see ``BaseEnv.config``)."""
-    return env_class(name)(config)

@@ -5,7 +5,7 @@ RM starts from a trained LM with its unembedding layer replaced by a scalar head
 decoder stack is loaded with ``AutoModel`` (the LM head is dropped), and a
 ``Linear(hidden, 1)`` head reads the hidden state at the **last non-padded token** of each
 sequence, i.e. the EOS that ends the response when the input is a trajectory's
-``prompt_ids + output_ids`` (the layout of ``runtime.batching.collate``).
+``prompt_ids + output_ids`` (the layout of ``areal_flow.batching.collate``).
 
 Inputs are right-padded (``attention_mask`` is 1 on a prefix of every row, 0 after), so
 position ids are the plain ``0 .. T-1`` and a padded row scores as the row alone.

@@ -9,7 +9,7 @@ and the nearest op.
 
 import difflib
 
-from areal_flow.dsl import user_source
+from areal_flow.tracing import user_source
 from areal_flow.graph import GraphError
 # each module registers its op (OP) in areal_flow.ops.registry when imported
 from areal_flow.ops.advantage import advantage

@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 
 from areal_flow.algorithms.catalog import ESTIMATORS
-from areal_flow.dsl import Handle, Model, current_graph, outputs, record
+from areal_flow.tracing import Handle, Model, current_graph, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, check_arguments, define
 

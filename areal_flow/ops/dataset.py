@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from areal_flow.dsl import Handle, outputs, record
+from areal_flow.tracing import Handle, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, SOURCE, OpDef, check_arguments, define, op_function
 

@@ -12,7 +12,7 @@ version.
 
 from __future__ import annotations
 
-from areal_flow.dsl import Handle, outputs, record
+from areal_flow.tracing import Handle, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, GROUP, OpDef, define, op_function
 

@@ -10,7 +10,7 @@ tokenizer-free, chat formatting happens here).
 
 from __future__ import annotations
 
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define, op_function
 

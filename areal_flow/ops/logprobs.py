@@ -9,7 +9,7 @@ folds ``-kl_coef * KL(policy || ref)`` into the token rewards, and the train_ste
 
 from __future__ import annotations
 
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import GROUP, INFERENCE, OpDef, define, op_function
 
@@ -50,7 +50,7 @@ class LogprobsExecutor:
         import torch
 
         from areal_flow.models.logprobs import token_logprobs
-        from runtime.batching import pad_tokens
+        from areal_flow.batching import pad_tokens
 
         group = inputs["rollouts"]
         ids, attn = pad_tokens(group, self.pad_id)

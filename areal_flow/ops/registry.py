@@ -162,7 +162,7 @@ def op_function(fn: Callable) -> Callable:
     raises :class:`GraphError` through :func:`check_arguments` (``ops.generate
     (graphs/x.py:12): unknown argument 'n_sample'; did you mean 'n_samples'? ...``) rather
     than a bare ``TypeError``. Keywords of a function with ``**kwargs`` are its own to check."""
-    from areal_flow.dsl import user_source
+    from areal_flow.tracing import user_source
 
     takes = function_parameters(fn)
 
@@ -191,7 +191,7 @@ class UserOp:
         self.__name__ = op.name
 
     def __call__(self, *handles, name: str | None = None, model=None, **kwargs):
-        from areal_flow.dsl import Handle, record
+        from areal_flow.tracing import Handle, record
 
         ports = [p.name for p in self.op.spec.inputs]
         if len(handles) > len(ports):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, GROUP, INFERENCE, OpDef, define, op_function
 from areal_flow.types import Trajectory
@@ -153,7 +153,7 @@ class RewardExecutor:
         if self.fn is not None:
             rewards = score(group, self.pool, self.monitor)
         else:
-            from runtime.batching import pad_tokens
+            from areal_flow.batching import pad_tokens
 
             with torch.no_grad():
                 rewards = torch.sigmoid(self.model(*pad_tokens(group, self.pad_id)).float()).tolist()

@@ -16,7 +16,7 @@ RLOO baselines compare whole episodes of a group. ``estimator="multi_turn"`` in
 
 from __future__ import annotations
 
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.generate import check_sampling
 from areal_flow.ops.registry import GENERATION, STREAM, OpDef, define, op_function
@@ -106,7 +106,8 @@ def rollout(
 def _attach_env(node, env) -> None:
     """Check ``env`` names a registered env; an env registered outside areal-flow (in the graph
     file) travels with the plan by value (``env_class`` attribute), as user ops do."""
-    from areal_flow.envs.base import EnvError, env_class
+    from areal_flow.envs.base import EnvError
+    from areal_flow.envs.builtin import env_class
 
     if not isinstance(env, str):
         return

@@ -8,7 +8,7 @@ sampling with the version it has until newer weights arrive.
 
 from __future__ import annotations
 
-from areal_flow.dsl import Handle, Model, current_graph, record
+from areal_flow.tracing import Handle, Model, current_graph, record
 from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, ROUTE, OpDef, define, op_function
 

@@ -12,7 +12,7 @@ The staleness bound k is an attribute of the data edge into this node, nowhere e
 from __future__ import annotations
 
 from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
-from areal_flow.dsl import Handle, Model, outputs, record
+from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define, op_function
 

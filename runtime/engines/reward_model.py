@@ -14,7 +14,7 @@ Bradley-Terry loss of Ouyang et al. 2022 eq. 1: that loss is invariant to a shif
 scores, so its sigmoid is no calibrated probability and a 0.5 threshold means nothing.
 
 A pair is tokenized exactly as the policy's trajectory reaches the trainer
-(``runtime.batching.collate``): ``encode_prompt(tokenizer, prompt)`` + the answer's ids +
+(``areal_flow.batching.collate``): ``encode_prompt(tokenizer, prompt)`` + the answer's ids +
 EOS, right-padded. This lives beside ``sft.py`` (not in ``areal_flow.models``) because it
 owns a cache under ``areal_flow.cache.cache_root()``; the library never imports runtime.
 """

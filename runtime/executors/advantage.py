@@ -14,9 +14,9 @@ import torch
 
 from areal_flow.algorithms.advantages import ESTIMATORS, compute_advantages
 from areal_flow.algorithms.kl import kl_penalty
-from areal_flow.algorithms.registry import get_algorithm
+from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.models.logprobs import token_logprobs
-from runtime.batching import collate
+from areal_flow.batching import collate
 
 _OWN = ("estimator", "kl_coef", "model_role")
 _CHUNK = 64  # sequences per no-grad forward (values, reference log-probs)
@@ -36,7 +36,7 @@ def _no_grad_rows(model: torch.nn.Module, fn, ids: torch.Tensor, attn: torch.Ten
 class AdvantageExecutor:
     """Grain ``batch``: ``{"advantages": {"batch", "trajectories", "stats"}}``.
 
-    ``batch`` holds the tensors of ``runtime.batching.collate`` (``[B*n, T]``) plus
+    ``batch`` holds the tensors of ``areal_flow.batching.collate`` (``[B*n, T]``) plus
     ``advantages`` and, as available, ``values``/``returns`` (critic) and
     ``ref_logprobs``; ``stats`` holds ``kl_ref_in_reward`` (nats per token) when a KL was
     folded into the reward.

@@ -34,7 +34,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_flow.envs.base import env_class
+from areal_flow.envs.builtin import env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.envs.tools import ToolCallError, parse_tool_call
 from areal_flow.types import Trajectory

@@ -21,8 +21,9 @@ import torch
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.algorithms.registry import build_algorithm
+from areal_flow.algorithms.lookup import build_algorithm
 from runtime.nonfinite import NonFiniteGuard
+from runtime.rank_commands import broadcast_command
 from runtime.train_phases import TrainPhaseSpans
 
 
@@ -108,7 +109,7 @@ class TrainStepExecutor:
         self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
 
     def _policy_loss_config(self) -> LossConfig:
-        from areal_flow.algorithms.registry import get_algorithm
+        from areal_flow.algorithms.lookup import get_algorithm
 
         return get_algorithm(self.settings.algorithm).default_loss_config(**self.settings.loss_overrides)
 
@@ -131,8 +132,6 @@ class TrainStepExecutor:
         if self.critic:
             stats = self._critic_step(batch, rows)
         elif self.ranks is not None:
-            from runtime.parallel_trainer import broadcast_command
-
             broadcast_command({"batch": batch, "gather": info["publish"], "micro_batches": self.micro_batches,
                                "dtype": self.ctx.dtype})
             self.algorithm.micro_batch_size = micro_batch_size(rows, self.ranks.strategy.dp, self.micro_batches)
@@ -160,16 +159,12 @@ class TrainStepExecutor:
     def current_state(self) -> dict[str, torch.Tensor]:
         """The weights now, between steps (asks the other ranks to join the gather)."""
         if self.ranks is not None:
-            from runtime.parallel_trainer import broadcast_command
-
             broadcast_command({"batch": None, "gather": True, "micro_batches": self.micro_batches})
         return self.state_dict()
 
     def final_state(self) -> dict[str, torch.Tensor] | None:
         """The weights after the last step; on several ranks this also ends their loop."""
         if self.ranks is not None:
-            from runtime.parallel_trainer import broadcast_command
-
             broadcast_command(None)
         return self.state_dict()
 
@@ -204,8 +199,6 @@ class TrainStepExecutor:
         """
         if self.ranks is None:
             raise RuntimeError(f"{self.node.name}: runs on one rank; its optimizer state is saved whole")
-        from runtime.parallel_trainer import broadcast_command
-
         broadcast_command({"batch": None, "checkpoint": ("save", str(folder))})
         self.ranks.save_state(folder)
 
@@ -223,8 +216,6 @@ class TrainStepExecutor:
         from runtime.checkpoint import SHARDED_DIR
 
         if self.ranks is not None:
-            from runtime.parallel_trainer import broadcast_command
-
             command = ("load", str(folder), world_size, self.node.name)
             broadcast_command({"batch": None, "checkpoint": command})
             self.ranks.load_state(*command[1:])

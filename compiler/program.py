@@ -110,7 +110,7 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
         the compiler's errors (``compiler.compile_plan``), each naming its culprit.
     """
     from compiler import compile_plan
-    from compiler.config import CompileConfigError
+    from areal_flow.config_compile import CompileConfigError
 
     bounds = {e.dst: e.max_staleness for e in graph.edges if e.max_staleness is not None}
     if cfg.compile.mode == "sync" and any(bounds.values()):

@@ -1,7 +1,7 @@
 """The commands that read a finished model or run folder: ``eval``, ``timeline`` and ``replay``.
 
 Owns their argument checks and one-line errors; the work is the runtime's
-(``runtime.engines.evaluate``, ``runtime.timeline``, ``runtime.calibrate``, ``runtime.replay``).
+(``runtime.evaluate``, ``runtime.timeline``, ``runtime.calibrate``, ``runtime.replay``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from areal_flow.cli import CLIError, check_output_folder
+from areal_flow.cli.common import CLIError, check_output_folder
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -20,7 +20,7 @@ def eval_command(args: argparse.Namespace) -> int:
         CLIError: the ``--out`` folder is missing, or the model/task cannot be loaded (first line of its error).
     """
     from areal_flow.config_load import load_config
-    from runtime.engines.evaluate import evaluate_model
+    from runtime.evaluate import evaluate_model
 
     check_output_folder(args.out)
     cfg = load_config(args.config, args.overrides)

@@ -2,8 +2,9 @@
 ``config``, ``timeline`` and ``replay``.
 
 Owns argument parsing and the loading of graph files (the run command's checks, ``--resume``
-included, are ``areal_flow.cli_run``; ``eval``, ``timeline`` and ``replay`` are
-``areal_flow.cli_inspect``); the work is the compiler's (``compiler.compile_plan``) and the runtime's (``runtime.launch.run_experiment``).
+included, are ``areal_flow.cli.run``; ``eval``, ``timeline`` and ``replay`` are
+``areal_flow.cli.inspect``, what they share ``areal_flow.cli.common``); the work is the compiler's
+(``compiler.program.compile_program``) and the runtime's (``runtime.launch.run``).
 
     areal-flow graph graphs/arith_grpo.py                       # nodes, edges, staleness
     areal-flow compile graphs/gsm8k_grpo.py cluster.n_nodes=4 cluster.n_gpus_per_node=8 --plan
@@ -22,79 +23,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
-import cloudpickle
-
+from areal_flow.cli.common import CLIError, check_output_folder, default_config_path, flow_config, load_flow
 from areal_flow.dsl import Flow
 
-
-class CLIError(Exception):
-    """A user error on the command line; printed without a traceback."""
-
-
-def load_flow(path: str | Path, name: str | None = None) -> Flow:
-    """Import a graph file and return its ``@flow`` (the one named ``name`` if several).
-
-    Raises:
-        CLIError: the file is missing, is a folder (listing its graph files), is not a ``.py`` file, fails
-            to import (with its error), or holds no (or several, without ``name``) ``@flow`` functions.
-    """
-    path = Path(path)
-    if path.is_dir():
-        found = _graph_files(path)
-        listing = f"pass one of its graph files: {', '.join(found)}" if found else "it holds no *.py file with an @flow"
-        raise CLIError(f"{path}: a folder, not a graph file; {listing}")
-    if not path.is_file():
-        raise CLIError(f"graph file not found: {path}")
-    spec = importlib.util.spec_from_file_location(f"areal_flow_graph_{path.stem}", path)
-    if path.suffix != ".py" or spec is None:
-        raise CLIError(f"{path}: not a graph file (a Python file defining an @flow function, *.py)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    # Workers (Ray actors, other machines) cannot import this file by its made-up module
-    # name: cloudpickle sends the functions defined in it (reward functions, algorithms) by value.
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise CLIError(f"{path}: importing the graph file failed: {type(exc).__name__}: {exc}") from exc
-    flows = {obj.name: obj for obj in vars(module).values() if isinstance(obj, Flow)}
-    if name is not None:
-        if name not in flows:
-            raise CLIError(f"{path}: no @flow named {name!r}; found: {', '.join(flows) or 'none'}")
-        return flows[name]
-    if not flows:
-        raise CLIError(f"no @flow function in {path}")
-    if len(flows) != 1:
-        raise CLIError(f"{path}: expected exactly one @flow, found {len(flows)} ({', '.join(flows)}); pass --flow NAME")
-    return next(iter(flows.values()))
-
-
-def _graph_files(folder: Path) -> list[str]:
-    """The ``*.py`` files directly in ``folder`` whose text has an ``@flow`` decorator (sorted paths)."""
-    return sorted(str(f) for f in folder.glob("*.py") if "@flow" in f.read_text(errors="replace"))
-
-
-def default_config_path(flow: Flow, given: str | None) -> str | None:
-    if given is not None:
-        return given
-    candidate = Path(flow.source_file).with_suffix(".yaml")
-    return str(candidate) if candidate.is_file() else None
-
-
-def flow_config(flow: Flow, args: argparse.Namespace):
-    """The experiment config of a graph command: ``--config`` (else the yaml beside the graph
-    file) with the command's overrides; the run is named after the flow unless ``name`` is set."""
-    from areal_flow.config_load import load_config
-
-    cfg = load_config(default_config_path(flow, args.config), args.overrides)
-    if cfg.name == "experiment":
-        cfg.name = flow.name
-    return cfg
+__all__ = ["CLIError", "build_parser", "default_config_path", "flow_config", "load_flow", "main", "run_main"]
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
@@ -112,15 +48,9 @@ def _check_viz_path(path: str | None) -> None:
     check_output_folder(path)
 
 
-def check_output_folder(path: str | None) -> None:
-    """Raises CLIError when ``path``'s folder does not exist (before any work is done)."""
-    if path is not None and not Path(path).parent.is_dir():
-        raise CLIError(f"{path}: output folder {Path(path).parent} does not exist")
-
-
 def _render(plan, path: str) -> None:
     """``compiler.viz.render`` with its errors (no Graphviz ``dot`` for .svg/.png) as CLIError."""
-    from compiler.viz import render
+    from compiler.render import render
 
     try:
         render(plan, path)
@@ -137,7 +67,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     cfg = flow_config(flow, args)
     if args.allocation:
         cfg.compile.allocation = args.allocation
-    from areal_flow.program import compile_program
+    from compiler.program import compile_program
 
     plan = compile_program(flow(cfg), cfg)
     print(format_table(plan))
@@ -151,7 +81,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from areal_flow.cli_run import run_command
+    from areal_flow.cli.run import run_command
 
     return run_command(args)
 
@@ -218,19 +148,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from areal_flow.cli_inspect import eval_command
+    from areal_flow.cli.inspect import eval_command
 
     return eval_command(args)
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from areal_flow.cli_inspect import timeline_command
+    from areal_flow.cli.inspect import timeline_command
 
     return timeline_command(args)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from areal_flow.cli_inspect import replay_command
+    from areal_flow.cli.inspect import replay_command
 
     return replay_command(args)
 
@@ -311,7 +241,7 @@ def _guarded(fn, args) -> int:
     from areal_flow.config import ConfigError
     from areal_flow.graph import GraphError
     from compiler.allocation import AllocationError
-    from compiler.config import CompileConfigError
+    from areal_flow.config_compile import CompileConfigError
     from compiler.errors import InfeasiblePlanError
     from compiler.models import ModelSpecError
     from compiler.plan import PlanSchemaError
@@ -365,12 +295,7 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
     parser.add_argument("--config", help="YAML config (default: the .yaml beside this file)")
     args = parser.parse_args(argv)
-    from areal_flow.cli_run import run_flow
+    from areal_flow.cli.run import run_flow
 
     return _guarded(lambda a: run_flow(flow, flow_config(flow, a)), args)
 
-
-if __name__ == "__main__":  # `python -m areal_flow.cli`: run the imported module, whose CLIError
-    from areal_flow.cli import main as imported_main  # is the one areal_flow.cli_run raises
-
-    raise SystemExit(imported_main())

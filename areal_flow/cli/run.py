@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from areal_flow.cli import CLIError, flow_config, load_flow
+from areal_flow.cli.common import CLIError, flow_config, load_flow
 from areal_flow.dsl import Flow
 
 
@@ -77,8 +77,15 @@ def resume_folder(arg: str) -> Path:
     return folder
 
 
-def run_flow(flow: Flow, cfg) -> int:
-    from runtime.launch import run_experiment
+def run_experiment(graph, cfg, show_progress: bool = True) -> dict:
+    """Compile ``graph`` under ``cfg`` into a plan and run it (``areal-flow run graph.py``): the
+    application layer's compile-and-run; the runtime itself reads only the plan (``runtime.launch.run``)."""
+    from compiler.program import compile_program
+    from runtime.launch import run
 
+    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume)
+
+
+def run_flow(flow: Flow, cfg) -> int:
     run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
     return 0
