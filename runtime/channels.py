@@ -1,14 +1,14 @@
-"""The experience channel: trajectory groups from the generator process to the trainer process.
+"""The runtime's message channels: router, generation replicas and worker groups.
 
-One channel per direction and never a shared queue: experience (this module) flows
-generator → trainer; weights and their versions flow trainer → generator on the weight
-channel (``runtime.weights``).
+One channel per direction and never a shared queue: experience (``GroupItem``s, this module's
+:class:`MessageSender` / :class:`MessageReceiver`) flows generator → trainer groups, and admission
+messages flow router ↔ replicas; weights and their versions flow trainer → generator on the
+weight channel (``runtime.weights``).
 
 Transport: ZeroMQ PUSH (sender, connects) → PULL (receiver, binds). PUSH/PULL over one
 connection is reliable and FIFO while both ends live, and PUSH queues messages until
-the receiver is up, so a late-binding trainer loses nothing. A message is the pickled
-tuple ``(admission_index, list[Trajectory])``; trajectories are plain records (no tensors)
-so standard ``pickle`` is cheap and sufficient.
+the receiver is up, so a late-binding trainer loses nothing. A message is any picklable
+object; trajectories are plain records (no tensors), so standard ``pickle`` is cheap.
 
 Every message travels as two frames, ``[HMAC-SHA256, pickle]`` under the run's secret
 (``runtime.channel_auth``); a receiver unpickles nothing whose MAC does not verify: such a
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 
 import zmq
 
-from areal_flow.types import Trajectory
 from runtime.channel_auth import Signer, Verifier
 
 DEFAULT_LINGER_S = 5.0
@@ -101,109 +100,6 @@ def _recv_verified(sock: zmq.Socket, verifier: Verifier, timeout_s: float | None
             return pickle.loads(payload[0].buffer)
 
 
-class ExperienceSender:
-    """Generator side of the experience channel (PUSH, connects to the receiver's address).
-
-    Args:
-        address: the receiver's endpoint (``tcp://127.0.0.1:PORT`` or ``ipc://PATH``).
-        secret: the run's channel secret (``runtime.channel_auth``).
-        linger_s: seconds :meth:`close` waits to deliver queued messages (then drops them).
-        high_water_mark: messages queued before :meth:`send` blocks.
-    """
-
-    def __init__(self, address: str, *, secret: bytes, linger_s: float = DEFAULT_LINGER_S,
-                 high_water_mark: int = 1000) -> None:
-        self.address = address
-        self._signer = Signer(secret, f"experience channel {address}")
-        self._ctx = zmq.Context()  # own context: close() terminates it to flush the queue
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
-        self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
-        self._sock.connect(address)
-        self.sent = 0
-
-    def send(self, index: int, group: Sequence[Trajectory], timeout_s: float | None = 30.0) -> None:
-        """Send the group with admission ``index``.
-
-        Args:
-            timeout_s: seconds to wait while the queue is full (``None``: forever).
-
-        Raises:
-            TypeError: ``group`` holds something other than ``Trajectory``.
-            TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled).
-        """
-        group = list(group)
-        bad = [type(t).__name__ for t in group if not isinstance(t, Trajectory)]
-        if bad:
-            raise TypeError(f"group {index}: expected Trajectory items, got {bad}")
-        payload = pickle.dumps((int(index), group), protocol=pickle.HIGHEST_PROTOCOL)
-        self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
-        try:
-            _send_signed(self._sock, self._signer, payload)
-        except zmq.Again as e:
-            raise TimeoutError(
-                f"experience channel {self.address}: could not send group {index} within {timeout_s} s"
-            ) from e
-        self.sent += 1
-
-    def close(self) -> None:
-        """Deliver queued messages, waiting at most ``linger_s`` seconds, then release the socket.
-
-        Call it before the process exits: queued messages die with an unterminated context.
-        """
-        self._sock.close()
-        self._ctx.term()
-
-
-class ExperienceReceiver:
-    """Trainer side of the experience channel (PULL, binds).
-
-    Args:
-        address: endpoint to bind; ``None`` binds a random loopback TCP port. The bound
-            endpoint is in :attr:`address`; give it to the senders.
-        secret: the run's channel secret; :attr:`rejected` counts messages that failed it.
-
-    Raises:
-        ValueError: the address cannot be bound, or a malformed secret.
-    """
-
-    def __init__(self, address: str | None = None, *, secret: bytes) -> None:
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self.address = bind_socket(self._sock, address)
-        self._verifier = Verifier(secret, f"experience channel {self.address}")
-        self.received = 0
-
-    @property
-    def rejected(self) -> int:
-        """Messages dropped unread: their MAC did not verify, or they replayed an earlier one."""
-        return self._verifier.rejected
-
-    def recv(self, timeout_s: float | None = 0.0) -> tuple[int, list[Trajectory]] | None:
-        """Return the next ``(admission_index, group)``, or ``None`` after ``timeout_s`` seconds.
-
-        ``timeout_s=0`` polls without blocking; ``None`` waits forever.
-
-        Raises:
-            ValueError: the message is not an ``(int, list[Trajectory])`` pair.
-        """
-        item = _recv_verified(self._sock, self._verifier, timeout_s)
-        if item is None:
-            return None
-        if not (
-            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
-            and isinstance(item[1], list) and all(isinstance(t, Trajectory) for t in item[1])
-        ):
-            raise ValueError(f"experience channel {self.address}: malformed message {type(item).__name__}")
-        self.received += 1
-        return item
-
-    def close(self) -> None:
-        """Close the socket without waiting (``linger = 0``) and remove an ``ipc://`` socket file."""
-        close_bound(self._sock, self.address)
-
-
 class MessageSender:
     """PUSH end of a runtime message channel (router, replicas, worker groups): any picklable
     object, FIFO, with back-pressure after ``high_water_mark`` messages.
@@ -262,7 +158,7 @@ class MessageReceiver:
 
 
 def wait_any(receivers: Sequence, timeout_s: float) -> None:
-    """Block until one of ``receivers`` (``MessageReceiver``/``ExperienceReceiver``/
+    """Block until one of ``receivers`` (``MessageReceiver`` /
     ``runtime.weights.WeightSubscriber``) has a message, or ``timeout_s`` seconds pass."""
     poller = zmq.Poller()
     for receiver in receivers:
