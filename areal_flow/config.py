@@ -38,7 +38,7 @@ class ModelConfig:
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
-    importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, README
+    importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
     "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
     log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
     drift from an fp32 engine's; decoupled PPO recomputes the proximal log-probs in the same dtype).
@@ -90,7 +90,7 @@ class GenerationConfig:
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
     when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
     and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
-    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, README Performance), so use bf16/auto with
+    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, docs/PERFORMANCE.md), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
 

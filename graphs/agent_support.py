@@ -20,7 +20,7 @@ Read top to bottom, this is the whole algorithm:
 Run: ``areal-flow run graphs/agent_support.py`` (knobs in ``graphs/agent_support.yaml``).
 The held-out resolution rate and mean turns, before and after RL, are printed at the end;
 measured results (three seeds, one evaluation each: resolution up by 6-13 points, mean
-turns down by 0.12-0.38; pooled with re-evaluations in README.md and docs/AGENTS.md).
+turns down by 0.12-0.38; pooled with re-evaluations in docs/AGENTS.md).
 """
 
 from areal_flow import Model, flow, ops

@@ -192,7 +192,7 @@ def engine_precision(spec: WorkerSpec, gen) -> dict:
     ``gen.dtype=auto`` the choice and its measured decode-step speedup
     (``runtime.engines.precision``); and warn when it is not float32 while a train_step's
     ``train.loss.use_decoupled_loss`` is false (the behavior log-probs are then the PPO
-    reference: README "Performance"). Returns ``engine_dtype`` (and ``engine_dtype_speedup``,
+    reference: docs/PERFORMANCE.md). Returns ``engine_dtype`` (and ``engine_dtype_speedup``,
     fp32 seconds / 16-bit seconds of one decode step) for the replica's summary, or ``{}``
     for an engine without one (vLLM)."""
     engine = getattr(gen, "engine", None)
@@ -212,7 +212,7 @@ def engine_precision(spec: WorkerSpec, gen) -> dict:
     if dtype != torch.float32 and coupled:
         print(f"{where}: warning: the engine decodes in {name} while train.loss.use_decoupled_loss is false "
               f"(train_step '{coupled[0]}'): its behavior log-probs, off from the trainer's float32 "
-              "ones, are then the PPO reference (README \"Performance\"); set use_decoupled_loss=true or gen.dtype=float32", file=sys.stderr)
+              "ones, are then the PPO reference (docs/PERFORMANCE.md); set use_decoupled_loss=true or gen.dtype=float32", file=sys.stderr)
     return out
 
 
