@@ -38,6 +38,7 @@ import threading
 import traceback
 
 from compiler.plan import Plan
+from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.metrics import RunLogger
 from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
 from runtime.run_setup import RunSetup
@@ -58,16 +59,19 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
             folder or cause).
         WorkerFailed: a worker raised (its traceback is in the message), or workers died
             more often than ``scheduler.max_restarts``.
+        KeyboardInterrupt: Ctrl-C, or ``runtime.lifecycle.Stopped`` for SIGTERM / SIGHUP (the
+            workers are stopped first and the last checkpoint is named, either way).
     """
-    setup = RunSetup.create(plan, show_progress, resume)
-    if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
-        return _already_complete(setup)
-    if plan.run["scheduler"]["type"] == "ray":
-        from runtime.ray_scheduler import run_on_ray
+    with stop_signals_as_interrupt():  # SIGTERM / SIGHUP take the Ctrl-C path (runtime.lifecycle)
+        setup = RunSetup.create(plan, show_progress, resume)
+        if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
+            return _already_complete(setup)
+        if plan.run["scheduler"]["type"] == "ray":
+            from runtime.ray_scheduler import run_on_ray
 
-        return run_on_ray(setup)
-    setup.prepare()
-    return _LocalRun(setup).execute()
+            return run_on_ray(setup)
+        setup.prepare()
+        return _LocalRun(setup).execute()
 
 
 def _already_complete(setup: RunSetup) -> dict:
@@ -89,6 +93,7 @@ def _time_shared(topo: Topology) -> list:
 
 
 def _child(target, spec, results, *extra) -> None:
+    die_with_parent(mp.parent_process().pid)  # a SIGKILLed driver leaves no worker running
     try:
         results.put((f"{spec.group}/{spec.rank}", "ok", target(spec, *extra)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent

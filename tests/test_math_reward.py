@@ -144,3 +144,20 @@ def test_pathological_outputs_are_fast(output, expected):
     start = time.perf_counter()
     assert math_reward(output, "7") == expected
     assert time.perf_counter() - start < 2.0  # seconds; linear-time extraction
+
+
+def test_a_math_verify_failure_is_a_failed_sample_not_a_zero(monkeypatch):
+    """Issue 26: math-verify raising while comparing two parsed values used to score 0 (a
+    right answer could be trained as wrong); now the pool counts the sample as failed."""
+    import areal_flow.rewards.math as m
+    from areal_flow.rewards.pool import RewardPool
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sympy blew up")
+
+    monkeypatch.setattr(m, "_mv_verify", broken)
+    with pytest.raises(m.MathVerifyError, match="sympy blew up"):
+        math_reward(r"so \boxed{\sqrt{2}}", r"\sqrt{2}")  # LaTeX on both sides: math-verify compares
+    assert math_reward("so 7", "7") == 1.0  # plain numbers never reach math-verify
+    outcome, = RewardPool(math_reward, workers=1).map([(r"\boxed{\sqrt{2}}", r"\sqrt{2}")])
+    assert outcome.failed and outcome.kind == "MathVerifyError" and outcome.value is None

@@ -272,9 +272,10 @@ def _guarded(fn, args) -> int:
         # The worker's own traceback is in the message; ours adds nothing.
         print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM / SIGHUP during a run (runtime.lifecycle.Stopped)
+        signum = getattr(stop, "signum", 2)
         print("areal-flow: interrupted; outputs written so far are kept", file=sys.stderr)
-        return 130
+        return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:

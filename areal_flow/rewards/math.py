@@ -76,6 +76,8 @@ def math_reward(output_text: Any, reference: str | int | float | Fraction) -> fl
         ValueError: ``reference`` is neither a number (as ``parse_number`` reads it) nor
             LaTeX math (``\\frac``, ``\\sqrt``, ``^``, ``\\pi``) that math-verify parses;
             that is a data bug, not a model error.
+        MathVerifyError: math-verify raised or timed out comparing the parsed answer with the
+            reference (the reward is unknown: a failed sample, not a 0).
     """
     gold = _parse_reference(reference)
     if not isinstance(output_text, str) or not output_text.strip():
@@ -240,11 +242,18 @@ def _to_sympy(value: Fraction | sympy.Basic) -> sympy.Basic:
     return value
 
 
+class MathVerifyError(RuntimeError):
+    """math-verify failed (raised or timed out) comparing two values it had parsed: the
+    sample's reward is unknown, not 0; the reward pool counts it as a failed sample
+    (``reward.max_failure_fraction``) instead of training on a wrong 0."""
+
+
 def _verify(gold: sympy.Basic, predicted: sympy.Basic) -> bool:
+    """``math_verify.verify(gold, predicted)``. Raises MathVerifyError when it raises or times out."""
     try:
-        return bool(_mv_verify(gold, predicted, timeout_seconds=_timeout_s()))
-    except (Exception, _MathVerifyTimeout):  # noqa: BLE001
-        return False
+        return bool(_mv_verify(gold, predicted, timeout_seconds=_timeout_s(), raise_on_error=True))
+    except (Exception, _MathVerifyTimeout) as exc:  # noqa: BLE001 - every failure is reported, none scored
+        raise MathVerifyError(f"math_verify.verify({gold}, {predicted}) failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _timeout_s() -> int | None:

@@ -1,0 +1,95 @@
+"""Issue 26: SIGTERM / SIGHUP are handled like Ctrl-C, and no worker outlives its driver, even a
+SIGKILLed one (runtime.lifecycle)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runtime.lifecycle import Stopped, die_with_parent, stop_signals_as_interrupt
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_raises_a_keyboard_interrupt_naming_it_and_the_old_handler_comes_back(sig):
+    before = signal.getsignal(sig)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with stop_signals_as_interrupt():
+            os.kill(os.getpid(), sig)
+            time.sleep(5)  # the handler runs at the next bytecode boundary; never reached
+    assert isinstance(stopped.value, Stopped) and stopped.value.signum == sig
+    assert signal.getsignal(sig) is before
+
+
+def test_a_process_that_asked_dies_with_its_parent_even_a_sigkilled_one():
+    child = ("import os, sys, time; from runtime.lifecycle import die_with_parent; "
+             "die_with_parent(os.getppid()); print(os.getpid(), flush=True); time.sleep(120)")
+    parent = ("import subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=sys.stdout); time.sleep(120)")
+    middle = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    grandchild = psutil.Process(int(middle.stdout.readline()))
+    assert grandchild.is_running()
+    middle.kill()  # SIGKILL: no handler of the parent runs
+    middle.wait(10)
+    grandchild.wait(timeout=10)  # psutil.TimeoutExpired if it kept running
+
+
+def test_an_orphan_that_asks_too_late_signals_itself():
+    code = ("import os, signal, time; from runtime.lifecycle import die_with_parent; "
+            "die_with_parent(os.getppid() + 1, signal.SIGUSR1); time.sleep(30)")  # not its parent: died already
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=REPO, timeout=30)
+    assert proc.returncode == -signal.SIGUSR1
+
+
+RUN = ["train.steps=200", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+       "train.checkpoint_every=1"]
+
+
+def _start(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """``areal-flow run`` of the main graph in a subprocess; returns it once its first checkpoint
+    is written (its workers are then all running)."""
+    proc = subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *RUN,
+                             f"out_dir={tmp_path}", f"name={name}"], cwd=REPO, env=ENV, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    first = tmp_path / name / "checkpoints" / "version_1"
+    deadline = time.monotonic() + 900  # start-up is a minute or two on a loaded 2-core machine
+    while not first.is_dir():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint within 900 s"
+        time.sleep(0.2)
+    return proc, tmp_path / name
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_nothing_running(tmp_path, warm_cache):
+    proc, out = _start(tmp_path, "term")
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len(workers) >= 2  # generation replica and trainer at least
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    line = next(x for x in err.splitlines() if "interrupted after" in x)
+    assert f"--resume {out} continues from it" in line and "of 200 steps; last checkpoint:" in line
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_driver_leaves_no_worker_running(tmp_path, warm_cache):
+    proc, _ = _start(tmp_path, "kill")
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "resource_tracker" not in
+               " ".join(p.cmdline())]
+    assert len(workers) >= 2
+    proc.kill()
+    proc.wait(10)
+    gone, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
