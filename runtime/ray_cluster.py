@@ -78,8 +78,9 @@ def connect(cfg: ExperimentConfig) -> Connection:
     """Connect to ``scheduler.address`` (else ``RAY_ADDRESS``), or start a local cluster.
 
     A driver already connected (``ray.is_initialized()``) is reused as it is. A local
-    cluster offers this machine's CPUs (and GPUs), plus ``cluster.n_gpus_per_node`` units of
-    a custom ``scheduler.device_resource``.
+    cluster offers this machine's GPUs and ``max(cores, cluster.n_gpus_per_node)`` logical
+    CPUs (so a CPU plan with more devices than cores runs, as on the local scheduler), plus
+    ``cluster.n_gpus_per_node`` units of a custom ``scheduler.device_resource``.
 
     Raises:
         RayClusterUnreachable: nothing answers at the address (checked within 3 s).
@@ -99,7 +100,10 @@ def connect(cfg: ExperimentConfig) -> Connection:
         return Connection(address=address, started=False, owns=True)
     resource = device_resource(cfg)
     custom = {} if resource in ("CPU", "GPU") else {resource: float(cfg.cluster.n_gpus_per_node)}
-    ray.init(address="local", resources=custom, **common)
+    # A cluster started here declares the logical CPUs the plan's devices need (cluster.gpu=cpu):
+    # Ray's CPUs are scheduling units, and the local scheduler runs the same plan on fewer cores.
+    cpus = max(os.cpu_count() or 1, cfg.cluster.n_gpus_per_node) if resource == "CPU" else None
+    ray.init(address="local", resources=custom, num_cpus=cpus, **common)
     return Connection(address="", started=True, owns=True)
 
 

@@ -130,6 +130,30 @@ def test_graph_file_functions_travel_by_value(tmp_path):
     assert cloudpickle.loads(blob)(" 12", "12") == 1.0
 
 
+def test_a_cluster_started_here_declares_the_plans_cpu_devices(monkeypatch):
+    """Issue 24: `gen:d2 + train:d1` on a 2-core machine was refused ("offers 0 such node(s)")
+    while the local scheduler runs it: the local cluster now declares max(cores, devices) CPUs."""
+    import ray
+
+    from areal_flow.config import ExperimentConfig
+    from runtime.ray_cluster import connect
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cfg = ExperimentConfig()
+    cfg.cluster.n_gpus_per_node = 3
+    connect(cfg)
+    assert seen["num_cpus"] == 3 and seen["address"] == "local"
+    cfg.cluster.n_gpus_per_node = 1
+    connect(cfg)
+    assert seen["num_cpus"] == 2  # never fewer than the cores
+    cfg.cluster.gpu, cfg.cluster.n_gpus_per_node = "H100", 3
+    connect(cfg)
+    assert seen["num_cpus"] is None  # GPU devices: Ray counts the CPUs itself
+
+
 def test_unreachable_address_is_a_clear_error(tmp_path, loopback_ray):
     import ray
 
@@ -151,7 +175,9 @@ def test_local_cluster_trains_every_sample_once(tmp_path, loopback_ray):
     import psutil
     import ray
 
-    graph, cfg = _config(ARITH, tmp_path, "train.steps=3", "train.batch_size=4", "train.checkpoint_every=1")
+    # three plan devices on a 2-core machine (issue 24): the cluster started here declares them
+    graph, cfg = _config(ARITH, tmp_path, "train.steps=3", "train.batch_size=4", "train.checkpoint_every=1",
+                         "cluster.n_gpus_per_node=3", "compile.allocation=gen:d2 + train:d1")
     summary = run_experiment(graph, cfg, show_progress=False)  # no address: a local cluster
     assert not ray.is_initialized()
     def ray_processes():  # the cluster started for the run: GCS, raylet, agents, actors
@@ -166,7 +192,8 @@ def test_local_cluster_trains_every_sample_once(tmp_path, loopback_ray):
     ray_info = summary["ray"]
     assert ray_info["address"] == "local"
     placement = ray_info["placement"]
-    assert placement["generate/0"]["mesh"] == "n0:g0" and placement["train_step/0"]["mesh"] == "n0:g1"
+    assert placement["generate/0"]["mesh"] == placement["generate/1"]["mesh"] == "n0:g0-1"
+    assert placement["train_step/0"]["mesh"] == "n0:g2"
     assert {p["ip"] for p in ray_info["placement"].values()} == {"127.0.0.1"}
     assert Path(ray_info["last_checkpoint"]) == out / "checkpoints" / "version_3"
     assert (out / "checkpoints" / "version_1" / "config.json").is_file() and (out / "model" / "config.json").is_file()
