@@ -1,8 +1,8 @@
 """The values that travel on the experience channel: trajectories and their groups.
 
-Owns the plain data records exchanged between graph nodes; no tensors live here so a
-record pickles small and crosses processes cheaply. Tensors are built by the trainer's
-collate step (``runtime.engines.batching``).
+Owns the plain record of one sample; no tensors live here so a record pickles small and
+crosses processes cheaply. The port values that hold them (a group's ``Rollouts``, ...) are
+``areal_flow.values``; tensors are built by the trainer's collate step (``areal_flow.batching``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ Owns :class:`GroupItem` and what every worker does with one (``runtime.workers``
   by the ``reward`` op: raised, timed out or non-finite, ``areal_flow.rewards.pool``)
   takes no part in its group's statistics (the group-relative baseline, the filter's
   spread) nor in the loss: after each group node it is removed from every per-sample
-  value (all ``group``-grain ports hold one entry per trajectory, in the group's order). A
-  group left with no sample is dropped and its slot resampled, as after a filter;
+  value (``areal_flow.values``: rollouts, rewards, logprobs hold one entry per trajectory,
+  in the group's order). A group left with no sample is dropped and its slot resampled,
+  as after a filter;
 * :func:`file_group`: the trainer holds a group for its step, dropping late duplicates.
 
 Must not: decide what failed (the ops do) or schedule anything.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from areal_flow.types import Trajectory
+from areal_flow.values import Logprobs, Rewards, Rollouts
 from compiler.plan import Plan
 from runtime.staleness import OrderedExperienceBuffer
 from runtime.trace import TraceRecorder, now_us
@@ -44,9 +45,15 @@ class GroupItem:
         self.origin, self.sent_us = origin, now_us()
         return self
 
-    def rollouts(self, plan: Plan) -> list[Trajectory]:
+    def rollouts(self, plan: Plan) -> Rollouts:
+        """The group's trajectories: the value of the plan's generator (``stream`` node)."""
         gen = next(n for n in plan.nodes if n.grain == "stream")
         return self.values[f"{gen.name}.rollouts"]
+
+
+def group_size(values: dict) -> int:
+    """The trajectories of one group's ``values`` (every per-sample value holds that many)."""
+    return next((len(v) for v in values.values() if isinstance(v, Rollouts)), 0)
 
 
 def _inputs(node, values: dict) -> dict:
@@ -56,37 +63,39 @@ def _inputs(node, values: dict) -> dict:
 def run_group_nodes(item: GroupItem, nodes: list, executors: dict, trace: TraceRecorder | None = None) -> bool:
     """Run ``nodes`` (group grain, in order) on ``item``, removing failed samples after each
     (:func:`drop_failed_samples`); False when one dropped the group or no sample is left.
-    Each node's run is a span of ``trace`` (track ``groups``)."""
+    Each node's run is a span of ``trace`` (track ``groups``); it gets ``info`` = the group's
+    ``index``, ``attempt`` and ``samples`` (its trajectories, what a per-sample value must hold)."""
     for node in nodes:
+        info = {"index": item.index, "attempt": item.attempt, "samples": group_size(item.values)}
         with trace.span(node.name, "groups", index=item.index, attempt=item.attempt) if trace else \
                 contextlib.nullcontext():
-            out = executors[node.name].run(_inputs(node, item.values), {"index": item.index, "attempt": item.attempt})
+            out = executors[node.name].run(_inputs(node, item.values), info)
         if out is None:
             return False
         item.values.update({f"{node.name}.{port}": v for port, v in out.items()})
-        if drop_failed_samples(item.values) and not any(item.values.values()):
+        if drop_failed_samples(item.values) and not group_size(item.values):
             return False
     return True
 
 
 def drop_failed_samples(values: dict) -> int:
-    """Remove the failed samples from every per-sample list in ``values`` (``"node.port"`` ->
-    list, one group); return how many were removed.
+    """Remove the failed samples from every per-sample value in ``values`` (``"node.port"`` ->
+    value, one group; ``areal_flow.values``: ``Rollouts``, ``Rewards``, ``Logprobs``); return
+    how many were removed.
 
     The survivors carry ``meta["reward_failures"]``, the group's count so far, so a train
     step can report failures of the groups it trained (``runtime.observe``).
     """
-    group = next((v for v in values.values() if isinstance(v, list) and v and isinstance(v[0], Trajectory)), None)
+    group = next((v for v in values.values() if isinstance(v, Rollouts)), None)
     if group is None:
         return 0
     keep = [i for i, t in enumerate(group) if not t.meta.get("reward_failed")]
     removed = len(group) - len(keep)
     if not removed:
         return 0
-    n = len(group)
     for key, value in values.items():
-        if isinstance(value, list) and len(value) == n:
-            values[key] = [value[i] for i in keep]
+        if isinstance(value, (Rollouts, Rewards, Logprobs)):
+            values[key] = value.select(keep)
     for i in keep:
         group[i].meta["reward_failures"] = group[i].meta.get("reward_failures", 0) + removed
     return removed

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_flow.config import TrainConfig
+from areal_flow.values import Advantages
 from runtime.record import EdgeRecorder
 
 NONFINITE_DIR = "nonfinite"
@@ -93,15 +94,14 @@ class NonFiniteGuard:
         """``<run>/nonfinite/<src>-<node>``: where the non-finite steps' batches are kept."""
         return Path(self.run_dir) / NONFINITE_DIR / f"{self.src}-{self.node}"
 
-    def check(self, step: int, stats: dict, value: dict) -> dict[str, float]:
+    def check(self, step: int, stats: dict, value: Advantages) -> dict[str, float]:
         """Look at one finished step; return ``{"nonfinite_steps": total so far}`` for its stats.
 
         Args:
             step: the train step (0-based). stats: what the step returned (``loss``,
-                ``grad_norm``, ...). value: the node's ``advantages`` input: ``batch``
-                (tensors ``[B, T]``), ``trajectories`` (``areal_flow.types.Trajectory``,
-                whose ``group_id`` is the admission index and ``meta["attempt"]`` the
-                attempt, 1 when absent), ``stats``.
+                ``grad_norm``, ...). value: the node's ``advantages`` input (its
+                ``trajectories``' ``group_id`` is the admission index and ``meta["attempt"]``
+                the attempt, 1 when absent).
 
         Raises:
             NonFiniteStepError: this was the ``max_steps``-th non-finite step in a row.
@@ -123,11 +123,11 @@ class NonFiniteGuard:
                 f"(now {self.max_steps})")
         return {"nonfinite_steps": float(self.kinds[KIND])}
 
-    def _keep(self, step: int, value: dict) -> None:
+    def _keep(self, step: int, value: Advantages) -> None:
         if self._recorder is None:
             self._recorder = EdgeRecorder.start(self.run_dir, self.src, self.node, "advantages", threads=self.threads,
                                                 seed=self.seed, folders=self.folders, root=NONFINITE_DIR)
-        trajectories = list(value.get("trajectories", []))
+        trajectories = list(value.trajectories)
         groups: dict[int, int] = {}
         for t in trajectories:
             groups.setdefault(t.group_id, int(t.meta.get("attempt", 1)))

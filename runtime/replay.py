@@ -114,12 +114,12 @@ def replay(run_dir: Path | str, edge: str, until: int | None = None) -> ReplayRe
                 raise RecordError(f"replay of {edge!r}: node '{node.name}' reads {missing}, which the record does not "
                                   f"hold; record an edge into '{node.name}' instead")
             inputs = {port: values[f"{s}.{p}"] for port, (s, p) in node.inputs.items()}
-            result = executors[node.name].run(inputs, {"step": step, "publish": False})
+            result = executors[node.name].run(inputs, {"step": step, "publish": False, "indices": record["indices"]})
             values.update({f"{node.name}.{port}": v for port, v in result.items()})
             if node.op == "train_step":
                 replayed = state_digest(executors[node.name].current_state())
                 checks.append(StepCheck(step, node.name, digests.get((step, node.name), "missing"), replayed,
-                                        {k: float(v) for k, v in result["stats"].items()
+                                        {k: float(v) for k, v in result["stats"].metrics.items()
                                          if isinstance(v, (int, float))}))
     return ReplayReport(edge, checks)
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from areal_flow.values import Advantages
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, write_checkpoint
 from runtime.context import WorkerContext
@@ -188,12 +189,12 @@ class _Stage:
                                                             checkpoint=checkpoint, publishers=publishers)
                     train_s = time.perf_counter() - started
                     self.counts["groups"] += len(batch_items)
-                    for t in advantage["trajectories"]:
+                    for t in advantage.trajectories:
                         log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
                     log.flush()
                     if checkpoint:
                         self._write_checkpoint(step + 1, out / "checkpoints")
-                    metrics = step_metrics(step, stats, advantage["batch"], advantage["trajectories"], train_s, wait_s)
+                    metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, train_s, wait_s)
                     if checkpoint:
                         metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
                     every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
@@ -243,10 +244,13 @@ class _Stage:
         return answer_accuracy(task, answers, problems)
 
     def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
-                    publishers: dict) -> tuple[dict, dict]:
+                    publishers: dict) -> tuple[dict, Advantages]:
+        """Run the batch nodes on the step's groups; the train_steps' metrics and the
+        ``Advantages`` the (last) train_step trained on."""
         values: dict = {}
         stats: dict = {}
         advantage = None
+        indices, samples = [it.index for it in batch_items], [len(it.rollouts(self.ctx.plan)) for it in batch_items]
         for node in self.batch_nodes:
             inputs = {}
             for port, (src, src_port) in node.inputs.items():
@@ -254,7 +258,7 @@ class _Stage:
                 inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
             is_step = node.op == "train_step"
             info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint),
-                    "trace": self.trace}
+                    "trace": self.trace, "indices": indices, "samples": samples}
             for record in self.records:
                 if record.dst == node.name:
                     record.item(step, inputs[record.port], [it.index for it in batch_items],
@@ -264,15 +268,15 @@ class _Stage:
                 result = self.executors[node.name].run(inputs, info)
             values.update({f"{node.name}.{port}": v for port, v in result.items()})
             if is_step:
-                stats.update(result["stats"])
-                advantage = inputs["advantages"]
-                self._digest(step, node, result["weights"])
+                stats.update(result["stats"].metrics)
+                advantage, weights = inputs["advantages"], result["weights"].state
+                self._digest(step, node, weights)
                 if publish and node.name in publishers:
                     publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
                         time.perf_counter()
                     with self.trace.span(sync_node(self.ctx.plan, node.name), "weights", phase="publish",
                                          version=step + 1):
-                        publisher.publish(result["weights"], step + 1)
+                        publisher.publish(weights, step + 1)
                     kill_point(self.ctx.plan, self.spec.out_dir, f"{self.spec.group}/{self.spec.rank}",
                                "weights_published", step + 1)
                     self.version = step + 1
@@ -281,7 +285,7 @@ class _Stage:
                 if "lr" in node.attrs and node.model == self.ctx.policy_name():
                     stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
-                    self._to_save[node.name] = result["weights"]
+                    self._to_save[node.name] = weights
         return stats, advantage
 
     def _batch_edge(self) -> str:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from areal_flow.ops.registry import FunctionExecutor, lookup
+from areal_flow.ops.function import FunctionExecutor
+from areal_flow.ops.registry import lookup
 from compiler.plan import Plan, decode_value
 from runtime.plan_ops import register_plan_ops
 from runtime.channels import MessageReceiver, MessageSender, wait_any

@@ -142,7 +142,7 @@ def test_dynamic_sampling_drops_all_equal_groups_and_bounds_attempts():
     keep = FilterExecutor(SimpleNamespace(name="filter", attrs={"keep": "informative", "max_attempts": 2}), None)
     informative = [_traj(0, 0, "7", "7"), _traj(0, 1, "78", "7")]  # odd answer, lengths 1, 2: rewards 1, 0
     rewards = reward.run({"rollouts": informative}, {})["rewards"]
-    assert rewards == [1.0, 0.0]
+    assert list(rewards) == [1.0, 0.0]
     assert keep.run({"rollouts": informative, "rewards": rewards}, {"index": 0, "attempt": 1}) is not None
     constant = [_traj(1, 0, "x", "4"), _traj(1, 1, "y", "4")]  # even answer: rewards 1, 1
     rewards = reward.run({"rollouts": constant}, {})["rewards"]
@@ -156,7 +156,7 @@ def test_overlong_shaping_in_the_reward_node():
     group = [_traj(0, j, "z", "2", n_tokens=n) for j, n in enumerate((5, 6, 7, 8))]  # even answer: reward 1.0
     rewards = reward.run({"rollouts": group}, {})["rewards"]
     # L_max - L_cache = 5: 5 tokens -> 0; 6 -> (5-6)/3; 7 -> (5-7)/3; 8 -> (5-8)/3 = -1; added to reward 1.0
-    assert rewards == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    assert list(rewards) == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
 
 
 def test_filter_node_rejects_bad_arguments():

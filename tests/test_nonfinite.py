@@ -22,18 +22,18 @@ import torch
 from areal_flow.config import ConfigError
 
 from areal_flow.config_load import load_config
+from areal_flow.values import Advantages
 from runtime.nonfinite import NonFiniteGuard, NonFiniteStepError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
 
 
-def _value(groups: dict[int, int]) -> dict:
+def _value(groups: dict[int, int]) -> Advantages:
     """An ``advantages`` value whose trajectories belong to ``groups`` (index -> attempt)."""
     trajectories = [SimpleNamespace(group_id=i, meta={"attempt": a}, versions=[0, 0]) for i, a in groups.items()
                     for _ in range(2)]
-    return {"batch": {"input_ids": torch.zeros(len(trajectories), 3, dtype=torch.long)}, "trajectories": trajectories,
-            "stats": {}}
+    return Advantages({"input_ids": torch.zeros(len(trajectories), 3, dtype=torch.long)}, trajectories)
 
 
 def test_the_guard_counts_keeps_and_stops_after_max_steps_in_a_row(tmp_path):
@@ -45,7 +45,7 @@ def test_the_guard_counts_keeps_and_stops_after_max_steps_in_a_row(tmp_path):
         {"nonfinite_steps": 1.0}
     kept = torch.load(folder / "step_1.pt", weights_only=False)  # runtime.record's step file
     assert kept["step"] == 1 and kept["indices"] == [2, 3] and kept["attempts"] == [1, 2]
-    assert kept["versions"] == [[0, 0]] * 4 and kept["value"]["batch"]["input_ids"].shape == (4, 3)
+    assert kept["versions"] == [[0, 0]] * 4 and kept["value"].batch["input_ids"].shape == (4, 3)
     assert (folder / "meta.json").is_file()
     # a finite step resets the run: steps 1 and 3 are not in a row
     assert guard.check(2, {"loss": 0.1, "grad_norm": 0.3}, _value({4: 1})) == {"nonfinite_steps": 1.0}
@@ -88,7 +88,7 @@ def _train_executor(tmp_path: Path):
     return TrainStepExecutor(ctx.node(train.name), ctx), train
 
 
-def _advantages(vocab: int) -> dict:
+def _advantages(vocab: int) -> Advantages:
     """Two sequences of 3 prompt + 3 response tokens, advantages +1 and -1 on the response."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (2, 6), generator=gen)
@@ -97,7 +97,7 @@ def _advantages(vocab: int) -> dict:
              "behavior_logprobs": -1.0 * mask, "advantages": torch.tensor([[1.0], [-1.0]]) * mask,
              "rewards": torch.tensor([1.0, 0.0])}
     trajectories = [SimpleNamespace(group_id=5, meta={"attempt": 1}, versions=[0, 0, 0]) for _ in range(2)]
-    return {"batch": batch, "trajectories": trajectories, "stats": {}}
+    return Advantages(batch, trajectories)
 
 
 def _bits(state: dict) -> dict:
@@ -110,19 +110,19 @@ def test_a_nan_loss_skips_the_update_keeps_the_batch_and_stops_the_second_time(t
     torch.set_num_threads(1)
     executor, node = _train_executor(tmp_path)
     adv = _advantages(executor.model.config.vocab_size)
-    finite = executor.run({"advantages": adv}, {"step": 0, "publish": False})["stats"]
+    finite = executor.run({"advantages": adv}, {"step": 0, "publish": False})["stats"].metrics
     assert finite["nonfinite_steps"] == 0.0 and finite["step_skipped"] == 0.0
     norm = next(p for name, p in executor.model.named_parameters() if name.endswith("norm.weight"))
     with torch.no_grad():
         norm[0] = float("nan")  # every position's hidden state, hence every token's loss, is NaN
     before = _bits(executor.model.state_dict())
-    stats = executor.run({"advantages": adv}, {"step": 1, "publish": False})["stats"]
+    stats = executor.run({"advantages": adv}, {"step": 1, "publish": False})["stats"].metrics
     assert math.isnan(stats["loss"]) and stats["step_skipped"] == 1.0 and stats["nonfinite_steps"] == 1.0
     after = _bits(executor.model.state_dict())
     assert all(torch.equal(before[k], after[k]) for k in before)  # the optimizer did not step
     kept = torch.load(tmp_path / "nf/nonfinite" / f"{node.inputs['advantages'][0]}-{node.name}/step_1.pt",
                       weights_only=False)
-    assert kept["indices"] == [5] and torch.equal(kept["value"]["batch"]["input_ids"], adv["batch"]["input_ids"])
+    assert kept["indices"] == [5] and torch.equal(kept["value"].batch["input_ids"], adv.batch["input_ids"])
     assert executor.monitor.kinds == {"nonfinite_step": 1}  # -> "<node>/failures" in summary.json
     with pytest.raises(NonFiniteStepError, match=rf"train_step '{node.name}': 2 steps in a row .*steps 1, 2;"):
         executor.run({"advantages": adv}, {"step": 2, "publish": False})

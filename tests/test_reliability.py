@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_flow.types import Trajectory
+from areal_flow.values import Logprobs, Rewards, Rollouts
 from runtime.staleness import OrderedExperienceBuffer
 from runtime.groups import GroupItem, file_group
 
@@ -29,7 +30,7 @@ def _traj(index: int, j: int, version: int = 0, text: str = "1") -> Trajectory:
 
 
 def _item(index: int, n: int = 2) -> GroupItem:
-    return GroupItem(index, 1, {"generate.rollouts": [_traj(index, j) for j in range(n)]})
+    return GroupItem(index, 1, {"generate.rollouts": Rollouts([_traj(index, j) for j in range(n)])})
 
 
 def test_a_late_duplicate_group_is_dropped_and_counted_held_or_trained():
@@ -153,13 +154,13 @@ def test_failed_samples_leave_their_group_before_any_statistic():
 
     node, executor = _reward_node()
     texts = ["1", "boom", "0", "1"]
-    item = GroupItem(5, 1, {"generate.rollouts": [_traj(5, j, text=t) for j, t in enumerate(texts)],
-                            "ref.logprobs": [[-0.1], [-0.2], [-0.3], [-0.4]]})  # a per-sample value of another node
+    item = GroupItem(5, 1, {"generate.rollouts": Rollouts([_traj(5, j, text=t) for j, t in enumerate(texts)]),
+                            "ref.logprobs": Logprobs([[-0.1], [-0.2], [-0.3], [-0.4]])})  # another node's per-sample value
     assert run_group_nodes(item, [node], {"reward": executor})
     kept = item.values["generate.rollouts"]
     assert [t.sample_id for t in kept] == ["5:0", "5:2", "5:3"]
-    assert item.values["reward.rewards"] == [1.0, 0.0, 1.0]  # group mean 2/3, not (1 + 0 + 0 + 1) / 4 = 1/2
-    assert item.values["ref.logprobs"] == [[-0.1], [-0.3], [-0.4]]
+    assert item.values["reward.rewards"] == Rewards([1.0, 0.0, 1.0])  # group mean 2/3, not (1 + 0 + 0 + 1) / 4
+    assert item.values["ref.logprobs"] == Logprobs([[-0.1], [-0.3], [-0.4]])
     assert [t.meta["reward_failures"] for t in kept] == [1, 1, 1] and executor.monitor.kinds == {"ValueError": 1}
 
 
@@ -167,7 +168,7 @@ def test_a_group_with_no_sample_left_is_dropped_for_resampling():
     from runtime.groups import run_group_nodes
 
     node, executor = _reward_node()
-    item = GroupItem(2, 1, {"generate.rollouts": [_traj(2, j, text="nan") for j in range(3)]})
+    item = GroupItem(2, 1, {"generate.rollouts": Rollouts([_traj(2, j, text="nan") for j in range(3)])})
     assert not run_group_nodes(item, [node], {"reward": executor})
     assert executor.monitor.kinds == {"non-finite": 3}
 

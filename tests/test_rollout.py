@@ -169,7 +169,7 @@ def test_raising_and_hanging_envs_end_only_their_episode():
     started = time.monotonic()
     done = _drain(runner)
     assert time.monotonic() - started < 3  # the hanging env did not hold its group for 5 s x 3 turns
-    assert len(done[0]) == 2 and done[1] == [] and done[2] == []
+    assert len(done[0]) == 2 and len(done[1]) == 0 and len(done[2]) == 0
     assert runner.counts == {"episodes": 6, "episodes_failed": 4, "env_timeouts": 2, "tool_call_errors": 0}
 
 
@@ -274,7 +274,7 @@ def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
     ctx = SimpleNamespace(plan=SimpleNamespace(nodes=[]), pad_id=0,
                           generator=lambda: SimpleNamespace(attrs={"temperature": 1.0}))
     out = AdvantageExecutor(node, ctx).run({"rollouts": [[ep.to_trajectory("0:0", 0, 0.9, {})]]}, {})
-    batch = out["advantages"]["batch"]
+    batch = out["advantages"].batch
     adv = batch["advantages"][0][batch["loss_mask"][0].bool()].tolist()
     assert adv == pytest.approx([0.62, 0.62, 0.8, 0.8, 1.0, 1.0])
     assert batch["advantages"][0][~batch["loss_mask"][0].bool()].abs().sum() == 0  # observation tokens: none

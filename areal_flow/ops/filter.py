@@ -53,7 +53,7 @@ def filter(rollouts: Handle, rewards: Handle, *, keep: str = "informative", max_
 
 
 class FilterExecutor:
-    """Worker side (grain ``group``): ``{"rollouts": group}`` to keep it, ``None`` to drop it."""
+    """Worker side (grain ``group``): ``{"rollouts": the group's Rollouts}`` to keep it, ``None`` to drop it."""
 
     def __init__(self, node, ctx) -> None:
         self.node = node

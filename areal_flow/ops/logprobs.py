@@ -12,6 +12,7 @@ from __future__ import annotations
 from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import GROUP, INFERENCE, OpDef, define, op_function
+from areal_flow.values import Logprobs
 
 SPEC = OpSpec("logprobs", inputs=(PortSpec("rollouts", "rollouts"),), outputs=(PortSpec("logprobs", "logprobs"),),
               needs_model=True)
@@ -39,7 +40,7 @@ def logprobs(model: Model, rollouts: Handle, *, temperature: float = 1.0, name: 
 
 
 class LogprobsExecutor:
-    """Worker side (grain ``group``): ``{"logprobs": [[float] * response_len] * n}``."""
+    """Worker side (grain ``group``): ``{"logprobs": Logprobs}``, ``[n][response_len]``."""
 
     def __init__(self, node, ctx) -> None:
         self.model = ctx.model(node.model)
@@ -60,4 +61,4 @@ class LogprobsExecutor:
         for row, t in enumerate(group):
             p = len(t.prompt_ids)
             out.append(lp[row, p:p + len(t.output_ids)].tolist())
-        return {"logprobs": out}
+        return {"logprobs": Logprobs(out)}

@@ -22,9 +22,11 @@ Grains (how a worker drives a node):
 Executor protocol (worker side): ``Executor(node, ctx)`` with ``node`` the plan's
 :class:`~compiler.plan.NodePlan` and ``ctx`` the worker's
 :class:`runtime.context.WorkerContext`; ``executor.run(inputs, info) -> dict`` maps the
-node's input ports to values (for a ``batch`` node, a port fed by ``group`` nodes gets the
-list of the step's per-group values) and returns the output ports' values; a ``group``
-executor returns ``None`` to drop the group (its batch slot is then resampled).
+node's input ports to values (classes of ``areal_flow.values``; for a ``batch`` node, a
+port fed by ``group`` nodes gets the list of the step's per-group values) and returns the
+output ports' values; a ``group`` executor returns ``None`` to drop the group (its batch
+slot is then resampled). A user op's function runs in ``areal_flow.ops.function``, which
+checks its result against its ports.
 """
 
 from __future__ import annotations
@@ -207,24 +209,6 @@ class UserOp:
         return outs[0] if len(outs) == 1 else outs
 
 
-class FunctionExecutor:
-    """Runs a user op's function: ``fn(**inputs, **attrs)``; a non-dict result is the value
-    of the single output port; ``None`` from a ``group`` op drops the group."""
-
-    def __init__(self, fn: Callable, node, ctx) -> None:
-        self.fn, self.node = fn, node
-        self.outputs = list(node.outputs)
-
-    def run(self, inputs: dict, info: dict) -> dict | None:
-        result = self.fn(**inputs, **self.node.attrs)
-        if result is None or isinstance(result, dict):
-            return result
-        if len(self.outputs) != 1:
-            raise TypeError(f"op '{self.node.op}' (node '{self.node.name}') returned {type(result).__name__}; "
-                            f"with outputs {self.outputs} it must return a dict of them")
-        return {self.outputs[0]: result}
-
-
 def register_op(
     name: str,
     *,
@@ -238,11 +222,18 @@ def register_op(
 
     Args:
         name: the op name (must not shadow a built-in).
-        inputs / outputs: port name -> value type (``rollouts``, ``rewards``, ``logprobs``,
-            ``advantages``, ``stats`` or a new type name); every input is required.
+        inputs / outputs: port name -> value type (``prompts``, ``rollouts``, ``rewards``,
+            ``logprobs``, ``advantages``, ``stats``, ``weights``: the classes of
+            ``areal_flow.values``, or a new type name); every input is required.
         grain: ``group`` (called once per prompt group) or ``batch`` (once per train step,
             with lists of the step's per-group values).
         role: compiler role; ``cpu`` for light functions (placed with their consumer).
+
+    The function gets its inputs as ``areal_flow.values`` classes and returns the value of
+    its one output port, or a mapping whose keys are exactly its output ports, or (a group
+    op) None to drop the group; the result is checked against the ports' types and, per
+    sample, the group's length (``areal_flow.ops.function``). A list of floats for
+    ``rewards`` is fine, as in the example.
 
     Example::
 

@@ -28,6 +28,7 @@ from areal_flow.tracing import Handle, Model, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, GROUP, INFERENCE, OpDef, define, op_function
 from areal_flow.types import Trajectory
+from areal_flow.values import Rewards
 
 SPEC = OpSpec("reward", inputs=(PortSpec("rollouts", "rollouts"),), outputs=(PortSpec("rewards", "rewards"),))
 OP = define(OpDef(SPEC, GROUP, lambda node: INFERENCE if node.model else CPU, "areal_flow.ops.reward:RewardExecutor"))
@@ -121,7 +122,7 @@ def score(group: list[Trajectory], pool, monitor=None) -> list[float]:
 
 
 class RewardExecutor:
-    """Worker side of a reward node (grain ``group``): ``{"rewards": [float] * n}``.
+    """Worker side of a reward node (grain ``group``): ``{"rewards": Rewards}``, one per trajectory.
 
     A rule reward calls ``fn`` per trajectory in a pool (:func:`score`); a reward model scores prompt + response ids
     (``[n, T]`` right-padded, one forward) and returns ``sigmoid(score)``. The overlong
@@ -163,4 +164,4 @@ class RewardExecutor:
             rewards = [r + p for r, p in zip(rewards, penalty.tolist())]
         for traj, r in zip(group, rewards):
             traj.reward = r
-        return {"rewards": rewards}
+        return {"rewards": Rewards([float(r) for r in rewards])}

@@ -17,6 +17,7 @@ from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.batching import collate
+from areal_flow.values import Advantages
 
 _OWN = ("estimator", "kl_coef", "model_role")
 _CHUNK = 64  # sequences per no-grad forward (values, reference log-probs)
@@ -34,11 +35,12 @@ def _no_grad_rows(model: torch.nn.Module, fn, ids: torch.Tensor, attn: torch.Ten
 
 
 class AdvantageExecutor:
-    """Grain ``batch``: ``{"advantages": {"batch", "trajectories", "stats"}}``.
+    """Grain ``batch``: the step's ``rollouts`` (and ``rewards``, ``ref_logprobs``: lists of
+    per-group values) -> ``{"advantages": areal_flow.values.Advantages}``.
 
-    ``batch`` holds the tensors of ``areal_flow.batching.collate`` (``[B*n, T]``) plus
+    Its ``batch`` holds the tensors of ``areal_flow.batching.collate`` (``[B*n, T]``) plus
     ``advantages`` and, as available, ``values``/``returns`` (critic) and
-    ``ref_logprobs``; ``stats`` holds ``kl_ref_in_reward`` (nats per token) when a KL was
+    ``ref_logprobs``; its ``stats`` hold ``kl_ref_in_reward`` (nats per token) when a KL was
     folded into the reward.
     """
 
@@ -110,4 +112,4 @@ class AdvantageExecutor:
         elif self.critic is not None:
             raise ValueError(f"{self.node.where()}: estimator {self.estimator!r} gives no returns to train the critic "
                              "on (use 'gae')")
-        return {"advantages": {"batch": batch, "trajectories": trajectories, "stats": stats}}
+        return {"advantages": Advantages(batch, trajectories, stats)}

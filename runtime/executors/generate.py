@@ -44,6 +44,7 @@ from collections import deque
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
+from areal_flow.values import Prompt, Rollouts
 from runtime.engines.generation import GenerationRequest, GenerationResult, SamplingParams
 
 
@@ -78,7 +79,7 @@ class GenerateExecutor:
         self._groups: dict[tuple[int, int], dict] = {}
         self.interruptible = bool(self.attrs.get("interruptible", True))
         self._queue: deque[GenerationRequest] = deque()  # not interruptible: requests not yet in the engine
-        self._finished: list[tuple[int, int, list[Trajectory]]] = []  # groups complete, not yet returned
+        self._finished: list[tuple[int, int, Rollouts]] = []  # groups complete, not yet returned
         self._last_rows = 0
         self.counts = {"empty_responses": 0, "generation_errors": 0}
         self.monitor = FailureMonitor(f"generate node '{node.name}'", self.attrs.get("max_failure_fraction",
@@ -88,7 +89,7 @@ class GenerateExecutor:
     def version(self) -> int:
         return self.engine.version
 
-    def submit(self, index: int, attempt: int, problem: dict) -> None:
+    def submit(self, index: int, attempt: int, problem: Prompt) -> None:
         """Start the ``n_samples`` responses of prompt group ``index`` (its ``attempt``-th prompt)."""
         ids = encode_prompt(self.tokenizer, problem["prompt"], self.attrs.get("chat_template"))
         tag = "" if attempt == 1 else f"/{attempt}"
@@ -128,7 +129,7 @@ class GenerateExecutor:
         del self._groups[key]
         results = sorted(group["results"], key=lambda r: r.meta["sample"])
         kept = drop_empty(results, self.counts, self.monitor)
-        self._finished.append((*key, [_trajectory(r, key, group["problem"]) for r in kept]))
+        self._finished.append((*key, Rollouts([_trajectory(r, key, group["problem"]) for r in kept])))
 
     def has_work(self) -> bool:
         return bool(self._queue or self._finished) or self.engine.has_work()
@@ -137,10 +138,10 @@ class GenerateExecutor:
         """``{"rows": sequences the last engine step decoded, "slots": the engine's batch capacity}``."""
         return {"rows": self._last_rows, "slots": self.engine.max_batch_size}
 
-    def step(self) -> list[tuple[int, int, list[Trajectory]]]:
+    def step(self) -> list[tuple[int, int, Rollouts]]:
         """One engine step (first admitting queued requests into free slots when not
         interruptible); returns the groups finished since the last call: ``(index, attempt,
-        trajectories)``, those finished while draining for a non-interruptible update and
+        rollouts)`` (the node's ``rollouts`` value), those finished while draining for a non-interruptible update and
         those whose every request failed included."""
         while self._queue and self.engine.num_active() < self.engine.max_batch_size:
             self._submit(self._queue.popleft())
@@ -210,7 +211,7 @@ def build_engine(node, ctx):
                             dtype=a.get("engine_dtype", "float32"))
 
 
-def _trajectory(result: GenerationResult, key: tuple[int, int], problem: dict) -> Trajectory:
+def _trajectory(result: GenerationResult, key: tuple[int, int], problem: Prompt) -> Trajectory:
     index, attempt = key
     return Trajectory(
         sample_id=f"{index}:{result.meta['sample']}", group_id=index, prompt_ids=list(result.prompt_ids),

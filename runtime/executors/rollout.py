@@ -38,6 +38,7 @@ from areal_flow.envs.builtin import env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.envs.tools import ToolCallError, parse_tool_call
 from areal_flow.types import Trajectory
+from areal_flow.values import Prompt, Rollouts
 from runtime.engines.generation import GenerationRequest, SamplingParams
 from runtime.executors.generate import build_engine, sampling_params
 
@@ -212,7 +213,7 @@ class EpisodeRunner:
                   f"group; later failures of this kind are only counted\n{detail}", file=sys.stderr)
 
     # -- the engine side (the replica's thread) --------------------------------------
-    def submit(self, index: int, attempt: int, row: dict) -> None:
+    def submit(self, index: int, attempt: int, row: Prompt) -> None:
         """Start the ``n_samples`` episodes of row ``index`` (its ``attempt``-th row)."""
         runs = []
         for j in range(self.attrs["n_samples"]):
@@ -244,9 +245,9 @@ class EpisodeRunner:
             except queue.Empty:
                 item = None
 
-    def step(self) -> list[tuple[int, int, list[Trajectory]]]:
+    def step(self) -> list[tuple[int, int, Rollouts]]:
         """Submit the turns asked for, one engine step, time-outs; the groups all of whose
-        episodes ended: ``(index, attempt, surviving trajectories)``."""
+        episodes ended: ``(index, attempt, rollouts)``, the surviving trajectories."""
         self._submit_turns(0 if self.engine.has_work() else _IDLE_WAIT_S)
         if self.engine.has_work():
             for result in self.engine.step():
@@ -264,7 +265,7 @@ class EpisodeRunner:
                     self._report("TimeoutError", f"step_timeout_s={limit:g} exceeded\n")
             if all(run.done or run.failed for run in runs):
                 del self._groups[key]
-                done.append((*key, self._finish(runs)))
+                done.append((*key, Rollouts(self._finish(runs))))
         return done
 
     def _finish(self, runs: list[_Run]) -> list[Trajectory]:

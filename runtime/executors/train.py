@@ -22,6 +22,7 @@ from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import build_algorithm
+from areal_flow.values import Advantages, Stats, Weights
 from runtime.nonfinite import NonFiniteGuard
 from runtime.rank_commands import broadcast_command
 from runtime.train_phases import TrainPhaseSpans
@@ -69,10 +70,11 @@ def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
 
 
 class TrainStepExecutor:
-    """Grain ``batch``: ``run({"advantages": ...}, info) -> {"stats", "weights"}``.
+    """Grain ``batch``: ``run({"advantages": Advantages}, info) -> {"stats": Stats, "weights": Weights}``
+    (``areal_flow.values``).
 
     ``info["publish"]``: the worker needs the full weights after this step (a weight route
-    or a checkpoint); ``weights`` is then the state dict (gathered over ranks), else None.
+    or a checkpoint); ``weights.state`` is then the state dict (gathered over ranks), else None.
     ``info["trace"]`` (optional, ``runtime.trace.TraceRecorder``): where the step's forward,
     backward and optimizer spans go (``runtime.train_phases``; one process only).
     """
@@ -114,8 +116,8 @@ class TrainStepExecutor:
         return get_algorithm(self.settings.algorithm).default_loss_config(**self.settings.loss_overrides)
 
     def run(self, inputs: dict, info: dict) -> dict:
-        adv = inputs["advantages"]
-        batch = adv["batch"]
+        adv: Advantages = inputs["advantages"]
+        batch = adv.batch
         if self.ranks is None and self.device != "cpu":
             batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
@@ -123,10 +125,10 @@ class TrainStepExecutor:
         phases = self.phases.active(info.get("trace"), step=info["step"]) if self.phases else contextlib.nullcontext()
         with phases, torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
             stats = self._step(batch, rows, info)
-        stats = {**stats, **adv.get("stats", {}), **self.monitor.check(info["step"], stats, adv)}
+        stats = {**stats, **adv.stats, **self.monitor.check(info["step"], stats, adv)}
         if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
             stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
-        return {"stats": stats, "weights": self.state_dict() if info["publish"] else None}
+        return {"stats": Stats(stats), "weights": Weights(self.state_dict() if info["publish"] else None)}
 
     def _step(self, batch: dict, rows: int, info: dict) -> dict:
         if self.critic:
