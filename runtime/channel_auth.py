@@ -1,4 +1,5 @@
-"""Authenticated channel messages: an HMAC-SHA256 over every frame, with a per-run secret.
+"""Authenticated channel messages: an HMAC-SHA256 over every message, bound to its channel,
+with a per-run secret.
 
 Owns the run's secret and the rule that nothing a channel receives is used — least of all
 unpickled (a pickle from an unauthenticated peer is code execution) — before its MAC is
@@ -7,16 +8,25 @@ every worker in its spec (``runtime.workers.WorkerSpec.secret``, through the pro
 pipe or Ray's object store, never through the plan or a file). Every message is sent as
 ``[mac, stamp, frame, ...]`` (:class:`Signer`): ``stamp`` is the sending end's random
 16-byte id and its message counter (8 bytes little-endian, from 1), and
-``mac = HMAC-SHA256(secret, len(stamp) || stamp || len(frame) || frame || ...)`` (each length
-as 8 little-endian bytes, so frame boundaries are authenticated too). A receiver
-(:class:`Verifier`) drops a message whose MAC does not verify, and a replay: a message
-whose counter is not above the last one it accepted from that sender id (a captured
-genuine message sent again; ZeroMQ delivers one sender's messages in order, and a
-restarted sender draws a new id). Both are counted (``rejected``; replays also in
-``replayed``) and the first of each logged.
 
-Not covered: confidentiality (frames travel in clear). Channels bind to loopback unless
-``scheduler.bind_host`` names an interface.
+    digest = SHA-256(len(frame) || frame || ...)
+    mac    = HMAC-SHA256(secret, len(channel) || channel || len(stamp) || stamp || len(digest) || digest)
+
+(each length as 8 little-endian bytes, so frame boundaries are authenticated too; HMAC over a
+collision-resistant digest, so one sender can sign a large weight bucket for several
+receivers hashing it once). ``channel`` is the receiving end's address, as its senders
+connect to it: a message captured on one channel and replayed to another fails its MAC. A
+receiver (:class:`Verifier`) drops a message whose MAC does not verify, and a replay: a
+message whose counter is not above the last one it accepted from that sender id (a captured
+genuine message sent again; ZeroMQ delivers one sender's messages in order, and a restarted
+sender draws a new id). Both are counted (``rejected``; replays also in ``replayed``) and the
+first of each logged.
+
+Not covered: confidentiality (frames travel in clear); a replay to a receiver restarted at
+the same address within one attempt (its counters start afresh; what such a replay could
+carry, a group or a weight version already delivered, is dropped as a duplicate by the
+exactly-once accounting). Channels bind to loopback unless ``scheduler.bind_host`` names an
+interface.
 """
 
 from __future__ import annotations
@@ -47,21 +57,34 @@ def check_secret(secret: bytes, where: str) -> bytes:
     return secret
 
 
-def sign(secret: bytes, *frames) -> bytes:
-    """HMAC-SHA256 of ``frames`` (bytes-like, each length-prefixed): ``MAC_BYTES`` bytes."""
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
+def _lengths_prefixed(h, frames) -> None:
     for frame in frames:
         view = memoryview(frame)
-        mac.update(view.nbytes.to_bytes(8, "little"))
-        mac.update(view)
+        h.update(view.nbytes.to_bytes(8, "little"))
+        h.update(view)
+
+
+def digest(*frames) -> bytes:
+    """SHA-256 of ``frames`` (bytes-like, each length-prefixed): 32 bytes."""
+    h = hashlib.sha256()
+    _lengths_prefixed(h, frames)
+    return h.digest()
+
+
+def sign(secret: bytes, channel: str, stamp: bytes, frames_digest: bytes) -> bytes:
+    """HMAC-SHA256 binding a message (its ``stamp`` and :func:`digest`) to ``channel``:
+    ``MAC_BYTES`` bytes."""
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    _lengths_prefixed(mac, (channel.encode(), stamp, frames_digest))
     return mac.digest()
 
 
 class Signer:
-    """One sending end: stamps each message with its sender id and counter and signs it.
+    """One sending end: stamps each message with its sender id and counter and signs it for
+    the channel(s) it goes to.
 
     Args:
-        secret: the run's secret. where: names the channel in errors.
+        secret: the run's secret. where: names the sender in errors.
 
     Attributes:
         sender: this end's random id (``SENDER_BYTES``). sent: messages signed so far.
@@ -75,26 +98,34 @@ class Signer:
         self.sender = secrets.token_bytes(SENDER_BYTES)
         self.sent = 0
 
-    def frames(self, *frames) -> list:
-        """``[mac, stamp, *frames]``, ready to send as one multipart message."""
+    def frames_for(self, channels, *frames) -> list[list]:
+        """One ``[mac, stamp, *frames]`` per channel address in ``channels``: one stamp, the
+        frames hashed once, a MAC per channel."""
         self.sent += 1
         stamp = self.sender + self.sent.to_bytes(8, "little")
-        return [sign(self.secret, stamp, *frames), stamp, *frames]
+        d = digest(*frames)
+        return [[sign(self.secret, channel, stamp, d), stamp, *frames] for channel in channels]
+
+    def frames(self, channel: str, *frames) -> list:
+        """``[mac, stamp, *frames]`` for the receiver at ``channel``, ready to send as one
+        multipart message."""
+        return self.frames_for([channel], *frames)[0]
 
 
 class Verifier:
     """Checks the MAC and the sender's counter of received messages for one channel end.
 
     Args:
-        secret: the run's secret. where: names the channel in the log (its address).
+        secret: the run's secret. channel: this end's address as its senders connect to it
+            (bound into every MAC; also names the channel in the log).
 
     Attributes:
         rejected: messages dropped: a wrong MAC or frame count, or a replay.
         replayed: of those, replays (a genuine message whose counter was already passed).
     """
 
-    def __init__(self, secret: bytes, where: str) -> None:
-        self.secret, self.where = check_secret(secret, where), where
+    def __init__(self, secret: bytes, channel: str) -> None:
+        self.secret, self.where = check_secret(secret, channel), channel
         self.rejected = 0
         self.replayed = 0
         self._last: dict[bytes, int] = {}  # sender id -> counter of its last accepted message
@@ -106,7 +137,7 @@ class Verifier:
         if len(frames) == n_payload + 2:
             mac, stamp = memoryview(frames[0]).tobytes(), memoryview(frames[1]).tobytes()
             if len(mac) == MAC_BYTES and len(stamp) == STAMP_BYTES and \
-                    hmac.compare_digest(mac, sign(self.secret, *frames[1:])):
+                    hmac.compare_digest(mac, sign(self.secret, self.where, stamp, digest(*frames[2:]))):
                 sender, count = stamp[:SENDER_BYTES], int.from_bytes(stamp[SENDER_BYTES:], "little")
                 if count > self._last.get(sender, 0):
                     self._last[sender] = count

@@ -81,8 +81,8 @@ def _timeout_ms(timeout_s: float | None) -> int:
     return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
 
 
-def _send_signed(sock: zmq.Socket, signer: Signer, payload: bytes) -> None:
-    sock.send_multipart(signer.frames(payload))
+def _send_signed(sock: zmq.Socket, signer: Signer, channel: str, payload: bytes) -> None:
+    sock.send_multipart(signer.frames(channel, payload))
 
 
 def _recv_verified(sock: zmq.Socket, verifier: Verifier, timeout_s: float | None) -> object | None:
@@ -123,7 +123,7 @@ class MessageSender:
         """Raises TimeoutError: the queue stayed full for ``timeout_s`` (receiver gone or stalled)."""
         self._sock.setsockopt(zmq.SNDTIMEO, _timeout_ms(timeout_s))
         try:
-            _send_signed(self._sock, self._signer, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            _send_signed(self._sock, self._signer, self.address, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except zmq.Again as e:
             raise TimeoutError(f"channel {self.address}: message not accepted within {timeout_s} s") from e
 
@@ -141,7 +141,7 @@ class MessageReceiver:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self._sock, address)
-        self._verifier = Verifier(secret, f"channel {self.address}")
+        self._verifier = Verifier(secret, address if address is not None else self.address)
 
     @property
     def rejected(self) -> int:

@@ -9,9 +9,10 @@ Policy versions travel only here (the experience channel carries groups only).
 Wire format: a state dict is split into buckets of at most ``bucket_bytes`` bytes (a single
 tensor larger than that travels alone). One bucket = one four-frame ZeroMQ message:
 
-* frames 0 and 1, MAC and stamp (``runtime.channel_auth.Signer``): HMAC-SHA256 of the
-  stamp (publisher id, bucket counter) and frames 2 and 3 under the run's secret, computed
-  once per bucket for every subscriber; a bucket whose MAC does not verify, or a replayed
+* frames 0 and 1, MAC and stamp (``runtime.channel_auth.Signer``): HMAC-SHA256 under the
+  run's secret of the subscriber's address, the stamp (publisher id, bucket counter) and the
+  SHA-256 of frames 2 and 3 (hashed once per bucket, one MAC per subscriber); a bucket whose
+  MAC does not verify (forged, or captured on another subscriber's channel), or a replayed
   one, is dropped before its header is parsed, and counted (``rejected``);
 * frame 2, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
@@ -185,8 +186,8 @@ class WeightPublisher:
             if self._tamper is not None:
                 self._tamper(header, data)
             frame0 = json.dumps(header).encode()
-            frames = self._signer.frames(frame0, data)
-            for addr, sock in zip(self.addresses, self._socks):
+            signed = self._signer.frames_for(self.addresses, frame0, data)
+            for addr, sock, frames in zip(self.addresses, self._socks, signed):
                 try:
                     sock.send_multipart(frames, copy=False)
                 except zmq.Again as e:
@@ -245,7 +246,7 @@ class WeightSubscriber:
         self._sock.setsockopt(zmq.RCVHWM, high_water_mark)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self._sock, address)
-        self._verifier = Verifier(secret, f"weight channel {self.address}")
+        self._verifier = Verifier(secret, address if address is not None else self.address)
         self.version = -1
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.dropped_versions = 0

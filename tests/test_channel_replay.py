@@ -32,11 +32,11 @@ def _capture(sock) -> list:
 
 def test_the_verifier_accepts_each_counter_once_per_sender():
     signer, verifier = Signer(KEY, "t"), Verifier(KEY, "t")
-    first, second = signer.frames(b"a"), signer.frames(b"b")
+    first, second = signer.frames("t", b"a"), signer.frames("t", b"b")
     assert verifier.accept(second, 1) == [b"b"]  # counter 2
     assert verifier.accept(first, 1) is None  # counter 1 <= 2: a replay (one sender's messages arrive in order)
     assert verifier.accept(second, 1) is None
-    assert verifier.accept(Signer(KEY, "t").frames(b"c"), 1) == [b"c"]  # a restarted sender: a new id, counter 1
+    assert verifier.accept(Signer(KEY, "t").frames("t", b"c"), 1) == [b"c"]  # a restarted sender: a new id, counter 1
     assert (verifier.rejected, verifier.replayed) == (2, 2)
     assert verifier.accept([first[0], first[1], b"x"], 1) is None  # a genuine stamp on other bytes: bad MAC
     assert (verifier.rejected, verifier.replayed) == (3, 2)
@@ -92,6 +92,26 @@ def test_a_replayed_weight_bucket_is_dropped_before_its_header_is_read():
 
 def test_stamps_are_inside_the_mac():
     signer, verifier = Signer(KEY, "t"), Verifier(KEY, "t")
-    mac, stamp, payload = signer.frames(pickle.dumps(1))
+    mac, stamp, payload = signer.frames("t", pickle.dumps(1))
     forged = stamp[:-8] + (99).to_bytes(8, "little")  # a replay with its counter raised
     assert verifier.accept([mac, forged, payload], 1) is None and verifier.replayed == 0 and verifier.rejected == 1
+
+
+def test_a_message_signed_for_one_channel_is_rejected_on_another():
+    """Issue 26: replay protection was per receiver only; a genuine message captured on one
+    channel and sent to another (same run, same secret) was accepted there."""
+    signer = Signer(KEY, "router")
+    to_a = signer.frames("ipc:///run/replica-0", b"group 7")
+    replica_a, replica_b = Verifier(KEY, "ipc:///run/replica-0"), Verifier(KEY, "ipc:///run/replica-1")
+    assert replica_b.accept(to_a, 1) is None and (replica_b.rejected, replica_b.replayed) == (1, 0)
+    assert replica_a.accept(to_a, 1) == [b"group 7"]
+
+
+def test_one_bucket_signed_for_several_subscribers_verifies_only_on_its_own():
+    signer = Signer(KEY, "publisher")
+    channels = ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"]
+    first, second = signer.frames_for(channels, b"header", b"payload")
+    assert first[1] == second[1] and first[2:] == second[2:] == [b"header", b"payload"]  # one stamp, same frames
+    assert first[0] != second[0]  # a MAC per channel
+    assert Verifier(KEY, channels[1]).accept(second, 2) == [b"header", b"payload"]
+    assert Verifier(KEY, channels[1]).accept(first, 2) is None
