@@ -80,6 +80,8 @@ def _graph_files(folder: Path) -> list[str]:
 
 
 def default_config_path(flow: Flow, given: str | None) -> str | None:
+    """``given`` (``--config``), else the ``.yaml`` of the graph file's name beside it when there
+    is one, else None (the built-in defaults)."""
     if given is not None:
         return given
     candidate = Path(flow.source_file).with_suffix(".yaml")
@@ -186,7 +188,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         plan = Plan.from_json(path.read_text(), source=str(path))
         ks = sorted({0, plan.staleness_bound if args.k is None else args.k})
         results = [simulate(plan, k=k, steps=args.steps, seed=args.seed) for k in ks]
-    except (PlanSchemaError, SimulationError) as exc:
+    except PlanSchemaError as exc:  # names the file already
+        raise CLIError(str(exc)) from None
+    except SimulationError as exc:
         raise CLIError(f"{path}: {exc}") from None
     print(format_report(plan, results))
     if args.trace:

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from areal_flow.cli import CLIError, flow_config, load_flow
+from areal_flow.config import ConfigError
 from areal_flow.dsl import Flow
 
 
@@ -34,7 +35,11 @@ def run_command(args: argparse.Namespace) -> int:
             raise CLIError(f"plan file not found: {path}")
         if args.resume and args.resume != "auto":
             resume_folder(args.resume)
-        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
+        plan = Plan.from_json(path.read_text(), source=str(path))
+        try:
+            run(plan, resume=args.resume or "")
+        except ConfigError as exc:  # a value of the plan the config's checks refuse (runtime.preflight)
+            raise CLIError(f"{path}: {exc}") from None
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")

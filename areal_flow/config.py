@@ -65,6 +65,12 @@ class DatasetConfig:
     prompt_style: str = "plain"
     """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number.")."""
 
+    def __post_init__(self) -> None:
+        """Raises ConfigError for a value no task takes (``areal_flow.ops.dataset.check_values``)."""
+        from areal_flow.ops.dataset import check_values  # here: `import areal_flow.config` stays without the ops
+
+        check_values(self)
+
 
 @dataclass
 class GenerationConfig:
