@@ -99,9 +99,26 @@ def flow_config(flow: Flow, args: argparse.Namespace):
     return cfg
 
 
+def note_defaults(flow: Flow, config: str | None) -> None:
+    """Say on stderr, in one line, that a graph file with no YAML beside it and no ``--config``
+    (``config``) runs on the built-in defaults, naming the file looked for and ``--config``.
+
+    A note, not a refusal: as for a Hydra app with a structured config and no config file, the
+    defaults are a whole config, and a graph file of one's own beside no YAML must still run;
+    the silence was the bug. The commands print it once the graph is traced, so a bad graph
+    still gets its one error line alone, and a run shows it before its long work starts.
+    """
+    if default_config_path(flow, config) is None:
+        looked = Path(flow.source_file).with_suffix(".yaml")
+        print(f"areal-flow: note: no {looked} beside the graph file: using the built-in defaults ('areal-flow "
+              "config' lists them) and the overrides; pass --config FILE to use a YAML config", file=sys.stderr)
+
+
 def _cmd_graph(args: argparse.Namespace) -> int:
     flow = load_flow(args.file, args.flow)
-    print(flow(flow_config(flow, args)).describe())
+    graph = flow(flow_config(flow, args))
+    note_defaults(flow, args.config)
+    print(graph.describe())
     return 0
 
 
@@ -130,6 +147,27 @@ def _render(plan, path: str) -> None:
         raise CLIError(f"{path}: {exc}") from None
 
 
+def check_overwrite(path: str, text: str, force: bool) -> None:
+    """Refuse to replace ``path`` when it holds something other than ``text``, unless ``force``:
+    a plan file is edited by hand (README), and naming it with ``-o`` does not say the edit may
+    go (the README's own command names it). Identical content is rewritten (nothing is lost).
+
+    Raises:
+        CLIError: the file exists and differs, naming it and ``--force``.
+    """
+    target = Path(path)
+    if force or not target.exists():
+        return
+    if target.is_file():
+        try:
+            if target.read_text() == text:
+                return
+        except (OSError, UnicodeDecodeError):
+            pass
+    raise CLIError(f"{path} exists and differs from this plan (an edit of it would be lost); pass --force to "
+                   "overwrite it, or -o another path")
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler import format_table
 
@@ -142,9 +180,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from areal_flow.program import compile_program
 
     plan = compile_program(flow(cfg), cfg)
+    text = plan.to_json()
+    if args.plan:
+        check_overwrite(args.output, text, args.force)
+    note_defaults(flow, args.config)
     print(format_table(plan))
     if args.plan:
-        Path(args.output).write_text(plan.to_json())
+        Path(args.output).write_text(text)
         print(f"plan written to {args.output} (id {plan.id})")
     if args.viz:
         _render(plan, args.viz)
@@ -257,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_args(p)
     p.add_argument("--plan", action="store_true", help="write the plan as JSON (see -o)")
     p.add_argument("-o", "--output", default="plan.json", help="plan JSON path (default plan.json)")
+    p.add_argument("--force", action="store_true", help="overwrite the plan file even when it differs from this "
+                                                        "plan (by default that is refused: it may hold your edit)")
     p.add_argument("--allocation", help='manual allocation, e.g. "gen:d4t2 + train:d2t2p2"')
     p.add_argument("--viz", help="also draw the placement graph (.html, .svg, .png or .dot)")
     p.set_defaults(func=_cmd_compile)
@@ -371,7 +415,7 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from areal_flow.cli_run import run_flow
 
-    return _guarded(lambda a: run_flow(flow, flow_config(flow, a)), args)
+    return _guarded(lambda a: run_flow(flow, flow_config(flow, a), a.config), args)
 
 
 if __name__ == "__main__":  # `python -m areal_flow.cli`: run the imported module, whose CLIError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from areal_flow.cli import CLIError, flow_config, load_flow
+from areal_flow.cli import CLIError, flow_config, load_flow, note_defaults
 from areal_flow.config import ConfigError
 from areal_flow.dsl import Flow
 
@@ -60,7 +60,7 @@ def run_command(args: argparse.Namespace) -> int:
                                    f"was also given; drop {key}= (the run folder sets it)")
             cfg.name, cfg.out_dir = folder.name, str(folder.parent)
         cfg.resume = args.resume
-    return run_flow(flow, cfg)
+    return run_flow(flow, cfg, args.config)
 
 
 def resume_folder(arg: str) -> Path:
@@ -82,8 +82,12 @@ def resume_folder(arg: str) -> Path:
     return folder
 
 
-def run_flow(flow: Flow, cfg) -> int:
+def run_flow(flow: Flow, cfg, config: str | None = None) -> int:
+    """Trace ``flow`` under ``cfg``, then compile and run it; ``config`` is the ``--config`` given
+    (``areal_flow.cli.note_defaults``)."""
     from runtime.launch import run_experiment
 
-    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
+    graph = flow(cfg)
+    note_defaults(flow, config)
+    run_experiment(graph, cfg)  # compile the plan, then run it (the plan is all the runtime reads)
     return 0
