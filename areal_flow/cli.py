@@ -21,7 +21,6 @@ A graph file's config defaults to the YAML file of the same name beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -251,13 +250,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.file and not args.file.endswith((".yaml", ".yml")):
         raise CLIError(f"{args.file}: config takes a YAML file (a graph's config is the .yaml beside it)")
     if args.file or args.overrides:  # show the resolved values of a graph's config
-        import yaml
+        from areal_flow.config_load import config_yaml
 
-        from areal_flow.config_load import yaml_key
-
-        cfg = load_config(args.file, args.overrides)
-        data = {yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
-        print(yaml.safe_dump(data, sort_keys=False), end="")
+        print(config_yaml(load_config(args.file, args.overrides)), end="")
         return 0
     print(format_listing(ExperimentConfig))
     return 0

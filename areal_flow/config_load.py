@@ -31,6 +31,13 @@ def yaml_key(key: str) -> str:
     return key.replace("async_", "async")
 
 
+def config_yaml(cfg: Any) -> str:
+    """``cfg`` (an ``ExperimentConfig``) as YAML, every key at its resolved value, as users write
+    the keys (``async``): what ``areal-flow config`` prints, and :func:`load_config` reads it back."""
+    data = {yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def _field_key(key: str) -> str:
     parts = key.split(".")
     return ".".join("async_" if p == "async" else p for p in parts)

@@ -52,6 +52,7 @@ class RunSpec:
         reward_model: training of a ``<preset>-rm`` reward model (``steps``, ``lr``).
         logging / debug: ``logging.*`` (W&B beside TensorBoard, the timeline), ``debug.*`` (memory
             profile, recorded edges).
+        keep_old_runs: moved-aside earlier runs of the name kept (``runtime.run_dir``).
     """
 
     name: str
@@ -65,6 +66,7 @@ class RunSpec:
     reward_model: dict = field(default_factory=dict)
     logging: dict = field(default_factory=dict)
     debug: dict = field(default_factory=dict)
+    keep_old_runs: int = 3
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
@@ -72,7 +74,7 @@ class RunSpec:
         return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
                    warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
                    dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr},
-                   logging=asdict(cfg.logging), debug=asdict(cfg.debug))
+                   logging=asdict(cfg.logging), debug=asdict(cfg.debug), keep_old_runs=cfg.keep_old_runs)
 
 
 _TRAIN = ("lr", "weight_decay", "max_grad_norm", "loss", "checkpoint_every", "max_tokens_per_micro_batch",
@@ -92,7 +94,7 @@ node's attributes are ``dataset.*``): what a plan's attribute is checked against
 
 RUN_CONFIG_KEYS: dict[str, str] = {
     "name": "name", "out_dir": "out_dir", "seed": "seed", "steps": "train.steps", "dtype": "model.dtype",
-    "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
+    "keep_old_runs": "keep_old_runs", "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
     **{f"{section}.{f.name}": f"{section}.{f.name}" for section, cls in
        (("warm_start", WarmStartConfig), ("eval", EvalConfig), ("scheduler", SchedulerConfig),
         ("logging", LoggingConfig), ("debug", DebugConfig)) for f in dataclasses.fields(cls)},

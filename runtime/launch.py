@@ -47,17 +47,21 @@ from runtime.workers import WorkerSpec, run_generation_replica
 
 
 def run_experiment(graph, cfg, show_progress: bool = True) -> dict:
-    """Compile ``graph`` under ``cfg`` into a plan and run it (``areal-flow run graph.py``)."""
+    """Compile ``graph`` under ``cfg`` into a plan and run it (``areal-flow run graph.py``); the
+    run folder keeps ``cfg`` as ``config.yaml``."""
+    from areal_flow.config_load import config_yaml
     from areal_flow.program import compile_program
 
-    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume)
+    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume, config_yaml=config_yaml(cfg))
 
 
-def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
+def run(plan: Plan, show_progress: bool = True, resume: str = "", config_yaml: str | None = None) -> dict:
     """Execute ``plan`` (its only input) with the scheduler it names; returns the summary.
 
     Args:
         resume: ``""`` (a new run), ``"auto"`` or the run's folder (``runtime.checkpoint.resume_point``).
+        config_yaml: the resolved config the plan was compiled from, kept in the run folder as
+            ``config.yaml`` for the reader (``runtime.run_dir.record_start``); nothing reads it back.
 
     Raises:
         runtime.topology.TopologyError: the plan asks for what the runtime cannot run.
@@ -66,7 +70,7 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
         WorkerFailed: a worker raised (its traceback is in the message), or workers died
             more often than ``scheduler.max_restarts``.
     """
-    setup = RunSetup.create(plan, show_progress, resume)
+    setup = RunSetup.create(plan, show_progress, resume, config_yaml)
     if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
         return _already_complete(setup)
     if plan.run["scheduler"]["type"] == "ray":

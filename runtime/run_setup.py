@@ -25,7 +25,7 @@ from runtime.faults import check_kill_at
 from runtime.metrics import RunLogger, format_summary
 from runtime.preflight import preflight
 from runtime.router import Router
-from runtime.run_dir import fresh_run_dir, rewind_run_dir
+from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
 from runtime.workers import WorkerSpec
@@ -49,11 +49,13 @@ class RunSetup:
     """Where a resumed run continues from (None: version 0)."""
 
     @classmethod
-    def create(cls, plan: Plan, show_progress: bool = True, resume: str = "") -> "RunSetup":
+    def create(cls, plan: Plan, show_progress: bool = True, resume: str = "",
+               config_yaml: str | None = None) -> "RunSetup":
         """Check the topology and the inputs (``runtime.preflight``), start an empty run folder
-        (an earlier run's is moved aside, ``runtime.run_dir``) and write ``plan.json`` (no model
-        is touched: cheap); or, to resume (``run``), find the checkpoint in the run's own folder
-        and keep the folder.
+        (an earlier run's is moved aside, older ones beyond ``keep_old_runs`` deleted:
+        ``runtime.run_dir``) and write ``plan.json`` (no model is touched: cheap); or, to
+        resume (``run``), find the checkpoint in the run's own folder and keep the folder.
+        Either way the start is recorded with ``config_yaml`` (``run_dir.record_start``).
 
         Raises:
             ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
@@ -85,7 +87,13 @@ class RunSetup:
             moved = fresh_run_dir(out_dir)
             if moved is not None:
                 print(f"areal-flow: {out_dir} held an earlier run; moved it to {moved.name}", file=sys.stderr)
+            keep = plan.run.get("keep_old_runs", 3)
+            pruned = prune_old_runs(out_dir, keep)
+            if pruned:
+                print(f"areal-flow: deleted {len(pruned)} older run folder(s) beyond keep_old_runs={keep}: "
+                      f"{', '.join(p.name for p in pruned)}", file=sys.stderr)
             (out_dir / "plan.json").write_text(plan.to_json())
+        record_start(out_dir, config_yaml)
         from compiler.device_check import device_mismatch_warning
 
         if show_progress:
@@ -257,7 +265,7 @@ class RunSetup:
         return summary
 
 
-RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug")
+RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
 RUN_FOLDER = ("name", "out_dir")
