@@ -65,6 +65,12 @@ class DatasetConfig:
     prompt_style: str = "plain"
     """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number.")."""
 
+    def __post_init__(self) -> None:
+        """Raises ConfigError for a value no task takes (``areal_flow.ops.dataset.check_values``)."""
+        from areal_flow.ops.dataset import check_values  # here: `import areal_flow.config` stays without the ops
+
+        check_values(self)
+
 
 @dataclass
 class GenerationConfig:
@@ -336,6 +342,9 @@ class ExperimentConfig:
     """Seed of data, sampling and initialisation."""
     out_dir: str = "runs"
     """Folder for TensorBoard events, trajectories and the final model."""
+    keep_old_runs: int = 3
+    """Earlier runs of this name kept beside the new one: a new run moves <out_dir>/<name> aside to
+    <name>.old-<stamp>, then deletes all but the newest this many of those folders (0 = keep none)."""
     resume: str = ""
     """Continue a run from its last complete checkpoint (train.checkpoint_every): '' = a new run (an earlier folder of the name is moved aside), 'auto' = resume <out_dir>/<name> if it holds a complete checkpoint, else a new run, or the run folder itself (what --resume sets). Either scheduler; another compile.allocation of the train_step reshards its checkpoint (docs/RESUME.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -373,7 +382,7 @@ class ExperimentConfig:
             parse_kill_at(entry)
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
-        for key, value in (("train.checkpoint_every", self.train.checkpoint_every),
+        for key, value in (("keep_old_runs", self.keep_old_runs), ("train.checkpoint_every", self.train.checkpoint_every),
                            ("scheduler.max_restarts", self.scheduler.max_restarts),
                            ("scheduler.threads_per_worker", self.scheduler.threads_per_worker),
                            ("async.max_staleness", self.async_.max_staleness),

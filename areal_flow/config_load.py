@@ -31,6 +31,13 @@ def yaml_key(key: str) -> str:
     return key.replace("async_", "async")
 
 
+def config_yaml(cfg: Any) -> str:
+    """``cfg`` (an ``ExperimentConfig``) as YAML, every key at its resolved value, as users write
+    the keys (``async``): what ``areal-flow config`` prints, and :func:`load_config` reads it back."""
+    data = {yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def _field_key(key: str) -> str:
     parts = key.split(".")
     return ".".join("async_" if p == "async" else p for p in parts)
@@ -99,7 +106,7 @@ def load_config(
         except ValueError as exc:
             raise ConfigError(f"{exc} (command line)") from None
         for key, value in pairs:
-            layers.append((OmegaConf.from_dotlist([f"{_field_key(key)}={value}"]), "command line", {}))
+            layers.append((_override_layer(key, value), "command line", {}))
 
     merged = base
     for layer, source, lines in layers:
@@ -111,6 +118,65 @@ def load_config(
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "config", {}, schema) from None
+
+
+def _override_layer(key: str, value: str) -> Any:
+    """One ``key=value`` override as a config layer; the value is read as YAML (``1e-4`` a
+    float, ``[a, b]`` a list), as OmegaConf reads dotlists.
+
+    Raises:
+        ConfigError: the value is not YAML (``dataset.ops=*``: ``*`` starts an alias), naming
+            the override and how to pass it as a string.
+    """
+    try:
+        return OmegaConf.from_dotlist([f"{_field_key(key)}={value}"])
+    except yaml.YAMLError as exc:
+        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+        problem = " ".join(": ".join(str(p) for p in parts if p).split()) or str(exc).splitlines()[0]
+        raise ConfigError(f"override '{key}={value}' (command line): {value!r} is not a YAML value ({problem}); "
+                          f"""quote it to pass it as a string: {key}='"{value}"'""") from None
+
+
+def key_type(key: str, schema: type = ExperimentConfig) -> Any:
+    """The annotation of the dotted config ``key`` (as users write it: ``async.max_staleness``),
+    e.g. ``float`` for ``train.lr``; None when ``schema`` has no such key."""
+    cls: Any = schema
+    for part in _field_key(key).split("."):
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return cls
+
+
+def config_from_values(values: dict[str, Any], schema: type = ExperimentConfig) -> Any:
+    """An instance of ``schema`` with the dotted ``values`` set (already of their keys' types,
+    e.g. read from a plan, ``compiler.program.config_values``) and every other key at its
+    default, built so that the schema's own checks (``__post_init__``) run on them as on a
+    loaded config: one check of a value, whichever source it came from.
+
+    Raises:
+        ConfigError: a check refuses a value (its message names the key).
+        KeyError: a key ``schema`` lacks (callers pass known keys).
+    """
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        *sections, leaf = _field_key(key).split(".")
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
+
+    def build(cls: type, data: dict) -> Any:
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for name, value in data.items():
+            if name not in hints:
+                raise KeyError(f"{cls.__name__} has no field {name!r}")
+            kwargs[name] = build(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
+        return cls(**kwargs)
+
+    return build(schema, nested)
 
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
@@ -185,12 +251,5 @@ def _scalar_section(layer: Any, schema: type, prefix: str = "") -> str:
 
 
 def _expected_type(schema: type, key: str) -> str:
-    cls: Any = schema
-    for part in _field_key(key).split("."):
-        if not dataclasses.is_dataclass(cls):
-            return ""
-        hints = typing.get_type_hints(cls)
-        if part not in hints:
-            return ""
-        cls = hints[part]
-    return getattr(cls, "__name__", str(cls))
+    hint = key_type(key, schema) if key else None
+    return "" if hint is None else getattr(hint, "__name__", str(hint))

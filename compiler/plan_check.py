@@ -8,9 +8,19 @@ make the drawing and the program disagree); every edge's ends exist; a bound ``k
 int >= 0 and ``B`` an int >= 1; ``run`` holds what the runtime reads, with ``steps`` and
 ``seed`` integers. Whether an op exists is the runtime's check (user ops are registered
 from the plan there: ``runtime.topology``).
+
+It also holds the plan's fields that come from config keys to those keys' types
+(:func:`check_config_types`): ``plan.run`` is :class:`compiler.program.RunSpec`, so a key
+it does not know (``stepz``) is refused with a did-you-mean rather than ignored, and a node
+attribute lowered from a config key (``train_step``'s ``lr`` is ``train.lr``, a float) or
+named like its built-in op's argument (``generate``'s ``n_samples``, an int) must have that
+JSON type; most built-in ops take no other attribute (:data:`CLOSED`). The values
+themselves are checked by the config's own checks where a run starts (``runtime.preflight``).
 """
 
 from __future__ import annotations
+
+import difflib
 
 RUN_KEYS = ("name", "out_dir", "seed", "steps", "scheduler", "warm_start", "eval")
 
@@ -57,3 +67,51 @@ def check_plan(plan, error) -> None:
                 raise error(f"plan.run.{key}={value!r}: must be an int" + (" >= 1" if key == "steps" else ""))
         if not isinstance(plan.run["scheduler"], dict) or "type" not in plan.run["scheduler"]:
             raise error("plan.run.scheduler must be a mapping with a 'type' (local or ray)")
+    check_config_types(plan, error)
+
+
+CLOSED = ("dataset", "generate", "reward", "filter", "logprobs", "train_step", "sync_weights")
+"""Built-in ops whose node attributes are exactly their function's arguments and lowered config
+keys (``rollout`` and ``advantage`` add others: an env's class, an estimator's knobs)."""
+
+
+def check_config_types(plan, error) -> None:
+    """Raise ``error(message)`` at the first ``plan.run`` key that no config key stands for, or
+    run value / node attribute whose JSON type is not its config key's or op argument's (module
+    doc), e.g. ``plan node 'train_step': lr='fast' is not float (config key train.lr)``."""
+    import areal_flow.ops  # noqa: F401  (registers the built-in ops' functions)
+    from areal_flow.config_load import key_type
+    from areal_flow.ops.registry import argument_types
+    from compiler.program import LOWERED, RUN_CONFIG_KEYS
+    from compiler.plan_types import fits, type_name
+
+    sections = {k.split(".")[0] for k in RUN_CONFIG_KEYS if "." in k}
+    for key, value in plan.run.items():
+        if key in sections and not isinstance(value, dict):
+            raise error(f"plan.run.{key}={value!r:.60} must be a mapping")
+        for dotted, v in ([(f"{key}.{k}", v) for k, v in value.items()] if key in sections else [(key, value)]):
+            config_key = RUN_CONFIG_KEYS.get(dotted)
+            if config_key is None:
+                section, _, leaf = dotted.rpartition(".")
+                valid = [k.rpartition(".")[2] for k in RUN_CONFIG_KEYS if k.rpartition(".")[0] == section]
+                near = difflib.get_close_matches(leaf, valid + ([] if section else sorted(sections)), n=1)
+                hint = f"; did you mean '{near[0]}'?" if near else ""
+                raise error(f"plan.run{'.' + section if section else ''}: unknown key '{leaf}'{hint}")
+            hint_type = key_type(config_key)
+            if not fits(v, hint_type):
+                raise error(f"plan.run.{dotted}={v!r:.60} is not {type_name(hint_type)} (config key {config_key})")
+    for node in plan.nodes:
+        lowered, arguments = LOWERED.get(node.op, {}), argument_types(node.op)
+        for attr, value in node.attrs.items():
+            if attr in lowered:
+                hint_type, via = key_type(lowered[attr]), f"config key {lowered[attr]}"
+            elif attr in arguments:
+                hint_type, via = arguments[attr], f"an argument of ops.{node.op}"
+            elif node.op in CLOSED:
+                near = difflib.get_close_matches(attr, [*lowered, *arguments], n=1)
+                hint = f"; did you mean '{near[0]}'?" if near else ""
+                raise error(f"plan node '{node.name}': unknown attribute '{attr}'{hint}")
+            else:
+                continue
+            if not fits(value, hint_type):
+                raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not {type_name(hint_type)} ({via})")

@@ -17,13 +17,13 @@ import typing
 from typing import Any, Union
 
 
-def _fits(value: Any, hint: Any) -> bool:
+def fits(value: Any, hint: Any) -> bool:
     """Whether a JSON ``value`` can stand for a field annotated ``hint`` (dataclasses: any mapping)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
     if origin in (Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
+        return any(fits(value, a) for a in args)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -43,7 +43,7 @@ def _fits(value: Any, hint: Any) -> bool:
     return True
 
 
-def _name(hint: Any) -> str:
+def type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
@@ -58,8 +58,8 @@ def check_fields(data: Any, cls: type, where: str, error, prefix: str = "") -> N
         if name not in hints:
             continue  # unknown fields: the dataclass constructor names them
         hint = hints[name]
-        if not _fits(value, hint):
-            raise error(f"{where}: {prefix}{name}={value!r:.60} is not {_name(hint)}")
+        if not fits(value, hint):
+            raise error(f"{where}: {prefix}{name}={value!r:.60} is not {type_name(hint)}")
         inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
         if dataclasses.is_dataclass(hint):
             inner = [hint]

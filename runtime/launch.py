@@ -47,11 +47,13 @@ from runtime.stage_worker import run_stage_worker
 from runtime.workers import WorkerSpec, run_generation_replica
 
 
-def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
+def run(plan: Plan, show_progress: bool = True, resume: str = "", config_yaml: str | None = None) -> dict:
     """Execute ``plan`` (its only input) with the scheduler it names; returns the summary.
 
     Args:
         resume: ``""`` (a new run), ``"auto"`` or the run's folder (``runtime.checkpoint.resume_point``).
+        config_yaml: the resolved config the plan was compiled from, kept in the run folder as
+            ``config.yaml`` for the reader (``runtime.run_dir.record_start``); nothing reads it back.
 
     Raises:
         runtime.topology.TopologyError: the plan asks for what the runtime cannot run.
@@ -63,7 +65,7 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "") -> dict:
             workers are stopped first and the last checkpoint is named, either way).
     """
     with stop_signals_as_interrupt():  # SIGTERM / SIGHUP take the Ctrl-C path (runtime.lifecycle)
-        setup = RunSetup.create(plan, show_progress, resume)
+        setup = RunSetup.create(plan, show_progress, resume, config_yaml)
         if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
             return _already_complete(setup)
         if plan.run["scheduler"]["type"] == "ray":

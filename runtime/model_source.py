@@ -62,6 +62,29 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
     return folders
 
 
+def check_models(plan, task) -> None:
+    """Refuse, before the run folder is touched, a version-0 model :func:`prepare_models` cannot
+    make from ``task``: a tiny preset's warm start with ``warm_start.teacher_bug_rate`` > 0 learns
+    from the task's teacher demonstrations (``runtime.engines.sft.training_problems``; also for
+    ``warm_start.enabled: false``, whose cache key holds them), which not every task has.
+
+    Raises:
+        ConfigError: naming the model, ``warm_start.teacher_bug_rate``, ``dataset.name`` and the fix.
+    """
+    from areal_flow.config import ConfigError
+    from areal_flow.models.names import resolve_name
+
+    rate = plan.run.get("warm_start", {}).get("teacher_bug_rate", 0.0)
+    if not rate or hasattr(task, "demonstrations"):
+        return
+    for name, info in plan.models.items():
+        spec = info["spec"].removesuffix(RM_SUFFIX) if info["head"] == "reward" else info["spec"]
+        if resolve_name(spec).kind == "tiny":
+            raise ConfigError(f"model '{name}' ({spec}) is warm-started with warm_start.teacher_bug_rate={rate}, which "
+                              f"needs teacher demonstrations, and the {task.name} task (dataset.name) has none; set "
+                              "warm_start.teacher_bug_rate=0 or pick a task that has them")
+
+
 def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Path:
     """The version-0 folder of ``spec``, resolved by ``areal_flow.models.names.resolve_name``
     (as the compiler resolves it): a tiny preset (any case) is warm-started, anything else

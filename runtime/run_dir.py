@@ -9,12 +9,23 @@ resumed run (``--resume``, ``resume=auto``, or a trainer restarted from its last
 ``runtime.checkpoint``): the folder is kept, and what was written after the checkpoint is
 undone (:func:`rewind_run_dir`) so every trained sample is in ``trajectories/`` once; the
 timeline's span files are kept and the new attempt is marked in them (``runtime.trace``).
+
+Moved-aside folders do not pile up: after a move, :func:`prune_old_runs` deletes all but the
+newest ``keep_old_runs`` (``plan.run``, default 3) ``<name>.old-*`` folders of that name, and
+nothing else. The folder explains itself (:func:`record_start`): ``config.yaml`` is the
+resolved config the run was compiled from (absent for ``run --plan``: ``plan.json`` is the
+whole program), and ``commands.jsonl`` gets one line per start of the run (the new run, each
+resume) with the process's command line, working folder, time and git commit.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,6 +58,60 @@ def fresh_run_dir(folder: Path, now: float | None = None) -> Path | None:
             raise OSError(f"run folder {folder} holds an earlier run and cannot be moved to {moved}: {e}") from e
     folder.mkdir(parents=True, exist_ok=True)
     return moved
+
+
+def prune_old_runs(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` folders that :func:`fresh_run_dir` moved ``folder``
+    aside to (``<name>.old-<YYYYmmdd-HHMMSS>[-<n>]`` beside it, by stamp and counter); return
+    the deleted ones, oldest first. No other folder is touched.
+
+    Raises:
+        OSError: a folder cannot be deleted (names it).
+    """
+    pattern = re.compile(re.escape(folder.name) + r"\.old-(\d{8}-\d{6})(?:-(\d+))?")
+    old = []
+    for path in folder.parent.iterdir() if folder.parent.is_dir() else ():
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink():
+            old.append(((match[1], int(match[2] or 1)), path))
+    doomed = [path for _, path in sorted(old)][:max(len(old) - keep, 0)]
+    for path in doomed:
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            raise OSError(f"cannot delete the earlier run {path} (keep_old_runs={keep}): {e}") from e
+    return doomed
+
+
+def record_start(folder: Path, config_yaml: str | None, now: float | None = None) -> None:
+    """Write ``config.yaml`` (when given) and append this start to ``commands.jsonl`` in run
+    ``folder`` (module doc): ``argv`` (the process's whole command line, ``sys.orig_argv``),
+    ``cwd``, ``time`` (local ISO 8601), ``git_commit`` of the working folder's repository and
+    ``git_dirty`` (tracked files changed), both None outside a repository."""
+    if config_yaml is not None:
+        (folder / "config.yaml").write_text(config_yaml)
+    commit, dirty = _git_state(Path.cwd())
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now))
+    line = {"argv": list(sys.orig_argv), "cwd": os.getcwd(), "time": stamp, "git_commit": commit, "git_dirty": dirty}
+    with (folder / "commands.jsonl").open("a") as fh:
+        fh.write(json.dumps(line) + "\n")
+
+
+def _git_state(where: Path) -> tuple[str | None, bool | None]:
+    """``(HEAD commit, tracked files changed)`` of the git repository holding ``where``;
+    ``(None, None)`` when there is none (or no ``git``)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return commit.strip(), None if status is None else bool(status.strip())
 
 
 def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:

@@ -18,14 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_flow.ops.dataset import build_task
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
 from runtime.faults import check_kill_at
 from runtime.metrics import RunLogger, format_summary
+from runtime.preflight import preflight
 from runtime.router import Router
-from runtime.run_dir import fresh_run_dir, rewind_run_dir
+from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
 from runtime.workers import WorkerSpec
@@ -49,10 +49,13 @@ class RunSetup:
     """Where a resumed run continues from (None: version 0)."""
 
     @classmethod
-    def create(cls, plan: Plan, show_progress: bool = True, resume: str = "") -> "RunSetup":
-        """Check the topology, start an empty run folder (an earlier run's is moved aside,
+    def create(cls, plan: Plan, show_progress: bool = True, resume: str = "",
+               config_yaml: str | None = None) -> "RunSetup":
+        """Check the topology and the inputs (``runtime.preflight``), start an empty run folder
+        (an earlier run's is moved aside, older ones beyond ``keep_old_runs`` deleted:
         ``runtime.run_dir``) and write ``plan.json`` (no model is touched: cheap); or, to
         resume (``run``), find the checkpoint in the run's own folder and keep the folder.
+        Either way the start is recorded with ``config_yaml`` (``run_dir.record_start``).
 
         Raises:
             ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
@@ -62,6 +65,7 @@ class RunSetup:
 
         topo = build_topology(plan)
         check_kill_at(plan, topo)
+        task = preflight(plan, topo)
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
@@ -71,7 +75,7 @@ class RunSetup:
         if checkpoint is not None:
             reshards = _check_resumable(plan, out_dir, checkpoint)
             if checkpoint.version >= topo.steps:  # complete: runtime.launch says so alone; nothing is written
-                return cls(plan, topo, out_dir, show_progress, checkpoint=checkpoint)
+                return cls(plan, topo, out_dir, show_progress, task=task, checkpoint=checkpoint)
             before = _program(json.loads((out_dir / "plan.json").read_text()), RUNTIME_ONLY, placement=False)
             if before != _program(json.loads(plan.to_json()), RUNTIME_ONLY, placement=False):
                 (out_dir / "plan.json").write_text(plan.to_json())  # more steps, another allocation: the plan it runs
@@ -83,7 +87,13 @@ class RunSetup:
             moved = fresh_run_dir(out_dir)
             if moved is not None:
                 print(f"areal-flow: {out_dir} held an earlier run; moved it to {moved.name}", file=sys.stderr)
+            keep = plan.run.get("keep_old_runs", 3)
+            pruned = prune_old_runs(out_dir, keep)
+            if pruned:
+                print(f"areal-flow: deleted {len(pruned)} older run folder(s) beyond keep_old_runs={keep}: "
+                      f"{', '.join(p.name for p in pruned)}", file=sys.stderr)
             (out_dir / "plan.json").write_text(plan.to_json())
+        record_start(out_dir, config_yaml)
         from compiler.device_check import device_mismatch_warning
 
         if show_progress:
@@ -93,7 +103,7 @@ class RunSetup:
         warning = device_mismatch_warning(plan.cluster["gpu"])
         if warning:
             print(f"areal-flow: warning: {warning}", file=sys.stderr)
-        return cls(plan, topo, out_dir, show_progress, checkpoint=checkpoint)
+        return cls(plan, topo, out_dir, show_progress, task=task, checkpoint=checkpoint)
 
     def logger(self, rewind: bool = False) -> RunLogger:
         """TensorBoard (and W&B when ``logging.wandb``) + progress bar for this run; with
@@ -119,7 +129,6 @@ class RunSetup:
         """Version-0 models, and held-out greedy accuracy before RL."""
         from runtime.model_source import prepare_models
 
-        self.task = build_task(self.topo.dataset.attrs, self.plan.run["seed"])
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
         from runtime.parallel_trainer import check_parallel_training
@@ -256,7 +265,7 @@ class RunSetup:
         return summary
 
 
-RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug")
+RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
 RUN_FOLDER = ("name", "out_dir")

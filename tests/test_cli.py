@@ -120,3 +120,53 @@ def test_timeline_and_replay_name_a_folder_that_is_not_a_run(tmp_path, capsys):
     for argv in (["timeline", str(tmp_path)], ["replay", str(tmp_path), "--from", "advantage->train_step"]):
         assert main(argv) == 2
         assert f"{tmp_path}: not a run folder (no plan.json)" in capsys.readouterr().err
+
+
+def _main(*args) -> tuple[int, str]:
+    """``areal-flow ARGS`` in this process: (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from areal_flow.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in args])
+    return code, err.getvalue()
+
+
+def test_compile_keeps_a_plan_file_that_differs_unless_forced(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert _main("compile", ROOT / "graphs/arith_grpo.py", "--plan", "-o", plan)[0] == 0
+    compiled = plan.read_text()
+    assert _main("compile", ROOT / "graphs/arith_grpo.py", "--plan", "-o", plan)[0] == 0  # the same plan again
+    assert plan.read_text() == compiled
+    edited = compiled.replace('"n_test": 500', '"n_test": 20')
+    assert edited != compiled
+    plan.write_text(edited)  # the hand edit the README invites
+    for output in ([], ["-o", plan]):  # the default name (in the current folder) or named explicitly
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            code, err = _main("compile", ROOT / "graphs/arith_grpo.py", "--plan", *output, "--viz", tmp_path / "p.html")
+        finally:
+            os.chdir(cwd)
+        assert code == 2 and err.strip() == (f"areal-flow: error: {plan if output else 'plan.json'} exists and differs "
+                                             "from this plan (an edit of it would be lost); pass --force to overwrite "
+                                             "it, or -o another path"), err
+        assert plan.read_text() == edited and not (tmp_path / "p.html").exists()  # nothing written
+    assert _main("compile", ROOT / "graphs/arith_grpo.py", "--plan", "-o", plan, "--force")[0] == 0
+    assert plan.read_text() == compiled
+
+
+def test_a_graph_file_without_a_yaml_beside_it_says_the_defaults_are_used(tmp_path):
+    graph = tmp_path / "mine.py"
+    graph.write_text((ROOT / "graphs/arith_grpo.py").read_text())
+    code, err = _main("graph", graph)
+    assert code == 0
+    assert err.strip() == (f"areal-flow: note: no {tmp_path / 'mine.yaml'} beside the graph file: using the built-in "
+                           "defaults ('areal-flow config' lists them) and the overrides; pass --config FILE to use a "
+                           "YAML config"), err
+    assert _main("graph", graph, "--config", ROOT / "graphs/arith_grpo.yaml") == (0, "")
+    (tmp_path / "mine.yaml").write_text("seed: 2\n")
+    assert _main("graph", graph) == (0, "")

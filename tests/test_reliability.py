@@ -282,7 +282,8 @@ def test_runs_of_one_name_do_not_mix(tmp_path, capsys):
     (first / "checkpoints").mkdir()
     (first / "events.out.tfevents.1").write_text("old")
     second = RunSetup.create(plan, show_progress=False).out_dir
-    assert second == first and sorted(p.name for p in second.iterdir()) == ["plan.json"]
+    assert second == first and sorted(p.name for p in second.iterdir()) == ["commands.jsonl", "plan.json"]
     (old,) = tmp_path.glob("same.old-*")
-    assert sorted(p.name for p in old.iterdir()) == ["checkpoints", "events.out.tfevents.1", "plan.json"]
+    assert sorted(p.name for p in old.iterdir()) == ["checkpoints", "commands.jsonl", "events.out.tfevents.1",
+                                                     "plan.json"]
     assert f"held an earlier run; moved it to {old.name}" in capsys.readouterr().err

@@ -22,12 +22,12 @@ A graph file's config defaults to the YAML file of the same name beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from areal_flow.cli.common import CLIError, check_output_folder, default_config_path, flow_config, load_flow
+from areal_flow.cli.common import (CLIError, check_output_folder, default_config_path, flow_config, load_flow,
+                                   note_defaults)
 from areal_flow.dsl import Flow
 
 __all__ = ["CLIError", "build_parser", "default_config_path", "flow_config", "load_flow", "main", "run_main"]
@@ -35,7 +35,9 @@ __all__ = ["CLIError", "build_parser", "default_config_path", "flow_config", "lo
 
 def _cmd_graph(args: argparse.Namespace) -> int:
     flow = load_flow(args.file, args.flow)
-    print(flow(flow_config(flow, args)).describe())
+    graph = flow(flow_config(flow, args))
+    note_defaults(flow, args.config)
+    print(graph.describe())
     return 0
 
 
@@ -58,6 +60,27 @@ def _render(plan, path: str) -> None:
         raise CLIError(f"{path}: {exc}") from None
 
 
+def check_overwrite(path: str, text: str, force: bool) -> None:
+    """Refuse to replace ``path`` when it holds something other than ``text``, unless ``force``:
+    a plan file is edited by hand (README), and naming it with ``-o`` does not say the edit may
+    go (the README's own command names it). Identical content is rewritten (nothing is lost).
+
+    Raises:
+        CLIError: the file exists and differs, naming it and ``--force``.
+    """
+    target = Path(path)
+    if force or not target.exists():
+        return
+    if target.is_file():
+        try:
+            if target.read_text() == text:
+                return
+        except (OSError, UnicodeDecodeError):
+            pass
+    raise CLIError(f"{path} exists and differs from this plan (an edit of it would be lost); pass --force to "
+                   "overwrite it, or -o another path")
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler import format_table
 
@@ -70,9 +93,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from compiler.program import compile_program
 
     plan = compile_program(flow(cfg), cfg)
+    text = plan.to_json()
+    if args.plan:
+        check_overwrite(args.output, text, args.force)
+    note_defaults(flow, args.config)
     print(format_table(plan))
     if args.plan:
-        Path(args.output).write_text(plan.to_json())
+        Path(args.output).write_text(text)
         print(f"plan written to {args.output} (id {plan.id})")
     if args.viz:
         _render(plan, args.viz)
@@ -116,7 +143,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         plan = Plan.from_json(path.read_text(), source=str(path))
         ks = sorted({0, plan.staleness_bound if args.k is None else args.k})
         results = [simulate(plan, k=k, steps=args.steps, seed=args.seed) for k in ks]
-    except (PlanSchemaError, SimulationError) as exc:
+    except PlanSchemaError as exc:  # names the file already
+        raise CLIError(str(exc)) from None
+    except SimulationError as exc:
         raise CLIError(f"{path}: {exc}") from None
     print(format_report(plan, results))
     if args.trace:
@@ -135,13 +164,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.file and not args.file.endswith((".yaml", ".yml")):
         raise CLIError(f"{args.file}: config takes a YAML file (a graph's config is the .yaml beside it)")
     if args.file or args.overrides:  # show the resolved values of a graph's config
-        import yaml
+        from areal_flow.config_load import config_yaml
 
-        from areal_flow.config_load import yaml_key
-
-        cfg = load_config(args.file, args.overrides)
-        data = {yaml_key(k): v for k, v in dataclasses.asdict(cfg).items()}
-        print(yaml.safe_dump(data, sort_keys=False), end="")
+        print(config_yaml(load_config(args.file, args.overrides)), end="")
         return 0
     print(format_listing(ExperimentConfig))
     return 0
@@ -183,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_args(p)
     p.add_argument("--plan", action="store_true", help="write the plan as JSON (see -o)")
     p.add_argument("-o", "--output", default="plan.json", help="plan JSON path (default plan.json)")
+    p.add_argument("--force", action="store_true", help="overwrite the plan file even when it differs from this "
+                                                        "plan (by default that is refused: it may hold your edit)")
     p.add_argument("--allocation", help='manual allocation, e.g. "gen:d4t2 + train:d2t2p2"')
     p.add_argument("--viz", help="also draw the placement graph (.html, .svg, .png or .dot)")
     p.set_defaults(func=_cmd_compile)
@@ -298,5 +325,5 @@ def run_main(flow: Flow, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from areal_flow.cli.run import run_flow
 
-    return _guarded(lambda a: run_flow(flow, flow_config(flow, a)), args)
+    return _guarded(lambda a: run_flow(flow, flow_config(flow, a), a.config), args)
 

@@ -64,6 +64,8 @@ def _graph_files(folder: Path) -> list[str]:
 
 
 def default_config_path(flow: Flow, given: str | None) -> str | None:
+    """``given`` (``--config``), else the ``.yaml`` of the graph file's name beside it when there
+    is one, else None (the built-in defaults)."""
     if given is not None:
         return given
     candidate = Path(flow.source_file).with_suffix(".yaml")
@@ -85,3 +87,18 @@ def check_output_folder(path: str | None) -> None:
     """Raises CLIError when ``path``'s folder does not exist (before any work is done)."""
     if path is not None and not Path(path).parent.is_dir():
         raise CLIError(f"{path}: output folder {Path(path).parent} does not exist")
+
+
+def note_defaults(flow: Flow, config: str | None) -> None:
+    """Say on stderr, in one line, that a graph file with no YAML beside it and no ``--config``
+    (``config``) runs on the built-in defaults, naming the file looked for and ``--config``.
+
+    A note, not a refusal: as for a Hydra app with a structured config and no config file, the
+    defaults are a whole config, and a graph file of one's own beside no YAML must still run;
+    the silence was the bug. The commands print it once the graph is traced, so a bad graph
+    still gets its one error line alone, and a run shows it before its long work starts.
+    """
+    if default_config_path(flow, config) is None:
+        looked = Path(flow.source_file).with_suffix(".yaml")
+        print(f"areal-flow: note: no {looked} beside the graph file: using the built-in defaults ('areal-flow "
+              "config' lists them) and the overrides; pass --config FILE to use a YAML config", file=sys.stderr)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from areal_flow.cli.common import CLIError, flow_config, load_flow
+from areal_flow.cli.common import CLIError, flow_config, load_flow, note_defaults
+from areal_flow.config import ConfigError
 from areal_flow.dsl import Flow
 
 
@@ -34,7 +35,11 @@ def run_command(args: argparse.Namespace) -> int:
             raise CLIError(f"plan file not found: {path}")
         if args.resume and args.resume != "auto":
             resume_folder(args.resume)
-        run(Plan.from_json(path.read_text(), source=str(path)), resume=args.resume or "")
+        plan = Plan.from_json(path.read_text(), source=str(path))
+        try:
+            run(plan, resume=args.resume or "")
+        except ConfigError as exc:  # a value of the plan the config's checks refuse (runtime.preflight)
+            raise CLIError(f"{path}: {exc}") from None
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")
@@ -55,7 +60,7 @@ def run_command(args: argparse.Namespace) -> int:
                                    f"was also given; drop {key}= (the run folder sets it)")
             cfg.name, cfg.out_dir = folder.name, str(folder.parent)
         cfg.resume = args.resume
-    return run_flow(flow, cfg)
+    return run_flow(flow, cfg, args.config)
 
 
 def resume_folder(arg: str) -> Path:
@@ -79,13 +84,19 @@ def resume_folder(arg: str) -> Path:
 
 def run_experiment(graph, cfg, show_progress: bool = True) -> dict:
     """Compile ``graph`` under ``cfg`` into a plan and run it (``areal-flow run graph.py``): the
-    application layer's compile-and-run; the runtime itself reads only the plan (``runtime.launch.run``)."""
+    application layer's compile-and-run; the runtime itself reads only the plan
+    (``runtime.launch.run``). The run folder keeps ``cfg`` as ``config.yaml``."""
+    from areal_flow.config_load import config_yaml
     from compiler.program import compile_program
     from runtime.launch import run
 
-    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume)
+    return run(compile_program(graph, cfg), show_progress, resume=cfg.resume, config_yaml=config_yaml(cfg))
 
 
-def run_flow(flow: Flow, cfg) -> int:
-    run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)
+def run_flow(flow: Flow, cfg, config: str | None = None) -> int:
+    """Trace ``flow`` under ``cfg``, then compile and run it; ``config`` is the ``--config`` given
+    (``areal_flow.cli.common.note_defaults``)."""
+    graph = flow(cfg)
+    note_defaults(flow, config)
+    run_experiment(graph, cfg)  # compile the plan, then run it (the plan is all the runtime reads)
     return 0

@@ -35,6 +35,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -159,6 +160,19 @@ def function_parameters(fn: Callable, skip: Iterable[str] = ()) -> list[str] | N
     return [p.name for p in params if p.kind not in by_position and p.name not in skip]
 
 
+FUNCTIONS: dict[str, Callable] = {}
+"""Built-in op name -> its ``ops.<name>`` function (:func:`op_function` records it)."""
+
+
+def argument_types(op: str) -> dict[str, Any]:
+    """Keyword argument -> annotation of built-in op ``op``'s function, e.g. ``{"n_samples": int,
+    ...}`` for ``generate`` (what a plan's node attribute of that name is checked against);
+    ``name`` (the node's) left out; empty for a user op."""
+    fn = FUNCTIONS.get(op)
+    hints = {} if fn is None else typing.get_type_hints(fn)
+    return {k: v for k, v in hints.items() if k not in ("name", "return")}
+
+
 def op_function(fn: Callable) -> Callable:
     """Decorator of a built-in ``ops.<name>`` function: a keyword argument it does not take
     raises :class:`GraphError` through :func:`check_arguments` (``ops.generate
@@ -167,6 +181,7 @@ def op_function(fn: Callable) -> Callable:
     from areal_flow.tracing import user_source
 
     takes = function_parameters(fn)
+    FUNCTIONS[fn.__name__] = fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -1,0 +1,65 @@
+"""What a run checks before its folder is touched: the checks that need the run's machine.
+
+Owns :func:`preflight`, which ``runtime.run_setup.RunSetup.create`` calls before it moves an
+earlier run aside or writes ``plan.json``, for every way a run starts (a graph file with its
+YAML and overrides, a hand-edited ``plan.json``, either scheduler): the plan's config values
+with the config's own checks, the dataset's task with its data file, and what the version-0
+models need of that task. A bad input is refused with one line and nothing written; the
+plan's structure and JSON types were checked when it was read (``compiler.plan_check``).
+"""
+
+from __future__ import annotations
+
+from areal_flow.config import ConfigError
+from areal_flow.ops.dataset import build_task
+from compiler.plan import Plan
+from runtime.topology import Topology
+
+
+def preflight(plan: Plan, topo: Topology):
+    """Check ``plan`` (module doc) and return the dataset node's task (``build_task``).
+
+    Raises:
+        ConfigError: naming the plan key or node, the config key and the fix.
+    """
+    _check_config_values(plan)
+    return _task(plan, topo)
+
+
+def _check_config_values(plan: Plan) -> None:
+    """Check the plan's values that came from config keys (``plan.run``, lowered node attributes,
+    a dataset node's keys: ``compiler.program.config_values``) with the config's own checks
+    (``areal_flow.config_load.config_from_values``), the ones a YAML file or an override passes,
+    so a hand-edited plan.json is refused as the same config would be, before the run folder
+    is touched. (A plan compiled from a config passes: its values were checked on loading.)
+
+    Raises:
+        ConfigError: ``plan.run: <the config's message>`` or ``plan node '<name>': <...>``.
+    """
+    from areal_flow.config_load import config_from_values
+    from compiler.program import config_values
+
+    for where, values in config_values(plan.run, plan.nodes):
+        try:
+            config_from_values(values)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+def _task(plan: Plan, topo: Topology):
+    """The dataset node's task, made before the run folder is touched, with what the run needs
+    of it beyond its values (:func:`_check_config_values`): its data file (``dataset.path``) and
+    what the version-0 models need (``runtime.model_source.check_models``).
+
+    Raises:
+        ConfigError: naming the dataset node and the key, or the model.
+    """
+    from runtime.model_source import check_models
+
+    node = topo.dataset
+    try:
+        task = build_task(node.attrs, plan.run["seed"])
+    except (ValueError, OSError) as exc:  # a missing data file
+        raise ConfigError(f"{node.where()}: {str(exc).splitlines()[0]}") from None
+    check_models(plan, task)
+    return task

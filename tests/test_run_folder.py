@@ -1,0 +1,125 @@
+"""The run folder explains itself and old ones do not pile up (issue 28, item 10): the resolved
+config (``config.yaml``) and every start's command line (``commands.jsonl``) are kept in it,
+and of the folders earlier runs of the name were moved aside to only the newest
+``keep_old_runs`` stay (``runtime.run_dir``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["train.steps=1", "train.batch_size=1", "gen.n_samples=2", "warm_start.steps=1", "eval.enabled=false"]
+
+
+def test_prune_keeps_the_newest_moved_aside_folders_of_the_name_and_nothing_else(tmp_path):
+    from runtime.run_dir import prune_old_runs
+
+    names = ["exp.old-20250101-000000", "exp.old-20250101-000000-2", "exp.old-20250101-000000-10",
+             "exp.old-20241231-235959", "exp.old-20250102-000000"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    others = ["exp", "exp2.old-20200101-000000", "exp.old-x", "exp.old-20200101-000000.bak", "notes"]
+    for name in others:
+        (tmp_path / name).mkdir()
+    (tmp_path / "exp.old-20200101-000000-3").write_text("a file, not a run folder")
+    # by stamp, then counter: 20241231-235959 < 20250101-000000 < ...-2 < ...-10 < 20250102-000000
+    deleted = prune_old_runs(tmp_path / "exp", keep=2)
+    assert [p.name for p in deleted] == ["exp.old-20241231-235959", "exp.old-20250101-000000",
+                                         "exp.old-20250101-000000-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        others + ["exp.old-20200101-000000-3", "exp.old-20250101-000000-10", "exp.old-20250102-000000"])
+    assert prune_old_runs(tmp_path / "exp", keep=2) == []
+    assert [p.name for p in prune_old_runs(tmp_path / "exp", keep=0)] == ["exp.old-20250101-000000-10",
+                                                                         "exp.old-20250102-000000"]
+
+
+def test_a_new_run_records_its_config_and_command_and_bounds_the_old_folders(tmp_path, monkeypatch, capsys):
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import config_yaml, load_config
+    from compiler.program import compile_program
+    from runtime.launch import RunSetup
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path / 'runs'}", "name=exp",
+                                                         "keep_old_runs=2"])
+    plan = compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
+    text = config_yaml(cfg)
+    monkeypatch.chdir(tmp_path)  # no git repository here
+    for n in range(4):
+        out = RunSetup.create(plan, show_progress=False, config_yaml=text).out_dir
+        (out / "events.out.tfevents.1").write_text(f"run {n}")
+        time.sleep(1.05 if n < 3 else 0)  # moved-aside names carry the second
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(runs) == 3 and runs[0] == "exp" and all(r.startswith("exp.old-") for r in runs[1:])
+    kept = [(tmp_path / "runs" / r / "events.out.tfevents.1").read_text() for r in runs]
+    assert kept == ["run 3", "run 1", "run 2"]  # run 0 was deleted when run 3 started
+    assert "deleted 1 older run folder(s) beyond keep_old_runs=2: exp.old-" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["commands.jsonl", "config.yaml", "events.out.tfevents.1",
+                                                     "plan.json"]
+    assert load_config(out / "config.yaml") == cfg  # the resolved config, read back whole
+    (line,) = (out / "commands.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["argv"] == sys.orig_argv and record["cwd"] == str(tmp_path)
+    assert (record["git_commit"], record["git_dirty"]) == (None, None)
+    assert abs(time.mktime(time.strptime(record["time"], "%Y-%m-%dT%H:%M:%S%z")) - time.time()) < 60
+
+
+def test_the_command_names_the_git_commit_of_the_working_folder(tmp_path, monkeypatch):
+    from runtime.run_dir import record_start
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    record_start(run, None)
+    (tmp_path / "a.txt").write_text("2")  # a tracked file changed
+    record_start(run, None)  # a resume: a second line
+    lines = [json.loads(line) for line in (run / "commands.jsonl").read_text().splitlines()]
+    assert [(r["git_commit"], r["git_dirty"]) for r in lines] == [(head, False), (head, True)]
+    assert not (run / "config.yaml").exists()  # `run --plan`: the plan is the program
+
+
+def test_keep_old_runs_is_a_config_key_of_the_plan_and_may_not_be_negative():
+    from areal_flow.config import ConfigError
+    from areal_flow.config_load import load_config
+
+    assert load_config(None, []).keep_old_runs == 3
+    with pytest.raises(ConfigError, match=r"^keep_old_runs=-1: must be >= 0$"):
+        load_config(None, ["keep_old_runs=-1"])
+
+
+def test_run_writes_the_resolved_config_and_run_plan_does_not(tmp_path, monkeypatch):
+    """Through the CLI: ``run graph.py`` keeps the config it resolved, ``run --plan`` only its
+    command (the plan is the program); stopped (Ctrl-C) once the folder is started."""
+    import contextlib
+    import io
+
+    from areal_flow.cli import main
+    from areal_flow.config_load import load_config
+    from runtime.run_setup import RunSetup
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunSetup, "prepare", interrupted)
+    overrides = [*TINY, f"out_dir={tmp_path}", "name=exp", "train.lr=5e-4"]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["run", str(REPO / "graphs/arith_grpo.py"), *overrides]) == 130
+    run = tmp_path / "exp"
+    assert load_config(run / "config.yaml") == load_config(REPO / "graphs/arith_grpo.yaml", overrides)
+    assert load_config(run / "config.yaml").train.lr == 5e-4
+    (plan := tmp_path / "plan.json").write_text((run / "plan.json").read_text())
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["run", "--plan", str(plan)]) == 130
+    assert sorted(p.name for p in run.iterdir()) == ["commands.jsonl", "plan.json"]
+    assert json.loads((run / "commands.jsonl").read_text())["argv"] == sys.orig_argv
