@@ -23,6 +23,7 @@ from typing import Any
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.dtypes import DTYPES
 from areal_flow.config_compile import ClusterConfig, CompileConfig
+from areal_flow.tasks.catalog import TASKS
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,39 @@ class ModelConfig:
         self.dtype = canonical
 
 
+def check_dataset(cfg: "DatasetConfig") -> None:
+    """Refuse dataset values no task takes (``DatasetConfig.__post_init__`` calls it, so YAML files,
+    overrides, a graph's own dict and a plan's dataset node all pass here): a known ``name``, the
+    keys that task reads in range, ``path`` only for gsm8k (whether the file exists is checked
+    where the run starts, ``runtime.preflight``: a plan may be compiled on another machine).
+
+    Args:
+        cfg: a :class:`~areal_flow.config.DatasetConfig`.
+
+    Raises:
+        ConfigError: one line naming the ``dataset.<key>``, its value and what it takes.
+    """
+    if cfg.name not in TASKS:
+        near = difflib.get_close_matches(str(cfg.name), TASKS, n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise ConfigError(f"dataset.name={cfg.name!r}: unknown task; known: {', '.join(TASKS)}{hint}")
+    if not isinstance(cfg.path, str) or (cfg.path and cfg.name != "gsm8k"):
+        raise ConfigError(f"dataset.path={cfg.path!r}: the {cfg.name} task reads no data file (only gsm8k does); "
+                          "remove dataset.path")
+    low, high = {"arithmetic": (1, None), "support_desk": (1, 6)}.get(cfg.name, (None, None))
+    n = cfg.max_digits
+    in_range = isinstance(n, int) and not isinstance(n, bool) and low is not None and n >= low \
+        and (high is None or n <= high)
+    if low is not None and not in_range:
+        span = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ConfigError(f"dataset.max_digits={n!r}: the {cfg.name} task takes an int {span}")
+    if cfg.name == "arithmetic":
+        if not isinstance(cfg.ops, str) or not cfg.ops or set(cfg.ops) - set("+-"):
+            raise ConfigError(f"dataset.ops={cfg.ops!r}: expected the operators to draw from: '+', '-' or '+-'")
+        if cfg.prompt_style not in ("plain", "chat"):
+            raise ConfigError(f"dataset.prompt_style={cfg.prompt_style!r}: expected 'plain' or 'chat'")
+
+
 @dataclass
 class DatasetConfig:
     name: str = "arithmetic"
@@ -66,10 +100,8 @@ class DatasetConfig:
     """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number.")."""
 
     def __post_init__(self) -> None:
-        """Raises ConfigError for a value no task takes (``areal_flow.ops.dataset.check_values``)."""
-        from areal_flow.ops.dataset import check_values  # here: `import areal_flow.config` stays without the ops
-
-        check_values(self)
+        """Raises ConfigError for a value no task takes (:func:`check_dataset`)."""
+        check_dataset(self)
 
 
 @dataclass

@@ -11,7 +11,7 @@ plan's structure and JSON types were checked when it was read (``compiler.plan_c
 from __future__ import annotations
 
 from areal_flow.config import ConfigError
-from areal_flow.ops.dataset import build_task
+from areal_flow.tasks.catalog import build_task
 from compiler.plan import Plan
 from runtime.topology import Topology
 

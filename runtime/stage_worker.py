@@ -218,7 +218,7 @@ class _Stage:
     def _held_out_accuracy(self) -> float:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
         measured in this worker between steps (``eval.every``)."""
-        from areal_flow.ops.dataset import build_task
+        from areal_flow.tasks.catalog import build_task
         from runtime.evaluate import answer_accuracy, greedy_answers
         from runtime.model_source import load_pretrained
 

@@ -12,7 +12,7 @@ from areal_flow.envs.support_desk import (CLARIFY, EXPLICIT, NOT_UNDERSTOOD, TOO
                                           alphabet_safe)
 from areal_flow.envs.tools import NOT_A_CALL, ToolCall, ToolCallError, parse_tool_call, tool_names
 from areal_flow.models.presets import ALPHABET
-from areal_flow.ops.dataset import build_task
+from areal_flow.tasks.catalog import build_task
 from areal_flow.tasks.guess_number import GuessNumberTask
 from areal_flow.tasks.support_desk import SupportDeskTask, play, slip
 

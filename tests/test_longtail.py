@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_flow.ops.dataset import build_task
+from areal_flow.tasks.catalog import build_task
 from areal_flow.ops.reward import REWARD_FNS
 from areal_flow.tasks.longtail import LongTailTask, count_weights
 from runs import REPO, cli_run, records

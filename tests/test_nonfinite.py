@@ -72,7 +72,7 @@ def test_max_nonfinite_steps_must_be_a_positive_integer(bad):
 
 def _train_executor(tmp_path: Path):
     from areal_flow.cli import load_flow
-    from areal_flow.ops.dataset import build_task
+    from areal_flow.tasks.catalog import build_task
     from compiler.program import compile_program
     from runtime.executors.train import TrainStepExecutor
     from runtime.model_source import prepare_models
