@@ -133,6 +133,24 @@ class RunLogger:
         return result
 
 
+def episode_summary(workers: dict, log: Path) -> dict:
+    """The run's episodes of a rollout node, from the generation replicas' reports
+    (``workers``: name -> report with ``episodes``, ``episodes_failed``, ``episode_errors``):
+    ``{"played", "failed", "errors": {summary line: failed episodes}, "log": log}`` (``log``
+    only when the file exists: the first traceback of each error); ``{}`` without episodes."""
+    reports = [w for w in workers.values() if isinstance(w, dict) and "episodes" in w]
+    if not reports:
+        return {}
+    errors = Counter()
+    for w in reports:
+        errors.update(w.get("episode_errors", {}))
+    out = {"played": sum(w["episodes"] for w in reports), "failed": sum(w["episodes_failed"] for w in reports),
+           "errors": dict(errors.most_common())}
+    if log.is_file():
+        out["log"] = str(log)
+    return out
+
+
 def format_summary(summary: dict) -> str:
     """Human-readable end-of-run report."""
     lines = ["", "=== run summary ==="]
@@ -148,6 +166,14 @@ def format_summary(summary: dict) -> str:
         lines.append("held-out greedy answers by kind, before -> after RL: "
                      + ", ".join(f"{kind} {before[kind]} -> {after[kind]}" for kind in before))
     lines.append(f"RL wall time: {summary['wall_s']:.1f} s   samples trained: {summary['samples_trained']}")
+    episodes = summary.get("episodes")
+    if episodes:
+        played, failed = episodes["played"], episodes["failed"]
+        lines.append(f"episodes: {played} played, {failed} failed ({failed / max(played, 1):.1%}; left out of training)"
+                     + (":" if episodes["errors"] else ""))
+        lines += [f"  {n:6d} x {line}" for line, n in episodes["errors"].items()]
+        if "log" in episodes:
+            lines.append(f"  first traceback of each: {episodes['log']}")
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1
     lines.append("staleness histogram (versions between generation and training):")

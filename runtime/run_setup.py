@@ -23,7 +23,8 @@ from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
 from runtime.faults import check_kill_at
-from runtime.metrics import RunLogger, format_summary
+from runtime.executors.episode_failures import LOG_NAME
+from runtime.metrics import RunLogger, episode_summary, format_summary
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, rewind_run_dir
 from runtime.topology import Topology, build_topology
@@ -193,7 +194,8 @@ class RunSetup:
             model, tokenizer = load_pretrained(folder)
             stats = evaluate_episodes(model, tokenizer, attrs, self.test_set,
                                       temperature=temperature,
-                                      max_context=episode_context(attrs, folder))
+                                      max_context=episode_context(attrs, folder),
+                                      failure_log=self.out_dir / LOG_NAME)
             self.extra[f"accuracy_{when}"] = stats.pop("accuracy")
             self.extra[f"episodes_{when}"] = stats
             return
@@ -248,6 +250,9 @@ class RunSetup:
         logger.close()
         self.extra.update(model_dir=str(self.out_dir / "model"), trajectories=str(self.out_dir / "trajectories"),
                           workers=workers, **extra)
+        episodes = episode_summary(workers, self.out_dir / LOG_NAME)
+        if episodes:
+            self.extra["episodes"] = episodes
         if self.eval_enabled:
             self._held_out(self.out_dir / "model", "after")
         summary = logger.summary(**self.extra)

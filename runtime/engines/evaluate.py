@@ -207,7 +207,7 @@ def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, te
 
 
 def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temperature: float = 0.0,
-                      max_context: int, seed: int = 0) -> dict:
+                      max_context: int, seed: int = 0, failure_log=None) -> dict:
     """Held-out episodes of ``model`` for a rollout node: one episode per row, sampled at
     ``temperature`` (0 = greedy) on the embedded engine.
 
@@ -215,6 +215,8 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         attrs: the rollout node's attributes (env or agent, ``max_turns``, ``gamma``, ...).
         rows: the held-out dataset rows.
         max_context: tokens of prompt + turns at most.
+        failure_log: where the first traceback of each distinct episode error goes (a path;
+            ``runtime.executors.episode_failures``; None: nowhere).
 
     Returns:
         ``{"accuracy": fraction of rows whose episode the env reported a ``success`` (or
@@ -226,7 +228,8 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
     from runtime.executors.rollout import play_episodes
 
     engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
-    trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context)
+    trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context,
+                          failure_log)
     n = max(len(trajs), 1)
 
     def success(t) -> bool:
