@@ -106,13 +106,9 @@ class RunLogger:
         scalars["samples_per_s"] = self.samples / max(elapsed, 1e-9)
         for key, value in scalars.items():
             self.log_scalar(EXTRA_TAGS.get(key, key if "/" in key else f"rl/{key}"), value, step)
-        self.bar.set_postfix(
-            reward=f"{metrics['reward']:.2f}",
-            acc=f"{metrics['accuracy']:.2f}",
-            stale=f"{metrics['staleness_mean']:.2f}",
-            sps=f"{scalars['samples_per_s']:.0f}",
-            refresh=False,
-        )
+        acc = {"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}  # absent: nothing judged
+        self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", **acc, stale=f"{metrics['staleness_mean']:.2f}",
+                             sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -225,18 +225,15 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         info key, "failed": episodes that failed}``.
     """
     from runtime.engines.generation import GenerationEngine
-    from runtime.executors.rollout import play_episodes
+    from runtime.executors.rollout import episode_correct, play_episodes
 
     engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
     trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context,
                           failure_log)
     n = max(len(trajs), 1)
 
-    def success(t) -> bool:
-        if attrs.get("agent") is not None:  # an agent program reports no env info
-            return t.reward > 0
-        env = t.meta.get("env", {})
-        return env.get("success", env.get("resolved", 0.0)) > 0
+    def success(t) -> bool:  # as training judges an episode; an env that reports no success: not one
+        return bool(episode_correct(t.meta.get("env", {}), t.reward, attrs.get("agent") is not None))
 
     out = {"accuracy": sum(success(t) for t in trajs) / max(len(rows), 1),
            "return": sum(float(t.reward) for t in trajs) / n, "turns": sum(t.meta["turns"] for t in trajs) / n,

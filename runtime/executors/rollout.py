@@ -280,7 +280,9 @@ class EpisodeRunner:
             meta = {"answer": run.row.get("answer"), "problem_id": run.row.get("id"), "attempt": run.attempt,
                     "turns": ep.n_turns, "tool_errors": run.tool_errors, "env": dict(run.info),
                     "group_failed": failed}
-            out.append(ep.to_trajectory(f"{run.index}:{run.sample}", run.index, self.attrs["gamma"], meta))
+            traj = ep.to_trajectory(f"{run.index}:{run.sample}", run.index, self.attrs["gamma"], meta)
+            traj.correct = episode_correct(run.info, traj.reward, self.agent is not None)
+            out.append(traj)
         return out
 
     @property
@@ -290,6 +292,16 @@ class EpisodeRunner:
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume: in-flight turns continue under the new weights."""
         self.engine.update_weights(state_dict, version)
+
+
+def episode_correct(info: dict, episode_return: float, agent: bool) -> bool | None:
+    """An episode's ``Trajectory.correct``: an agent program's return > 0; else the env's
+    ``success`` (or ``resolved``) info, summed over its steps, > 0; None when the env reports
+    neither (its episodes are not judged)."""
+    if agent:
+        return episode_return > 0
+    value = info.get("success", info.get("resolved"))
+    return None if value is None else value > 0
 
 
 def _name(fn) -> str:
