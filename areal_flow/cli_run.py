@@ -7,6 +7,7 @@ taken from it); the run itself is the runtime's (``runtime.launch``).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from areal_flow.cli import CLIError, flow_config, load_flow
@@ -78,6 +79,8 @@ def resume_folder(arg: str) -> Path:
 
 
 def run_flow(flow: Flow, cfg) -> int:
+    print(f"areal-flow: run {flow.name}: loading the runtime (torch) and compiling the plan", file=sys.stderr,
+          flush=True)  # the import alone takes seconds
     from runtime.launch import run_experiment
 
     run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)

@@ -110,6 +110,7 @@ class RunSetup:
                            first_step=version if rewind else None)
         if kept is not None:  # the summary counts the samples trained before the checkpoint too
             logger.samples, logger.staleness = kept
+            logger.earlier_samples = logger.samples
         return logger
 
     @property
@@ -121,6 +122,7 @@ class RunSetup:
         from runtime.model_source import prepare_models
 
         self.task = build_task(self.topo.dataset.attrs, self.plan.run["seed"])
+        self._say(f"preparing the start models ({', '.join(sorted({m['spec'] for m in self.plan.models.values()}))})")
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
         from runtime.parallel_trainer import check_parallel_training
@@ -135,10 +137,16 @@ class RunSetup:
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
+            self._say(f"held-out evaluation before RL ({len(self.test_set)} problems)")
             self._held_out(self.folders[policy], "before")
             if self.show_progress:
                 print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
+
+    def _say(self, what: str) -> None:
+        """One line on stderr of what the run is doing now (start-up steps take seconds)."""
+        if self.show_progress:
+            print(f"areal-flow: {what}...", file=sys.stderr, flush=True)
 
     def _check_token_budget(self) -> None:
         """Refuse a ``train.max_tokens_per_micro_batch`` below the longest trajectory the run
