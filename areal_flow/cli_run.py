@@ -79,8 +79,9 @@ def resume_folder(arg: str) -> Path:
 
 
 def run_flow(flow: Flow, cfg) -> int:
-    print(f"areal-flow: run {flow.name}: loading the runtime (torch) and compiling the plan", file=sys.stderr,
-          flush=True)  # the import alone takes seconds
+    if sys.stderr.isatty():  # the import alone takes seconds; a log or pipe keeps a bad input's error one line
+        print(f"areal-flow: run {flow.name}: loading the runtime (torch) and compiling the plan", file=sys.stderr,
+              flush=True)
     from runtime.launch import run_experiment
 
     run_experiment(flow(cfg), cfg)  # compile the plan, then run it (the plan is all the runtime reads)

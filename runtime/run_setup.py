@@ -144,8 +144,9 @@ class RunSetup:
                       f"({len(self.test_set)} problems)")
 
     def _say(self, what: str) -> None:
-        """One line on stderr of what the run is doing now (start-up steps take seconds)."""
-        if self.show_progress:
+        """One line on stderr, when it is a terminal, of what the run is doing now (start-up steps
+        take seconds; in a log or pipe a bad input's error stays the one line)."""
+        if self.show_progress and sys.stderr.isatty():
             print(f"areal-flow: {what}...", file=sys.stderr, flush=True)
 
     def _check_token_budget(self) -> None:

@@ -6,6 +6,7 @@ its own and its wall time every attempt's; start-up says what it is doing."""
 from __future__ import annotations
 
 import json
+import sys
 import traceback
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def test_start_up_says_what_it_is_doing(monkeypatch, capsys, tmp_path):
     from runtime.run_setup import RunSetup
 
     monkeypatch.setattr(launch, "run_experiment", lambda graph, cfg, show_progress=True: {})
+    assert main(["run", str(GRAPH), "train.steps=1"]) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: nothing before a possible one-line error
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["run", str(GRAPH), "train.steps=1"]) == 0
     assert "areal-flow: run arith_grpo: loading the runtime (torch) and compiling the plan" in capsys.readouterr().err
     setup = RunSetup.create(_plan(f"out_dir={tmp_path}", "eval.n_test=7"), show_progress=True)
