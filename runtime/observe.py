@@ -39,7 +39,8 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
                  wait_s: float) -> dict:
     """The launcher's metrics of one step: ``train/*`` from the train_steps, reward,
     ``accuracy`` (the fraction of the step's samples the task judged right,
-    ``Trajectory.correct``, over those it judged; absent when it judged none), staleness (versions), response length (tokens), throughput (tokens/s), times (seconds);
+    ``Trajectory.correct``, over those it judged; absent when it judged none), staleness
+    (versions), response length (tokens), throughput (tokens/s), times (seconds);
     ``reward/failures``: samples of the step's groups whose reward failed (left out of
     training, ``runtime.groups.drop_failed_samples``; a group with none left was resampled
     and is counted only in the worker's ``<reward node>/failures``)."""

@@ -38,8 +38,8 @@ from areal_flow.envs.base import env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.envs.tools import ToolCallError, parse_tool_call
 from areal_flow.types import Trajectory
-from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.engines.generation import GenerationRequest, SamplingParams
+from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.executors.generate import build_engine, sampling_params
 
 _IDLE_WAIT_S = 0.005  # how long step() waits for a turn request when only envs are busy
