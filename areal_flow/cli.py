@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--config", help="YAML config of the run to match: seed, model.dtype, warm_start, dataset.* "
                    "(default: the .yaml beside a graph file; for a model, none: the defaults, as a run without one)")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, as the run's, e.g. seed=2 dataset.max_digits=3")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, as the run's, e.g. seed=2 "
+                   "dataset.max_digits=3")
     p.set_defaults(func=_cmd_eval)
     p = sub.add_parser("config", help="list every config key (type, default, meaning) and the aliases; "
                                       "with a YAML file or overrides, print the resolved config")

@@ -63,7 +63,8 @@ def memory_line(plan: Plan) -> str:
     rest = ("the rest for the CUDA context, NCCL buffers and allocator fragmentation" if plan.device_type == "cuda"
             else "the rest for the process itself and allocator fragmentation")
     what = "device" if plan.device_type == "cuda" else "worker process"
-    return f"memory per {what}: usable {total * fraction:.1f} of {total:.1f} GiB (compile.memory_fraction={fraction}: {rest})"
+    return (f"memory per {what}: usable {total * fraction:.1f} of {total:.1f} GiB "
+            f"(compile.memory_fraction={fraction}: {rest})")
 
 
 def runner_up(plan: Plan) -> str | None:
