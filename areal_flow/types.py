@@ -34,6 +34,12 @@ class Trajectory:
             token is the policy's. Observation tokens have log-prob 0 and version -1.
         turn_ids: multi-turn only, ``[response_len]``: the turn index of each token.
         turn_rewards: multi-turn only, ``[n_turns]``: the env's reward for each policy turn.
+        correct: whether the response is right, as the task judges it, independent of the
+            reward (which shaping, penalties or user ops may change): a single response, the
+            dataset task's ``correct(output_text, answer)``; an episode, its env's
+            ``success`` (or ``resolved``) info > 0, an agent program's return > 0 (as the
+            held-out episode success rate). None: the task cannot tell (an env task without
+            such info). The run's ``accuracy`` is the mean over the judged samples.
     """
 
     sample_id: str
@@ -50,6 +56,7 @@ class Trajectory:
     loss_mask: list[int] | None = None
     turn_ids: list[int] | None = None
     turn_rewards: list[float] | None = None
+    correct: bool | None = None
 
     @property
     def start_version(self) -> int:

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from compiler.cost import CostModel
-from compiler.mesh import MeshError, MeshSpec, pack
+from compiler.mesh import MeshError, MeshSpec, fitting_clusters, pack
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.workload import INFERENCE, DeviceTask
 
@@ -172,5 +172,9 @@ def resolve(
     try:
         meshes = pack(sizes, model.cluster.n_nodes, model.per_node)
     except MeshError as err:
-        raise AllocationError(text, 0, str(err)) from None
+        per_node, nodes = fitting_clusters(sizes, model.cluster.n_nodes, model.per_node)
+        fixes = [f"cluster.n_gpus_per_node={per_node}" if per_node else "",
+                 f"cluster.n_nodes={nodes}" if nodes else ""]
+        fix = " or ".join(f for f in fixes if f)
+        raise AllocationError(text, 0, f"{err}; it fits {fix}" if fix else str(err)) from None
     return groups, meshes

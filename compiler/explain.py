@@ -10,7 +10,8 @@ not cost or search anything.
   ``max(G, T)`` and, on it, the node with the most seconds; otherwise the node with the
   most seconds of ``G + T``.
 - Memory headroom: per device, usable = device memory x ``compile.memory_fraction`` (the
-  rest is left for the CUDA context, NCCL buffers and allocator fragmentation).
+  rest is left for the CUDA context, NCCL buffers and allocator fragmentation; on CPU for
+  the process itself).
 - Runner-up: the two components of the step (each node's ``node.component`` seconds, the
   weight ``sync`` and the ``overlap`` hidden by asynchrony, :func:`component_times`) whose
   difference to the second allocation listed is largest.
@@ -56,10 +57,14 @@ def headroom(plan: Plan, node) -> str:
 
 
 def memory_line(plan: Plan) -> str:
+    """The usable memory per device and what the rest is for (on CPU: no CUDA, no NCCL)."""
     fraction = plan.workload.get("memory_fraction", 0.9)
     total = plan.device["memory_bytes"] / GIB
-    return (f"memory per device: usable {total * fraction:.1f} of {total:.1f} GiB (compile.memory_fraction={fraction}: "
-            "the rest for the CUDA context, NCCL buffers and allocator fragmentation)")
+    rest = ("the rest for the CUDA context, NCCL buffers and allocator fragmentation" if plan.device_type == "cuda"
+            else "the rest for the process itself and allocator fragmentation")
+    what = "device" if plan.device_type == "cuda" else "worker process"
+    return (f"memory per {what}: usable {total * fraction:.1f} of {total:.1f} GiB "
+            f"(compile.memory_fraction={fraction}: {rest})")
 
 
 def runner_up(plan: Plan) -> str | None:
@@ -89,11 +94,15 @@ def assumptions(plan: Plan) -> list[str]:
     ld = w.get("length_dist", {})
     keys = {"fixed": ("mean",), "uniform": ("low", "high"), "lognormal": ("mean", "sigma")}.get(ld.get("kind"), ())
     shape = ", ".join(f"{k} {ld[k]}" for k in keys if k in ld)
+    cuda = plan.device_type == "cuda"
+    links = (f"HBM {d['hbm_bandwidth'] * eff / 1e9:.0f} GB/s, NVLink {d['intra_node_bandwidth'] * eff / 1e9:.0f} GB/s, "
+             if cuda else f"memory {d['hbm_bandwidth'] * eff / 1e9:.0f} GB/s, between processes "
+             f"{d['intra_node_bandwidth'] * eff / 1e9:.0f} GB/s, ")
+    host = f"host {d['host_bandwidth'] * eff / 1e9:.0f} GB/s; " if cuda else ""
     return [
         f"device {d['name']}: peak {d['peak_flops'] / 1e12:.1f} TFLOP/s at MFU {w.get('mfu', 0.4)}; "
-        f"bandwidths x {eff} efficiency: HBM {d['hbm_bandwidth'] * eff / 1e9:.0f} GB/s, "
-        f"NVLink {d['intra_node_bandwidth'] * eff / 1e9:.0f} GB/s, network {d['inter_node_bandwidth'] * eff / 1e9:.0f} GB/s, "
-        f"host {d['host_bandwidth'] * eff / 1e9:.0f} GB/s; {d['collective_latency_s'] * 1e6:.0f} us per collective",
+        f"bandwidths x {eff} efficiency: {links}network {d['inter_node_bandwidth'] * eff / 1e9:.0f} GB/s, "
+        f"{host}{d['collective_latency_s'] * 1e6:.0f} us per collective",
         f"responses: {ld.get('kind', '?')} length distribution ({shape}; fractions of the {w.get('new_tokens', '?')}-token "
         "budget); "
         f"{w.get('decode_step_overhead_s', 0) * 1e3:.1f} ms overhead per decode step; FSDP/DDP traffic "

@@ -119,6 +119,24 @@ def pack(sizes: list[int], n_nodes: int, devices_per_node: int) -> list[MeshSpec
     return meshes
 
 
+def fitting_clusters(sizes: list[int], n_nodes: int, devices_per_node: int) -> tuple[int | None, int | None]:
+    """The smallest clusters that hold meshes of ``sizes`` (:func:`pack`) when one dimension of
+    ``n_nodes`` x ``devices_per_node`` grows: ``(devices per machine, machines)``, each None
+    when no size up to twice the devices asked for fits (e.g. a size that is no power of two)."""
+    def fits(nodes: int, per_node: int) -> bool:
+        try:
+            pack(sizes, nodes, per_node)
+        except MeshError:
+            return False
+        return True
+
+    bound = 2 * sum(sizes)
+    per_node = next((d for d in range(devices_per_node + 1, max(bound, devices_per_node) + 1) if fits(n_nodes, d)), None)
+    nodes = next((n for n in range(n_nodes + 1, n_nodes + len(sizes) + bound // devices_per_node + 1)
+                  if fits(n, devices_per_node)), None)
+    return per_node, nodes
+
+
 def _first_fit(size: int, used: list[int], per_node: int) -> MeshSpec | None:
     if size < per_node:
         if size & (size - 1):

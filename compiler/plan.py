@@ -43,9 +43,9 @@ def encode_value(value: Any) -> Any:
         return [encode_value(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value) and "__pickle__" not in value:
         return {k: encode_value(v) for k, v in value.items()}
-    import cloudpickle
+    from compiler.pickling import dumps  # code keeps its file name: a worker's traceback names the graph file
 
-    return {"__pickle__": base64.b64encode(cloudpickle.dumps(value)).decode(),
+    return {"__pickle__": base64.b64encode(dumps(value)).decode(),
             "name": getattr(value, "__qualname__", type(value).__name__)}
 
 

@@ -27,17 +27,18 @@ def agent(base_url: str, row: dict) -> float:
     Returns:
         1.0 for a correct final answer, else 0.0 (added to the last turn's reward).
     """
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
-    for turn in range(2):
-        reply = client.chat.completions.create(model="policy", messages=messages)
-        answer = (reply.choices[0].message.content or "").strip()
-        if answer == row["answer"]:
-            return 1.0
-        if turn == 0:
-            set_reward(base_url, -0.1)  # credit the missed first turn itself
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                         {"role": "user", "content": "again="}]
+    # one client per episode: its calls share one keep-alive connection, closed when the episode ends
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for turn in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            answer = (reply.choices[0].message.content or "").strip()
+            if answer == row["answer"]:
+                return 1.0
+            if turn == 0:
+                set_reward(base_url, -0.1)  # credit the missed first turn itself
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": "again="}]
     return 0.0
 
 

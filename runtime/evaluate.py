@@ -1,9 +1,9 @@
 """Held-out evaluation: greedy accuracy and pass@k of a policy on task problems.
 
 Owns the evaluation a run does before and after RL (``greedy_answers``,
-``answer_accuracy``) and the stand-alone one behind ``areal-flow eval``
-(``evaluate_model``: a model spec + a task name -> a JSON-able result). Must not train or
-change the model.
+``answer_accuracy``) and the stand-alone one behind ``areal-flow eval`` (``evaluate_model``
+of the model a run starts from, ``start_of_run``, or of a model under a config on its
+task, ``eval_task``: a JSON-able result). Must not train or change the model.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def answer_accuracy(task, answers: list[str], problems: list[dict]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-EVAL_TASKS = ("gsm8k", "arith", "arith-chat", "longtail")
+EVAL_TASKS = ("arithmetic", "gsm8k", "longtail")
+"""The ``dataset.name`` tasks whose answers a rule judges: ``areal-flow eval --task``."""
+
+ENV_TASKS = ("support_desk", "guess_number")
+"""The ``dataset.name`` tasks whose episodes an env scores (no single answer to judge)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -113,92 +117,101 @@ def sampled_correct(engine, tokenizer, task, problems: list[dict], n_samples: in
     return counts
 
 
-def build_eval_task(name: str, seed: int = 1, max_digits: int = 2, dataset_path: str = ""):
-    """The task of ``areal-flow eval --task``: ``gsm8k`` (shipped test split, or
-    ``dataset_path``), ``arith`` (the main job's: ``max_digits``-digit ``+``/``-``, plain
-    prompts), ``arith-chat`` (the same problems as chat questions), ``longtail`` (count on
-    from a number, ``graphs/longtail_grpo.py``'s task). ``seed`` fixes the arithmetic and
-    long-tail test sets as a run's ``seed`` does.
+def eval_task(cfg):
+    """The task ``areal-flow eval`` scores on: the one a run with config ``cfg`` trains on and
+    evaluates with (``areal_flow.ops.dataset.build_task`` of ``cfg.dataset`` and ``cfg.seed``:
+    the same test set, and the same warm start of a tiny preset).
 
     Raises:
-        ValueError: an unknown task name, listing the known ones.
+        ValueError: ``dataset.name`` is no task, or one whose answers no rule judges (an env
+            task: its episodes are scored by a run's held-out episode success rate).
     """
-    if name == "gsm8k":
-        from areal_flow.tasks.gsm8k import GSM8KTask
+    import dataclasses
 
-        return GSM8KTask(path=dataset_path or None, seed=seed)
-    if name in ("arith", "arith-chat"):
-        from areal_flow.tasks.arithmetic import ArithmeticTask
+    from areal_flow.tasks.catalog import build_task
 
-        return ArithmeticTask(seed=seed, max_digits=max_digits, prompt_style="chat" if name == "arith-chat" else "plain")
-    if name == "longtail":
-        from areal_flow.tasks.longtail import LongTailTask
+    name, known = cfg.dataset.name, ", ".join(EVAL_TASKS)
+    if name in ENV_TASKS:
+        raise ValueError(f"task {name!r} is an env task: a run scores its episodes (held-out episode success rate); "
+                         f"areal-flow eval scores the answers of {known}")
+    if name not in EVAL_TASKS:
+        hint = {"arith": "; arith is 'arithmetic'", "arith-chat": "; arith-chat is 'arithmetic' with "
+                "dataset.prompt_style=chat"}.get(name, "")
+        raise ValueError(f"task {name!r}: the task names are dataset.name's: {known}{hint}")
+    return build_task(dataclasses.asdict(cfg.dataset), cfg.seed)
 
-        return LongTailTask(seed=seed)
-    raise ValueError(f"--task {name!r}: expected one of {', '.join(EVAL_TASKS)}")
+
+def start_of_run(plan, progress: bool = True) -> tuple[Path, object]:
+    """What a run of ``plan`` starts from: its policy's version-0 folder and its dataset's task,
+    made as the run makes them (``RunSetup.prepare``: ``build_task`` of the dataset node and
+    the run's seed, ``runtime.model_source.prepare_models`` under ``plan.run["warm_start"]``,
+    so a tiny preset's warm start is the run's, from the same cache).
+
+    Raises:
+        ValueError: the dataset is an env task (as :func:`eval_task`); the loaders' errors.
+    """
+    from areal_flow.tasks.catalog import build_task
+    from runtime.model_source import prepare_models
+
+    source = next(n for n in plan.nodes if n.op == "dataset")
+    name = source.attrs.get("name", "arithmetic")
+    if name not in EVAL_TASKS:
+        raise ValueError(f"task {name!r} is an env task: a run scores its episodes (held-out episode success rate); "
+                         f"areal-flow eval scores the answers of {', '.join(EVAL_TASKS)}")
+    task = build_task(source.attrs, plan.run["seed"])
+    policy = next(n for n in plan.nodes if n.grain == "stream").model
+    return Path(prepare_models(plan, task, progress=progress, names=[policy])[policy]), task
 
 
-def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, temperature: float = 1.0,
-                   cfg=None, max_digits: int = 2, max_batch_size: int = 64, progress: bool = True) -> dict:
+def evaluate_model(folder: str | Path, task, *, model: str, n: int = 500, samples: int = 0, temperature: float = 1.0,
+                   dtype: str = "float32", chat_template: bool | None = None, max_batch_size: int = 64,
+                   progress: bool = True) -> dict:
     """Greedy accuracy (pass@1 at temperature 0) and, with ``samples = k >= 1``, sampled
-    pass@1..pass@k (``pass_at_k``, averaged over problems) on the first ``n`` test problems.
+    pass@1..pass@k (``pass_at_k``, averaged over problems) of the model in ``folder`` on the
+    first ``n`` test problems of ``task`` (:func:`eval_task`, :func:`start_of_run`).
 
     Args:
-        spec: a preset (``tiny-arith``: evaluated after its cached warm start under
-            ``cfg.warm_start``; ``smollm2-135m``), a ``transformers`` folder (a run's
-            ``runs/<name>/model`` or a checkpoint), a ``.gguf`` file, or a cached hub id.
-        task_name: one of ``EVAL_TASKS``.
+        folder: a ``transformers`` folder (:func:`start_of_run`,
+            ``runtime.model_source.prepare_initial_model``).
+        model: what the result names as the model (the spec or graph file given).
         n: test problems (fewer if the test split is smaller).
         samples: completions per problem for pass@k; 0 = greedy only.
         temperature: sampling temperature of the pass@k samples.
-        cfg: an ``ExperimentConfig`` (seed, model.dtype, warm_start, dataset.path);
-            None = the defaults.
-        max_digits: arithmetic operands' digits (2: the main job's).
+        dtype: ``model.dtype`` of the weights.
+        chat_template: as the generate node's (None: when the tokenizer has one).
         progress: show a tqdm bar over batches of problems.
 
     Returns:
-        ``{"model", "task", "n", "greedy_accuracy", "samples", "temperature",
+        ``{"model", "folder", "task", "n", "greedy_accuracy", "samples", "temperature",
         "pass_at_k": {"1": ..., "k": ...}, "wall_s"}`` (pass@k for k = 1, 2, 4, ..., samples).
 
     Raises:
-        ValueError: bad task name, ``n < 1`` or ``samples < 0``; the model loaders' errors
-        (ModuleNotFoundError, FileNotFoundError, OSError) naming ``spec``.
+        ValueError: ``n < 1`` or ``samples < 0``; OSError: the folder cannot be loaded.
     """
-    from areal_flow.config import ExperimentConfig
-    from areal_flow.models.names import resolve_name
-    from runtime.model_source import load_pretrained, prepare_initial_model
+    from runtime.model_source import load_pretrained
 
     if n < 1 or samples < 0:
         raise ValueError(f"--n must be >= 1 and --samples >= 0, got n={n}, samples={samples}")
-    cfg = cfg or ExperimentConfig()
     start = time.perf_counter()
-    task = build_eval_task(task_name, cfg.seed, max_digits, cfg.dataset.path)
-    ref = resolve_name(spec)  # as compile and run resolve it
-    if ref.kind == "tiny":
-        cfg.model.path = ref.preset
-        folder = prepare_initial_model(cfg, task, progress=progress)
-    else:
-        from areal_flow.models.hf import folder_of
-
-        folder = folder_of(ref)
-    model, tokenizer = load_pretrained(folder, cfg.model.dtype)
+    model_, tokenizer = load_pretrained(folder, dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    engine = GenerationEngine(model, tokenizer, max_batch_size=max_batch_size)
+    engine = GenerationEngine(model_, tokenizer, max_batch_size=max_batch_size)
     problems = task.test_set(n)
     chunk = max(1, max_batch_size // max(1, samples))
     greedy, counts = [], []
-    bar = tqdm(total=len(problems), desc=f"eval {task_name}", unit="problem", disable=not progress)
+    name = task.name
+    bar = tqdm(total=len(problems), desc=f"eval {name}", unit="problem", disable=not progress)
     for first in range(0, len(problems), chunk):
         part = problems[first:first + chunk]
-        greedy += greedy_answers(engine, tokenizer, task, part)
+        greedy += greedy_answers(engine, tokenizer, task, part, chat_template=chat_template)
         if samples:
-            counts += sampled_correct(engine, tokenizer, task, part, samples, temperature)
+            counts += sampled_correct(engine, tokenizer, task, part, samples, temperature, chat_template=chat_template)
         bar.update(len(part))
     bar.close()
     ks = sorted({1, samples, *[2 ** e for e in range(1, 12) if 2 ** e < samples]}) if samples else []
     return {
-        "model": spec, "folder": str(Path(folder)), "task": task_name, "n": len(problems),
+        "model": model, "folder": str(Path(folder)), "task": name, "n": len(problems),
         "greedy_accuracy": answer_accuracy(task, greedy, problems), "samples": samples,
         "temperature": temperature if samples else 0.0,
         "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in counts) / len(counts) for k in ks},
@@ -207,7 +220,7 @@ def evaluate_model(spec: str, task_name: str, n: int = 500, samples: int = 0, te
 
 
 def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temperature: float = 0.0,
-                      max_context: int, seed: int = 0) -> dict:
+                      max_context: int, seed: int = 0, failure_log=None) -> dict:
     """Held-out episodes of ``model`` for a rollout node: one episode per row, sampled at
     ``temperature`` (0 = greedy) on the embedded engine.
 
@@ -215,6 +228,8 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         attrs: the rollout node's attributes (env or agent, ``max_turns``, ``gamma``, ...).
         rows: the held-out dataset rows.
         max_context: tokens of prompt + turns at most.
+        failure_log: where the first traceback of each distinct episode error goes (a path;
+            ``runtime.executors.episode_failures``; None: nowhere).
 
     Returns:
         ``{"accuracy": fraction of rows whose episode the env reported a ``success`` (or
@@ -223,17 +238,15 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         info key, "failed": episodes that failed}``.
     """
     from runtime.engines.generation import GenerationEngine
-    from runtime.executors.rollout import play_episodes
+    from runtime.executors.rollout import episode_correct, play_episodes
 
     engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
-    trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context)
+    trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context,
+                          failure_log)
     n = max(len(trajs), 1)
 
-    def success(t) -> bool:
-        if attrs.get("agent") is not None:  # an agent program reports no env info
-            return t.reward > 0
-        env = t.meta.get("env", {})
-        return env.get("success", env.get("resolved", 0.0)) > 0
+    def success(t) -> bool:  # as training judges an episode; an env that reports no success: not one
+        return bool(episode_correct(t.meta.get("env", {}), t.reward, attrs.get("agent") is not None))
 
     out = {"accuracy": sum(success(t) for t in trajs) / max(len(rows), 1),
            "return": sum(float(t.reward) for t in trajs) / n, "turns": sum(t.meta["turns"] for t in trajs) / n,

@@ -211,6 +211,7 @@ class _LocalRun:
         finally:
             if previous is None:
                 del os.environ["OMP_WAIT_POLICY"]
+        logger.note(f"starting {len(procs)} worker processes (torch, models)")
         done: dict = {}
         self.trainer_inbox = next(s.inbox for s in specs if topo.groups[s.group].batch_nodes)
         try:

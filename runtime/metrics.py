@@ -19,6 +19,18 @@ EXTRA_TAGS = {"eval/accuracy": "eval/accuracy", "lr": "train/lr", "train/lr": "t
               "weights/sync_s": "weights/sync_s", "weights/bytes": "weights/bytes", "reward/failures": "reward/failures"}
 """Optional keys of a step's metrics dict -> their tag (logged only in the steps that carry them)."""
 
+WALL_FILE = "rl_wall.json"
+"""``{"step", "wall_s"}``: the RL wall time of the run so far (seconds, every attempt up to its
+last logged step), rewritten after each step; a resumed or restarted run adds it to its own."""
+
+
+def _earlier_wall_s(out_dir: Path) -> float:
+    """The RL seconds of a run folder's earlier attempts (:data:`WALL_FILE`; 0 without one)."""
+    try:
+        return float(json.loads((out_dir / WALL_FILE).read_text())["wall_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
 
 class WandbWriter:
     """The ``add_scalar``/``flush``/``close`` face of a Weights & Biases run, so ``RunLogger``
@@ -64,7 +76,9 @@ class RunLogger:
         run_name, config: the W&B run's name and config.
         first_step: the step a resumed run continues from: TensorBoard hides the events of
             steps ``>= first_step`` an earlier attempt wrote (``SummaryWriter(purge_step=...)``),
-            and the bar starts there.
+            the bar starts there, and the RL wall time continues the earlier attempts'
+            (:data:`WALL_FILE`); samples/s stays this attempt's (``earlier_samples``, the
+            samples kept from earlier attempts, do not count).
 
     Raises:
         ModuleNotFoundError: W&B asked for but not installed (see ``WandbWriter``).
@@ -80,9 +94,14 @@ class RunLogger:
         self.bar = tqdm(total=total_steps, initial=first_step or 0, desc="rl", unit="step",
                         disable=not show_progress, dynamic_ncols=True)
         self.start = time.perf_counter()
-        self.samples = 0
+        self.earlier_s = _earlier_wall_s(out_dir) if first_step is not None else 0.0
+        self.samples = self.earlier_samples = 0
         self.staleness = Counter()
         self.last_step: int | None = None  # the last step logged (Ctrl-C says how many were done)
+
+    def note(self, text: str) -> None:
+        """Show ``text`` on the bar until the next step's figures replace it (e.g. start-up)."""
+        self.bar.set_postfix_str(text)
 
     def log_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar at any step (e.g. ``eval/accuracy`` of a mid-run evaluation), to every writer."""
@@ -103,16 +122,13 @@ class RunLogger:
         self.staleness.update(metrics["staleness"])
         elapsed = time.perf_counter() - self.start
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-        scalars["samples_per_s"] = self.samples / max(elapsed, 1e-9)
+        scalars["samples_per_s"] = (self.samples - self.earlier_samples) / max(elapsed, 1e-9)
+        (self.out_dir / WALL_FILE).write_text(json.dumps({"step": step, "wall_s": round(self.earlier_s + elapsed, 3)}))
         for key, value in scalars.items():
             self.log_scalar(EXTRA_TAGS.get(key, key if "/" in key else f"rl/{key}"), value, step)
-        self.bar.set_postfix(
-            reward=f"{metrics['reward']:.2f}",
-            acc=f"{metrics['accuracy']:.2f}",
-            stale=f"{metrics['staleness_mean']:.2f}",
-            sps=f"{scalars['samples_per_s']:.0f}",
-            refresh=False,
-        )
+        acc = {"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}  # absent: nothing judged
+        self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", **acc, stale=f"{metrics['staleness_mean']:.2f}",
+                             sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
@@ -122,15 +138,36 @@ class RunLogger:
             writer.close()
 
     def summary(self, **extra) -> dict:
-        """The end-of-run record; also written to ``summary.json``."""
+        """The end-of-run record; also written to ``summary.json``: ``wall_s`` every attempt's RL
+        seconds, ``attempt_wall_s`` this attempt's when there were earlier ones."""
+        elapsed = time.perf_counter() - self.start
         result = {
-            "wall_s": round(time.perf_counter() - self.start, 2),
+            "wall_s": round(self.earlier_s + elapsed, 2),
+            **({"attempt_wall_s": round(elapsed, 2)} if self.earlier_s else {}),
             "samples_trained": self.samples,
             "staleness_histogram": {int(k): v for k, v in sorted(self.staleness.items())},
             **extra,
         }
         (self.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
         return result
+
+
+def episode_summary(workers: dict, log: Path) -> dict:
+    """The run's episodes of a rollout node, from the generation replicas' reports
+    (``workers``: name -> report with ``episodes``, ``episodes_failed``, ``episode_errors``):
+    ``{"played", "failed", "errors": {summary line: failed episodes}, "log": log}`` (``log``
+    only when the file exists: the first traceback of each error); ``{}`` without episodes."""
+    reports = [w for w in workers.values() if isinstance(w, dict) and "episodes" in w]
+    if not reports:
+        return {}
+    errors = Counter()
+    for w in reports:
+        errors.update(w.get("episode_errors", {}))
+    out = {"played": sum(w["episodes"] for w in reports), "failed": sum(w["episodes_failed"] for w in reports),
+           "errors": dict(errors.most_common())}
+    if log.is_file():
+        out["log"] = str(log)
+    return out
 
 
 def format_summary(summary: dict) -> str:
@@ -147,7 +184,16 @@ def format_summary(summary: dict) -> str:
         before, after = summary["answer_kinds_before"], summary["answer_kinds_after"]
         lines.append("held-out greedy answers by kind, before -> after RL: "
                      + ", ".join(f"{kind} {before[kind]} -> {after[kind]}" for kind in before))
-    lines.append(f"RL wall time: {summary['wall_s']:.1f} s   samples trained: {summary['samples_trained']}")
+    attempt = f" (this attempt {summary['attempt_wall_s']:.1f} s)" if "attempt_wall_s" in summary else ""
+    lines.append(f"RL wall time: {summary['wall_s']:.1f} s{attempt}   samples trained: {summary['samples_trained']}")
+    episodes = summary.get("episodes")
+    if episodes:
+        played, failed = episodes["played"], episodes["failed"]
+        lines.append(f"episodes: {played} played, {failed} failed ({failed / max(played, 1):.1%}; left out of training)"
+                     + (":" if episodes["errors"] else ""))
+        lines += [f"  {n:6d} x {line}" for line, n in episodes["errors"].items()]
+        if "log" in episodes:
+            lines.append(f"  first traceback of each: {episodes['log']}")
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1
     lines.append("staleness histogram (versions between generation and training):")

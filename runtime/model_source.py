@@ -34,8 +34,9 @@ def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -
 RM_SUFFIX = "-rm"  # ``Model("rm", "tiny-arith-rm")``: a reward model trained in code from the preset's warm start
 
 
-def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
-    """Model name -> folder of its version-0 weights, for every model of ``plan``.
+def prepare_models(plan, task, progress: bool = False, names=None) -> dict[str, str]:
+    """Model name -> folder of its version-0 weights, for every model of ``plan`` (or those in
+    ``names``).
 
     A tiny preset gets its supervised warm start (``plan.run["warm_start"]``, cached); a
     GGUF preset or file is converted once (cached); an HF folder is used as it is. A critic
@@ -50,6 +51,8 @@ def prepare_models(plan, task, progress: bool = False) -> dict[str, str]:
     seed = int(plan.run["seed"])
     folders: dict[str, str] = {}
     for name, info in plan.models.items():
+        if names is not None and name not in names:
+            continue
         spec = info["spec"]
         base = spec.removesuffix(RM_SUFFIX) if info["head"] == "reward" else spec
         folder = _initial_folder(base, ws, seed, task, progress)

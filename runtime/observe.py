@@ -37,17 +37,19 @@ def memory_profile(step: int, path: Path, executors: list, cuda: bool = False) -
 
 def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Trajectory], train_s: float,
                  wait_s: float) -> dict:
-    """The launcher's metrics of one step: ``train/*`` from the train_steps, reward, accuracy,
-    staleness (versions), response length (tokens), throughput (tokens/s), times (seconds);
+    """The launcher's metrics of one step: ``train/*`` from the train_steps, reward,
+    ``accuracy`` (the fraction of the step's samples the task judged right,
+    ``Trajectory.correct``, over those it judged; absent when it judged none), staleness
+    (versions), response length (tokens), throughput (tokens/s), times (seconds);
     ``reward/failures``: samples of the step's groups whose reward failed (left out of
     training, ``runtime.groups.drop_failed_samples``; a group with none left was resampled
     and is counted only in the worker's ``<reward node>/failures``)."""
     staleness = [t.staleness(step) for t in trajectories]
     n_tokens = int(batch["attention_mask"].sum())
-    return {**_episode_metrics(trajectories), 
+    judged = [t.correct for t in trajectories if t.correct is not None]
+    return {**_episode_metrics(trajectories), **({"accuracy": sum(judged) / len(judged)} if judged else {}),
         "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
         "reward": float(batch["rewards"].mean()),
-        "accuracy": float((batch["rewards"] >= 1.0).float().mean()),
         "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
         "staleness": staleness, "samples": len(trajectories),
         "response_len": float(batch["loss_mask"].sum(1).mean()),

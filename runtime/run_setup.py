@@ -22,7 +22,8 @@ from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
 from runtime.faults import check_kill_at
-from runtime.metrics import RunLogger, format_summary
+from runtime.executors.episode_failures import LOG_NAME
+from runtime.metrics import RunLogger, episode_summary, format_summary
 from runtime.preflight import preflight
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
@@ -119,6 +120,7 @@ class RunSetup:
                            first_step=version if rewind else None)
         if kept is not None:  # the summary counts the samples trained before the checkpoint too
             logger.samples, logger.staleness = kept
+            logger.earlier_samples = logger.samples
         return logger
 
     @property
@@ -129,6 +131,7 @@ class RunSetup:
         """Version-0 models, and held-out greedy accuracy before RL."""
         from runtime.model_source import prepare_models
 
+        self._say(f"preparing the start models ({', '.join(sorted({m['spec'] for m in self.plan.models.values()}))})")
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
         from runtime.parallel_trainer import check_parallel_training
@@ -143,10 +146,17 @@ class RunSetup:
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
+            self._say(f"held-out evaluation before RL ({len(self.test_set)} problems)")
             self._held_out(self.folders[policy], "before")
             if self.show_progress:
                 print(f"held-out {self.extra['eval_kind']} before RL: {self.extra['accuracy_before']:.1%} "
                       f"({len(self.test_set)} problems)")
+
+    def _say(self, what: str) -> None:
+        """One line on stderr, when it is a terminal, of what the run is doing now (start-up steps
+        take seconds; in a log or pipe a bad input's error stays the one line)."""
+        if self.show_progress and sys.stderr.isatty():
+            print(f"areal-flow: {what}...", file=sys.stderr, flush=True)
 
     def _check_token_budget(self) -> None:
         """Refuse a ``train.max_tokens_per_micro_batch`` below the longest trajectory the run
@@ -202,7 +212,8 @@ class RunSetup:
             model, tokenizer = load_pretrained(folder)
             stats = evaluate_episodes(model, tokenizer, attrs, self.test_set,
                                       temperature=temperature,
-                                      max_context=episode_context(attrs, folder))
+                                      max_context=episode_context(attrs, folder),
+                                      failure_log=self.out_dir / LOG_NAME)
             self.extra[f"accuracy_{when}"] = stats.pop("accuracy")
             self.extra[f"episodes_{when}"] = stats
             return
@@ -257,6 +268,9 @@ class RunSetup:
         logger.close()
         self.extra.update(model_dir=str(self.out_dir / "model"), trajectories=str(self.out_dir / "trajectories"),
                           workers=workers, **extra)
+        episodes = episode_summary(workers, self.out_dir / LOG_NAME)
+        if episodes:
+            self.extra["episodes"] = episodes
         if self.eval_enabled:
             self._held_out(self.out_dir / "model", "after")
         summary = logger.summary(**self.extra)

@@ -234,11 +234,13 @@ class _Stage:
         gen = self.ctx.generator()
         if gen.op == "rollout":
             from runtime.evaluate import evaluate_episodes
+            from runtime.executors.episode_failures import LOG_NAME
             from runtime.executors.rollout import episode_context
 
             limit = episode_context(gen.attrs, executor.settings.model_folder)
             return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=limit,
-                                     temperature=float(plan.run["eval"].get("temperature", 0.0)))["accuracy"]
+                                     temperature=float(plan.run["eval"].get("temperature", 0.0)),
+                                     failure_log=self.ctx.out_dir / LOG_NAME)["accuracy"]
         answers = greedy_answers(model, self.ctx.tokenizer, task, problems,
                                  chat_template=self.topo.generate.attrs.get("chat_template"))
         return answer_accuracy(task, answers, problems)

@@ -183,7 +183,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         trace.close()
         if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
             gen.close()
-    return {**counts, **getattr(gen, "counts", {}), **precision, "final_version": gen.version,
+    errors = {"episode_errors": dict(gen.failures.counts)} if hasattr(gen, "failures") else {}  # a rollout's
+    return {**counts, **getattr(gen, "counts", {}), **errors, **precision, "final_version": gen.version,
             "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
             **failure_counts(executors)}
 

@@ -310,3 +310,4 @@ def test_the_shipped_agent_program_trains_from_its_graph_file(tmp_path, warm_cac
     assert summary["episodes_before"]["failed"] == summary["episodes_after"]["failed"] == 0
     assert summary["workers"]["rollout/0"]["episodes"] == 2 * 2 * 4
     assert summary["workers"]["rollout/0"]["episodes_failed"] == 0
+    assert summary["episodes"] == {"played": 2 * 2 * 4, "failed": 0, "errors": {}}

@@ -96,12 +96,15 @@ def test_config_lists_keys_defaults_docs_and_aliases():
 
 def test_help_names_every_command_and_eval_knows_the_longtail_task():
     from areal_flow.cli import build_parser
-    from runtime.evaluate import build_eval_task
+    from areal_flow.config import ExperimentConfig
+    from runtime.evaluate import eval_task
 
     out = _cli("--help")
     assert out.returncode == 0 and "config, timeline and replay." in " ".join(out.stdout.split()), out.stdout
     args = build_parser().parse_args(["eval", "runs/longtail_grpo/model", "--task", "longtail"])
-    task = build_eval_task(args.task, seed=1)
+    cfg = ExperimentConfig()
+    cfg.dataset.name = args.task
+    task = eval_task(cfg)
     problem = task.test_set(1)[0]
     assert task.reward(problem["answer"] + "<eos>", problem["answer"]) == 1.0  # the task's own answer is right
     assert task.reward(problem["answer"] + " 0", problem["answer"]) == 0.0  # one number too many

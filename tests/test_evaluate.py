@@ -1,4 +1,5 @@
-"""pass@k (Chen et al. 2021, eq. 1) against hand-computed values; the eval command's errors."""
+"""pass@k (Chen et al. 2021, eq. 1) against hand-computed values; the eval command's errors;
+``areal-flow eval`` of a graph starts from exactly the model its run starts from."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.evaluate import build_eval_task, pass_at_k
+from areal_flow.config import ExperimentConfig
+from areal_flow.tasks.arithmetic import ArithmeticTask
+from runtime.evaluate import eval_task, pass_at_k
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,17 +34,86 @@ def test_pass_at_k_rejects_bad_counts(n, c, k):
         pass_at_k(n, c, k)
 
 
-def test_eval_tasks():
-    plain, chat = build_eval_task("arith", seed=1), build_eval_task("arith-chat", seed=1)
+def _cfg(**dataset) -> ExperimentConfig:
+    cfg = ExperimentConfig()
+    cfg.seed = 1
+    for key, value in dataset.items():
+        setattr(cfg.dataset, key, value)
+    return cfg
+
+
+def test_eval_tasks_are_the_runs_dataset_tasks():
+    plain = eval_task(_cfg(name="arithmetic", max_digits=2))
+    chat = eval_task(_cfg(name="arithmetic", max_digits=2, prompt_style="chat"))
     a, b = plain.test_set(3), chat.test_set(3)
     assert [p["answer"] for p in a] == [p["answer"] for p in b]  # the same problems, asked two ways
     assert a[0]["prompt"].endswith("=") and b[0]["prompt"].startswith("What is")
-    with pytest.raises(ValueError, match="--task 'mmlu'"):
-        build_eval_task("mmlu")
+    assert a == ArithmeticTask(seed=1, max_digits=2).test_set(3)  # a run's held-out set (seed 1, 2 digits)
+    with pytest.raises(ValueError, match="task 'arith': the task names are dataset.name's: arithmetic, gsm8k, "
+                                         "longtail; arith is 'arithmetic'"):
+        eval_task(_cfg(name="arith"))
+    with pytest.raises(ValueError, match="task 'guess_number' is an env task"):
+        eval_task(_cfg(name="guess_number"))
 
 
 def test_eval_bad_model_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "areal_flow.cli", "eval", str(tmp_path / "nothing.gguf"),
-                          "--task", "arith", "--n", "2"], cwd=ROOT, capture_output=True, text=True)
+                          "--task", "arithmetic", "--n", "2"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "nothing.gguf" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def _record_warm_starts(monkeypatch) -> tuple[list, list]:
+    """Warm starts and evaluations asked for, instead of done: ``(warm starts, evaluations)``."""
+    import runtime.evaluate as evaluate
+    import runtime.engines.sft as sft
+
+    starts, evals = [], []
+
+    def warm_start(task, preset, cfg, cache_dir=None, progress=False):
+        starts.append((task.spec(), preset, cfg))
+        return Path("/nowhere/warm")
+
+    monkeypatch.setattr(sft, "warm_start", warm_start)
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda folder, task, **kw: evals.append((folder, task, kw)) or {})
+    return starts, evals
+
+
+def test_eval_of_a_graph_starts_from_the_model_its_run_starts_from(monkeypatch, capsys):
+    """``areal-flow eval graphs/arith_grpo.py`` warm-starts tiny-arith as that run does (its YAML's
+    warm_start, seed and dataset: the same cache key) and scores the run's held-out problems;
+    ``tiny-arith --config <its yaml>`` is the same model."""
+    from areal_flow.cli import main
+    from areal_flow.cli.common import flow_config, load_flow
+    from compiler.program import compile_program
+    from runtime.engines.sft import SFTConfig
+    from runtime.model_source import prepare_models
+
+    monkeypatch.chdir(ROOT)
+    starts, evals = _record_warm_starts(monkeypatch)
+    assert main(["eval", "graphs/arith_grpo.py", "--n", "3"]) == 0
+    assert main(["eval", "tiny-arith", "--config", "graphs/arith_grpo.yaml", "--n", "3"]) == 0
+    # graphs/arith_grpo.yaml, read by hand: seed 1, 2-digit +/- problems, 1500 steps of 128, lr 1e-3, 70 % buggy
+    expected = ({"name": "arithmetic", "seed": 1, "max_digits": 2, "ops": "+-"}, "tiny-arith",
+                SFTConfig(steps=1500, batch_size=128, lr=1e-3, seed=1, teacher_bug_rate=0.7))
+    assert starts == [expected, expected]
+    # the run's own preparation of its models asks for that warm start too
+    flow = load_flow("graphs/arith_grpo.py")
+    cfg = flow_config(flow, type("Args", (), {"config": None, "overrides": []}))
+    plan = compile_program(flow(cfg), cfg)
+    prepare_models(plan, ArithmeticTask(seed=1, max_digits=2))
+    assert starts[2] == expected
+    for folder, task, kw in evals:
+        assert folder == Path("/nowhere/warm") and kw["n"] == 3 and kw["dtype"] == "float32"
+        assert task.test_set(3) == ArithmeticTask(seed=1, max_digits=2).test_set(3)
+    assert "note: no --config" not in capsys.readouterr().err
+
+
+def test_eval_help_says_which_model_it_evaluates():
+    out = subprocess.run([sys.executable, "-m", "areal_flow.cli", "eval", "--help"], cwd=ROOT, capture_output=True,
+                         text=True)
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0
+    assert "Given a graph file, it evaluates exactly the model a run of that graph starts from" in text
+    assert "(a tiny preset: the same warm start, from the same cache)" in text
+    assert "Task names are dataset.name's (arithmetic, gsm8k, longtail)" in text

@@ -86,9 +86,14 @@ def test_user_op_defined_in_a_test_file_runs(tmp_path, warm_cache):
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=penalty"])
     run_experiment(grpo_with_penalty(cfg), cfg, show_progress=False)
     records = _exactly_once(tmp_path / "penalty", 3, 2, 4, k=2)
+    right: dict[int, list[bool]] = {}
     for r in records:  # the trained reward is the rule's minus the penalty, by hand from the sample
         rule = ArithmeticTask.reward(r["output_text"], r["meta"]["answer"])
         assert r["reward"] == pytest.approx(rule - COEF * len(r["output_ids"]))
+        right.setdefault(r["step"], []).append(rule == 1.0)
+    # accuracy counts right answers although no penalized reward is 1.0 (it read 0.00 before)
+    assert _scalars(tmp_path / "penalty", "rl/accuracy") == pytest.approx([sum(v) / len(v) for _, v in
+                                                                           sorted(right.items())])
 
 
 @pytest.mark.slow

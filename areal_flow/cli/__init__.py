@@ -10,7 +10,8 @@ included, are ``areal_flow.cli.run``; ``eval``, ``timeline`` and ``replay`` are
     areal-flow compile graphs/gsm8k_grpo.py cluster.n_nodes=4 cluster.n_gpus_per_node=8 --plan
     areal-flow run graphs/arith_grpo.py async.max_staleness=0   # the synchronous baseline
     areal-flow viz plan.json -o placement.html
-    areal-flow eval runs/arith_grpo/model --task arith --samples 8   # greedy accuracy, pass@k
+    areal-flow eval graphs/arith_grpo.py                          # accuracy of the model its run starts from
+    areal-flow eval runs/arith_grpo/model --config graphs/arith_grpo.yaml --samples 8   # + pass@k, the run's task
     areal-flow config                                            # every key, its default, aliases
     areal-flow timeline runs/arith_grpo                          # busy/idle per node, waits per edge
     areal-flow timeline runs/arith_grpo --simulate               # + predicted vs measured busy per node
@@ -190,6 +191,16 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(args)
 
 
+EVAL_DOC = """Greedy accuracy (and pass@k with --samples) on the test set of a task, as JSON.
+Given a graph file, it evaluates exactly the model a run of that graph starts from: the
+graph is compiled with its config (the .yaml beside it, or --config, and the overrides, as
+'areal-flow run' does), the policy's start model is made as the run makes it (a tiny
+preset: the same warm start, from the same cache) and scored on the run's held-out set
+(dataset.*, seed, eval.n_test). Given a model, the config (--config, overrides; none: the
+defaults, as a run without a YAML) sets the task and a tiny preset's warm start the same
+way. Task names are dataset.name's (arithmetic, gsm8k, longtail)."""
+
+
 def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("file", nargs="?" if optional else None, help="graph file (graphs/*.py) holding one @flow")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.lr=1e-4")
@@ -233,16 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="staleness bound to compare with k=0 (default: the plan's)")
     p.add_argument("--trace", help="also write every span (node, worker, start, end) as JSON here")
     p.set_defaults(func=_cmd_simulate)
-    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint on a task's test set")
-    p.add_argument("model", help="preset (tiny-arith, smollm2-135m), transformers folder (runs/<name>/model), or .gguf")
-    p.add_argument("--task", required=True, choices=("gsm8k", "arith", "arith-chat", "longtail"),
-                   help="test set and reward")
-    p.add_argument("--n", type=int, default=500, help="test problems (default 500)")
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k on a task's test set: of the model a graph's run "
+                       "starts from, or of a model under a config", description=EVAL_DOC)
+    p.add_argument("model", help="a graph file (graphs/*.py: the model its run starts from, on its dataset), or a "
+                   "preset (tiny-arith, smollm2-135m), a transformers folder (runs/<name>/model) or a .gguf")
+    p.add_argument("--task", help="test set and rule by dataset.name: arithmetic, gsm8k or longtail (default: the "
+                   "config's dataset.name; a graph's is its own)")
+    p.add_argument("--flow", help="which @flow, when the graph file holds several")
+    p.add_argument("--n", type=int, help="test problems (default: the config's eval.n_test, 500)")
     p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
     p.add_argument("--out", help="also write the JSON result here")
-    p.add_argument("--config", help="YAML config for seed, model.dtype, warm_start (tiny presets), dataset.*")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=2 model.dtype=bf16")
+    p.add_argument("--config", help="YAML config of the run to match: seed, model.dtype, warm_start, dataset.* "
+                   "(default: the .yaml beside a graph file; for a model, none: the defaults, as a run without one)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, as the run's, e.g. seed=2 "
+                   "dataset.max_digits=3")
     p.set_defaults(func=_cmd_eval)
     p = sub.add_parser("config", help="list every config key (type, default, meaning) and the aliases; "
                                       "with a YAML file or overrides, print the resolved config")

@@ -8,27 +8,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from areal_flow.cli.common import CLIError, check_output_folder
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    """``areal-flow eval``: greedy accuracy and pass@k of a model folder on a task's test set, as JSON.
+    """``areal-flow eval``: greedy accuracy and pass@k, as JSON, of the model a graph's run starts
+    from (a ``.py`` graph file: compiled with its config as ``run`` does,
+    ``runtime.evaluate.start_of_run``) or of a model spec under ``--config`` on the task
+    ``--task`` (default: the config's ``dataset.name``; ``eval_task``).
 
     Raises:
-        CLIError: the ``--out`` folder is missing, or the model/task cannot be loaded (first line of its error).
+        CLIError: the ``--out`` folder is missing, ``--task`` differs from a graph's dataset, or the
+            model/task cannot be loaded (first line of its error).
     """
-    from areal_flow.config_load import load_config
-    from runtime.evaluate import evaluate_model
+    from runtime.evaluate import eval_task, evaluate_model, start_of_run
 
     check_output_folder(args.out)
-    cfg = load_config(args.config, args.overrides)
-    max_digits = cfg.dataset.max_digits if args.config or any(o.startswith("dataset.max_digits=")
-                                                               for o in args.overrides) else 2
     try:
-        result = evaluate_model(args.model, args.task, n=args.n, samples=args.samples, temperature=args.temperature,
-                                cfg=cfg, max_digits=max_digits)
+        if args.model.endswith(".py"):  # a graph file: the model its run starts from
+            from areal_flow.cli.common import flow_config, load_flow
+            from compiler.program import compile_program
+
+            flow = load_flow(args.model, args.flow)
+            cfg = flow_config(flow, argparse.Namespace(config=args.config, overrides=args.overrides))
+            if args.task is not None and args.task != cfg.dataset.name:
+                raise CLIError(f"--task {args.task}: {args.model} trains on dataset.name={cfg.dataset.name!r}; leave "
+                               "--task out (the graph's own is used)")
+            plan = compile_program(flow(cfg), cfg)
+            folder, task = start_of_run(plan)
+            chat_template = next(n for n in plan.nodes if n.grain == "stream").attrs.get("chat_template")
+        else:
+            from areal_flow.config_load import load_config
+            from areal_flow.models.names import resolve_name
+            from runtime.model_source import prepare_initial_model
+
+            cfg = load_config(args.config, args.overrides)
+            cfg.dataset.name = args.task or cfg.dataset.name
+            task = eval_task(cfg)
+            cfg.model.path = args.model
+            if args.config is None and resolve_name(args.model).kind == "tiny":
+                print(f"areal-flow eval: note: no --config: {args.model} is warm-started under the default config "
+                      "(as a run without a YAML starts); give a graph file, e.g. graphs/arith_grpo.py, for the model "
+                      "its run starts from", file=sys.stderr)
+            folder, chat_template = prepare_initial_model(cfg, task, progress=True), None
+        result = evaluate_model(folder, task, model=args.model, n=args.n or cfg.eval.n_test, samples=args.samples,
+                                temperature=args.temperature, dtype=cfg.model.dtype, chat_template=chat_template)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
         raise CLIError(str(exc).splitlines()[0]) from None
     text = json.dumps(result, indent=2)

@@ -7,6 +7,7 @@ taken from it); the run itself is the runtime's (``runtime.launch``).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from areal_flow.cli.common import CLIError, flow_config, load_flow, note_defaults
@@ -98,5 +99,8 @@ def run_flow(flow: Flow, cfg, config: str | None = None) -> int:
     (``areal_flow.cli.common.note_defaults``)."""
     graph = flow(cfg)
     note_defaults(flow, config)
+    if sys.stderr.isatty():  # the import alone takes seconds; a log or pipe keeps a bad input's error one line
+        print(f"areal-flow: run {flow.name}: loading the runtime (torch) and compiling the plan", file=sys.stderr,
+              flush=True)
     run_experiment(graph, cfg)  # compile the plan, then run it (the plan is all the runtime reads)
     return 0

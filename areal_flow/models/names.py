@@ -26,6 +26,7 @@ Rules, in this order:
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -101,9 +102,13 @@ def resolve_name(name: str) -> ModelName:
 
 
 def unknown_name_message(name: object) -> str:
-    """The one message for a name that refers to nothing (both sides raise it)."""
+    """The one message for a name that refers to nothing (both sides raise it): a did-you-mean
+    when a preset is spelled nearly so (case ignored), then every preset."""
+    keys = {key.lower(): key for key in reversed(preset_names())}  # the first spelling of a key wins
+    near = difflib.get_close_matches(name.lower(), list(keys), n=1) if isinstance(name, str) else []
+    hint = f"did you mean {keys[near[0]]!r}? " if near else ""
     return (f"model.path {name!r}: not a preset, a model folder, a config.json, a .gguf file or a hub id "
-            f"(org/name); presets: {', '.join(preset_names())}")
+            f"(org/name); {hint}presets: {', '.join(preset_names())}")
 
 
 def preset_key(name: str) -> str | None:

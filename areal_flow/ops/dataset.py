@@ -2,7 +2,9 @@
 
 Port schema: no inputs; output ``prompts``. The worker side, ``areal_flow.tasks.catalog.build_task``, turns
 the node's attributes into a task object with ``train_problems(n, seed)``,
-``test_set()`` and ``reward(output_text, answer)``.
+``test_set()`` and ``reward(output_text, answer)``; a task that judges single responses
+(arithmetic, gsm8k, longtail) also has ``correct(output_text, answer) -> bool``, which
+sets each trajectory's ``correct`` (the run's accuracy), whatever the reward.
 """
 
 from __future__ import annotations

@@ -199,6 +199,11 @@ class ArithmeticTask:
         return "other"
 
     @staticmethod
+    def correct(output_text: str, answer: str) -> bool:
+        """Whether the response states the right answer (:meth:`reward` 1.0): the run's accuracy."""
+        return ArithmeticTask.reward(output_text, answer) == 1.0
+
+    @staticmethod
     def reward(output_text: str, answer: str, eos_token: str = "<eos>") -> float:
         """1.0 if the generated text states the right integer, else 0.0; never raises.
 

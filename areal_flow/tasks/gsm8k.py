@@ -309,6 +309,11 @@ class GSM8KTask:
         return out
 
     @staticmethod
+    def correct(output_text: str, answer: str) -> bool:
+        """Whether the response's final answer is right (:meth:`reward` 1.0): the run's accuracy."""
+        return math_reward(output_text, answer) == 1.0
+
+    @staticmethod
     def reward(output_text: str, answer: str) -> float:
         """``math_reward``: 1.0 if the response's final answer equals ``answer``, else 0.0."""
         return math_reward(output_text, answer)

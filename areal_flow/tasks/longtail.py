@@ -105,6 +105,11 @@ class LongTailTask:
         return [self._draw(rng, i) for i in range(n)]
 
     @staticmethod
+    def correct(output_text: str, answer: str) -> bool:
+        """Whether the response is the counted sequence (:meth:`reward` 1.0): the run's accuracy."""
+        return LongTailTask.reward(output_text, answer) == 1.0
+
+    @staticmethod
     def reward(output_text: str, answer: str, eos_token: str = "<eos>") -> float:
         """1.0 if the generated text is exactly the counted sequence, else 0.0; never raises.
 

@@ -31,6 +31,12 @@ and ``finish_reason="tool_calls"``; a malformed call attempt counts as a tool-ca
 chunk, a usage chunk when ``stream_options.include_usage``, ``data: [DONE]``. Unknown or
 ended sessions answer 404; internal failures 500, which the official client retries
 (agents pass ``max_retries=0`` to avoid that).
+
+Connections: HTTP/1.1 keep-alive (an episode's client sends all its calls on one
+connection; a stream closes its connection), a listen backlog that takes every episode in
+flight connecting at once (:data:`LISTEN_BACKLOG`), and an idle connection closed only
+after ``step_timeout_s`` + :data:`KEEP_ALIVE_MARGIN_S`. A call waits for its policy turn as
+long as generation takes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,16 @@ from areal_flow.envs.tools import ToolCall, ToolCallError, parse_tool_call
 _ROUTE = re.compile(r"^/episodes/([A-Za-z0-9_.-]+)/(v1/chat/completions|v1/models|v1/reward|reward)/?$")
 _HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.S)
 _REPEAT = "each call must repeat the previous call's messages plus the reply it returned"
+
+LISTEN_BACKLOG = 4096
+"""Connections the server's socket queues before it accepts them (the kernel caps it at
+``net.core.somaxconn``): every episode in flight may connect at once (the arithmetic agent
+example has up to ``(max_staleness + 1) * batch_size * n_samples`` = 384); Python's default
+of 5 made the kernel reset connections under that load."""
+
+KEEP_ALIVE_MARGIN_S = 30.0
+"""An idle keep-alive connection is closed after the rollout's ``step_timeout_s`` + this
+(seconds): never under an episode that is still within its time between policy turns."""
 
 
 class EndpointError(Exception):
@@ -150,8 +166,8 @@ class AgentEndpoint:
         self.runner, self.model = runner, model
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), type("_Bound", (_Handler,), {"endpoint": self}))
-        self._server.daemon_threads = True
+        idle_s = float(getattr(runner, "attrs", {}).get("step_timeout_s", 30.0)) + KEEP_ALIVE_MARGIN_S
+        self._server = _Server(("127.0.0.1", 0), type("_Bound", (_Handler,), {"endpoint": self, "timeout": idle_s}))
         self.port = int(self._server.server_address[1])
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
                          name=f"agent-endpoint:{self.port}").start()
@@ -260,6 +276,17 @@ class AgentEndpoint:
                               "total_tokens": n_prompt + n_out}}
 
 
+def _body(raw: bytes) -> dict:
+    """The request body as a JSON object. Raises EndpointError (400) otherwise."""
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EndpointError(400, f"the request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise EndpointError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 def _chunks(completion: dict, include_usage: bool) -> list[dict]:
     """``completion`` as ``chat.completion.chunk`` events: the message, the finish, usage."""
     head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
@@ -274,12 +301,21 @@ def _chunks(completion: dict, include_usage: bool) -> list[dict]:
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    """One thread per connection; a listen backlog that holds every episode's connect at once."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+
 class _Handler(BaseHTTPRequestHandler):
-    """Routes requests to ``endpoint`` (set on a subclass per server); HTTP/1.0, one request
-    per connection."""
+    """Routes requests to ``endpoint`` (set on a subclass per server, with ``timeout``: seconds
+    an idle keep-alive connection is held); HTTP/1.1, so an episode's client sends all its
+    calls on one connection."""
 
     endpoint: AgentEndpoint
     server_version = "areal-flow-agent-endpoint/1"
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         pass  # no access log on the worker's stderr
@@ -292,6 +328,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         try:
+            raw = self._read_body()  # first, whatever the answer: the connection carries the next request
             match = _ROUTE.match(self.path.split("?", 1)[0])
             if match is None:
                 raise EndpointError(404, f"no route {method} {self.path}: use /episodes/<session>/v1/chat/completions, "
@@ -303,7 +340,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, self.endpoint.models(key))
             if method != "POST":
                 raise EndpointError(405, f"{method} {self.path}: use POST", "method_not_allowed")
-            body = self._body()
+            body = _body(raw)
             if route == "v1/chat/completions":
                 out = self.endpoint.chat(key, body)
                 if body.get("stream"):
@@ -315,15 +352,12 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a bug here must answer the agent, not hang it
             self._json(500, EndpointError(500, f"{type(exc).__name__}: {exc}", "internal_error").body())
 
-    def _body(self) -> dict:
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        try:
-            body = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EndpointError(400, f"the request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise EndpointError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length") or "0"
+        if not length.isdigit():
+            self.close_connection = True  # where the next request starts is unknown
+            raise EndpointError(400, f"Content-Length: {length!r:.40} is not a byte count")
+        return self.rfile.read(int(length))
 
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
@@ -337,6 +371,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # no length: the stream ends with the connection
+        self.close_connection = True
         self.end_headers()
         for event in events:
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())

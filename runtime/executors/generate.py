@@ -23,6 +23,10 @@ old weights (no new one is admitted meanwhile), then loads; the groups finished 
 that drain come out of the next :meth:`GenerateExecutor.step`. The drain runs inside the
 replica's weight ``load`` span.
 
+Correctness: each trajectory's ``correct`` is the dataset task's judgment of its response
+(``correct(output_text, answer)``, :func:`answer_judge`), whatever its reward becomes
+(a penalty, a reward model, a user op): the run's accuracy counts right answers.
+
 Occupancy: :meth:`GenerateExecutor.occupancy` gives the rows the last engine step decoded
 and the engine's slots; the replica writes both into each engine-step span of the trace
 (``args.rows``, ``args.slots``).
@@ -40,7 +44,9 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
+from typing import Callable
 
+from areal_flow.tasks.catalog import build_task
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
@@ -76,6 +82,7 @@ class GenerateExecutor:
         self.engine = build_engine(node, ctx)
         self.params = sampling_params(node)
         self.tokenizer = ctx.tokenizer
+        self.judge = answer_judge(getattr(ctx, "plan", None))
         self._groups: dict[tuple[int, int], dict] = {}
         self.interruptible = bool(self.attrs.get("interruptible", True))
         self._queue: deque[GenerationRequest] = deque()  # not interruptible: requests not yet in the engine
@@ -129,7 +136,7 @@ class GenerateExecutor:
         del self._groups[key]
         results = sorted(group["results"], key=lambda r: r.meta["sample"])
         kept = drop_empty(results, self.counts, self.monitor)
-        self._finished.append((*key, Rollouts([_trajectory(r, key, group["problem"]) for r in kept])))
+        self._finished.append((*key, Rollouts([_trajectory(r, key, group["problem"], self.judge) for r in kept])))
 
     def has_work(self) -> bool:
         return bool(self._queue or self._finished) or self.engine.has_work()
@@ -211,11 +218,20 @@ def build_engine(node, ctx):
                             dtype=a.get("engine_dtype", "float32"))
 
 
-def _trajectory(result: GenerationResult, key: tuple[int, int], problem: Prompt) -> Trajectory:
+def answer_judge(plan) -> Callable[[str, str], bool] | None:
+    """``correct(output_text, answer) -> bool`` of the task of ``plan``'s dataset node, or None
+    when the plan has none or its task cannot judge a single response (an env task)."""
+    source = next((n for n in plan.nodes if n.grain == "source"), None) if plan is not None else None
+    return None if source is None else getattr(build_task(source.attrs, 0), "correct", None)
+
+
+def _trajectory(result: GenerationResult, key: tuple[int, int], problem: Prompt,
+                judge: Callable[[str, str], bool] | None = None) -> Trajectory:
     index, attempt = key
     return Trajectory(
         sample_id=f"{index}:{result.meta['sample']}", group_id=index, prompt_ids=list(result.prompt_ids),
         output_ids=list(result.output_ids), behavior_logprobs=list(result.behavior_logprobs),
         versions=list(result.versions), finish_reason=result.finish_reason, prompt_text=problem["prompt"],
         output_text=result.output_text, meta={"answer": problem["answer"], "problem_id": problem["id"], "attempt": attempt},
+        correct=None if judge is None else bool(judge(result.output_text, problem["answer"])),
     )

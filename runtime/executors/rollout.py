@@ -18,19 +18,19 @@ value (when not ``None``) is added to the last turn's reward.
 An episode whose env (or agent) raises, or whose ``reset``/``step`` (the agent's time
 between policy turns) takes more than ``step_timeout_s``, ends as failed: it is left
 out of its group (its group's statistics are over the others; a group with no surviving
-episode is dropped and its slot resampled), counted, and the first failure of each kind
-is printed with its traceback. A hung env (agent) thread cannot be killed; it is
-abandoned (a daemon thread) and its late result ignored.
+episode is dropped and its slot resampled) and counted per distinct error
+(``runtime.executors.episode_failures``: the first of each prints one line, its traceback
+goes to the run folder's ``episode_failures.log``, the run summary counts them). A hung
+env (agent) thread cannot be killed; it is abandoned (a daemon thread) and its late
+result ignored.
 """
 
 from __future__ import annotations
 
 import json
 import queue
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from areal_flow.envs.tools import ToolCallError, parse_tool_call
 from areal_flow.types import Trajectory
 from areal_flow.values import Prompt, Rollouts
 from runtime.engines.generation import GenerationRequest, SamplingParams
+from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.executors.generate import build_engine, sampling_params
 
 _IDLE_WAIT_S = 0.005  # how long step() waits for a turn request when only envs are busy
@@ -61,6 +62,7 @@ class _Run:
     phase: str = "env"  # env (reset/step or the agent's own code) | policy (waiting for its turn)
     since: float = field(default_factory=time.monotonic)
     failed: str = ""
+    error: str = ""  # the failure's summary line (EpisodeFailures)
     tool_errors: int = 0
     info: dict = field(default_factory=dict)
     done: bool = False
@@ -77,12 +79,15 @@ class EpisodeRunner:
             ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``).
         params: sampling settings of every policy turn.
         max_context: tokens of prompt + turns at most.
+        failure_log: where the first traceback of each distinct episode error goes
+            (``EpisodeFailures``; None: nowhere).
 
     Raises:
         EnvError: no ``attrs["agent"]`` and ``attrs["env"]`` names no registered env.
     """
 
-    def __init__(self, engine, tokenizer, attrs: dict, params: SamplingParams, max_context: int) -> None:
+    def __init__(self, engine, tokenizer, attrs: dict, params: SamplingParams, max_context: int,
+                 failure_log: Path | None = None) -> None:
         self.engine, self.tokenizer, self.attrs, self.params = engine, tokenizer, attrs, params
         self.agent = attrs.get("agent")
         self.env_cls = None if self.agent is not None else attrs.get("env_class") or env_class(attrs["env"])
@@ -94,7 +99,8 @@ class EpisodeRunner:
         self._groups: dict[tuple[int, int], list[_Run]] = {}
         self._serial = 0
         self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
-        self._reported: set[str] = set()
+        who = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{attrs['env']}'"
+        self.failures = EpisodeFailures(who, self.agent if self.agent is not None else self.env_cls, failure_log)
         self._endpoint = None  # the agent endpoint, started with the first agent episode
         self._endpoint_lock = threading.Lock()
 
@@ -149,7 +155,7 @@ class EpisodeRunner:
             return
         except Exception as exc:  # an env (or tokenizer) failure ends this episode only
             run.failed = f"{type(exc).__name__}: {exc}"
-            self._report(type(exc).__name__, traceback.format_exc())
+            run.error = self.failures.error(exc)
         finally:
             if env is not None:
                 try:
@@ -183,7 +189,7 @@ class EpisodeRunner:
         except Exception as exc:  # the agent failed (or timed out and then failed): this episode only
             if not run.failed:
                 run.failed = f"{type(exc).__name__}: {exc}"
-                self._report(type(exc).__name__, traceback.format_exc())
+                run.error = self.failures.error(exc)
         finally:
             if endpoint is not None and key:
                 endpoint.end(key)
@@ -204,13 +210,6 @@ class EpisodeRunner:
             endpoint, self._endpoint = self._endpoint, None
         if endpoint is not None:
             endpoint.close()
-
-    def _report(self, kind: str, detail: str) -> None:
-        if kind not in self._reported:
-            self._reported.add(kind)
-            what = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{self.attrs['env']}'"
-            print(f"areal-flow: rollout {what}: an episode failed ({kind}); it is left out of its "
-                  f"group; later failures of this kind are only counted\n{detail}", file=sys.stderr)
 
     # -- the engine side (the replica's thread) --------------------------------------
     def submit(self, index: int, attempt: int, row: Prompt) -> None:
@@ -262,7 +261,7 @@ class EpisodeRunner:
                     run.failed = (f"TimeoutError: env step took more than {limit:g} s" if self.agent is None else
                                   f"TimeoutError: the agent took more than {limit:g} s between policy turns")
                     self.counts["env_timeouts"] += 1
-                    self._report("TimeoutError", f"step_timeout_s={limit:g} exceeded\n")
+                    run.error = self.failures.timeout(f"{run.failed} (step_timeout_s={limit:g})")
             if all(run.done or run.failed for run in runs):
                 del self._groups[key]
                 done.append((*key, Rollouts(self._finish(runs))))
@@ -275,13 +274,16 @@ class EpisodeRunner:
         out = []
         for run in runs:
             if run.failed:
+                self.failures.count(run.error or run.failed)
                 continue
             self.counts["tool_call_errors"] += run.tool_errors
             ep = run.episode
             meta = {"answer": run.row.get("answer"), "problem_id": run.row.get("id"), "attempt": run.attempt,
                     "turns": ep.n_turns, "tool_errors": run.tool_errors, "env": dict(run.info),
                     "group_failed": failed}
-            out.append(ep.to_trajectory(f"{run.index}:{run.sample}", run.index, self.attrs["gamma"], meta))
+            traj = ep.to_trajectory(f"{run.index}:{run.sample}", run.index, self.attrs["gamma"], meta)
+            traj.correct = episode_correct(run.info, traj.reward, self.agent is not None)
+            out.append(traj)
         return out
 
     @property
@@ -291,6 +293,16 @@ class EpisodeRunner:
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume: in-flight turns continue under the new weights."""
         self.engine.update_weights(state_dict, version)
+
+
+def episode_correct(info: dict, episode_return: float, agent: bool) -> bool | None:
+    """An episode's ``Trajectory.correct``: an agent program's return > 0; else the env's
+    ``success`` (or ``resolved``) info, summed over its steps, > 0; None when the env reports
+    neither (its episodes are not judged)."""
+    if agent:
+        return episode_return > 0
+    value = info.get("success", info.get("resolved"))
+    return None if value is None else value > 0
 
 
 def _name(fn) -> str:
@@ -332,14 +344,16 @@ class RolloutExecutor(EpisodeRunner):
     def __init__(self, node, ctx) -> None:
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
-                         episode_context(node.attrs, ctx.folders[node.model]))
+                         episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME)
 
 
-def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int) -> list[Trajectory]:
+def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,
+                  failure_log: Path | None = None) -> list[Trajectory]:
     """Play one episode per row to the end (held-out evaluation); trajectories in row order
-    (failed episodes left out)."""
+    (failed episodes left out; ``failure_log`` as :class:`EpisodeRunner`'s)."""
     runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1}, SamplingParams(
-        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context)
+        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,
+        failure_log)
     finished: dict[int, list[Trajectory]] = {}
     try:
         for i, row in enumerate(rows):
