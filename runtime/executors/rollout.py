@@ -212,11 +212,12 @@ class EpisodeRunner:
                   f"group; later failures of this kind are only counted\n{detail}", file=sys.stderr)
 
     # -- the engine side (the replica's thread) --------------------------------------
-    def submit(self, index: int, attempt: int, row: dict) -> None:
-        """Start the ``n_samples`` episodes of row ``index`` (its ``attempt``-th row)."""
+    def submit(self, index: int, attempt: int, problem: dict) -> None:
+        """Start the ``n_samples`` episodes of dataset row ``problem``, the ``attempt``-th row of
+        prompt group ``index``."""
         runs = []
         for j in range(self.attrs["n_samples"]):
-            run = _Run(index, attempt, j, dict(row), Episode(self.tokenizer, self.chat))
+            run = _Run(index, attempt, j, dict(problem), Episode(self.tokenizer, self.chat))
             play = self._play if self.agent is None else self._play_agent
             threading.Thread(target=play, args=(run,), daemon=True, name=f"episode-{index}:{j}").start()
             runs.append(run)
@@ -287,6 +288,10 @@ class EpisodeRunner:
     def version(self) -> int:
         return self.engine.version
 
+    def occupancy(self) -> dict:
+        """Nothing: an engine step's turns are not counted here (``GenerateExecutor.occupancy`` is)."""
+        return {}
+
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume: in-flight turns continue under the new weights."""
         self.engine.update_weights(state_dict, version)
@@ -317,7 +322,8 @@ def episode_context(attrs: dict, folder: str | Path) -> int:
 
 
 class RolloutExecutor(EpisodeRunner):
-    """Grain ``stream`` executor of a ``rollout`` node on one generation replica.
+    """Grain ``stream`` executor of a ``rollout`` node on one generation replica (an
+    ``areal_flow.ops.interfaces.StreamExecutor``; it owns its engine, :meth:`close` closes it).
 
     Args:
         node: the plan's rollout node (``areal_flow.ops.rollout`` attributes, ``max_batch_size``)
@@ -332,6 +338,11 @@ class RolloutExecutor(EpisodeRunner):
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
                          episode_context(node.attrs, ctx.folders[node.model]))
+
+    def close(self) -> None:
+        """Stop the agent endpoint (if one started), then close the engine."""
+        super().close()
+        self.engine.close()
 
 
 def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int) -> list[Trajectory]:
