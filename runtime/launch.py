@@ -5,10 +5,10 @@ Owns :func:`run` and the local scheduler, :class:`LocalScheduler`: the workers' 
 What every scheduler shares is written once: around the workers (topology, run folder,
 models, held-out accuracy, summary) ``runtime.run_setup.RunSetup``; the attempt loop, the
 router's thread, restarts, which group is the trainer, metrics and the stop
-``runtime.driver.Driver``. The local scheduler starts
-every worker as an OS process joined by pyzmq ``ipc://`` channels: ``dp`` generation
-replicas and one process per other worker group (a multi-rank trainer spawns its ranks). A generation replica that dies is started again
-(``scheduler.max_restarts``; its groups are re-sent under their indices, and it resumes at
+``runtime.driver.Driver``. The local scheduler starts every worker as an OS process joined
+by pyzmq ``ipc://`` channels: ``dp`` generation replicas and one process per other worker
+group (a multi-rank trainer spawns its ranks). A generation replica that dies is started
+again (``scheduler.max_restarts``; its groups are re-sent under their indices, and it resumes at
 the trainer's version). A trainer (or other stage worker) that dies without reporting
 (killed, crashed) restarts the run's workers from the last complete checkpoint
 (``runtime.checkpoint``; same budget): the groups admitted after it are admitted again
