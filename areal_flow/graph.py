@@ -11,8 +11,8 @@ is trained at most k policy versions after the version that generated it.
 
 Validation (:meth:`Graph.validate`) raises one :class:`GraphError` per defect, naming
 the node, the port and the line of the graph file that created the node:
-unknown op, missing producer, port type mismatch, two ``train_step`` nodes updating
-one model, a cycle with neither a weight edge nor a staleness >= 1 in it (a deadlock:
+unknown op, missing producer, port type mismatch, two trainers (nodes of an op that
+``trains``, e.g. ``train_step``) updating one model, a cycle with neither a weight edge nor a staleness >= 1 in it (a deadlock:
 every node on it waits for the others), ``sync_weights`` whose target is not a
 ``generate`` of the same model; then the RL rules of ``areal_flow.graph_rules``: an
 algorithm, its advantage estimator and the critic/reference model they need must agree,
@@ -52,12 +52,15 @@ class PortSpec:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """The schema of a node kind: its input and output ports and whether it needs a model."""
+    """The schema of a node kind: its input and output ports, whether it needs a model and
+    whether it ``trains`` it (a node of it updates its model: the model's one trainer, whose
+    ``weights`` output ``sync_weights`` routes to the model's generator)."""
 
     name: str
     inputs: tuple[PortSpec, ...]
     outputs: tuple[PortSpec, ...]
     needs_model: bool = False
+    trains: bool = False
 
     def input(self, port: str) -> PortSpec | None:
         return next((p for p in self.inputs if p.name == port), None)
@@ -165,6 +168,16 @@ class Graph:
     def nodes_of(self, op: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.op == op]
 
+    def trainers(self) -> list[Node]:
+        """The nodes that update their model (their op ``trains``: ``train_step`` or a user op
+        registered with role ``training``), in trace order."""
+        return [n for n in self.nodes.values() if n.op in self.op_specs and self.op_specs[n.op].trains]
+
+    def data_producer(self, node: str) -> Node | None:
+        """The producer of ``node``'s data input when it has exactly one (a trainer's batch), else None."""
+        edges = [e for e in self.in_edges(node) if e.kind == DATA]
+        return self.nodes.get(edges[0].src) if len(edges) == 1 else None
+
     def generators(self) -> list[Node]:
         """The nodes that sample with a policy: those whose op takes a ``weights`` input
         (``generate``, ``rollout``), the targets of ``sync_weights``."""
@@ -240,11 +253,11 @@ class Graph:
 
     def _check_writers(self) -> None:
         writers: dict[str, Node] = {}
-        for node in self.nodes_of("train_step"):
+        for node in self.trainers():
             if node.model in writers:
                 raise GraphError(
                     f"{node.where()}: model '{node.model}' is already updated by {writers[node.model].where()}; "
-                    "one model has exactly one train_step"
+                    "one model has exactly one trainer (train_step)"
                 )
             writers[node.model] = node
             if not self.models[node.model].trainable:

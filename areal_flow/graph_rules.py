@@ -4,8 +4,8 @@ its warm start.
 Owns two groups of checks, run by :meth:`areal_flow.graph.Graph.validate` after the
 structural ones (ports, producers, cycles), so every node and edge here is known to exist:
 
-* **training** (:func:`training_defects`): each ``train_step``'s algorithm against the
-  ``advantage`` node that feeds it, using the torch-free ``algorithms.catalog``:
+* **training** (:func:`training_defects`): each trainer's algorithm (``train_step`` or a
+  user op that trains) against the ``advantage`` node that feeds it, using the torch-free ``algorithms.catalog``:
 
   - an algorithm that requires a critic (PPO) needs an advantage node with ``critic=``;
   - an estimator that reads critic values (GAE) needs ``critic=``;
@@ -16,7 +16,7 @@ structural ones (ports, producers, cycles), so every node and edge here is known
     silently dropped).
 
 * **weight channel** (:func:`weight_channel_defects`): a ``generate`` node that samples
-  from a model some ``train_step`` updates must receive its weights (one
+  from a model some trainer updates must receive its weights (one
   ``sync_weights``, else it samples with the initial weights forever and the staleness
   bound stalls admission), and from exactly one route.
 
@@ -52,10 +52,10 @@ def training_defects(graph: Graph) -> Iterator[str]:
         if has_critic and not estimator.gives_returns:
             yield (f"{adv.where()}: critic '{adv.model}' is trained on value targets, but estimator "
                    f"'{estimator.name}' gives no returns; use one of {_WITH_RETURNS}, or drop critic=")
-    for step in graph.nodes_of("train_step"):
+    for step in graph.trainers():
         algorithm = algorithm_info(step.attrs.get("algorithm"))
-        adv = graph.producer(step.name, "advantages")
-        if algorithm is None or adv.op != "advantage":
+        adv = graph.data_producer(step.name)
+        if algorithm is None or adv is None or adv.op != "advantage":
             continue  # unknown algorithms are refused while tracing; a wrong producer by the edge check
         estimator = adv.attrs.get("estimator")
         role = adv.attrs.get("model_role")
@@ -72,7 +72,7 @@ def training_defects(graph: Graph) -> Iterator[str]:
 
 def weight_channel_defects(graph: Graph) -> Iterator[str]:
     """Messages for a trained model's generator without weights, or with two weight routes."""
-    writers = {n.model: n for n in graph.nodes_of("train_step")}
+    writers = {n.model: n for n in graph.trainers()}
     for gen in graph.generators():
         routes = [e for e in graph.in_edges(gen.name) if e.dst_port == "weights"]
         step = writers.get(gen.model)

@@ -23,7 +23,8 @@ from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan,
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload, scalar_head_models
+from compiler.workload import (CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload, scalar_head_models,
+                              trainers)
 
 
 def _normalize(obj, cls):
@@ -122,14 +123,15 @@ def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:
 
 
 def _node_ir(graph, name: str) -> dict:
-    """The graph-side fields of a plan node: attrs, input ports, output ports, grain, source."""
+    """The graph-side fields of a plan node: attrs, input ports, output ports, grain, source and
+    its op's declarations for the runtime (``multi_turn``, ``max_attempts``)."""
     from areal_flow.ops.registry import lookup
 
     node = graph.nodes[name]
     op = lookup(node.op)
     inputs = {e.dst_port: [e.src, e.src_port] for e in graph.edges if e.dst == name and e.kind == "data"}
     return dict(attrs=encode_value(node.attrs), inputs=inputs, outputs=tuple(p.name for p in op.spec.outputs),
-                grain=op.grain, source=node.source)
+                grain=op.grain, source=node.source, multi_turn=op.multi_turn, max_attempts=op.max_attempts_of(node))
 
 
 def _models(graph) -> dict:
@@ -148,9 +150,10 @@ def _user_ops(graph) -> dict:
 
 
 def _edges(graph, batch_groups: int) -> tuple[DataEdge, ...]:
+    steps = {n.name for n in trainers(graph)}
     return tuple(
         DataEdge(e.src, e.dst, e.kind, e.max_staleness, e.src_port, e.dst_port,
-                 batch_groups if e.kind == "data" and graph.nodes[e.dst].op == "train_step" else None)
+                 batch_groups if e.kind == "data" and e.dst in steps else None)
         for e in graph.edges
     )
 

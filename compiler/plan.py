@@ -88,7 +88,8 @@ class NodePlan:
 
     Attributes:
         name / op / model: from the graph (model None for model-less nodes).
-        role: generation, training, inference or cpu.
+        role: generation, training, inference or cpu (its op's declared role; ``training``:
+            the node trains its model, :attr:`trains`).
         mesh: devices it runs on (for a cpu node: its host's mesh).
         strategy: compact strategy (``d4t2``); None for cpu nodes.
         placed_with: for a cpu node, the device node whose machine hosts it.
@@ -103,6 +104,9 @@ class NodePlan:
         grain: how the runtime drives it (``areal_flow.ops.registry``).
         source: ``file:line`` of the graph file that declared it.
         activation_checkpointing: recompute activations in the backward pass (training).
+        multi_turn: a generator whose rollouts are multi-turn episodes (its op's declaration).
+        max_attempts: a group node that may drop its group: prompts per batch slot it allows
+            (its op's declaration); None for a node that never drops one.
     """
 
     name: str
@@ -122,9 +126,16 @@ class NodePlan:
     grain: str = ""
     source: str = ""
     activation_checkpointing: bool = False
+    multi_turn: bool = False
+    max_attempts: int | None = None
 
     def where(self) -> str:
         return f"node '{self.name}' ({self.op}, {self.source})"
+
+    @property
+    def trains(self) -> bool:
+        """Whether it updates its model (role ``training``): the model's one trainer, a batch node."""
+        return self.role == "training"
 
     @property
     def memory_bytes(self) -> float:
@@ -244,7 +255,7 @@ class Plan:
     def staleness_bound(self) -> int:
         """k that runs: the smallest bound on the data edges into train_step nodes (the one source
         of k; ``max_staleness`` is what the compiler's time model assumed)."""
-        steps = {n.name for n in self.nodes if n.op == "train_step"}
+        steps = {n.name for n in self.nodes if n.trains}
         bounds = [e.max_staleness for e in self.edges if e.dst in steps and e.max_staleness is not None]
         return min(bounds) if bounds else self.max_staleness
 

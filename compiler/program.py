@@ -8,7 +8,7 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
-  every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
+  every trainer (``train_step``, or a user op with role ``training``) gets its optimizer (``train.lr``, ``weight_decay``,
   ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss
   overrides (``train.loss``), ``checkpoint_every`` and ``max_nonfinite_steps``; a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
@@ -35,6 +35,7 @@ import xxhash
 from areal_flow.config import (DatasetConfig, DebugConfig, EvalConfig, ExperimentConfig, LoggingConfig,
                                SchedulerConfig, WarmStartConfig)
 from areal_flow.graph import Graph
+from compiler.workload import trainers
 
 
 @dataclass
@@ -121,6 +122,7 @@ def config_values(run: dict, nodes) -> list[tuple[str, dict]]:
 
 def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
     """Write the config's per-node settings into the nodes' attributes (module doc)."""
+    steps = trainers(graph)
     for node in graph.nodes.values():
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
@@ -129,7 +131,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)
                 node.attrs.update(max_failure_fraction=cfg.reward.max_failure_fraction,
                                   failure_window=cfg.reward.failure_window)
-        elif node.op == "train_step":
+        elif node in steps:
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                               loss=dict(t.loss), checkpoint_every=t.checkpoint_every,

@@ -32,7 +32,7 @@ from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
 from compiler.step import Candidate, allocation_string, evaluate, same_machine, step_time
 from compiler.strategy import ParallelStrategy
-from compiler.workload import GENERATION, DeviceTask
+from compiler.workload import GENERATION, TRAINING, DeviceTask
 
 
 class _Search:
@@ -43,7 +43,7 @@ class _Search:
         self.train = [t for t in model.workload.tasks if t.role != GENERATION]
         self._best: dict = {}
         self._front: dict = {}
-        self.trainer_of = {t.model_name: t for t in self.train if t.op == "train_step"}
+        self.trainer_of = {t.model_name: t for t in self.train if t.role == TRAINING}
 
     def _strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
         pin = self.pins.get(task.node)

@@ -99,7 +99,7 @@ class _Run:
             raise SimulationError(f"plan {plan.id} has no generation node to simulate")
         self.gen = gens[0]
         self.train_nodes = [n for n in plan.nodes if n.role in ("training", "inference")]
-        self.sync_name = next((n.name for n in plan.nodes if n.op == "sync_weights"), "sync_weights")  # as runs name it
+        self.sync_name = next((n.name for n in plan.nodes if n.grain == "route"), "sync_weights")  # as runs name it
         spec = plan.models[self.gen.model]["spec"]
         links = Links(DeviceSpec(**plan.device), plan.cluster["n_gpus_per_node"], w["bandwidth_efficiency"])
         cost = decode_cost or DecodeCost.build(resolve_model(spec), self.gen.parallel, dtype=w["dtype"], mfu=w["mfu"],

@@ -111,6 +111,18 @@ def _role(node) -> str:
     return lookup(node.op).role_of(node)
 
 
+def trainers(graph) -> list:
+    """The nodes of ``graph`` whose op trains its model (declared in the op registry:
+    ``train_step``, a user op with role ``training``), in trace order.
+
+    Raises:
+        GraphError: a node of an unregistered op (naming the nearest one).
+    """
+    from areal_flow.ops.registry import lookup
+
+    return [n for n in graph.nodes.values() if lookup(n.op).spec.trains]
+
+
 def build_workload(graph, cfg: CompileConfig) -> Workload:
     """Read ``graph`` under ``cfg``.
 
@@ -138,7 +150,7 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
     aliases = {}
     if gens:
         aliases["gen"] = gens[0].name
-        policy_train = [n for n in graph.nodes.values() if n.op == "train_step" and n.model == gens[0].model]
+        policy_train = [n for n in trainers(graph) if n.model == gens[0].model]
         if policy_train:
             aliases["train"] = policy_train[0].name
     gen_attrs = gens[0].attrs if gens else {}
@@ -188,7 +200,7 @@ def _edge_staleness(graph, train: str | None) -> int:
             return int(e.max_staleness)
     bounds = [
         e.max_staleness for e in graph.edges
-        if e.max_staleness is not None and graph.nodes[e.dst].op == "train_step"
+        if e.max_staleness is not None and e.dst in {n.name for n in trainers(graph)}
     ]
     return min(bounds) if bounds else 1
 

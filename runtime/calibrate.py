@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_flow.config_compile import LengthDistConfig
+from areal_flow.ops.registry import ROUTE
 from compiler.decode import DecodeCost
 from compiler.lengths import LengthDist
 from compiler.plan import Plan
@@ -98,7 +99,8 @@ class Comparison:
 
 
 def _sync_name(plan: Plan) -> str:
-    return next((n.name for n in plan.nodes if n.op == "sync_weights"), "sync_weights")
+    """The route node (``sync_weights``) the replicas name their weight spans after."""
+    return next((n.name for n in plan.nodes if n.grain == ROUTE), "weights")
 
 
 def _loads(events: list[dict], sync: str) -> dict[int, int]:

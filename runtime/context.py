@@ -26,6 +26,8 @@ class WorkerContext:
         out_dir: the run folder.
         rank: this worker's index within its group (generation replica, trainer rank).
         models: loaded models, by name (filled by :meth:`model`).
+        rank_trainer: on rank 0 of a multi-rank trainer, the ranks' driver
+            (``runtime.parallel_trainer``); None on one process.
     """
 
     plan: Plan
@@ -34,6 +36,7 @@ class WorkerContext:
     rank: int = 0
     threads: int = 1
     models: dict = field(default_factory=dict)
+    rank_trainer: object = None
     _tokenizer: object = None
 
     @property

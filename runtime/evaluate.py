@@ -153,7 +153,7 @@ def start_of_run(plan, progress: bool = True) -> tuple[Path, object]:
     from areal_flow.tasks.catalog import build_task
     from runtime.model_source import prepare_models
 
-    source = next(n for n in plan.nodes if n.op == "dataset")
+    source = next(n for n in plan.nodes if n.grain == "source")
     name = source.attrs.get("name", "arithmetic")
     if name not in EVAL_TASKS:
         raise ValueError(f"task {name!r} is an env task: a run scores its episodes (held-out episode success rate); "

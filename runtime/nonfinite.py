@@ -1,7 +1,7 @@
 """Non-finite train steps: counted, their batch kept on disk, a run of them stops the run.
 
-Owns what a ``train_step`` node does after a step whose loss or gradient norm was NaN or
-inf. The optimizer step itself is skipped where the gradient is known, before the update
+Owns what a trainer node (``train_step``) does after a step whose loss or gradient norm was
+NaN or inf. The optimizer step itself is skipped where the gradient is known, before the update
 (``areal_flow.algorithms.base.BaseAlgorithm.update_parameters`` and ``critic_update``
 zero the gradients instead of stepping when the clipped global norm is not finite; a NaN
 or inf loss reaches every parameter it depends on through backward, so its gradient norm is
@@ -13,8 +13,8 @@ not finite either). This module, called once per step by the train_step executor
   ``nonfinite_steps``, which TensorBoard logs as ``train/nonfinite_steps``);
 * keeps the step's input on disk in the record format of ``runtime.record``
   (``<run>/nonfinite/<src>-<node>/meta.json`` and ``step_<n>.pt``, ``value`` = what the
-  node received on its ``advantages`` port), so the batch can be loaded and studied
-  offline (docs/DEBUGGING.md); batches kept earlier (a resumed run, a replay) stay;
+  node received on its one data input port, ``advantages`` for ``train_step``), so the
+  batch can be loaded and studied offline (docs/DEBUGGING.md); batches kept earlier (a resumed run, a replay) stay;
 * raises :class:`NonFiniteStepError` when ``train.max_nonfinite_steps`` steps in a row
   were non-finite (a finite step resets the count).
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from areal_flow.config import TrainConfig
 from areal_flow.values import Advantages
 from runtime.record import EdgeRecorder
+from runtime.topology import trainer_input
 
 NONFINITE_DIR = "nonfinite"
 KIND = "nonfinite_step"
@@ -51,12 +52,12 @@ def nonfinite_stats(stats: dict) -> dict[str, float]:
 
 @dataclass
 class NonFiniteGuard:
-    """One train_step node's watch over its steps (module doc).
+    """One trainer node's watch over its steps (module doc).
 
     Args:
-        node: the train_step node's name. src: the node feeding its ``advantages`` port.
+        node: the trainer node's name. src: the node feeding its data input ``port``.
         run_dir: the run folder. max_steps: non-finite steps in a row that stop the run
-            (``train.max_nonfinite_steps``, >= 1). seed / threads / folders: written to
+            (``train.max_nonfinite_steps``, >= 1). port: the node's one data input. seed / threads / folders: written to
             the record's ``meta.json`` as ``runtime.record`` does.
 
     Attributes:
@@ -69,6 +70,7 @@ class NonFiniteGuard:
     src: str
     run_dir: Path
     max_steps: int
+    port: str
     seed: int = 0
     threads: int = 1
     folders: dict = field(default_factory=dict)
@@ -79,10 +81,14 @@ class NonFiniteGuard:
 
     @classmethod
     def for_node(cls, node, ctx) -> "NonFiniteGuard":
-        """The guard of train_step ``node`` (its ``max_nonfinite_steps`` attribute, from
-        ``train.max_nonfinite_steps``) in the worker context ``ctx``."""
-        return cls(node.name, node.inputs["advantages"][0], ctx.out_dir,
-                   int(node.attrs.get("max_nonfinite_steps", TrainConfig.max_nonfinite_steps)), seed=ctx.seed,
+        """The guard of trainer ``node`` (its ``max_nonfinite_steps`` attribute, from
+        ``train.max_nonfinite_steps``) in the worker context ``ctx``.
+
+        Raises:
+            runtime.topology.TopologyError: the node has not exactly one data input."""
+        port = trainer_input(node)
+        return cls(node.name, node.inputs[port][0], ctx.out_dir,
+                   int(node.attrs.get("max_nonfinite_steps", TrainConfig.max_nonfinite_steps)), port, seed=ctx.seed,
                    threads=ctx.threads, folders={k: str(v) for k, v in ctx.folders.items()})
 
     def __post_init__(self) -> None:
@@ -99,9 +105,9 @@ class NonFiniteGuard:
 
         Args:
             step: the train step (0-based). stats: what the step returned (``loss``,
-                ``grad_norm``, ...). value: the node's ``advantages`` input (its
-                ``trajectories``' ``group_id`` is the admission index and ``meta["attempt"]``
-                the attempt, 1 when absent).
+                ``grad_norm``, ...). value: the node's data input (an
+                ``areal_flow.values.Advantages``: its ``trajectories``' ``group_id`` is the admission
+                index and ``meta["attempt"]`` the attempt, 1 when absent).
 
         Raises:
             NonFiniteStepError: this was the ``max_steps``-th non-finite step in a row.
@@ -125,7 +131,7 @@ class NonFiniteGuard:
 
     def _keep(self, step: int, value: Advantages) -> None:
         if self._recorder is None:
-            self._recorder = EdgeRecorder.start(self.run_dir, self.src, self.node, "advantages", threads=self.threads,
+            self._recorder = EdgeRecorder.start(self.run_dir, self.src, self.node, self.port, threads=self.threads,
                                                 seed=self.seed, folders=self.folders, root=NONFINITE_DIR)
         trajectories = list(value.trajectories)
         groups: dict[int, int] = {}

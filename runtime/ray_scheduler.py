@@ -1,14 +1,16 @@
 """The Ray scheduler: run a plan on a Ray cluster (``scheduler.type=ray``).
 
-Owns the run's lifecycle on Ray: connect (``runtime.ray_cluster``), check the cluster
+Owns the run's lifecycle on Ray and :class:`RayScheduler`, the ``ray``
+:class:`runtime.driver.Scheduler`: connect (``runtime.ray_cluster``), check the cluster
 against the plan before any model is touched, make one placement group per device mesh,
 start one actor (``runtime.ray_workers.WorkerActor``) per generation replica and per other
 worker group of the plan's topology (``runtime.topology``) in its mesh's group — the same
 worker code as the local scheduler (``runtime.workers``), a multi-rank trainer spawning its
-ranks inside its actor on the mesh's resources — run the router on the driver, show
-progress, and leave no actor or placement group
-behind, also on Ctrl-C. What happens before and after the workers (plan.json, warm start,
-held-out accuracy, summary) is :class:`runtime.run_setup.RunSetup`, shared with ``local``.
+ranks inside its actor on the mesh's resources — and leave no actor or placement group
+behind, also on Ctrl-C. What the schedulers share is written once: what happens before and
+after the workers (plan.json, warm start, held-out accuracy, summary) in
+:class:`runtime.run_setup.RunSetup`; the attempt loop, the router (on the driver), restarts,
+which group is the trainer, progress and the stop in :class:`runtime.driver.Driver`.
 
 Co-located groups (``|``) share their mesh's bundle on Ray but do not take turns (the local
 scheduler's lock is a process lock); the plan's time-sharing is then only approximate.
@@ -19,8 +21,8 @@ checks, versioned and checksummed weight buckets) are the channels', and the dri
 out of the data path except for the router's small messages and per-step metrics.
 
 Fault tolerance, within ``scheduler.max_restarts`` in all (``runtime.restarts``, shared
-with the local scheduler): Ray restarts a dead generation replica in its bundle; the driver
-reruns it on the same addresses, waiting for the trainer's current version (which the
+with the local scheduler): Ray restarts a dead generation replica in its bundle (the
+scheduler waits for it, :meth:`RayScheduler.revive`); the driver reruns it on the same addresses, waiting for the trainer's current version (which the
 trainer republishes on a ``resync`` message), and the router sends it again every group it
 held, under the same indices; a group delivered twice is dropped by the trainer. When the
 trainer's actor (or another stage worker's) dies, the driver kills every actor of the
@@ -33,9 +35,7 @@ reads (``ray.util.queue.Queue``), which outlives a dead trainer.
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from dataclasses import replace
 from types import SimpleNamespace
 
 import cloudpickle
@@ -48,11 +48,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
-from runtime.metrics import RunLogger
-from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
+from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd
+from runtime.restarts import WorkerFailed
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
+from runtime.topology import WorkerGroup
+from runtime.workers import WorkerSpec
 
 NAMESPACE = "areal_flow"
 POLL_S = 0.5
@@ -86,13 +88,13 @@ def run_on_ray(setup: RunSetup) -> dict:
     share_pickle_by_value()
     cfg = _settings(setup.plan)
     connection = connect(cfg)
-    run = _RayRun(setup, cfg)
+    scheduler = RayScheduler(setup, cfg, connection.address or "local")
     try:
-        run.place(plan_nodes(cfg))
+        scheduler.place(plan_nodes(cfg))
         setup.prepare()
-        return run.execute(connection)
+        return Driver(setup, scheduler).execute()
     finally:
-        run.cleanup()
+        scheduler.release()
         connection.close()
 
 
@@ -114,14 +116,21 @@ def _exit_cause(exc: RayActorError) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class _RayRun:
-    def __init__(self, setup: RunSetup, cfg) -> None:
-        self.setup, self.cfg = setup, cfg
+class RayScheduler:
+    """The ``ray`` :class:`runtime.driver.Scheduler`: one actor per worker in its mesh's
+    placement group (generation replicas restartable by Ray, within the restart budget),
+    pyzmq TCP channels between the actors' nodes, step metrics through a queue actor that
+    outlives a dead trainer, a death noticed as Ray's ``RayActorError``."""
+
+    restart_how = "Ray restarts it"
+
+    def __init__(self, setup: RunSetup, cfg, address: str = "local") -> None:
+        self.setup, self.cfg, self.address = setup, cfg, address
         self.resource = device_resource(cfg)
         self.pgs: dict = {}
         self.actors: dict[str, object] = {}
+        self.pending: dict = {}  # object ref of a worker's run -> its name
         self.placement: dict = {}
-        self.restarts = Restarts.for_run(setup)
         self.sink: Queue | None = None
 
     def place(self, nodes: list[str]) -> None:
@@ -145,40 +154,23 @@ class _RayRun:
                 amount if self.resource == "GPU" else {self.resource: amount})
         return ray.remote(WorkerActor).options(**opts).remote()
 
-    def execute(self, connection) -> dict:
-        setup = self.setup
-        self.sink = Queue(actor_options={"num_cpus": 0})  # outside the placement groups: it holds no device
-        try:
-            logger, workers = run_attempts(setup, self.restarts, self._attempt)
-        finally:
-            setup.merge_trace()
-        placement = self.placement
-        self.cleanup()  # free the cluster before the held-out evaluation
-        last = latest_checkpoint(setup.out_dir)
-        return setup.finish(logger, workers, restarts=self.restarts.block(workers),
-                            ray={"address": connection.address or "local", "placement": placement,
-                                 "last_checkpoint": str(last.folder) if last else None})
-
     def _start_actors(self) -> None:
         """One actor per worker of the topology in its mesh's placement group (generation
         replicas restartable by Ray); the mesh's devices are split evenly among its actors."""
         topo, sharing = self.setup.topo, {}
+        limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
         for g in topo.groups.values():
             sharing[g.mesh] = sharing.get(g.mesh, 0) + g.replicas
         for g in topo.groups.values():
             for r in range(g.replicas):
-                restarts = self.restarts.limit if g.kind == "generation" else 0
+                restarts = limit if g.kind == "generation" else 0
                 self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
 
-    def _attempt(self, logger: RunLogger) -> dict:
-        """Start every actor (its worker from :attr:`RunSetup.checkpoint` when set), run to the
-        end, return the workers' reports (``runtime.restarts.run_attempts`` calls it again
-        after a trainer's death, once this attempt's actors are gone).
-
-        Raises:
-            StageDied: the trainer's (or another stage worker's) actor died.
-        """
-        setup, topo = self.setup, self.setup.topo
+    def addresses(self) -> tuple[dict[str, list[str]], str, int]:
+        """Start the attempt's actors (and, once, the metrics queue); their channel endpoints."""
+        topo = self.setup.topo
+        if self.sink is None:
+            self.sink = Queue(actor_options={"num_cpus": 0})  # outside the placement groups: it holds no device
         self._start_actors()
         host = self._bind_host()
         addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote(host)) for r in range(g.replicas)]
@@ -186,100 +178,70 @@ class _RayRun:
         gen = topo.generation
         addresses["weights"] = [ray.get(self.actors[f"{gen.name}/{r}"].endpoint.remote(host))
                                 for r in range(gen.replicas)]
-        control = free_tcp_endpoint(host)
-        threads = int(setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
-        specs = setup.specs(addresses, control, threads=threads)
-        router = setup.router(addresses[gen.name], control)
-        stop = threading.Event()
-        router_thread = threading.Thread(target=router.run, args=(stop,), daemon=True)
-        router_thread.start()
-        try:
-            workers = self._drive(specs, logger, router)
-        except BaseException as exc:
-            if isinstance(exc, (StageDied, KeyboardInterrupt)):  # gone (names free) before the next attempt, and
-                self._stop_actors(wait=True)  # after Ctrl-C no checkpoint follows the one it names
-            self._pull(logger)  # the steps the trainer reported before (the checkpoint's included)
-            raise
-        finally:
-            stop.set()
-            router_thread.join(timeout=10)
-        self.placement = {name: {**ray.get(a.where.remote()), "mesh": topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
-                          for name, a in self.actors.items()}
-        workers["router"] = {"dispatched": router.dispatched, "resampled": router.resampled,
-                             "redispatched": router.redispatched, "replica_restarts": self.restarts.replicas,
-                             "rejected_messages": router.rejected}
-        return workers
+        threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
+        return addresses, free_tcp_endpoint(host), threads
 
     def _bind_host(self) -> str:
         """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
-        (its node's IP is the driver's: raylets sharing one machine qualify).
+        (its node's IP is the driver's: raylets sharing one machine qualify). Notes where each
+        actor runs (the summary's ``placement``).
 
         Raises:
             ClusterMismatchError: actors on other machines with channels bound to loopback.
         """
         host = getattr(self.cfg.scheduler, "bind_host", "")
         here = ray.util.get_node_ip_address()
-        away = sorted({w["ip"] for w in ray.get([a.where.remote() for a in self.actors.values()]) if w["ip"] != here})
+        where = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors.values()])))
+        self.placement = {name: {**w, "mesh": self.setup.topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
+                          for name, w in where.items()}
+        away = sorted({w["ip"] for w in where.values() if w["ip"] != here})
         if not host and away:
             raise ClusterMismatchError(f"workers placed on other nodes ({', '.join(away)}) cannot reach channels bound "
                                        "to loopback: set scheduler.bind_host=node (or an interface's IP)")
         return host
 
-    def _drive(self, specs, logger: RunLogger, router) -> dict:
-        topo = self.setup.topo
-        by_name = {f"{s.group}/{s.rank}": s for s in specs}
-        trainer = next(n for n, s in by_name.items() if topo.groups[s.group].batch_nodes)
-        pending = {self.actors[n].run.remote(s, topo.groups[s.group].kind == "generation", self.sink): n
-                   for n, s in by_name.items()}
-        results: dict = {}
-        while trainer not in results:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            self._pull(logger)
-            for ref in ready:
-                name = pending.pop(ref)
-                try:
-                    results[name] = ray.get(ref)
-                except RayTaskError as exc:
-                    raise WorkerFailed(f"{name} failed:\n{exc}") from None
-                except RayActorError as exc:
-                    spec = by_name[name]
-                    if topo.groups[spec.group].kind != "generation":
-                        admission = router.admission
-                        raise StageDied(name, _exit_cause(exc), admission.accepted + admission.running) from None
-                    spec = by_name[name] = self._restart(name, spec, router, by_name[trainer].inbox, exc)
-                    pending[self.actors[name].run.remote(spec, True)] = name
-        self._pull(logger)
-        return results
+    def start(self, spec: WorkerSpec, group: WorkerGroup) -> None:
+        name = f"{spec.group}/{spec.rank}"
+        generation = group.kind == "generation"
+        self.pending[self.actors[name].run.remote(spec, generation, None if generation else self.sink)] = name
 
-    def _restart(self, name: str, spec, router, trainer_inbox: str, exc: RayActorError):
-        """Count the restart (``runtime.restarts``), wait for Ray to bring the replica back;
-        its spec with the version to resume at.
+    def wait(self, timeout_s: float) -> list[WorkerEnd]:
+        if not self.pending:
+            return []
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout_s)
+        ended = []
+        for ref in ready:
+            name = self.pending.pop(ref)
+            try:
+                ended.append(WorkerEnd(name, OK, ray.get(ref)))
+            except RayTaskError as exc:
+                ended.append(WorkerEnd(name, ERROR, str(exc)))
+            except RayActorError as exc:
+                ended.append(WorkerEnd(name, DIED, _exit_cause(exc)))
+        return ended
+
+    def metrics(self) -> list[dict]:
+        waiting = self.sink.qsize()
+        return self.sink.get_nowait_batch(waiting) if waiting else []
+
+    def revive(self, name: str, cause: str) -> None:
+        """Wait for Ray to bring replica ``name`` back (its calls fail until Ray marks the actor
+        restarting; then they wait for it).
 
         Raises:
-            WorkerFailed: the restarts are used up, or the actor is not back within
-                ``RESTART_TIMEOUT_S`` seconds.
+            WorkerFailed: the actor is not back within ``RESTART_TIMEOUT_S`` seconds.
         """
-        version = router.versions.get(spec.rank, 0)
-        self.restarts.replica(name, _exit_cause(exc), version, how="Ray restarts it")
         deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:  # calls fail until Ray marks the actor restarting; then they wait for it
+        while True:
             try:
                 ray.get(self.actors[name].where.remote(), timeout=RESTART_TIMEOUT_S)
-                break
+                return
             except (RayActorError, GetTimeoutError):
                 if time.monotonic() > deadline:
-                    raise WorkerFailed(f"{name} did not come back within {RESTART_TIMEOUT_S:g} s: {exc}") from None
+                    raise WorkerFailed(f"{name} did not come back within {RESTART_TIMEOUT_S:g} s: {cause}") from None
                 time.sleep(POLL_S)
-        router.replace_replica(spec.rank, spec.inbox)
-        return replace(spec, resume_version=version, resync=trainer_inbox)
 
-    def _pull(self, logger: RunLogger) -> None:
-        """Log every step's metrics waiting in the sink."""
-        waiting = self.sink.qsize()
-        for metrics in self.sink.get_nowait_batch(waiting) if waiting else []:
-            logger.log_step(metrics)
-
-    def _stop_actors(self, wait: bool = False) -> None:
+    def stop(self, wait: bool) -> None:
         """Kill this attempt's actors (idempotent); with ``wait``, until Ray has them dead
         (their names free for the next attempt's).
 
@@ -302,11 +264,12 @@ class _RayRun:
                     raise WorkerFailed(f"actor {self.cfg.name}/{name} still alive {RESTART_TIMEOUT_S:g} s "
                                        "after ray.kill")
                 time.sleep(POLL_S / 5)
-        self.actors = {}
+        self.actors, self.pending = {}, {}
 
-    def cleanup(self) -> None:
-        """Kill the actors and the metrics sink, remove the placement groups (idempotent)."""
-        self._stop_actors()
+    def release(self) -> dict:
+        """Kill the actors and the metrics queue, remove the placement groups (idempotent);
+        the summary's ``ray`` block: address, where each actor ran, the last checkpoint."""
+        self.stop(wait=False)
         if self.sink is not None:
             self.sink.shutdown(force=True)
             self.sink = None
@@ -316,3 +279,6 @@ class _RayRun:
             except Exception:  # already removed
                 pass
         self.pgs = {}
+        last = latest_checkpoint(self.setup.out_dir)
+        return {"ray": {"address": self.address, "placement": self.placement,
+                        "last_checkpoint": str(last.folder) if last else None}}

@@ -116,7 +116,7 @@ def replay(run_dir: Path | str, edge: str, until: int | None = None) -> ReplayRe
             inputs = {port: values[f"{s}.{p}"] for port, (s, p) in node.inputs.items()}
             result = executors[node.name].run(inputs, {"step": step, "publish": False, "indices": record["indices"]})
             values.update({f"{node.name}.{port}": v for port, v in result.items()})
-            if node.op == "train_step":
+            if node.trains:
                 replayed = state_digest(executors[node.name].current_state())
                 checks.append(StepCheck(step, node.name, digests.get((step, node.name), "missing"), replayed,
                                         {k: float(v) for k, v in result["stats"].metrics.items()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_flow.ops.registry import TRAINING
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
@@ -176,7 +177,7 @@ class RunSetup:
             return
         gen = self.topo.generate
         folder = self.folders[gen.model]
-        if gen.op == "rollout":
+        if gen.multi_turn:
             from compiler.plan import decode_value
             from runtime.executors.rollout import episode_context
 
@@ -201,8 +202,8 @@ class RunSetup:
         gen = self.topo.generate
         temperature = float(self.plan.run["eval"].get("temperature", 0.0))
         sampled = f"sampled at temperature {temperature:g}" if temperature else "greedy"
-        self.extra["eval_kind"] = f"episode success rate ({sampled})" if gen.op == "rollout" else "greedy accuracy"
-        if gen.op == "rollout":
+        self.extra["eval_kind"] = f"episode success rate ({sampled})" if gen.multi_turn else "greedy accuracy"
+        if gen.multi_turn:
             from compiler.plan import decode_value
             from runtime.evaluate import evaluate_episodes
             from runtime.executors.rollout import episode_context
@@ -229,7 +230,7 @@ class RunSetup:
         n = self.topo.steps * self.topo.batch_groups
         seed = self.plan.run["seed"]
         problems = self.task.train_problems(n, seed=seed + 1)
-        filters = [n_.attrs.get("max_attempts", 1) for n_ in self.plan.nodes if n_.op == "filter"]
+        filters = [n_.max_attempts for n_ in self.plan.nodes if n_.max_attempts is not None]  # nodes that drop groups
         chunk = n * max(max(filters, default=2) - 1, 1)
         trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
         return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
@@ -249,7 +250,7 @@ class RunSetup:
         specs = []
         common = dict(plan=self.plan, folders=self.folders, out_dir=str(self.out_dir), control=control,
                       threads=threads, secret=self.secret)
-        trainer = next(addresses[g.name][0] for g in self.topo.groups.values() if g.batch_nodes)
+        trainer = addresses[self.topo.trainer.name][0]
         version = self.checkpoint.version if self.checkpoint else 0
         for g in self.topo.groups.values():
             downstream = {d: addresses[d][0] for d in g.downstream}
@@ -312,7 +313,7 @@ def _program(data: dict, ignored_run: tuple[str, ...], placement: bool) -> dict:
     kept = {k: v for k, v in kept.items() if k not in PLACEMENT}
     kept["cluster"] = {k: v for k, v in data.get("cluster", {}).items() if k not in ("n_gpus_per_node", "n_nodes")}
     kept["nodes"] = [{k: v for k, v in n.items() if k not in NODE_PLACEMENT and
-                      not (k == "strategy" and n.get("op") == "train_step")} for n in data.get("nodes", [])]
+                      not (k == "strategy" and n.get("role") == TRAINING)} for n in data.get("nodes", [])]
     kept["routes"] = [{k: v for k, v in r.items() if k in ("src", "dst", "replicas")} for r in data.get("routes", [])]
     return kept
 
@@ -324,7 +325,7 @@ def _reshards(before: dict, now: dict, written: dict[str, str]) -> list[str]:
     from compiler.strategy import ParallelStrategy
 
     def strategies(data: dict) -> dict[str, str]:
-        return {n["name"]: n["strategy"] for n in data.get("nodes", []) if n.get("op") == "train_step"
+        return {n["name"]: n["strategy"] for n in data.get("nodes", []) if n.get("role") == TRAINING
                 and n.get("strategy")}
 
     then, later = {**strategies(before), **written}, strategies(now)

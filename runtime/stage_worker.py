@@ -41,6 +41,7 @@ from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
 from runtime.record import EdgeRecorder, check_edges
 from runtime.staleness import OrderedExperienceBuffer
+from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.weights import WeightPublisher
 from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
@@ -59,8 +60,7 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
         from runtime.parallel_trainer import run_ranks
 
         ctx = worker_context(spec)
-        policy = next(n for n in group.nodes if ctx.node(n).op == "train_step" and ctx.node(n).model ==
-                      ctx.policy_name())
+        policy = next(n for n in group.nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
         try:
             return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
@@ -134,7 +134,7 @@ class _Stage:
         """Publish the current policy version to a restarted replica's weight ``address``
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
-            if node.op == "train_step" and node.name in self.spec.routes and self.version > 0:
+            if node.trains and node.name in self.spec.routes and self.version > 0:
                 publisher = WeightPublisher(address, secret=self.spec.secret, linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
@@ -162,7 +162,7 @@ class _Stage:
         items: dict[int, GroupItem] = {}
         publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
-                                if self.ctx.node(n).op == "train_step"), default=0)
+                                if self.ctx.node(n).trains), default=0)
         (out / "trajectories").mkdir(parents=True, exist_ok=True)
         try:
             with (out / "trajectories" / "trajectories.jsonl").open("a" if start else "w") as log:
@@ -202,7 +202,7 @@ class _Stage:
                         metrics["eval/accuracy"] = self._held_out_accuracy()
                     if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
                         memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes
-                                                                    if n.op == "train_step"],
+                                                                    if n.trains],
                                        cuda=self.ctx.plan.device_type == "cuda")
                     if self.report is not None:
                         self.report(metrics)
@@ -227,17 +227,17 @@ class _Stage:
             task = build_task(self.topo.dataset.attrs, plan.run["seed"])
             self._eval = (task, task.test_set(plan.run["eval"]["n_test"]))
         task, problems = self._eval
-        node = next(n for n in self.batch_nodes if n.op == "train_step" and n.model == self.ctx.policy_name())
-        executor = self.executors[node.name]
-        model, _ = load_pretrained(executor.settings.model_folder)
+        node = next(n for n in self.batch_nodes if n.trains and n.model == self.ctx.policy_name())
+        executor, folder = self.executors[node.name], self.ctx.folders[node.model]
+        model, _ = load_pretrained(folder)
         model.load_state_dict(executor.current_state())
         gen = self.ctx.generator()
-        if gen.op == "rollout":
+        if gen.multi_turn:
             from runtime.evaluate import evaluate_episodes
             from runtime.executors.episode_failures import LOG_NAME
             from runtime.executors.rollout import episode_context
 
-            limit = episode_context(gen.attrs, executor.settings.model_folder)
+            limit = episode_context(gen.attrs, folder)
             return evaluate_episodes(model, self.ctx.tokenizer, gen.attrs, problems, max_context=limit,
                                      temperature=float(plan.run["eval"].get("temperature", 0.0)),
                                      failure_log=self.ctx.out_dir / LOG_NAME)["accuracy"]
@@ -258,7 +258,7 @@ class _Stage:
             for port, (src, src_port) in node.inputs.items():
                 key = f"{src}.{src_port}"
                 inputs[port] = values[key] if key in values else [it.values[key] for it in batch_items]
-            is_step = node.op == "train_step"
+            is_step = node.trains
             info = {"step": step, "publish": is_step and (publish and node.name in publishers or checkpoint),
                     "trace": self.trace, "indices": indices, "samples": samples}
             for record in self.records:
@@ -271,7 +271,7 @@ class _Stage:
             values.update({f"{node.name}.{port}": v for port, v in result.items()})
             if is_step:
                 stats.update(result["stats"].metrics)
-                advantage, weights = inputs["advantages"], result["weights"].state
+                advantage, weights = inputs[trainer_input(node)], result["weights"].state
                 self._digest(step, node, weights)
                 if publish and node.name in publishers:
                     publisher, sent, started = publishers[node.name], publishers[node.name].published_bytes, \
@@ -309,7 +309,7 @@ class _Stage:
     def _write_checkpoint(self, version: int, root: Path) -> None:
         """``root/version_<version>``: every trained model, its optimizer, the RNGs, the
         admission cursor (``runtime.checkpoint``), written atomically."""
-        nodes = [n for n in self.batch_nodes if n.op == "train_step"]
+        nodes = [n for n in self.batch_nodes if n.trains]
         policy = self.ctx.policy_name()
 
         def fill(folder: Path) -> None:
@@ -331,7 +331,7 @@ class _Stage:
         folder = Path(self.spec.resume)
         state = read_state(folder)
         for node in self.batch_nodes:
-            if node.op == "train_step":
+            if node.trains:
                 self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),
                                                           state["optimizers"][node.name],
                                                           state.get("world_sizes", {}).get(node.name, 1))
@@ -340,7 +340,7 @@ class _Stage:
 
     def _save_final(self, folder: Path) -> None:
         for node in self.batch_nodes:
-            if node.op == "train_step":
+            if node.trains:
                 ex = self.executors[node.name]
                 path = folder if node.model == self.ctx.policy_name() else folder.parent / node.model
                 ex.save(path, ex.final_state())

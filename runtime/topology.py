@@ -13,7 +13,11 @@ group is one device node's mesh with the CPU-light nodes placed with it (``place
 
 The ``dataset`` source runs on the router. Edges inside a group are calls; edges between
 groups are experience channels; ``sync_weights`` edges become weight routes from a
-``train_step`` to every replica of its generate node.
+trainer (a node whose role is ``training``: ``train_step``, or a user op that trains) to
+every replica of its generate node. Which group is *the trainer* (whose step loop paces the
+run, whose end ends it, which republishes weights to a restarted replica) is one rule,
+:attr:`Topology.trainer`, for every scheduler. Nothing here reads an op's name: what a node
+is comes from its declared grain, role and ports (``areal_flow.ops.registry``).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class Topology:
     Attributes:
         groups: by name, generation group first.
         generate / dataset: the nodes the router and replicas run.
-        train_steps: every train_step node; ``routes``: (train_step, generate) weight routes.
+        train_steps: every node that trains its model (role ``training``); ``routes``:
+            (trainer, generate) weight routes.
         batch_groups / max_staleness / steps: B, k (smallest over the train_step edges) and steps.
         notes: what the runtime does differently from the plan's letter, printed at start.
     """
@@ -83,6 +88,15 @@ class Topology:
     def generation(self) -> WorkerGroup:
         return self.groups[self.generate.name]
 
+    @property
+    def trainer(self) -> WorkerGroup:
+        """*The* trainer, for every scheduler: the group hosting the node that trains the
+        generator's model (its weights reach the replicas); when no node trains it, the first
+        group (data order) that hosts batch nodes. Its worker's end ends the run."""
+        policy = next((n.name for n in self.train_steps if n.model == self.generate.model), None)
+        return next((g for g in self.groups.values() if policy in g.nodes), None) or \
+            next(g for g in self.groups.values() if g.batch_nodes)
+
 
 def _host(plan: Plan, node: NodePlan) -> str:
     return node.name if node.strategy is not None else node.placed_with
@@ -94,8 +108,8 @@ def build_topology(plan: Plan) -> Topology:
     Raises:
         TopologyError: not exactly one dataset and one generate node; a generation
             strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a train_step without a data edge bound (k, B); a group node whose
-            input comes from a later group; no train_step.
+            processes; a trainer without exactly one data input, or without a data edge bound
+            (k, B); a group node whose input comes from a later group; no trainer.
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -121,13 +135,13 @@ def build_topology(plan: Plan) -> Topology:
         kind = GENERATION if host.grain == STREAM else "stage"
         key = host.name if kind == GENERATION else meshes.setdefault(host.mesh, host.name)
         group = groups.setdefault(key, WorkerGroup(key, kind, [], host.parallel, host.mesh))
-        if node.op == "train_step" and node.model == gen.model:
+        if node.trains and node.model == gen.model:
             group.strategy = node.parallel  # the policy trainer's ranks decide the group's processes
         group.nodes.append(node.name)
         if node.grain == BATCH:
             group.batch_nodes.append(node.name)
-    for key, g in list(groups.items()):  # a trainer's group is named after its (first) train_step
-        step = next((n for n in g.nodes if plan.node(n).op == "train_step"), None)
+    for key, g in list(groups.items()):  # a trainer's group is named after its (first) trainer node
+        step = next((n for n in g.nodes if plan.node(n).trains), None)
         if step is not None and step != key:
             g.name = step
             groups[step] = groups.pop(key)
@@ -146,16 +160,18 @@ def build_topology(plan: Plan) -> Topology:
                     groups[group_of[src]].downstream.append(g.name)
             if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
                 notes.extend(_check_multi_rank(plan, node))
-    steps = [n for n in plan.nodes if n.op == "train_step"]
+    steps = [n for n in plan.nodes if n.trains]
     if not steps:
-        raise TopologyError(f"plan {plan.id}: no train_step node")
+        raise TopologyError(f"plan {plan.id}: no node trains a model (train_step)")
+    for node in steps:
+        trainer_input(node)
     bounds = [e for e in plan.edges if e.dst in {n.name for n in steps} and e.kind == "data"]
     missing = [n.name for n in steps if not any(e.dst == n.name and e.batch_groups for e in bounds)]
     if missing:
         raise TopologyError(f"plan {plan.id}: train_step '{missing[0]}' has no data edge with k and B (re-compile "
                             "the plan)")
     routes = [(e.src, _route_target(plan, e.dst)) for e in plan.edges if e.kind == "weights" and
-              plan.node(e.src).op == "train_step"]
+              plan.node(e.src).trains]
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
                     batch_groups=bounds[0].batch_groups, max_staleness=min(e.max_staleness or 0 for e in bounds),
                     steps=int(plan.run["steps"]), notes=notes)
@@ -179,13 +195,26 @@ def _check_ops(plan: Plan) -> None:
             raise TopologyError(f"{node.where()}: input port(s) {', '.join(missing)} of op '{node.op}' are not wired")
 
 
+def trainer_input(node: NodePlan) -> str:
+    """The input port on which trainer ``node`` takes its step's batch: its one data input,
+    whatever its op calls it (``advantages`` for ``train_step``).
+
+    Raises:
+        TopologyError: it has not exactly one (naming the node and its ports).
+    """
+    if len(node.inputs) != 1:
+        raise TopologyError(f"{node.where()}: a node that trains its model takes its step's batch on one data input; "
+                            f"it has {len(node.inputs)} ({', '.join(node.inputs) or 'none'})")
+    return next(iter(node.inputs))
+
+
 def _route_target(plan: Plan, sync_node: str) -> str:
     return next(e.dst for e in plan.edges if e.src == sync_node and e.kind == "weights")
 
 
 def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
     """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic."""
-    if node.op != "train_step":
+    if not node.trains:
         return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
                 "the plan)"]
     if plan.models[node.model]["head"] != "lm":

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from areal_flow.ops.function import FunctionExecutor
-from areal_flow.ops.registry import lookup
+from areal_flow.ops.interfaces import Executor, StreamExecutor
+from areal_flow.ops.registry import STREAM, lookup
 from compiler.plan import Plan, decode_value
 from runtime.plan_ops import register_plan_ops
 from runtime.channels import MessageReceiver, MessageSender, wait_any
@@ -97,7 +98,9 @@ def worker_context(spec: WorkerSpec) -> WorkerContext:
     return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank, threads=spec.threads)
 
 
-def make_executor(node, ctx: WorkerContext):
+def make_executor(node, ctx: WorkerContext) -> Executor | StreamExecutor:
+    """The executor of plan node ``node`` in this worker (``areal_flow.ops.interfaces``): its
+    op's executor class built as ``cls(node, ctx)``, or a user op's function wrapped."""
     impl = lookup(node.op).load_executor()
     return impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
 
@@ -108,9 +111,9 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     (``|`` in the allocation)."""
     ctx = worker_context(spec)
     nodes = [ctx.node(n) for n in worker_group(spec).nodes]
-    gen = make_executor(next(n for n in nodes if n.grain == "stream"), ctx)
+    gen = make_executor(next(n for n in nodes if n.grain == STREAM), ctx)
     precision = engine_precision(spec, gen)
-    local = [n for n in nodes if n.grain != "stream"]
+    local = [n for n in nodes if n.grain != STREAM]
     executors = {n.name: make_executor(n, ctx) for n in local}
     key = spec.secret
     inbox, control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
@@ -163,7 +166,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 finished = gen.step()
             trace.complete(gen.node.name, "engine", started, now_us(), step=engine_steps, version=gen.version,
                            finished=[index for index, _, _ in finished],
-                           **(gen.occupancy() if hasattr(gen, "occupancy") else {}))
+                           **gen.occupancy())
             engine_steps += 1
             for index, attempt, trajectories in finished:
                 item = GroupItem(index, attempt, {f"{gen.node.name}.rollouts": trajectories})
@@ -181,35 +184,30 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
         inbox.close()
         weights.close()
         trace.close()
-        if hasattr(gen, "close"):  # e.g. a rollout's agent endpoint
-            gen.close()
-    errors = {"episode_errors": dict(gen.failures.counts)} if hasattr(gen, "failures") else {}  # a rollout's
-    return {**counts, **getattr(gen, "counts", {}), **errors, **precision, "final_version": gen.version,
+        gen.close()  # its engine, a rollout's agent endpoint
+    return {**counts, **gen.report(), **precision, "final_version": gen.version,
             "weights_late_versions": weights.late_versions, "rejected_messages": inbox.rejected + weights.rejected,
             **failure_counts(executors)}
 
 
-def engine_precision(spec: WorkerSpec, gen) -> dict:
-    """Say on stderr which dtype replica ``spec.rank``'s embedded engine decodes in: for
-    ``gen.dtype=auto`` the choice and its measured decode-step speedup
-    (``runtime.engines.precision``); and warn when it is not float32 while a train_step's
+def engine_precision(spec: WorkerSpec, gen: StreamExecutor) -> dict:
+    """Say on stderr which dtype replica ``spec.rank``'s engine decodes in: for the embedded
+    engine's ``gen.dtype=auto`` the choice and its measured decode-step speedup
+    (``runtime.engines.precision``); and warn when it is not float32 while a trainer's
     ``train.loss.use_decoupled_loss`` is false (the behavior log-probs are then the PPO
     reference: docs/PERFORMANCE.md). Returns ``engine_dtype`` (and ``engine_dtype_speedup``,
-    fp32 seconds / 16-bit seconds of one decode step) for the replica's summary, or ``{}``
-    for an engine without one (vLLM)."""
-    engine = getattr(gen, "engine", None)
-    dtype = getattr(engine, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        return {}
+    fp32 seconds / 16-bit seconds of one decode step) for the replica's summary."""
+    engine = gen.engine
+    dtype = engine.dtype
     name, where = str(dtype).removeprefix("torch."), f"generate '{gen.node.name}' replica {spec.rank}"
     out = {"engine_dtype": name}
-    speedup = getattr(engine, "dtype_speedup", None)
+    speedup = engine.dtype_speedup
     if speedup is not None:
         out["engine_dtype_speedup"] = round(speedup, 3)
-        low = "float16" if str(getattr(engine, "device", "cpu")).startswith("cuda") else "bfloat16"
+        low = "float16" if str(engine.device).startswith("cuda") else "bfloat16"
         print(f"{where}: gen.dtype=auto chose {name} ({low} decode step {speedup:.2f}x as fast as float32; "
               f"{MIN_SPEEDUP}x needed)", file=sys.stderr)
-    coupled = [n.name for n in spec.plan.nodes if n.op == "train_step"
+    coupled = [n.name for n in spec.plan.nodes if n.trains
                and not n.attrs.get("loss", {}).get("use_decoupled_loss", False)]
     if dtype != torch.float32 and coupled:
         print(f"{where}: warning: the engine decodes in {name} while train.loss.use_decoupled_loss is false "
@@ -220,17 +218,15 @@ def engine_precision(spec: WorkerSpec, gen) -> dict:
 
 def seed_sampling(gen, spec: WorkerSpec) -> None:
     """Re-seed the sampling generator of ``gen``'s engine for the version it now holds
-    (``runtime.checkpoint.sampling_seed``); engines without ``reseed`` (vLLM) keep their stream."""
-    engine = getattr(gen, "engine", None)
-    if hasattr(engine, "reseed"):
-        engine.reseed(sampling_seed(int(spec.plan.run["seed"]), spec.rank, gen.version))
+    (``runtime.checkpoint.sampling_seed``; vLLM, whose stream is fixed at start, keeps it)."""
+    gen.engine.reseed(sampling_seed(int(spec.plan.run["seed"]), spec.rank, gen.version))
 
 
 def sync_node(plan: Plan, end: str) -> str:
-    """The name of the ``sync_weights`` node on a weight edge from or to node ``end`` (a
-    train_step or a generator): the name of the weight spans."""
+    """The name of the route node (``sync_weights``) on a weight edge from or to node ``end``
+    (a trainer or a generator): the name of the weight spans (``"weights"`` when it has none)."""
     return next((e.dst if e.src == end else e.src for e in plan.edges if e.kind == "weights" and end in (e.src, e.dst)),
-                "sync_weights")
+                "weights")
 
 
 def worker_group(spec: WorkerSpec):

@@ -37,7 +37,7 @@ def _value(groups: dict[int, int]) -> Advantages:
 
 
 def test_the_guard_counts_keeps_and_stops_after_max_steps_in_a_row(tmp_path):
-    guard = NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=2, seed=7)
+    guard = NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=2, port="advantages", seed=7)
     folder = tmp_path / "nonfinite" / "advantage-train_step"
     assert guard.check(0, {"loss": 0.5, "grad_norm": 1.0}, _value({0: 1})) == {"nonfinite_steps": 0.0}
     assert not folder.exists()  # nothing kept for a finite step
@@ -58,8 +58,8 @@ def test_the_guard_counts_keeps_and_stops_after_max_steps_in_a_row(tmp_path):
 
 
 def test_batches_kept_earlier_stay(tmp_path):
-    NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=5).check(0, {"loss": math.nan}, _value({0: 1}))
-    NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=5).check(9, {"loss": math.nan}, _value({1: 1}))
+    NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=5, port="advantages").check(0, {"loss": math.nan}, _value({0: 1}))
+    NonFiniteGuard("train_step", "advantage", tmp_path, max_steps=5, port="advantages").check(9, {"loss": math.nan}, _value({1: 1}))
     assert sorted(p.name for p in (tmp_path / "nonfinite/advantage-train_step").glob("*.pt")) == \
         ["step_0.pt", "step_9.pt"]
 

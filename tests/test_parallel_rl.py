@@ -210,7 +210,7 @@ def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, w
     def refuse(*args, **kwargs):
         raise AssertionError("worker processes were started")
 
-    monkeypatch.setattr(launch._LocalRun, "_run", refuse)
+    monkeypatch.setattr(launch.LocalScheduler, "start", refuse)
     flow = load_flow(REPO / "graphs/arith_grpo.py")
     cfg = load_config(default_config_path(flow, None), [*TINY_RUN, *overrides, f"out_dir={tmp_path}"])
     with pytest.raises(StrategyError, match=rule):

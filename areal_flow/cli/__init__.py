@@ -309,8 +309,8 @@ def _guarded(fn, args) -> int:
         if checkpoint is not None and isinstance(exc, checkpoint.ResumeError):  # a user error of a run
             print(f"areal-flow: error: {exc}", file=sys.stderr)
             return 2
-        launch = sys.modules.get("runtime.launch")
-        if launch is None or not isinstance(exc, launch.WorkerFailed):
+        restarts = sys.modules.get("runtime.restarts")  # where the driver's WorkerFailed lives
+        if restarts is None or not isinstance(exc, restarts.WorkerFailed):
             raise
         # The worker's own traceback is in the message; ours adds nothing.
         print(f"areal-flow: a worker failed; outputs written so far are kept\n{exc}", file=sys.stderr)

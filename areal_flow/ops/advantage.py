@@ -32,7 +32,7 @@ import inspect
 from areal_flow.algorithms.catalog import ESTIMATORS
 from areal_flow.tracing import Handle, Model, current_graph, outputs, record
 from areal_flow.graph import GraphError, OpSpec, PortSpec
-from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OpDef, check_arguments, define
+from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OPS, OpDef, check_arguments, define
 
 SPEC = OpSpec(
     "advantage",
@@ -112,12 +112,13 @@ _OWN_ARGUMENTS = [p for p in inspect.signature(advantage).parameters if p != "es
 
 
 def _from_rollout(handle: Handle) -> bool:
-    """Whether ``handle``'s rollouts are episodes of an ``ops.rollout`` (through filters/user ops)."""
+    """Whether ``handle``'s rollouts are multi-turn episodes (of an ``ops.rollout``, through
+    filters/user ops)."""
     graph = current_graph()
     name = handle.node
     while name in graph.nodes:
         node = graph.nodes[name]
-        if node.op == "rollout":
+        if node.op in OPS and OPS[node.op].multi_turn:
             return True
         feeding = next((e for e in graph.in_edges(name) if e.dst_port == "rollouts"), None)
         if feeding is None:

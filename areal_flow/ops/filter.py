@@ -21,7 +21,8 @@ SPEC = OpSpec(
     inputs=(PortSpec("rollouts", "rollouts"), PortSpec("rewards", "rewards")),
     outputs=(PortSpec("rollouts", "rollouts"),),
 )
-OP = define(OpDef(SPEC, GROUP, CPU, "areal_flow.ops.filter:FilterExecutor"))
+OP = define(OpDef(SPEC, GROUP, CPU, "areal_flow.ops.filter:FilterExecutor",
+                  max_attempts=lambda node: node.attrs["max_attempts"]))
 KEEP = ("informative",)
 
 

@@ -43,6 +43,7 @@ class LogprobsExecutor:
     """Worker side (grain ``group``): ``{"logprobs": Logprobs}``, ``[n][response_len]``."""
 
     def __init__(self, node, ctx) -> None:
+        self.node = node
         self.model = ctx.model(node.model)
         self.temperature = node.attrs["temperature"]
         self.pad_id = ctx.pad_id

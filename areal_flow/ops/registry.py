@@ -19,14 +19,24 @@ Grains (how a worker drives a node):
   (advantage, train_step), on the worker that hosts it.
 * ``route``: no executor; the compiler lowers it to weight routes (sync_weights).
 
-Executor protocol (worker side): ``Executor(node, ctx)`` with ``node`` the plan's
-:class:`~compiler.plan.NodePlan` and ``ctx`` the worker's
-:class:`runtime.context.WorkerContext`; ``executor.run(inputs, info) -> dict`` maps the
-node's input ports to values (classes of ``areal_flow.values``; for a ``batch`` node, a
-port fed by ``group`` nodes gets the list of the step's per-group values) and returns the
-output ports' values; a ``group`` executor returns ``None`` to drop the group (its batch
-slot is then resampled). A user op's function runs in ``areal_flow.ops.function``, which
-checks its result against its ports.
+What the runtime does with a node follows from its op's declarations, never its name: the
+grain; the role (``training``: the node trains its model, the model's one trainer, a
+``batch`` node whose one data input is the step's batch, whatever the port is called); a
+``stream`` op's ``multi_turn`` (its rollouts are episodes); a ``group`` op's
+``max_attempts`` (it may drop a group, and allows that many prompts per batch slot). The
+compiler copies them into the plan's nodes (``NodePlan.role``, ``multi_turn``,
+``max_attempts``), which is what the runtime reads.
+
+Executor protocol (worker side, declared in :mod:`areal_flow.ops.interfaces`):
+``Executor(node, ctx)`` with ``node`` the plan's :class:`~compiler.plan.NodePlan` and
+``ctx`` the worker's :class:`runtime.context.WorkerContext`; ``executor.run(inputs, info)
+-> dict`` maps the node's input ports to values (classes of ``areal_flow.values``; for a
+``batch`` node, a port fed by ``group`` nodes gets the list of the step's per-group values) and returns the output
+ports' values; a ``group`` executor returns ``None`` to drop the group (its batch slot is
+then resampled). A ``stream`` executor is driven by a generation replica instead
+(``StreamExecutor``), a trainer's executor also checkpoints and publishes (``Trainer``).
+A user op's function runs in ``areal_flow.ops.function``, which checks its result against
+its ports.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.graph import DATA, GraphError, OpSpec, PortSpec
 
 SOURCE, STREAM, GROUP, BATCH, ROUTE = "source", "stream", "group", "batch", "route"
 GRAINS = (SOURCE, STREAM, GROUP, BATCH, ROUTE)
@@ -56,9 +66,14 @@ class OpDef:
         grain: one of :data:`GRAINS` (module doc).
         role: compiler role of its nodes (:data:`ROLES`), or ``role(node) -> str`` when it
             depends on the node (a reward node with a model is ``inference``).
+            ``training`` says a node of it trains its model (``spec.trains``; grain ``batch``).
         executor: ``"module:attr"`` of the executor class (built-ins, imported by the worker),
             or the class / function itself (user ops; sent to workers by value).
         builtin: shipped with areal-flow (the plan names it); False: the plan carries it.
+        multi_turn: a ``stream`` op whose rollouts are multi-turn episodes against an env
+            (``rollout``): evaluated by playing episodes, bounded by the episode's context.
+        max_attempts: a ``group`` op that may drop its group (``filter``): ``max_attempts(node)
+            -> int``, the prompts a node of it allows per batch slot (the first + replacements).
     """
 
     spec: OpSpec
@@ -66,6 +81,8 @@ class OpDef:
     role: str | Callable[[Any], str] = CPU
     executor: str | Callable | None = None
     builtin: bool = True
+    multi_turn: bool = False
+    max_attempts: Callable[[Any], int] | None = None
 
     @property
     def name(self) -> str:
@@ -74,6 +91,10 @@ class OpDef:
     def role_of(self, node) -> str:
         """The compiler role of ``node`` (a graph node of this op)."""
         return self.role(node) if callable(self.role) else self.role
+
+    def max_attempts_of(self, node) -> int | None:
+        """Prompts per batch slot ``node`` allows, if its op may drop a group; else None."""
+        return None if self.max_attempts is None else int(self.max_attempts(node))
 
     def load_executor(self) -> Callable:
         """The executor class/function (imports a built-in's module). Raises GraphError if missing."""
@@ -92,12 +113,27 @@ def define(op: OpDef) -> OpDef:
     """Add ``op`` to the registry (same name again replaces it: re-importing a graph file).
 
     Raises:
-        GraphError: an unknown grain or role, or a name that shadows a built-in op.
+        GraphError: an unknown grain or role, a name that shadows a built-in op, or
+            declarations that disagree: role ``training`` without ``spec.trains`` (or the
+            reverse), a trainer that is not a ``batch`` op with a model, ``multi_turn`` on a
+            non-``stream`` op, ``max_attempts`` on a non-``group`` op; a trainer without exactly
+            one data input or without the outputs ``stats`` and ``weights``.
     """
     if op.grain not in GRAINS:
         raise GraphError(f"op '{op.name}': grain {op.grain!r}; expected one of {', '.join(GRAINS)}")
     if not callable(op.role) and op.role not in ROLES:
         raise GraphError(f"op '{op.name}': role {op.role!r}; expected one of {', '.join(ROLES)}")
+    for bad, rule in (((op.role == TRAINING) != op.spec.trains, "role 'training' and spec.trains go together"),
+                      (op.spec.trains and (op.grain != BATCH or not op.spec.needs_model),
+                       "an op that trains its model has grain 'batch' and needs a model"),
+                      (op.spec.trains and len([p for p in op.spec.inputs if p.kind == DATA]) != 1,
+                       "an op that trains its model takes the step's batch on one data input port"),
+                      (op.spec.trains and not {"stats", "weights"} <= {p.name for p in op.spec.outputs},
+                       "an op that trains its model has outputs 'stats' and 'weights'"),
+                      (op.multi_turn and op.grain != STREAM, "multi_turn is for 'stream' ops"),
+                      (op.max_attempts is not None and op.grain != GROUP, "max_attempts is for 'group' ops")):
+        if bad:
+            raise GraphError(f"op '{op.name}': {rule}")
     known = OPS.get(op.name)
     if known is not None and known.builtin and not op.builtin:
         raise GraphError(f"op '{op.name}' is a built-in op; register yours under another name")
@@ -215,13 +251,21 @@ class UserOp:
             raise GraphError(f"op '{self.op.name}' takes {len(ports)} inputs ({', '.join(ports)}), got {len(handles)}")
         inputs = dict(zip(ports, handles))
         inputs.update({k: kwargs.pop(k) for k in list(kwargs) if k in ports})
-        node = record(self.op.spec, inputs, model=model, attrs=kwargs, name=name)
+        attrs = kwargs if self.op.executor is self.fn else {**_defaults(self.fn, skip=ports), **kwargs}
+        node = record(self.op.spec, inputs, model=model, attrs=attrs, name=name)
         takes = function_parameters(self.fn, skip=ports)
         if takes is not None:
             check_arguments(node.where(), kwargs, takes, taker=f"op '{self.op.name}' (function {self.fn.__name__})",
                             nearby=[*ports, "name", "model"])
         outs = tuple(Handle(node.name, p.name, p.type) for p in self.op.spec.outputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+def _defaults(fn: Callable, skip: Iterable[str]) -> dict:
+    """The keyword parameters of ``fn`` that have defaults, minus ``skip``: the attributes of a
+    node whose op runs a declared executor instead of ``fn`` (which reads them from the node)."""
+    return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+            if p.default is not inspect.Parameter.empty and p.name not in skip}
 
 
 def register_op(
@@ -232,6 +276,7 @@ def register_op(
     grain: str = GROUP,
     role: str = CPU,
     needs_model: bool = False,
+    executor: str | None = None,
 ) -> Callable[[Callable], UserOp]:
     """Decorator: register the function as a new node kind (a graph file may use it).
 
@@ -242,7 +287,12 @@ def register_op(
             ``areal_flow.values``, or a new type name); every input is required.
         grain: ``group`` (called once per prompt group) or ``batch`` (once per train step,
             with lists of the step's per-group values).
-        role: compiler role; ``cpu`` for light functions (placed with their consumer).
+        role: compiler role; ``cpu`` for light functions (placed with their consumer);
+            ``training``: a node of it trains its ``model=`` (the model's one trainer: grain
+            ``batch``, one data input, outputs ``stats`` and ``weights``; implies ``needs_model``).
+        executor: ``"module:Class"`` of an executor to run instead of the function, e.g. the
+            built-in trainer ``"runtime.executors.train:TrainStepExecutor"``; the function then
+            only declares the node's attributes (its keyword parameters, defaults included).
 
     The function gets its inputs as ``areal_flow.values`` classes and returns the value of
     its one output port, or a mapping whose keys are exactly its output ports, or (a group
@@ -258,15 +308,17 @@ def register_op(
             return [r - coef * len(t.output_ids) for t, r in zip(rollouts, rewards)]
 
     Raises:
-        GraphError: a bad grain or role, or a built-in's name.
+        GraphError: a bad grain or role (a trainer whose grain is not ``batch``), or a built-in's name.
     """
     if grain not in (GROUP, BATCH):
         raise GraphError(f"register_op('{name}'): user ops have grain 'group' or 'batch', got {grain!r}")
+    trains = role == TRAINING
 
     def wrap(fn: Callable) -> UserOp:
         spec = OpSpec(name, tuple(PortSpec(p, t) for p, t in inputs.items()),
-                      tuple(PortSpec(p, t) for p, t in outputs.items()), needs_model=needs_model)
-        op = define(OpDef(spec, grain, role, fn, builtin=False))
+                      tuple(PortSpec(p, t) for p, t in outputs.items()), needs_model=needs_model or trains,
+                      trains=trains)
+        op = define(OpDef(spec, grain, role, executor or fn, builtin=False))
         return UserOp(op, fn)
 
     return wrap

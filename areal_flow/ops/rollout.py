@@ -27,7 +27,7 @@ SPEC = OpSpec(
     outputs=(PortSpec("rollouts", "rollouts"),),
     needs_model=True,
 )
-OP = define(OpDef(SPEC, STREAM, GENERATION, "runtime.executors.rollout:RolloutExecutor"))
+OP = define(OpDef(SPEC, STREAM, GENERATION, "runtime.executors.rollout:RolloutExecutor", multi_turn=True))
 
 
 @op_function

@@ -1,6 +1,7 @@
-"""``ops.sync_weights``: the weight channel from a model's ``train_step`` to a ``generate``.
+"""``ops.sync_weights``: the weight channel from a model's trainer to a ``generate``.
 
-Port schema: input ``weights`` (from the ``train_step`` that updates the model), output
+Port schema: input ``weights`` (from the node that trains the model: its ``train_step``, or a
+user op registered with role ``training``), output
 ``weights`` (into the ``generate`` node whose rollouts handle is ``to``). Both edges are
 ``weights`` edges: they close the RL loop without a deadlock, since the generator keeps
 sampling with the version it has until newer weights arrive.
@@ -26,14 +27,14 @@ def sync_weights(model: Model, *, to: Handle, name: str | None = None) -> None:
     """Declare that ``model``'s new weights go to the generator that produced ``to``.
 
     Raises:
-        GraphError: no ``train_step`` of ``model`` was declared before this call, or
+        GraphError: no trainer of ``model`` (``train_step``) was declared before this call, or
             ``to`` is not a handle (naming the node and line).
     """
     node = record(SPEC, {}, model=model, name=name)
     graph = current_graph()
     if not isinstance(to, Handle):
         raise GraphError(f"{node.where()}: 'to' must be the rollouts handle of a generate node, got {to!r}")
-    writers = [n for n in graph.nodes_of("train_step") if n.model == model.name]
+    writers = [n for n in graph.trainers() if n.model == model.name]
     if not writers:
         raise GraphError(f"{node.where()}: no train_step updates model '{model.name}' (declare it before sync_weights)")
     graph.add_edge(Edge(writers[0].name, "weights", node.name, "weights", WEIGHTS))

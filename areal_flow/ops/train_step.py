@@ -21,6 +21,7 @@ SPEC = OpSpec(
     inputs=(PortSpec("advantages", "advantages"),),
     outputs=(PortSpec("stats", "stats"), PortSpec("weights", "weights")),
     needs_model=True,
+    trains=True,
 )
 OP = define(OpDef(SPEC, BATCH, TRAINING, "runtime.executors.train:TrainStepExecutor"))
 

@@ -289,6 +289,14 @@ class GenerationEngine:
         with self._lock:
             self._gen.manual_seed(seed)
 
+    def close(self) -> None:
+        """Drop the KV cache and every request in flight (the engine stays usable, empty)."""
+        with self._lock:
+            self._dec.drop_cache()
+            self._waiting.clear()
+            self._cached, self._stale = [], []
+            self._ids.clear()
+
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights mid-generation (interruptible generation).
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.dtypes import torch_dtype
 from runtime.engines.generation import (GenerationRequest, GenerationResult, generation_config_eos,
                                         run_to_completion, stop_token_ids)
 
@@ -62,7 +63,8 @@ class _Sequence:
 
 
 class VLLMEngine:
-    """Continuous-batching sampler backed by vLLM, with the ``GenerationEngine`` interface.
+    """Continuous-batching sampler backed by vLLM: an ``areal_flow.ops.interfaces.Engine``, as
+    ``GenerationEngine`` is.
 
     Args:
         model_folder: a ``transformers`` model folder (``config.json`` + safetensors) that
@@ -104,6 +106,9 @@ class VLLMEngine:
         self.eos_ids = stop_token_ids(tokenizer, generation_config_eos(model_folder))
         self.max_batch_size = max_batch_size
         self.max_len = self._engine.model_config.max_model_len
+        self.dtype = torch_dtype(dtype)
+        self.dtype_speedup = None  # the dtype is the caller's, not measured
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # vLLM's platform: a GPU when there is one
         self.version = 0
         self._lock = threading.RLock()
         self._seqs: dict[str, _Sequence] = {}  # by vLLM request id
@@ -222,6 +227,9 @@ class VLLMEngine:
                 seq.attempt += 1
                 if len(seq.output_ids) < seq.request.params.max_new_tokens:
                     self._add(seq)
+
+    def reseed(self, seed: int) -> None:
+        """Nothing: vLLM's sampling stream is fixed at start (``EngineArgs.seed``) and kept."""
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the engine's parameters under vLLM's names (fused ``qkv_proj``,

@@ -54,8 +54,8 @@ class AdvantageExecutor:
         self.takes_kl = "kl" in inspect.signature(ESTIMATORS[self.estimator]).parameters
         gen = ctx.generator()
         self.temperature = gen.attrs.get("temperature") or 1.0
-        consumer = next((n for n in ctx.plan.nodes if n.op == "train_step" and n.inputs.get("advantages", [None])[0]
-                         == node.name and ctx.plan.models[n.model]["head"] == "lm"), None)
+        consumer = next((n for n in ctx.plan.nodes if n.trains and any(src == node.name for src, _ in n.inputs.values())
+                         and ctx.plan.models[n.model]["head"] == "lm"), None)  # the policy's trainer it feeds
         self.loss_cfg = None if consumer is None else get_algorithm(consumer.attrs["algorithm"]).default_loss_config(
             **consumer.attrs.get("loss", {}))
 

@@ -63,7 +63,8 @@ class EngineRefused(ValueError):
 
 
 class GenerateExecutor:
-    """Grain ``stream``: groups in, finished groups out, at the engine's pace.
+    """Grain ``stream``: groups in, finished groups out, at the engine's pace (an
+    ``areal_flow.ops.interfaces.StreamExecutor`` over an ``Engine``).
 
     Args:
         node: the plan's generate node (``n_samples``, ``max_new_tokens``, ``temperature``,
@@ -165,6 +166,15 @@ class GenerateExecutor:
             while self.engine.has_work():  # only slotted sequences: queued requests stay in self._queue
                 self._record(self.engine.step())
         self.engine.update_weights(state_dict, version)
+
+    def report(self) -> dict:
+        """Its counters (``empty_responses``, ``generation_errors``) for the replica's report."""
+        return dict(self.counts)
+
+    def close(self) -> None:
+        """Close the engine (frees its cache; a vLLM engine shuts down)."""
+        self.engine.close()
+
 
 def drop_empty(results: list[GenerationResult], counts: dict, monitor: FailureMonitor) -> list[GenerationResult]:
     """``results`` without the responses that hold no token (module doc), each counted in

@@ -204,6 +204,10 @@ class EpisodeRunner:
                 self._endpoint = AgentEndpoint(self, model=str(model))
             return self._endpoint
 
+    def report(self) -> dict:
+        """Its counters and the failed episodes by kind (``episode_errors``) for the replica's report."""
+        return {**self.counts, "episode_errors": dict(self.failures.counts)}
+
     def close(self) -> None:
         """Stop the agent endpoint, if one started (idempotent)."""
         with self._endpoint_lock:
@@ -212,11 +216,12 @@ class EpisodeRunner:
             endpoint.close()
 
     # -- the engine side (the replica's thread) --------------------------------------
-    def submit(self, index: int, attempt: int, row: Prompt) -> None:
-        """Start the ``n_samples`` episodes of row ``index`` (its ``attempt``-th row)."""
+    def submit(self, index: int, attempt: int, problem: Prompt) -> None:
+        """Start the ``n_samples`` episodes of dataset row ``problem``, the ``attempt``-th row of
+        prompt group ``index``."""
         runs = []
         for j in range(self.attrs["n_samples"]):
-            run = _Run(index, attempt, j, dict(row), Episode(self.tokenizer, self.chat))
+            run = _Run(index, attempt, j, dict(problem), Episode(self.tokenizer, self.chat))
             play = self._play if self.agent is None else self._play_agent
             threading.Thread(target=play, args=(run,), daemon=True, name=f"episode-{index}:{j}").start()
             runs.append(run)
@@ -290,6 +295,10 @@ class EpisodeRunner:
     def version(self) -> int:
         return self.engine.version
 
+    def occupancy(self) -> dict:
+        """Nothing: an engine step's turns are not counted here (``GenerateExecutor.occupancy`` is)."""
+        return {}
+
     def update_weights(self, state_dict, version: int) -> None:
         """Pause, load ``version``, resume: in-flight turns continue under the new weights."""
         self.engine.update_weights(state_dict, version)
@@ -330,7 +339,8 @@ def episode_context(attrs: dict, folder: str | Path) -> int:
 
 
 class RolloutExecutor(EpisodeRunner):
-    """Grain ``stream`` executor of a ``rollout`` node on one generation replica.
+    """Grain ``stream`` executor of a ``rollout`` node on one generation replica (an
+    ``areal_flow.ops.interfaces.StreamExecutor``; it owns its engine, :meth:`close` closes it).
 
     Args:
         node: the plan's rollout node (``areal_flow.ops.rollout`` attributes, ``max_batch_size``)
@@ -345,6 +355,11 @@ class RolloutExecutor(EpisodeRunner):
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
                          episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME)
+
+    def close(self) -> None:
+        """Stop the agent endpoint (if one started), then close the engine."""
+        super().close()
+        self.engine.close()
 
 
 def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,

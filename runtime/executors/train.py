@@ -1,6 +1,8 @@
-"""The ``train_step`` node's executor: one optimizer step of its model per train step.
+"""The trainer's executor: one optimizer step of its model per train step.
 
-Owns how a train_step node of the plan becomes an update: the policy's algorithm
+Owns how a node that trains its model (role ``training``: ``train_step``, or a user op
+registered with this executor) becomes an update; it reads the step's batch from the node's
+one data input port, whatever the op calls it (``runtime.topology.trainer_input``): the policy's algorithm
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
@@ -25,6 +27,7 @@ from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.values import Advantages, Stats, Weights
 from runtime.nonfinite import NonFiniteGuard
 from runtime.rank_commands import broadcast_command
+from runtime.topology import trainer_input
 from runtime.train_phases import TrainPhaseSpans
 
 
@@ -70,8 +73,9 @@ def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
 
 
 class TrainStepExecutor:
-    """Grain ``batch``: ``run({"advantages": Advantages}, info) -> {"stats": Stats, "weights": Weights}``
-    (``areal_flow.values``).
+    """Grain ``batch``: ``run({port: Advantages}, info) -> {"stats": Stats, "weights": Weights}``
+    (``areal_flow.values``; an ``areal_flow.ops.interfaces.Trainer``); ``port`` is the node's one
+    data input (``advantages`` for ``train_step``).
 
     ``info["publish"]``: the worker needs the full weights after this step (a weight route
     or a checkpoint); ``weights.state`` is then the state dict (gathered over ranks), else None.
@@ -81,10 +85,11 @@ class TrainStepExecutor:
 
     def __init__(self, node, ctx) -> None:
         self.node, self.ctx = node, ctx
+        self.port = trainer_input(node)
         self.settings = TrainSettings.from_node(node, ctx)
         self.micro_batches = node.micro_batches or 1
         self.critic = ctx.plan.models[node.model]["head"] == "value"
-        self.ranks = getattr(ctx, "rank_trainer", None) if not self.critic else None
+        self.ranks = ctx.rank_trainer if not self.critic else None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
@@ -116,7 +121,7 @@ class TrainStepExecutor:
         return get_algorithm(self.settings.algorithm).default_loss_config(**self.settings.loss_overrides)
 
     def run(self, inputs: dict, info: dict) -> dict:
-        adv: Advantages = inputs["advantages"]
+        adv: Advantages = inputs[self.port]
         batch = adv.batch
         if self.ranks is None and self.device != "cpu":
             batch = {k: v.to(self.device) for k, v in batch.items()}

@@ -1,0 +1,181 @@
+"""One driver for local and Ray (``runtime.driver``): the trainer rule, the attempt loop, restarts,
+metrics and the stop are written once; a scheduler only hosts workers.
+
+The plan here has several stage groups with batch nodes (PPO with the critic's train_step on
+its own mesh: ``train_step`` = advantage + the policy's train_step, ``critic_step`` = the
+critic's), two generation replicas, and no process is started: a scripted scheduler reports
+the workers' ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from areal_flow.config_load import load_config
+from runtime.driver import DIED, ERROR, OK, Driver, Scheduler, WorkerEnd
+from runtime.restarts import WorkerFailed
+from runtime.run_setup import RunSetup
+from runtime.topology import build_topology
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]
+SEVERAL = ["cluster.n_gpus_per_node=4", "compile.allocation=critic_step:d1 + train:d1 + gen:d2",
+           "scheduler.max_restarts=2"]
+
+
+def _plan(tmp_path):
+    from areal_flow.cli import load_flow
+    from compiler.program import compile_program
+
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml", [*TINY, *SEVERAL, f"out_dir={tmp_path}", "name=several"])
+    return compile_program(load_flow(REPO / "graphs/arith_ppo.py")(cfg), cfg)
+
+
+def test_the_trainer_is_the_group_that_trains_the_generators_model(tmp_path):
+    topo = build_topology(_plan(tmp_path))
+    with_batch = [g.name for g in topo.groups.values() if g.batch_nodes]
+    assert with_batch == ["train_step", "critic_step"]  # the old local rule took the last, Ray's the first
+    assert topo.trainer.name == "train_step"  # it holds train_step, which trains 'policy', the generator's model
+
+
+class _Router:
+    """The router's face the driver uses; replica 1 holds version 5 when it dies."""
+
+    def __init__(self):
+        self.dispatched, self.resampled, self.redispatched, self.rejected = 12, 0, 0, 0
+        self.admission = SimpleNamespace(accepted=4, running=2)
+        self.versions = {0: 5, 1: 5}
+        self.replaced = []
+
+    def run(self, stop):
+        stop.wait()
+
+    def replace_replica(self, rank, inbox):
+        self.replaced.append((rank, inbox))
+
+
+class _Logger:
+    def __init__(self):
+        self.steps, self.last_step = [], None
+
+    def log_step(self, metrics):
+        self.steps.append(metrics)
+        self.last_step = metrics["step"]
+
+    def note(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Setup(RunSetup):
+    """The real specs; a scripted router, logger and summary."""
+
+    def router(self, replicas, control):
+        self.routers.append(_Router())
+        return self.routers[-1]
+
+    def logger(self, rewind=False):
+        self.loggers.append(_Logger())
+        return self.loggers[-1]
+
+    def merge_trace(self):
+        pass
+
+    def finish(self, logger, workers, **extra):
+        return {"workers": workers, **extra}
+
+
+class _Scripted:
+    """A scheduler whose workers end as ``script`` says: one list of ends per ``wait`` call."""
+
+    restart_how = "restarting it"
+
+    def __init__(self, script, metrics=()):
+        self.script, self.pending_metrics = list(script), list(metrics)
+        self.started, self.stops, self.revived, self.attempts = [], [], [], 0
+
+    def addresses(self):
+        self.attempts += 1
+        groups = {"generate": 2, "train_step": 1, "critic_step": 1}
+        addresses = {g: [f"ipc://a{self.attempts}/{g}-{r}" for r in range(n)] for g, n in groups.items()}
+        addresses["weights"] = [f"ipc://a{self.attempts}/weights-{r}" for r in range(2)]
+        return addresses, f"ipc://a{self.attempts}/control", 1
+
+    def start(self, spec, group):
+        self.started.append(spec)
+
+    def wait(self, timeout_s):
+        return self.script.pop(0) if self.script else []
+
+    def metrics(self):
+        out, self.pending_metrics = self.pending_metrics, []
+        return out
+
+    def revive(self, name, cause):
+        self.revived.append((name, cause))
+
+    def stop(self, wait):
+        self.stops.append(wait)
+
+    def release(self):
+        return {"released": True}
+
+
+def _setup(tmp_path) -> _Setup:
+    plan = _plan(tmp_path)
+    setup = _Setup(plan, build_topology(plan), tmp_path / "several", show_progress=False)
+    setup.routers, setup.loggers = [], []
+    return setup
+
+
+def test_the_run_ends_with_the_trainer_and_a_dead_replica_restarts_at_its_version(tmp_path):
+    setup = _setup(tmp_path)
+    scheduler = _Scripted([[WorkerEnd("critic_step/0", OK, {"steps": 3})],  # a batch group, but not the trainer
+                           [WorkerEnd("generate/1", DIED, "exit code -9")],
+                           [],
+                           [WorkerEnd("train_step/0", OK, {"steps": 3})],
+                           [WorkerEnd("generate/0", OK, {"groups": 3})], [WorkerEnd("generate/1", OK, {"groups": 3})]],
+                          metrics=[{"step": 0}])
+    assert isinstance(scheduler, Scheduler)
+    summary = Driver(setup, scheduler).execute()
+    assert set(summary["workers"]) == {"critic_step/0", "train_step/0", "generate/0", "generate/1", "router"}
+    assert summary["released"] and summary["restarts"]["replica_restarts"] == 1
+    assert setup.loggers[0].steps == [{"step": 0}]
+    # the restarted replica: same inbox, waits for the router's version 5 from the trainer's inbox
+    first = {f"{s.group}/{s.rank}": s for s in scheduler.started[:4]}
+    again = scheduler.started[4]
+    assert (again.group, again.rank, again.inbox) == ("generate", 1, "ipc://a1/generate-1")
+    assert (again.resume_version, again.resync) == (5, "ipc://a1/train_step-0")
+    assert setup.routers[0].replaced == [(1, "ipc://a1/generate-1")]
+    assert scheduler.revived == [("generate/1", "exit code -9")]
+    assert first["generate/0"].resync == "" and first["train_step/0"].routes == {
+        "train_step": ["ipc://a1/weights-0", "ipc://a1/weights-1"]}
+    assert scheduler.stops == [False]  # every worker ended once the run is done
+
+
+def test_a_dead_stage_worker_restarts_every_worker_and_an_error_stops_the_run(tmp_path):
+    setup = _setup(tmp_path)
+    scheduler = _Scripted([[WorkerEnd("critic_step/0", DIED, "exit code -9")],  # attempt 1: a stage worker dies
+                           [WorkerEnd("generate/0", ERROR, "ValueError: bad prompt")]])  # attempt 2
+    with pytest.raises(WorkerFailed, match=r"^generate/0 failed: ValueError: bad prompt$"):
+        Driver(setup, scheduler).execute()
+    assert scheduler.attempts == 2  # every worker again, from version 0 (no checkpoint)
+    assert [s.resume_version for s in scheduler.started[4:]] == [0] * 4
+    assert scheduler.stops == [True, False, False]  # gone before attempt 2 starts; ended after each
+
+
+def test_both_schedulers_are_schedulers_of_the_one_driver(tmp_path):
+    from test_interfaces import _check
+
+    from runtime.launch import LocalScheduler
+    from runtime.ray_scheduler import RayScheduler, _settings
+
+    setup = _setup(tmp_path)
+    for scheduler in (LocalScheduler(setup), RayScheduler(setup, _settings(setup.plan))):
+        assert isinstance(scheduler, Scheduler)
+        _check(type(scheduler), Scheduler)  # same methods, same parameters
