@@ -290,6 +290,8 @@ class SchedulerConfig:
     """Restarts of dead workers in a run, on either scheduler: a generation replica or actor (its groups are regenerated), or a trainer (every worker restarts from the last checkpoint); 0 = a death fails the run."""
     placement_timeout_s: float = 60.0
     """Seconds to wait for the placement groups (free resources) before failing."""
+    cpu_pinning: bool = False
+    """Local scheduler on CPU: pin each worker process to one core per plan device of its mesh (device i = the i-th core this process may use, modulo their count) with torch threads to match; false = the cores are shared (threads_per_worker). On CUDA each local worker always sees exactly its mesh's GPUs (CUDA_VISIBLE_DEVICES); runtime.placement."""
     threads_per_worker: int = 0
     """torch intra-op threads of each worker process; on Ray 0 = 1 (one per actor CPU), on the local scheduler 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
 

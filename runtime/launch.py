@@ -38,10 +38,12 @@ import queue
 import sys
 import tempfile
 import traceback
+from dataclasses import replace
 
 from compiler.plan import Plan
 from runtime.driver import DIED, Driver, WorkerEnd
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
+from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
 from runtime.stage_worker import run_stage_worker
 from runtime.topology import Topology, WorkerGroup
@@ -95,10 +97,16 @@ def _time_shared(topo: Topology) -> list:
     return [gen] if any(g.mesh == gen for g in topo.groups.values() if g.kind != "generation") else []
 
 
-def _child(target, spec, results, *extra) -> None:
+def _child(placement, target, spec, results, *extra) -> None:
+    """A local worker process: tied to its driver, placed on its devices
+    (``runtime.placement``), then ``target(spec, *extra)``; its report (with ``placement``:
+    what it was given) or its error goes to ``results``."""
     die_with_parent(mp.parent_process().pid)  # a SIGKILLed driver leaves no worker running
     try:
-        results.put((f"{spec.group}/{spec.rank}", "ok", target(spec, *extra)))
+        placed = place_process(*placement)
+        report = target(spec, *extra)
+        results.put((f"{spec.group}/{spec.rank}", "ok", {**report, "placement": placed}
+                     if isinstance(report, dict) else report))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
         trace = "" if getattr(exc, "brief", False) else f"\n{traceback.format_exc()}"  # a deliberate stop: one line
         results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}{trace}"))
@@ -146,11 +154,16 @@ class LocalScheduler:
 
     def start(self, spec: WorkerSpec, group: WorkerGroup) -> None:
         name, lease = f"{spec.group}/{spec.rank}", self.leases.get(group.mesh)
+        devices = worker_devices(group.mesh, group.replicas, spec.rank)  # its mesh's devices (runtime.placement)
+        pinning = bool(self.setup.plan.run["scheduler"].get("cpu_pinning", False))
+        if pinning and spec.plan.device_type == "cpu":  # one core per device: threads to match
+            spec = replace(spec, threads=len(devices))
+        placement = (devices, spec.plan.device_type, pinning)
         if group.kind == "generation":
             args = (run_generation_replica, spec, self.results, lease)
         else:
             args = (run_stage_worker, spec, self.results, self.reports.put if group.batch_nodes else None, lease)
-        self.procs[name] = self.ctx.Process(target=_child, args=args, name=name)
+        self.procs[name] = self.ctx.Process(target=_child, args=(placement, *args), name=name)
         with _passive_omp():
             self.procs[name].start()
 

@@ -53,3 +53,19 @@ def test_a_placed_process_sees_its_devices_only():
     allowed = sorted(os.sched_getaffinity(0))
     assert cpu == {"devices": [1], "cores": [allowed[1 % len(allowed)]]} and affinity == cpu["cores"]
     assert gpu == {"devices": [0, 2], "cuda_visible_devices": "3,7"} and visible == "3,7"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
+def test_the_local_scheduler_pins_each_worker_to_its_meshs_cores(tmp_path, warm_cache):
+    """`gen:d1 + train:d1` with scheduler.cpu_pinning: the replica on device 0's core, the
+    trainer on device 1's, each with one torch thread; what each worker reports it was given."""
+    from runs import cli_run
+
+    cli_run(REPO / "graphs/arith_grpo.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=4",
+            "warm_start.steps=10", "eval.enabled=false", "scheduler.cpu_pinning=true", "cluster.n_gpus_per_node=2",
+            "compile.allocation=gen:d1 + train:d1", f"out_dir={tmp_path}", "name=pinned")
+    workers = json.loads((tmp_path / "pinned" / "summary.json").read_text())["workers"]
+    allowed = sorted(os.sched_getaffinity(0))
+    assert workers["generate/0"]["placement"] == {"devices": [0], "cores": [allowed[0]]}
+    assert workers["train_step/0"]["placement"] == {"devices": [1], "cores": [allowed[1 % len(allowed)]]}
