@@ -9,18 +9,24 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
   every ``train_step`` gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss
-  overrides (``train.loss``), ``checkpoint_every`` and ``max_nonfinite_steps``; a rule
+  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``),
+  ``checkpoint_every``, ``max_nonfinite_steps`` and its whole loss config (``loss``: the
+  algorithm's defaults with ``train.loss``, and the off-policy correction for k >= 1:
+  ``compiler.algorithms``); a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
   ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
   ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
   writes the count per DP rank into the plan and the trainer follows the plan;
 * ``plan.run``: :class:`RunSpec` (name, folders, seed, steps, warm start, evaluation,
-  scheduler, dtype).
+  scheduler, dtype);
+* ``plan.algorithms`` / ``plan.estimators``: the user-registered algorithms and estimators
+  the graph names, by value.
 
-The staleness bound k and the batch size B travel on the data edge into each
-``train_step`` (written by the compiler), nowhere else. It imports no torch.
+The staleness bound k (from the graph) and the batch size B (``train.batch_size``) travel on
+the data edge into each ``train_step`` (written by the compiler), nowhere else; the finished
+plan passes the one plan check (``compiler.plan_check``) before anything runs or is written.
+It imports no torch.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         elif node.op == "train_step":
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every,
+                              checkpoint_every=t.checkpoint_every,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
                               max_nonfinite_steps=t.max_nonfinite_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
@@ -107,9 +113,13 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
     """The runnable plan of ``graph`` under ``cfg`` (a :class:`compiler.plan.Plan`).
 
     Raises:
-        the compiler's errors (``compiler.compile_plan``), each naming its culprit.
+        the compiler's errors (``compiler.compile_plan``), each naming its culprit;
+        CompileConfigError: ``train.loss`` a train_step's algorithm cannot take, or a plan the
+            plan check refuses.
     """
     from compiler import compile_plan
+    from compiler.algorithms import lower_losses, user_code
+    from compiler.plan_check import check_plan
     from areal_flow.config_compile import CompileConfigError
 
     bounds = {e.dst: e.max_staleness for e in graph.edges if e.max_staleness is not None}
@@ -123,10 +133,15 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
             raise CompileConfigError(f"debug.record: {edge!r} is not a data edge of the graph; edges: "
                                      f"{', '.join(data_edges)}")
     lower_attrs(graph, cfg)
+    notes = lower_losses(graph, cfg.train.loss)
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None:
         compile_cfg.micro_batches = micro_batches(cfg, graph)
-    plan = compile_plan(graph, cfg.cluster, compile_cfg)
+    plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size)
     run = dataclasses.asdict(RunSpec.from_config(cfg))
+    algorithms, estimators = user_code(graph)
     plan_id = xxhash.xxh64(json.dumps([plan.id, run], sort_keys=True).encode()).hexdigest()
-    return dataclasses.replace(plan, run=run, id=plan_id)
+    plan = dataclasses.replace(plan, run=run, id=plan_id, algorithms=algorithms, estimators=estimators,
+                               warnings=plan.warnings + notes)
+    check_plan(plan, CompileConfigError)
+    return plan

@@ -12,8 +12,9 @@ group is one device node's mesh with the CPU-light nodes placed with it (``place
   it hosts ``batch`` nodes, batches ``B`` groups per step in admission order (the trainer).
 
 The ``dataset`` source runs on the router. Edges inside a group are calls; edges between
-groups are experience channels; ``sync_weights`` edges become weight routes from a
-``train_step`` to every replica of its generate node.
+groups are experience channels; the plan's weight routes (``plan.routes``) go from a
+``train_step`` to every replica of its generate node. k, B and the routes are read from the
+plan as they are (the plan check, ``compiler.plan_check``, has refused a plan lacking them).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class Topology:
     Attributes:
         groups: by name, generation group first.
         generate / dataset: the nodes the router and replicas run.
-        train_steps: every train_step node; ``routes``: (train_step, generate) weight routes.
-        batch_groups / max_staleness / steps: B, k (smallest over the train_step edges) and steps.
+        train_steps: every train_step node; ``routes``: (train_step, generate) weight routes
+            (``plan.routes``).
+        batch_groups / max_staleness / steps: B, k (``Plan.batch_groups``, ``Plan.staleness_bound``)
+            and steps.
         notes: what the runtime does differently from the plan's letter, printed at start.
     """
 
@@ -94,8 +97,7 @@ def build_topology(plan: Plan) -> Topology:
     Raises:
         TopologyError: not exactly one dataset and one generate node; a generation
             strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a train_step without a data edge bound (k, B); a group node whose
-            input comes from a later group; no train_step.
+            processes; a group node whose input comes from a later group; no train_step.
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -149,15 +151,9 @@ def build_topology(plan: Plan) -> Topology:
     steps = [n for n in plan.nodes if n.op == "train_step"]
     if not steps:
         raise TopologyError(f"plan {plan.id}: no train_step node")
-    bounds = [e for e in plan.edges if e.dst in {n.name for n in steps} and e.kind == "data"]
-    missing = [n.name for n in steps if not any(e.dst == n.name and e.batch_groups for e in bounds)]
-    if missing:
-        raise TopologyError(f"plan {plan.id}: train_step '{missing[0]}' has no data edge with k and B (re-compile "
-                            "the plan)")
-    routes = [(e.src, _route_target(plan, e.dst)) for e in plan.edges if e.kind == "weights" and
-              plan.node(e.src).op == "train_step"]
+    routes = [(r.src, r.dst) for r in plan.routes]
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
-                    batch_groups=bounds[0].batch_groups, max_staleness=min(e.max_staleness or 0 for e in bounds),
+                    batch_groups=plan.batch_groups, max_staleness=plan.staleness_bound,
                     steps=int(plan.run["steps"]), notes=notes)
 
 
@@ -177,10 +173,6 @@ def _check_ops(plan: Plan) -> None:
         missing = [p.name for p in op.spec.inputs if p.required and p.kind == "data" and p.name not in node.inputs]
         if missing:
             raise TopologyError(f"{node.where()}: input port(s) {', '.join(missing)} of op '{node.op}' are not wired")
-
-
-def _route_target(plan: Plan, sync_node: str) -> str:
-    return next(e.dst for e in plan.edges if e.src == sync_node and e.kind == "weights")
 
 
 def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
