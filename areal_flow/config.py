@@ -24,6 +24,7 @@ from areal_flow.algorithms.config import LossConfig
 from areal_flow.dtypes import DTYPES
 from areal_flow.config_compile import ClusterConfig, CompileConfig
 from areal_flow.tasks.catalog import TASKS
+from areal_flow.graph import DEFAULT_MAX_STALENESS
 
 
 class ConfigError(ValueError):
@@ -169,7 +170,8 @@ class TrainConfig:
     steps: int = 40
     """Optimizer steps (policy versions) of RL."""
     batch_size: int = 8
-    """Prompt groups per optimizer step (B)."""
+    """Prompt groups per optimizer step (B): the one key of B (compile.prompts_per_step is an alias); the plan
+    carries it on the data edge into each train_step (batch_groups)."""
     micro_batch_size: int = 32
     """Sequences per forward/backward micro-batch; gradients of a step's micro-batches are summed
     before the one optimizer step."""
@@ -192,7 +194,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping by global L2 norm."""
     loss: dict[str, Any] = field(default_factory=dict)
-    """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28."""
+    """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28; the
+    compiler merges them with the algorithm's defaults into each train_step's loss in the plan (attrs.loss)."""
     checkpoint_every: int = 0
     """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from); 0 = only the final model."""
     max_nonfinite_steps: int = 3
@@ -270,8 +273,10 @@ class RewardKnobs:
 
 @dataclass
 class AsyncConfig:
-    max_staleness: int = 2
-    """k: a sample is trained at most k versions after it was generated; 0 = synchronous."""
+    max_staleness: int = DEFAULT_MAX_STALENESS
+    """k: a sample is trained at most k versions after it was generated; 0 = synchronous. The graphs here pass it to
+    ops.train_step(max_staleness=...), whose default is the same 2 (areal_flow.graph.DEFAULT_MAX_STALENESS). With k >= 1
+    the compiler turns on the decoupled PPO loss (train.loss.use_decoupled_loss) of PPO-clip algorithms."""
 
 
 @dataclass
@@ -406,8 +411,6 @@ class ExperimentConfig:
         if self.train.gradient_accumulation_steps:
             rows = self.train.batch_size * self.gen.n_samples
             self.train.micro_batch_size = math.ceil(rows / self.train.gradient_accumulation_steps)
-        if self.compile.prompts_per_step is None:
-            self.compile.prompts_per_step = self.train.batch_size
         if self.resume not in ("", "auto") and not os.path.isdir(self.resume):
             boolean = " (YAML reads yes/no/true/false as a boolean)" if self.resume in ("True", "False") else ""
             raise ConfigError(f"resume={self.resume!r}{boolean}: expected '' (a new run), 'auto' (resume <out_dir>/<name> if it "

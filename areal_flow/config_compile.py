@@ -51,8 +51,6 @@ class CompileConfig:
     """'async': generation and training overlap (bounded staleness); 'sync': they alternate; null = from the
     graph (sync exactly when the staleness bound k of the edge into the policy's train_step is 0). k itself is
     set only on that edge (train_step(max_staleness=...), async.max_staleness in the graphs here)."""
-    prompts_per_step: int | None = None
-    """Prompt groups per training step; null = the experiment's train.batch_size (64 when compiling a bare graph)."""
     samples_per_prompt: int | None = None
     """Responses per prompt (group size); None = the generate node's n_samples."""
     max_prompt_len: int = 512
@@ -110,7 +108,7 @@ def check_config(cluster: ClusterConfig, cfg: CompileConfig) -> None:
     for key in ("max_prompt_len", "top_k"):
         if getattr(cfg, key) < 1:
             raise bad(f"compile.{key}", getattr(cfg, key), "must be >= 1")
-    for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "micro_batches"):
+    for key in ("samples_per_prompt", "max_new_tokens", "micro_batches"):
         value = getattr(cfg, key)
         if value is not None and value < 1:
             raise bad(f"compile.{key}", value, "must be >= 1 (or null)")

@@ -70,6 +70,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias("gconfig.max_new_tokens", "gen.max_new_tokens", "AReaL"),
     Alias("gconfig.temperature", "gen.temperature", "AReaL"),
     Alias("rollout.max_head_offpolicyness", "async.max_staleness", "AReaL"),
+    Alias("compile.prompts_per_step", "train.batch_size", "areal-flow (its old name)",
+          note="B, prompt groups per train step, has one key"),
 )
 ALIAS_BY_NAME = {a.name: a for a in ALIASES}
 

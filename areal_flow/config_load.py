@@ -151,7 +151,7 @@ def key_type(key: str, schema: type = ExperimentConfig) -> Any:
 
 def config_from_values(values: dict[str, Any], schema: type = ExperimentConfig) -> Any:
     """An instance of ``schema`` with the dotted ``values`` set (already of their keys' types,
-    e.g. read from a plan, ``compiler.program.config_values``) and every other key at its
+    e.g. read from a plan, ``compiler.lowering.config_values``) and every other key at its
     default, built so that the schema's own checks (``__post_init__``) run on them as on a
     loaded config: one check of a value, whichever source it came from.
 

@@ -7,7 +7,9 @@ node runs (``areal_flow.ops``) nor where (``compiler``).
 An edge goes from a producer's output port to a consumer's input port and is either a
 ``data`` edge (experience: trajectories, rewards, advantages) or a ``weights`` edge (the
 weight channel). A data edge into a ``train_step`` carries ``max_staleness`` = k: a sample
-is trained at most k policy versions after the version that generated it.
+is trained at most k policy versions after the version that generated it. k is an int >= 0
+(:func:`staleness_problem`, the one rule the IR and a plan read from disk share); its one
+default, :data:`DEFAULT_MAX_STALENESS`, is ``ops.train_step``'s and ``async.max_staleness``'s.
 
 Validation (:meth:`Graph.validate`) raises one :class:`GraphError` per defect, naming
 the node, the port and the line of the graph file that created the node:
@@ -31,6 +33,18 @@ from areal_flow.graph_rules import training_defects, weight_channel_defects
 
 DATA = "data"
 WEIGHTS = "weights"
+
+DEFAULT_MAX_STALENESS = 2
+"""k when neither the graph nor the config says: AReaL's asynchronous setting (generation
+runs up to two versions ahead of training); 0 is the synchronous baseline."""
+
+
+def staleness_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a staleness bound k (``must be an int >= 0, got ...``),
+    or None when it is one."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return None
+    return f"max_staleness must be an int >= 0, got {value!r}"
 
 
 class GraphError(ValueError):
@@ -194,6 +208,24 @@ class Graph:
                 return self.nodes[e.src]
         raise GraphError(f"{self.nodes[node].where()}: input port '{port}' has no producer")
 
+    def source_of(self, node: str, port_type: str, op: str) -> Node | None:
+        """The nearest node of ``op`` whose output reaches ``node`` through input ports of
+        ``port_type`` (directly, or through nodes in between, e.g. user ops); None if none."""
+        seen = set()
+        while node not in seen:
+            seen.add(node)
+            spec = self.op_specs.get(self.nodes[node].op)
+            feeding = [e for e in self.in_edges(node) if e.kind == DATA and spec is not None
+                       and spec.input(e.dst_port) is not None and spec.input(e.dst_port).type == port_type]
+            if not feeding:
+                return None
+            node = feeding[0].src
+            if node not in self.nodes:
+                return None
+            if self.nodes[node].op == op:
+                return self.nodes[node]
+        return None
+
     def topological_order(self) -> list[str]:
         """Node names in data order (weight edges ignored: they close the RL loop)."""
         data = nx.DiGraph()
@@ -248,8 +280,9 @@ class Graph:
                 f"{dst.where()}: input port '{edge.dst_port}' expects {in_port.type}, "
                 f"but '{src.name}.{edge.src_port}' produces {out_port.type}"
             )
-        if edge.max_staleness is not None and edge.max_staleness < 0:
-            raise GraphError(f"{dst.where()}: max_staleness={edge.max_staleness} on port '{edge.dst_port}' must be >= 0")
+        problem = None if edge.max_staleness is None else staleness_problem(edge.max_staleness)
+        if problem:
+            raise GraphError(f"{dst.where()}: port '{edge.dst_port}': {problem}")
 
     def _check_writers(self) -> None:
         writers: dict[str, Node] = {}

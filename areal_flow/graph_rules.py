@@ -5,15 +5,23 @@ Owns two groups of checks, run by :meth:`areal_flow.graph.Graph.validate` after 
 structural ones (ports, producers, cycles), so every node and edge here is known to exist:
 
 * **training** (:func:`training_defects`): each trainer's algorithm (``train_step`` or a
-  user op that trains) against the ``advantage`` node that feeds it, using the torch-free ``algorithms.catalog``:
+  user op that trains) against the ``advantage`` node that feeds it (directly or through user
+  ops), using the torch-free ``algorithms.catalog`` (an advantage node that named no
+  estimator got its train_step's algorithm's default when that train_step was traced:
+  ``ops.advantage.settle_estimator``):
 
   - an algorithm that requires a critic (PPO) needs an advantage node with ``critic=``;
+  - an algorithm that folds the KL to a reference policy into the reward (REINFORCE++)
+    needs ``ref=`` and an estimator that takes the KL (otherwise the KL would be
+    silently dropped);
+  - an advantage node that names no estimator needs a train_step to take it from;
   - an estimator that reads critic values (GAE) needs ``critic=``;
   - a critic is trained on value targets, so with ``critic=`` the estimator must give
     returns (GAE, REINFORCE++, multi-turn);
-  - an algorithm that folds the KL to a reference policy into the reward (REINFORCE++)
-    needs ``ref=`` and an estimator that takes the KL (otherwise the KL would be
-    silently dropped).
+  - algorithm and estimator are one choice: an estimator that is another algorithm's
+    default (``grpo`` under ``train.algorithm=rloo``) means the graph was written for that
+    algorithm, and is refused naming both nodes and values. An estimator that is no
+    algorithm's default (``multi_turn``, ``reinforce_pp_baseline``, a user's) goes with any.
 
 * **weight channel** (:func:`weight_channel_defects`): a ``generate`` node that samples
   from a model some trainer updates must receive its weights (one
@@ -30,19 +38,39 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from areal_flow.algorithms.catalog import ESTIMATORS, algorithm_info
+from areal_flow.algorithms.catalog import algorithm_info, algorithms_defaulting_to, estimator_info, estimator_names
 
 if TYPE_CHECKING:
     from areal_flow.graph import Graph
 
-_WITH_RETURNS = ", ".join(name for name, e in ESTIMATORS.items() if e.gives_returns)
-_WITH_KL = ", ".join(name for name, e in ESTIMATORS.items() if e.takes_kl)
+
+def _estimators_that(flag: str) -> str:
+    return ", ".join(name for name in estimator_names() if getattr(estimator_info(name), flag))
 
 
 def training_defects(graph: Graph) -> Iterator[str]:
     """Messages for every algorithm/estimator/critic/ref mismatch (see the module docstring)."""
+    pairs = [(step, algorithm_info(step.attrs.get("algorithm")), graph.source_of(step.name, "advantages", "advantage"))
+             for step in graph.trainers()]
+    pairs = [(step, algorithm, adv) for step, algorithm, adv in pairs if algorithm is not None and adv is not None]
+    for step, algorithm, adv in pairs:  # unknown algorithms are refused while tracing
+        estimator = estimator_info(adv.attrs.get("estimator") or "")
+        role = adv.attrs.get("model_role")
+        if algorithm.requires_critic and role != "critic":
+            yield (f"{step.where()}: algorithm '{algorithm.name}' needs a critic, but {adv.where()} reads none; "
+                   f"pass ops.advantage(..., estimator='{algorithm.default_estimator}', critic=Model('critic', ...))")
+        if algorithm.kl_in_reward and role != "ref":
+            yield (f"{step.where()}: algorithm '{algorithm.name}' folds the KL to a reference policy into the "
+                   f"reward, but {adv.where()} reads none; pass ref=Model('ref', ..., trainable=False)")
+        elif algorithm.kl_in_reward and estimator is not None and not estimator.takes_kl:
+            yield (f"{step.where()}: algorithm '{algorithm.name}' folds the KL into the reward, but the estimator "
+                   f"'{estimator.name}' of {adv.where()} takes no KL; use one of {_estimators_that('takes_kl')}")
     for adv in graph.nodes_of("advantage"):
-        estimator = ESTIMATORS.get(adv.attrs.get("estimator"))
+        if adv.attrs.get("estimator") is None:
+            yield (f"{adv.where()}: no estimator given and no train_step reads this node to take its algorithm's; "
+                   "pass estimator=")
+            continue
+        estimator = estimator_info(adv.attrs["estimator"])
         if estimator is None:
             continue  # an unknown estimator is refused while tracing
         has_critic = adv.attrs.get("model_role") == "critic"
@@ -51,23 +79,15 @@ def training_defects(graph: Graph) -> Iterator[str]:
                    "pass critic=Model('critic', ...)")
         if has_critic and not estimator.gives_returns:
             yield (f"{adv.where()}: critic '{adv.model}' is trained on value targets, but estimator "
-                   f"'{estimator.name}' gives no returns; use one of {_WITH_RETURNS}, or drop critic=")
-    for step in graph.trainers():
-        algorithm = algorithm_info(step.attrs.get("algorithm"))
-        adv = graph.data_producer(step.name)
-        if algorithm is None or adv is None or adv.op != "advantage":
-            continue  # unknown algorithms are refused while tracing; a wrong producer by the edge check
-        estimator = adv.attrs.get("estimator")
-        role = adv.attrs.get("model_role")
-        if algorithm.requires_critic and role != "critic":
-            yield (f"{step.where()}: algorithm '{algorithm.name}' needs a critic, but {adv.where()} reads none; "
-                   f"pass ops.advantage(..., estimator='{algorithm.default_estimator}', critic=Model('critic', ...))")
-        if algorithm.kl_in_reward and role != "ref":
-            yield (f"{step.where()}: algorithm '{algorithm.name}' folds the KL to a reference policy into the "
-                   f"reward, but {adv.where()} reads none; pass ref=Model('ref', ..., trainable=False)")
-        elif algorithm.kl_in_reward and estimator in ESTIMATORS and not ESTIMATORS[estimator].takes_kl:
-            yield (f"{step.where()}: algorithm '{algorithm.name}' folds the KL into the reward, but the estimator "
-                   f"'{estimator}' of {adv.where()} takes no KL; use one of {_WITH_KL}")
+                   f"'{estimator.name}' gives no returns; use one of {_estimators_that('gives_returns')}, or "
+                   "drop critic=")
+    for step, algorithm, adv in pairs:
+        given, default = adv.attrs.get("estimator"), algorithm.default_estimator
+        owners = algorithms_defaulting_to(given) if given else []
+        if given != default and owners:
+            yield (f"{adv.where()} says estimator='{given}' (the estimator of {', '.join(owners)}), but "
+                   f"{step.where()} trains algorithm='{algorithm.name}', whose estimator is '{default}': leave "
+                   "estimator= out (the algorithm decides) or train the algorithm it belongs to")
 
 
 def weight_channel_defects(graph: Graph) -> Iterator[str]:

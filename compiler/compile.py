@@ -23,8 +23,7 @@ from compiler.plan import SCHEMA_VERSION, Alternative, DataEdge, NodePlan, Plan,
 from compiler.search import search
 from compiler.step import Candidate, evaluate
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import (CPU, DEFAULT_PROMPTS_PER_STEP, TRAINING, Workload, build_workload, scalar_head_models,
-                              trainers)
+from compiler.workload import CPU, TRAINING, Workload, build_workload, scalar_head_models, trainers
 
 
 def _normalize(obj, cls):
@@ -37,10 +36,11 @@ def _normalize(obj, cls):
     return cls(**values)
 
 
-def plan_id(graph, workload: Workload, cluster: ClusterConfig, cfg: CompileConfig) -> str:
-    """xxhash64 (hex) of the graph (nodes, edges, models and their resolved shapes), the
+def plan_id(graph, workload: Workload, cluster: ClusterConfig, cfg: CompileConfig, batch_groups: int) -> str:
+    """xxhash64 (hex) of the graph (nodes, edges, models and their resolved shapes), B, the
     cluster and the compile config."""
     payload = {
+        "batch_groups": batch_groups,
         "graph": graph.name,
         "nodes": [[n.name, n.op, n.model, n.attrs] for n in graph.nodes.values()],
         "edges": [[e.src, e.src_port, e.dst, e.dst_port, e.kind, e.max_staleness] for e in graph.edges],
@@ -67,19 +67,21 @@ def _pins(cfg: CompileConfig, model: CostModel) -> dict[str, ParallelStrategy]:
     return pins
 
 
-def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) -> Plan:
+def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, *, batch_groups: int) -> Plan:
     """Place every node of ``graph`` on ``cluster_cfg`` and predict its step time.
 
     Args:
         graph: an ``areal_flow.graph.Graph`` (or any object with the same attributes).
         cluster_cfg: machines, devices per machine, device preset.
         compile_cfg: workload, mode and search knobs (``allocation`` skips the search).
+        batch_groups: B, prompt groups per train step (``train.batch_size``); the plan
+            carries it on every data edge into a train_step.
 
     Returns:
         the best plan, with the other top-k allocations as ``alternatives``.
 
     Raises:
-        CompileConfigError: a bad config value or pin (named).
+        CompileConfigError: a bad config value or pin (named), or ``batch_groups`` < 1.
         ModelSpecError / WorkloadError: a model or the graph cannot be read.
         AllocationError: a bad manual allocation (caret at the culprit).
         InfeasiblePlanError: nothing fits memory (per-node floors and knobs).
@@ -87,7 +89,9 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) 
     cluster = _normalize(cluster_cfg, ClusterConfig)
     cfg = _normalize(compile_cfg, CompileConfig)
     check_config(cluster, cfg)
-    workload = build_workload(graph, cfg)
+    if isinstance(batch_groups, bool) or not isinstance(batch_groups, int) or batch_groups < 1:
+        raise CompileConfigError(f"train.batch_size={batch_groups!r}: must be an int >= 1 (B, prompt groups per step)")
+    workload = build_workload(graph, cfg, batch_groups)
     model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg)
     pins = _pins(cfg, model)
     if cfg.allocation:
@@ -106,7 +110,7 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig) 
         found = ranked = search(model, pins, cfg.top_k)
     warnings = plan_warnings(ranked[0], found, manual=bool(cfg.allocation), asked_async=workload.staleness >= 1,
                              total_devices=model.total_devices)
-    return _to_plan(ranked, graph, workload, model, cluster, cfg, warnings)
+    return _to_plan(ranked, graph, workload, model, cluster, cfg, warnings, batch_groups)
 
 
 def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:
@@ -159,7 +163,7 @@ def _edges(graph, batch_groups: int) -> tuple[DataEdge, ...]:
 
 
 def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostModel, cluster, cfg,
-             warnings: tuple[str, ...]) -> Plan:
+             warnings: tuple[str, ...], batch_groups: int) -> Plan:
     best = ranked[0]
     placed = {a.task.node: a for a in best.assignments()}
     nodes = []
@@ -181,7 +185,7 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
     cuda = cluster.gpu != "cpu"
     return Plan(
         schema_version=SCHEMA_VERSION,
-        id=plan_id(graph, workload, cluster, cfg),
+        id=plan_id(graph, workload, cluster, cfg, batch_groups),
         graph=workload.graph_name,
         cluster=dataclasses.asdict(cluster),
         device=model.device.to_dict(),
@@ -197,7 +201,7 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         idle_fraction=best.idle_fraction,
         nodes=tuple(nodes),
         routes=tuple(best.routes),
-        edges=_edges(graph, cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
+        edges=_edges(graph, batch_groups),
         alternatives=tuple(Alternative(c.allocation, c.step_time_s, c.idle_fraction, c.colocated, component_times(c))
                            for c in ranked),
         models=_models(graph),
@@ -206,8 +210,7 @@ def _to_plan(ranked: list[Candidate], graph, workload: Workload, model: CostMode
         backend="nccl" if cuda else "gloo",
         workload=dict(
             n_sequences=workload.n_sequences, prompt_len=workload.prompt_len, new_tokens=workload.new_tokens,
-            samples_per_prompt=workload.n_sequences // (cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP),
-            batch_groups=cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP,
+            samples_per_prompt=workload.n_sequences // batch_groups,
             length_dist=dataclasses.asdict(cfg.length_dist), mfu=cfg.mfu,
             bandwidth_efficiency=cfg.bandwidth_efficiency, dtype=cfg.dtype,
             decode_step_overhead_s=cfg.decode_step_overhead_s, memory_fraction=cfg.memory_fraction,

@@ -5,18 +5,20 @@ plan through :meth:`Plan.from_json` and :meth:`NodePlan.parallel`. It must not c
 placements (``compiler.compile``) nor draw them (``compiler.viz``).
 
 The plan is the runtime's only input (``runtime.run(plan)``): besides placements and
-predictions it holds every node's op, attributes and input ports, the models' specs and
-heads, every edge with its ports, staleness bound k and batch size B, the run's settings
-(``run``: steps, seed, optimizer, warm start, evaluation, scheduler) and the definitions
-of user-registered ops. Attribute values that are not JSON (a reward function defined in
-the graph file, a user op) are stored as base64 cloudpickle (``{"__pickle__": ...}``) and
-restored by :func:`decode_value` on the worker; a plan is therefore as trusted as the
-graph file it came from.
+predictions it holds every node's op, attributes and input ports (a train_step's whole
+``LossConfig`` in ``attrs.loss``), the models' specs and heads, every edge with its ports,
+staleness bound k and batch size B (on the data edges into train_steps, nowhere else the
+runtime reads), the weight routes the trainer publishes on, the run's settings (``run``:
+steps, seed, optimizer, warm start, evaluation, scheduler) and the definitions of
+user-registered ops, algorithms and estimators. Values that are not JSON (a reward
+function defined in the graph file, a user op, algorithm or estimator) are stored as
+base64 cloudpickle (``{"__pickle__": ...}``) and restored by :func:`decode_value` on the
+worker; a plan is therefore as trusted as the graph file it came from.
 
-Schema (``schema_version`` 2): units are bytes per device for ``memory``, seconds for
+Schema (``schema_version`` 3): units are bytes per device for ``memory``, seconds for
 every ``*_s``/``seconds``/``times`` value, and a fraction in [0, 1] for ``idle_fraction``.
-A change of field meaning or name bumps ``SCHEMA_VERSION``; :meth:`Plan.from_json`
-refuses other versions.
+A change of field meaning or name bumps ``SCHEMA_VERSION`` (3: ``attrs.loss`` is the whole
+merged loss, not overrides); :meth:`Plan.from_json` refuses other versions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from compiler.plan_check import check_plan
 from compiler.plan_types import check_json_types
 from compiler.strategy import ParallelStrategy
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def encode_value(value: Any) -> Any:
@@ -66,7 +68,7 @@ class PlanSchemaError(ValueError):
     """A plan.json of another schema version, or missing a field (named)."""
 
 
-_OPTIONAL = ("models", "run", "ops", "device_type", "backend", "workload", "warnings")
+_OPTIONAL = ("models", "run", "ops", "algorithms", "estimators", "device_type", "backend", "workload", "warnings")
 
 
 def _node(data: dict) -> NodePlan:
@@ -153,8 +155,10 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class SyncRoute:
-    """Weight sync from a trainer's mesh to a generator's mesh: ``bytes`` in total (one copy
-    per generation replica, ``replicas`` of them), over ``link`` (intra-node/inter-node), seconds."""
+    """Weight sync from train_step ``src``'s mesh to generator ``dst``'s mesh: ``bytes`` in total
+    (one copy per generation replica, ``replicas`` of them), over ``link`` (intra-node/inter-node),
+    seconds. The runtime publishes each new version of ``src`` to every replica of ``dst``
+    exactly along the plan's routes."""
 
     src: str
     dst: str
@@ -169,7 +173,8 @@ class SyncRoute:
 @dataclass(frozen=True)
 class DataEdge:
     """A graph edge: ``kind`` data or weights; ``max_staleness`` (k, versions) and
-    ``batch_groups`` (B, prompt groups per train step) on a data edge into a train_step."""
+    ``batch_groups`` (B, prompt groups per train step) on a data edge into a train_step:
+    the one place of k and B the runtime reads (``Plan.staleness_bound``, ``Plan.batch_groups``)."""
 
     src: str
     dst: str
@@ -203,7 +208,8 @@ class Plan:
         graph: graph name.
         cluster: ``n_nodes``, ``n_gpus_per_node``, ``gpu``.
         device: the device preset's figures (``compiler.hardware.DeviceSpec``).
-        mode: async or sync; ``max_staleness``: effective k.
+        mode: async or sync; ``max_staleness``: the k the time model assumed (0 in sync
+            mode; predictions only: the runtime reads :attr:`staleness_bound`).
         allocation: the allocation string (``compiler.allocation`` grammar).
         colocated: some mesh time-shares generation and training.
         overlapped: generation overlaps training (async, k >= 1, not colocated).
@@ -212,13 +218,15 @@ class Plan:
         nodes: every graph node; routes: weight syncs; edges: graph edges.
         alternatives: top-k allocations, best first.
         models: model name -> ``{"spec", "trainable", "head"}`` (head: lm, value or reward).
-        run: the run's settings (``compiler.program.RunSpec`` as a dict).
+        run: the run's settings (``compiler.lowering.RunSpec`` as a dict).
         ops: user-registered op name -> its ``OpDef``, encoded.
+        algorithms: user-registered algorithm name -> its ``BaseAlgorithm`` subclass, encoded.
+        estimators: user-registered estimator name -> its ``catalog.UserEstimator``, encoded.
         device_type / backend: ``cpu``/``gloo`` or ``cuda``/``nccl``.
         workload: what the time model assumed, for ``compiler.simulate``: ``n_sequences``,
-            ``prompt_len``, ``new_tokens``, ``samples_per_prompt``, ``batch_groups`` (B),
-            ``length_dist`` (``compile.length_dist``), ``mfu``, ``bandwidth_efficiency``,
-            ``dtype``, ``decode_step_overhead_s``, ``memory_fraction``, ``fsdp_overlap``.
+            ``prompt_len``, ``new_tokens``, ``samples_per_prompt``, ``length_dist``
+            (``compile.length_dist``), ``mfu``, ``bandwidth_efficiency``, ``dtype``,
+            ``decode_step_overhead_s``, ``memory_fraction``, ``fsdp_overlap``.
         warnings: the compiler's warnings (``compiler.explain.plan_warnings``): a manual
             allocation much slower than the best found, idle devices, async asked but
             generation and training colocated.
@@ -246,18 +254,41 @@ class Plan:
     models: dict = field(default_factory=dict)
     run: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)
+    algorithms: dict = field(default_factory=dict)
+    estimators: dict = field(default_factory=dict)
     device_type: str = "cpu"
     backend: str = "gloo"
     workload: dict = field(default_factory=dict)
     warnings: tuple = ()
 
+    def train_edges(self) -> list[DataEdge]:
+        """The data edges into the trainers (nodes whose role is ``training``: ``train_step``, a
+        user op that trains), in plan order (the edges that carry k and B)."""
+        steps = {n.name for n in self.nodes if n.trains}
+        return [e for e in self.edges if e.dst in steps and e.kind == "data"]
+
     @property
     def staleness_bound(self) -> int:
-        """k that runs: the smallest bound on the data edges into train_step nodes (the one source
-        of k; ``max_staleness`` is what the compiler's time model assumed)."""
-        steps = {n.name for n in self.nodes if n.trains}
-        bounds = [e.max_staleness for e in self.edges if e.dst in steps and e.max_staleness is not None]
-        return min(bounds) if bounds else self.max_staleness
+        """k that runs: the bound on the data edges into the train_steps (the one source of k;
+        :func:`compiler.plan_check.check_plan` makes them carry one value; ``max_staleness`` is
+        what the compiler's time model assumed).
+
+        Raises:
+            ValueError: no such edge carries k (a plan the plan check refuses).
+        """
+        return self._edge_value("max_staleness")
+
+    @property
+    def batch_groups(self) -> int:
+        """B that runs: prompt groups per train step, from the data edges into the train_steps
+        (as :attr:`staleness_bound`). Raises ValueError when no such edge carries B."""
+        return self._edge_value("batch_groups")
+
+    def _edge_value(self, name: str) -> int:
+        for edge in self.train_edges():
+            if getattr(edge, name) is not None:
+                return getattr(edge, name)
+        raise ValueError(f"plan {self.id}: no data edge into a train_step carries {name}")
 
     def node(self, name: str) -> NodePlan:
         """The node called ``name``. Raises KeyError naming it."""

@@ -1,16 +1,24 @@
-"""Consistency of a plan read from disk: what a hand edit can break, caught before any
-process starts, each error naming the node, edge or key.
+"""Consistency of a plan: what a hand edit can break, caught before any process starts, each
+error naming the node, edge, route or key. The one check of the parameters the runtime reads.
 
-Owns the structural rules a runnable plan keeps (``Plan.from_dict`` calls :func:`check_plan`):
-node names unique; every input port names an existing node and one of its output ports;
-the data edges are exactly the nodes' input ports (an edge deleted or added by hand would
-make the drawing and the program disagree); every edge's ends exist; a bound ``k`` is an
-int >= 0 and ``B`` an int >= 1; ``run`` holds what the runtime reads, with ``steps`` and
-``seed`` integers. Whether an op exists is the runtime's check (user ops are registered
-from the plan there: ``runtime.topology``).
+Owns the structural rules a runnable plan keeps (``Plan.from_dict`` and
+``compiler.program.compile_program`` call :func:`check_plan`): node names unique; every
+input port names an existing node and one of its output ports; the data edges are exactly
+the nodes' input ports (an edge deleted or added by hand would make the drawing and the
+program disagree); every edge's ends exist; a bound ``k`` is an int >= 0 and ``B`` an int
+>= 1; every route goes from a train_step to a generator of the same model. A runnable plan
+(one with ``run``) also keeps: ``run`` holds what the runtime reads, with ``steps`` and
+``seed`` integers; every data edge into a train_step carries k and B, one value of each
+(the trainer takes one batch of ``B`` groups per step for all its train_steps); a generator
+of a trained model without a route (it samples from version 0 only) is allowed only when
+``k >= steps - 1``, else admission would stop after ``k + 1`` steps; every train_step names a
+known algorithm (built in, carried in ``plan.algorithms`` or registered here) and its whole
+``LossConfig`` (``attrs.loss``); every advantage node a known estimator. Whether an op
+exists is the runtime's check (user ops are registered from the plan there:
+``runtime.topology``).
 
 It also holds the plan's fields that come from config keys to those keys' types
-(:func:`check_config_types`): ``plan.run`` is :class:`compiler.program.RunSpec`, so a key
+(:func:`check_config_types`): ``plan.run`` is :class:`compiler.lowering.RunSpec`, so a key
 it does not know (``stepz``) is refused with a did-you-mean rather than ignored, and a node
 attribute lowered from a config key (``train_step``'s ``lr`` is ``train.lr``, a float) or
 named like its built-in op's argument (``generate``'s ``n_samples``, an int) must have that
@@ -21,6 +29,10 @@ themselves are checked by the config's own checks where a run starts (``runtime.
 from __future__ import annotations
 
 import difflib
+
+from areal_flow.algorithms.catalog import algorithm_info, estimator_info
+from areal_flow.algorithms.config import LossConfig
+from areal_flow.graph import staleness_problem
 
 RUN_KEYS = ("name", "out_dir", "seed", "steps", "scheduler", "warm_start", "eval")
 
@@ -48,8 +60,9 @@ def check_plan(plan, error) -> None:
         for end in (edge.src, edge.dst):
             if end not in nodes:
                 raise error(f"plan edge {edge.src} -> {edge.dst}: '{end}' is not a node of the plan")
-        if edge.max_staleness is not None and (not isinstance(edge.max_staleness, int) or edge.max_staleness < 0):
-            raise error(f"plan edge {edge.src} -> {edge.dst}: max_staleness={edge.max_staleness!r} must be an int >= 0")
+        problem = None if edge.max_staleness is None else staleness_problem(edge.max_staleness)
+        if problem:
+            raise error(f"plan edge {edge.src} -> {edge.dst}: {problem}")
         if edge.batch_groups is not None and (not isinstance(edge.batch_groups, int) or edge.batch_groups < 1):
             raise error(f"plan edge {edge.src} -> {edge.dst}: batch_groups={edge.batch_groups!r} must be an int >= 1")
     drawn = {(e.src, e.src_port, e.dst, e.dst_port) for e in plan.edges if e.kind == "data"}
@@ -57,16 +70,13 @@ def check_plan(plan, error) -> None:
         side = "has no edge" if (src, sp, dst, port) in wired else "has an edge but no input port reads it"
         raise error(f"plan: {src}.{sp} -> {dst}.{port} {side}; edit a node's inputs and its edge together "
                     "(or re-compile)")
+    _check_routes(plan, nodes, error)
     if plan.run:
-        missing = [k for k in RUN_KEYS if k not in plan.run]
-        if missing:
-            raise error(f"plan.run lacks {', '.join(missing)} (a plan from 'areal-flow compile' has them)")
-        for key in ("steps", "seed"):
-            value = plan.run[key]
-            if not isinstance(value, int) or isinstance(value, bool) or (key == "steps" and value < 1):
-                raise error(f"plan.run.{key}={value!r}: must be an int" + (" >= 1" if key == "steps" else ""))
-        if not isinstance(plan.run["scheduler"], dict) or "type" not in plan.run["scheduler"]:
-            raise error("plan.run.scheduler must be a mapping with a 'type' (local or ray)")
+        _check_run(plan, error)
+        _check_bounds(plan, error)
+        _check_unsynced(plan, nodes, error)
+        _check_algorithms(plan, error)
+
     check_config_types(plan, error)
 
 
@@ -82,7 +92,7 @@ def check_config_types(plan, error) -> None:
     import areal_flow.ops  # noqa: F401  (registers the built-in ops' functions)
     from areal_flow.config_load import key_type
     from areal_flow.ops.registry import argument_types
-    from compiler.program import LOWERED, RUN_CONFIG_KEYS
+    from compiler.lowering import LOWERED, RUN_CONFIG_KEYS
     from compiler.plan_types import fits, type_name
 
     sections = {k.split(".")[0] for k in RUN_CONFIG_KEYS if "." in k}
@@ -115,3 +125,96 @@ def check_config_types(plan, error) -> None:
                 continue
             if not fits(value, hint_type):
                 raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not {type_name(hint_type)} ({via})")
+
+
+def _check_run(plan, error) -> None:
+    missing = [k for k in RUN_KEYS if k not in plan.run]
+    if missing:
+        raise error(f"plan.run lacks {', '.join(missing)} (a plan from 'areal-flow compile' has them)")
+    for key in ("steps", "seed"):
+        value = plan.run[key]
+        if not isinstance(value, int) or isinstance(value, bool) or (key == "steps" and value < 1):
+            raise error(f"plan.run.{key}={value!r}: must be an int" + (" >= 1" if key == "steps" else ""))
+    if not isinstance(plan.run["scheduler"], dict) or "type" not in plan.run["scheduler"]:
+        raise error("plan.run.scheduler must be a mapping with a 'type' (local or ray)")
+
+
+def _check_bounds(plan, error) -> None:
+    """Every data edge into a train_step carries k and B, and they agree (one trainer batch)."""
+    edges = plan.train_edges()
+    if not edges:
+        raise error("plan: no data edge into a train_step (nothing to train)")
+    for name in ("max_staleness", "batch_groups"):
+        for edge in edges:
+            if getattr(edge, name) is None:
+                what = "k, the staleness bound" if name == "max_staleness" else "B, prompt groups per step"
+                raise error(f"plan edge {edge.src} -> {edge.dst}: no {name} ({what}); set it on the edge "
+                            "(or re-compile)")
+        first = edges[0]
+        for edge in edges[1:]:
+            if getattr(edge, name) != getattr(first, name):
+                raise error(f"plan edge {edge.src} -> {edge.dst}: {name}={getattr(edge, name)}, but "
+                            f"{first.src} -> {first.dst} has {getattr(first, name)}; the trainer takes one batch "
+                            "for every train_step: give them one value")
+
+
+def _check_routes(plan, nodes: dict, error) -> None:
+    """Each weight route goes from a train_step to a generator (stream node) of its model."""
+    for route in plan.routes:
+        where = f"plan route {route.src} -> {route.dst}"
+        src, dst = nodes.get(route.src), nodes.get(route.dst)
+        if src is None or dst is None:
+            raise error(f"{where}: '{route.dst if src else route.src}' is not a node of the plan")
+        if not src.trains:
+            raise error(f"{where}: '{src.name}' is a {src.op}; weights come from a node that trains (a train_step)")
+        if dst.grain != "stream":
+            raise error(f"{where}: '{dst.name}' is a {dst.op}; weights go to a generator (generate or rollout)")
+        if src.model != dst.model:
+            raise error(f"{where}: '{src.name}' trains model '{src.model}', but '{dst.name}' samples from "
+                        f"'{dst.model}'")
+    if len({r.dst for r in plan.routes}) != len(plan.routes):
+        dst = next(r.dst for r in plan.routes if [x.dst for x in plan.routes].count(r.dst) > 1)
+        raise error(f"plan: two routes send weights to '{dst}'; one route per generator")
+
+
+def _check_unsynced(plan, nodes: dict, error) -> None:
+    """A generator of a trained model with no route samples from version 0: fine only when
+    admission never needs a newer version (``k >= steps - 1``)."""
+    trained = {n.model: n for n in plan.nodes if n.trains}
+    k, steps = plan.staleness_bound, plan.run["steps"]
+    for gen in (n for n in plan.nodes if n.grain == "stream"):
+        step = trained.get(gen.model)
+        if step is not None and not any(r.dst == gen.name for r in plan.routes) and k < steps - 1:
+            raise error(f"plan: no route sends '{step.name}''s weights to '{gen.name}', which then samples from "
+                        f"version 0 only: admission stops after k + 1 = {k + 1} of {steps} steps; add the route "
+                        f"back, or set k >= {steps - 1} on the train_step's data edge")
+
+
+def _check_algorithms(plan, error) -> None:
+    """Known algorithms with a whole, valid loss config; known estimators."""
+    for node in plan.nodes:
+        if node.op == "train_step":
+            name = node.attrs.get("algorithm")
+            info = algorithm_info(name) if isinstance(name, str) else None
+            if info is None and name not in plan.algorithms:
+                raise error(f"plan node '{node.name}': algorithm {name!r} is neither built in nor carried in "
+                            "plan.algorithms")
+            loss = node.attrs.get("loss")
+            if not isinstance(loss, dict):
+                raise error(f"plan node '{node.name}': attrs.loss must be the LossConfig mapping, got {loss!r}")
+            missing = [f for f in LossConfig.field_names() if f not in loss]
+            if missing:
+                raise error(f"plan node '{node.name}': attrs.loss lacks {', '.join(missing)} (the plan holds the "
+                            "whole loss config; re-compile)")
+            try:
+                if info is not None:
+                    info.loss_config(loss)
+                else:
+                    LossConfig(**loss)
+            except (TypeError, ValueError) as err:
+                raise error(f"plan node '{node.name}': attrs.loss: {err}") from None
+        elif node.op == "advantage":
+            name = node.attrs.get("estimator")
+            if not isinstance(name, str) or (estimator_info(name) is None and name not in plan.estimators):
+                raise error(f"plan node '{node.name}': estimator {name!r} is neither built in nor carried in "
+                            "plan.estimators")

@@ -8,19 +8,25 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
-  every trainer (``train_step``, or a user op with role ``training``) gets its optimizer (``train.lr``, ``weight_decay``,
-  ``max_grad_norm``), micro-batching (``max_tokens_per_micro_batch``, ``pack_sequences``), loss
-  overrides (``train.loss``), ``checkpoint_every`` and ``max_nonfinite_steps``; a rule
+  every trainer (``train_step``, or a user op with role ``training``) gets its optimizer
+  (``train.lr``, ``weight_decay``, ``max_grad_norm``), micro-batching
+  (``max_tokens_per_micro_batch``, ``pack_sequences``), ``checkpoint_every``,
+  ``max_nonfinite_steps`` and its whole loss config (``loss``: the algorithm's defaults with
+  ``train.loss``, and the off-policy correction for k >= 1: ``compiler.algorithms``); a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
   ``failure_window`` (``areal_flow.rewards.pool``);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
   ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
   writes the count per DP rank into the plan and the trainer follows the plan;
 * ``plan.run``: :class:`RunSpec` (name, folders, seed, steps, warm start, evaluation,
-  scheduler, dtype).
+  scheduler, dtype);
+* ``plan.algorithms`` / ``plan.estimators``: the user-registered algorithms and estimators
+  the graph names, by value.
 
-The staleness bound k and the batch size B travel on the data edge into each
-``train_step`` (written by the compiler), nowhere else. It imports no torch.
+The staleness bound k (from the graph) and the batch size B (``train.batch_size``) travel on
+the data edge into each ``train_step`` (written by the compiler), nowhere else; the finished
+plan passes the one plan check (``compiler.plan_check``) before anything runs or is written.
+It imports no torch.
 """
 
 from __future__ import annotations
@@ -28,96 +34,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
 
 import xxhash
 
-from areal_flow.config import (DatasetConfig, DebugConfig, EvalConfig, ExperimentConfig, LoggingConfig,
-                               SchedulerConfig, WarmStartConfig)
+from areal_flow.config import ExperimentConfig
 from areal_flow.graph import Graph
+from compiler.lowering import RunSpec
 from compiler.workload import trainers
-
-
-@dataclass
-class RunSpec:
-    """The run-level settings of a plan (``plan.run``).
-
-    Attributes:
-        name / out_dir: outputs go to ``<out_dir>/<name>/``.
-        seed: data, sampling and initialisation seed.
-        steps: optimizer steps (policy versions) of RL.
-        warm_start: ``warm_start.*`` (supervised warm start of a tiny preset).
-        eval: ``eval.*`` (held-out greedy accuracy before and after RL).
-        scheduler: ``scheduler.*`` (local or ray, addresses, restarts).
-        dtype: ``model.dtype`` for the engines and trainers.
-        reward_model: training of a ``<preset>-rm`` reward model (``steps``, ``lr``).
-        logging / debug: ``logging.*`` (W&B beside TensorBoard, the timeline), ``debug.*`` (memory
-            profile, recorded edges).
-        keep_old_runs: moved-aside earlier runs of the name kept (``runtime.run_dir``).
-    """
-
-    name: str
-    out_dir: str
-    seed: int
-    steps: int
-    warm_start: dict = field(default_factory=dict)
-    eval: dict = field(default_factory=dict)
-    scheduler: dict = field(default_factory=dict)
-    dtype: str = "float32"
-    reward_model: dict = field(default_factory=dict)
-    logging: dict = field(default_factory=dict)
-    debug: dict = field(default_factory=dict)
-    keep_old_runs: int = 3
-
-    @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
-        asdict = dataclasses.asdict
-        return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
-                   warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
-                   dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr},
-                   logging=asdict(cfg.logging), debug=asdict(cfg.debug), keep_old_runs=cfg.keep_old_runs)
-
-
-_TRAIN = ("lr", "weight_decay", "max_grad_norm", "loss", "checkpoint_every", "max_tokens_per_micro_batch",
-          "pack_sequences", "max_nonfinite_steps")
-_ENGINE = {"max_batch_size": "gen.max_batch_size", "engine_dtype": "gen.dtype"}
-LOWERED: dict[str, dict[str, str]] = {
-    "dataset": {f.name: f"dataset.{f.name}" for f in dataclasses.fields(DatasetConfig)},
-    "generate": {**_ENGINE, "interruptible": "gen.interruptible", "max_failure_fraction": "reward.max_failure_fraction",
-                 "failure_window": "reward.failure_window"},
-    "rollout": _ENGINE,
-    "sync_weights": _ENGINE,  # it takes a weights input, so lower_attrs counts it among the generators
-    "train_step": {k: f"train.{k}" for k in _TRAIN},
-    "reward": {k: f"reward.{k}" for k in ("timeout_s", "workers", "max_failure_fraction", "failure_window")},
-}
-"""Op -> node attribute -> the config key it is lowered from (:func:`lower_attrs`; a dataset
-node's attributes are ``dataset.*``): what a plan's attribute is checked against."""
-
-RUN_CONFIG_KEYS: dict[str, str] = {
-    "name": "name", "out_dir": "out_dir", "seed": "seed", "steps": "train.steps", "dtype": "model.dtype",
-    "keep_old_runs": "keep_old_runs", "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
-    **{f"{section}.{f.name}": f"{section}.{f.name}" for section, cls in
-       (("warm_start", WarmStartConfig), ("eval", EvalConfig), ("scheduler", SchedulerConfig),
-        ("logging", LoggingConfig), ("debug", DebugConfig)) for f in dataclasses.fields(cls)},
-}
-"""``plan.run`` key (dotted into its sections) -> the config key :class:`RunSpec` takes it from."""
-
-
-def config_values(run: dict, nodes) -> list[tuple[str, dict]]:
-    """The config values a plan was lowered from, to check them as a config's (with
-    ``areal_flow.config_load.config_from_values``): ``("plan.run", {config key: value})``, then
-    ``("plan node '<name>'", {...})`` per node with lowered attributes (``nodes``: the plan's
-    :class:`~compiler.plan.NodePlan`). Keys neither table knows are left out (``Plan.from_dict``
-    refuses them in ``plan.run``)."""
-    flat = {f"{k}.{sub}" if isinstance(v, dict) else k: sv for k, v in run.items()
-            for sub, sv in (v.items() if isinstance(v, dict) else [(None, v)])}
-    out = [("plan.run", {RUN_CONFIG_KEYS[k]: v for k, v in flat.items() if k in RUN_CONFIG_KEYS})]
-    for node in nodes:
-        table = LOWERED.get(node.op, {})
-        values = {table[k]: v for k, v in node.attrs.items() if k in table}
-        if values:
-            out.append((f"plan node '{node.name}'", values))
-    return out
 
 
 def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
@@ -134,7 +57,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         elif node in steps:
             t = cfg.train
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                              loss=dict(t.loss), checkpoint_every=t.checkpoint_every,
+                              checkpoint_every=t.checkpoint_every,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
                               max_nonfinite_steps=t.max_nonfinite_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
@@ -154,9 +77,13 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
     """The runnable plan of ``graph`` under ``cfg`` (a :class:`compiler.plan.Plan`).
 
     Raises:
-        the compiler's errors (``compiler.compile_plan``), each naming its culprit.
+        the compiler's errors (``compiler.compile_plan``), each naming its culprit;
+        CompileConfigError: ``train.loss`` a train_step's algorithm cannot take, or a plan the
+            plan check refuses.
     """
     from compiler import compile_plan
+    from compiler.algorithms import lower_losses, user_code
+    from compiler.plan_check import check_plan
     from areal_flow.config_compile import CompileConfigError
 
     bounds = {e.dst: e.max_staleness for e in graph.edges if e.max_staleness is not None}
@@ -170,10 +97,15 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
             raise CompileConfigError(f"debug.record: {edge!r} is not a data edge of the graph; edges: "
                                      f"{', '.join(data_edges)}")
     lower_attrs(graph, cfg)
+    notes = lower_losses(graph, cfg.train.loss)
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None:
         compile_cfg.micro_batches = micro_batches(cfg, graph)
-    plan = compile_plan(graph, cfg.cluster, compile_cfg)
+    plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size)
     run = dataclasses.asdict(RunSpec.from_config(cfg))
+    algorithms, estimators = user_code(graph)
     plan_id = xxhash.xxh64(json.dumps([plan.id, run], sort_keys=True).encode()).hexdigest()
-    return dataclasses.replace(plan, run=run, id=plan_id)
+    plan = dataclasses.replace(plan, run=run, id=plan_id, algorithms=algorithms, estimators=estimators,
+                               warnings=plan.warnings + notes)
+    check_plan(plan, CompileConfigError)
+    return plan

@@ -107,7 +107,7 @@ class _Run:
                                                prompt_len=w["prompt_len"])
         self.dist = LengthDist(LengthDistConfig(**w["length_dist"]), w["new_tokens"])
         self.expected_tokens = w["n_sequences"] * (w["prompt_len"] + self.dist.mean)
-        self.prompt_len, self.n, self.B = w["prompt_len"], w["samples_per_prompt"], w["batch_groups"]
+        self.prompt_len, self.n, self.B = w["prompt_len"], w["samples_per_prompt"], plan.batch_groups
         self.k, self.steps, self.rng = k, steps, random.Random(seed)
         self.colocated, self.sync_s = plan.colocated, plan.sync_s
         self.engines = [ContinuousBatch(cost, self.gen.concurrent or 1) for _ in range(self.gen.parallel.dp)]
@@ -287,7 +287,7 @@ def format_report(plan: Plan, results: list[SimResult]) -> str:
              "lognormal": f"lognormal mean {d['mean']} sigma {d['sigma']}"}[d["kind"]]
     lines = [
         f"simulated plan {plan.id}: {plan.allocation}",
-        f"{w['batch_groups']} prompts x {w['samples_per_prompt']} responses per step, lengths {shape} of "
+        f"{plan.batch_groups} prompts x {w['samples_per_prompt']} responses per step, lengths {shape} of "
         f"{w['new_tokens']} tokens; {results[0].steps} steps ({results[0].warmup} warm-up left out)",
         "",
         f"{'k':>3}  {'step time':>10}  {'gen busy':>8}  {'occupancy':>9}  {'train busy':>10}  {'gen bubble':>10}  "

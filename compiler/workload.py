@@ -1,7 +1,9 @@
 """What a graph asks of the devices in one training step.
 
 Owns the reading of the graph IR for the compiler: which nodes need devices and in which
-role, their models, the rollout batch (sequences and lengths), the staleness bound, the
+role, their models, the rollout batch (``B`` prompt groups, given by the caller, times the
+group size; lengths), the staleness bound the time model assumes (k of the data edge into
+the policy's train_step; a graph without one is refused, nothing is assumed), the
 ``gen``/``train`` aliases, and where each CPU-light node is placed. It reads only
 ``graph.name``, ``graph.nodes`` (``.name .op .model .attrs``), ``graph.edges``
 (``.src .dst .kind .max_staleness``) and ``graph.models`` (``.name .spec .trainable``).
@@ -26,9 +28,6 @@ from areal_flow.config_compile import CompileConfig, CompileConfigError
 from compiler.models import ModelSpec, resolve_model
 
 GENERATION, TRAINING, INFERENCE, CPU = "generation", "training", "inference", "cpu"
-
-
-DEFAULT_PROMPTS_PER_STEP = 64  # prompt groups per step when neither compile nor train says
 
 
 class WorkloadError(ValueError):
@@ -62,10 +61,10 @@ class Workload:
         graph_name: the graph's name.
         tasks: device nodes in graph order.
         cpu_hosts: CPU-light node -> the device node it is placed with.
-        n_sequences: trajectories per step = prompts_per_step x samples_per_prompt.
+        n_sequences: trajectories per step = B x samples_per_prompt.
         prompt_len: prompt tokens per trajectory (budget).
         new_tokens: response tokens per trajectory (budget).
-        staleness: effective max staleness k (0 in sync mode).
+        staleness: the k the time model assumes: the policy's edge's, 0 in sync mode.
         aliases: ``gen`` -> the generate node, ``train`` -> the policy's train_step.
         data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
         ops: node -> op, for every graph node.
@@ -123,11 +122,12 @@ def trainers(graph) -> list:
     return [n for n in graph.nodes.values() if lookup(n.op).spec.trains]
 
 
-def build_workload(graph, cfg: CompileConfig) -> Workload:
-    """Read ``graph`` under ``cfg``.
+def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
+    """Read ``graph`` under ``cfg`` with ``batch_groups`` (B) prompt groups per train step.
 
     Raises:
-        WorkloadError: no device node, a node's model is not declared, or no response length.
+        WorkloadError: no device node, a node's model is not declared, no data edge with k
+            into the policy's train_step, or no response length.
         ModelSpecError: a model's spec cannot be resolved.
     """
     models: dict[str, ModelSpec] = {}
@@ -164,10 +164,10 @@ def build_workload(graph, cfg: CompileConfig) -> Workload:
         graph_name=graph.name,
         tasks=tuple(tasks),
         cpu_hosts={n: _host(graph, n, device_nodes, tasks[0].node) for n in graph.nodes if n not in device_nodes},
-        n_sequences=(cfg.prompts_per_step or DEFAULT_PROMPTS_PER_STEP) * int(samples),
+        n_sequences=batch_groups * int(samples),
         prompt_len=cfg.max_prompt_len,
         new_tokens=int(new_tokens),
-        staleness=_staleness(graph, cfg, aliases.get("train")),
+        staleness=0 if cfg.mode == "sync" else _edge_staleness(graph, aliases.get("train")),
         aliases=aliases,
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
@@ -186,23 +186,20 @@ def scalar_head_models(graph) -> dict[str, str]:
     return heads
 
 
-def _staleness(graph, cfg: CompileConfig, train: str | None) -> int:
-    """k of the data edge into the policy's train_step, else the smallest bound on a data
-    edge into a train_step, else 1 (the IR edge is the one source of k); 0 for the time
-    model of ``compile.mode=sync`` (``compiler.program`` refuses a runnable plan whose
-    mode and edge disagree)."""
-    return 0 if cfg.mode == "sync" else _edge_staleness(graph, train)
-
-
 def _edge_staleness(graph, train: str | None) -> int:
+    """k of the data edge into the policy's train_step ``train`` (the IR edge is the one
+    source of k; ``compile.mode=sync`` makes the time model assume 0, and
+    ``compiler.program`` refuses a runnable plan whose mode and edge disagree).
+
+    Raises:
+        WorkloadError: no policy train_step, or no bound on its data edge.
+    """
     for e in graph.edges:
-        if e.dst == train and e.max_staleness is not None:
+        if e.dst == train and e.kind == "data" and e.max_staleness is not None:
             return int(e.max_staleness)
-    bounds = [
-        e.max_staleness for e in graph.edges
-        if e.max_staleness is not None and e.dst in {n.name for n in trainers(graph)}
-    ]
-    return min(bounds) if bounds else 1
+    where = f"the policy's train_step '{train}'" if train else "a train_step of the generator's model"
+    raise WorkloadError(f"graph '{graph.name}': no data edge into {where} carries max_staleness (k); "
+                        "ops.train_step(max_staleness=...) sets it (a user trainer op takes max_staleness= too)")
 
 
 def _host(graph, name: str, device_nodes: set[str], fallback: str) -> str:

@@ -42,7 +42,7 @@ def agent_support(cfg):
         max_new_tokens=cfg.gen.max_new_tokens,  # per policy turn
         temperature=cfg.gen.temperature,
     )
-    adv = ops.advantage(episodes, estimator="grpo")  # rewards: the episodes' discounted returns
+    adv = ops.advantage(episodes)  # train.algorithm's estimator over the episodes' discounted returns
     stats = ops.train_step(policy, adv, algorithm=cfg.train.algorithm, max_staleness=cfg.async_.max_staleness)
     ops.sync_weights(policy, to=episodes)
     return stats

@@ -7,7 +7,8 @@ Read top to bottom, this is the whole algorithm (Shao et al. 2024, DeepSeekMath 
    per-token behavior log-probs and the policy version of every token.
 3. ``reward``: 1 for an exactly right answer, else 0.
 4. ``advantage``: group-relative: (r - mean(group)) / (std(group) + eps), every token of a
-   response gets its sequence's advantage.
+   response gets its sequence's advantage (the estimator of ``train.algorithm``: with
+   ``train.algorithm=rloo`` the leave-one-out baseline instead).
 5. ``train_step``: PPO-clipped policy loss, token-mean over the whole optimizer step, AdamW;
    samples arrive at most ``async.max_staleness`` versions old (bounded-staleness edge).
 6. ``sync_weights``: the new version goes to the generator on the weight channel; in-flight
@@ -34,7 +35,7 @@ def arith_grpo(cfg):
         engine=cfg.gen.engine,  # "embedded" or "vllm"
     )
     reward = ops.reward(rollout, fn="arithmetic")
-    adv = ops.advantage(rollout, reward, estimator="grpo")
+    adv = ops.advantage(rollout, reward)  # the estimator of train.algorithm (GRPO's: group-relative)
     stats = ops.train_step(policy, adv, algorithm=cfg.train.algorithm, max_staleness=cfg.async_.max_staleness)
     ops.sync_weights(policy, to=rollout)
     return stats

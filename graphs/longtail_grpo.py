@@ -38,7 +38,7 @@ def longtail_grpo(cfg):
         engine=cfg.gen.engine,  # "embedded" or "vllm"
     )
     reward = ops.reward(rollout, fn="longtail")
-    adv = ops.advantage(rollout, reward, estimator="grpo")
+    adv = ops.advantage(rollout, reward)  # the estimator of train.algorithm (GRPO's: group-relative)
     stats = ops.train_step(policy, adv, algorithm=cfg.train.algorithm, max_staleness=cfg.async_.max_staleness)
     ops.sync_weights(policy, to=rollout)
     return stats

@@ -155,7 +155,7 @@ def calibrate(run_dir: Path | str) -> tuple[Plan, Calibration, list[dict]]:
         raise CalibrationError(f"{run_dir / 'trace.json'}: {len(loads)} weight load(s) of '{sync}'{where}; the "
                                "comparison needs at least 2 (run more train.steps)")
     rows = _trajectories(run_dir, first)
-    trained = (max(r["step"] for r in rows) + 1) * plan.workload["batch_groups"]
+    trained = (max(r["step"] for r in rows) + 1) * plan.batch_groups
     engine = [e for e in events if e["name"] == gen.name and e["cat"] == "node"]
     ends = [e["ts"] + e["dur"] for e in engine if any(i < trained for i in e["args"].get("finished", []))]
     if not ends:

@@ -52,7 +52,6 @@ from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
-from areal_flow.algorithms.lookup import build_algorithm
 from compiler.strategy import ParallelStrategy, StrategyError
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
@@ -152,12 +151,7 @@ class RankTrainer:
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        algorithm = build_algorithm(
-            spec.algorithm, parallel.module, optimizer, loss_overrides=dict(spec.loss_overrides),
-            micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
-            max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, pack_sequences=spec.pack_sequences,
-        )
-        return cls(rank, strategy, parallel, algorithm)
+        return cls(rank, strategy, parallel, spec.build_algorithm(parallel.module, optimizer))
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors,

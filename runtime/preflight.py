@@ -28,7 +28,7 @@ def preflight(plan: Plan, topo: Topology):
 
 def _check_config_values(plan: Plan) -> None:
     """Check the plan's values that came from config keys (``plan.run``, lowered node attributes,
-    a dataset node's keys: ``compiler.program.config_values``) with the config's own checks
+    a dataset node's keys: ``compiler.lowering.config_values``) with the config's own checks
     (``areal_flow.config_load.config_from_values``), the ones a YAML file or an override passes,
     so a hand-edited plan.json is refused as the same config would be, before the run folder
     is touched. (A plan compiled from a config passes: its values were checked on loading.)
@@ -37,7 +37,7 @@ def _check_config_values(plan: Plan) -> None:
         ConfigError: ``plan.run: <the config's message>`` or ``plan node '<name>': <...>``.
     """
     from areal_flow.config_load import config_from_values
-    from compiler.program import config_values
+    from compiler.lowering import config_values
 
     for where, values in config_values(plan.run, plan.nodes):
         try:

@@ -58,13 +58,6 @@ class ExactlyOnceError(ValueError):
     """A group index or sample id was delivered, completed or consumed more than once."""
 
 
-def _check_config(max_staleness: int, batch_groups: int) -> None:
-    if not isinstance(max_staleness, int) or max_staleness < 0:
-        raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
-    if not isinstance(batch_groups, int) or batch_groups < 1:
-        raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
-
-
 class AdmissionController:
     """Generate-side admission rule ``accepted + running < (k + v + 1) * B``.
 
@@ -73,16 +66,15 @@ class AdmissionController:
             ``0`` is the synchronous baseline.
         batch_groups: ``B``, prompt groups per train step.
 
+    k and B come from the plan, whose check (``compiler.plan_check``) made k an int >= 0 and
+    B an int >= 1.
+
     Attributes:
         accepted: groups completed (and sent to the trainer) so far.
         running: groups admitted but not yet completed.
-
-    Raises:
-        ValueError: ``max_staleness < 0`` or ``batch_groups < 1``.
     """
 
     def __init__(self, max_staleness: int, batch_groups: int) -> None:
-        _check_config(max_staleness, batch_groups)
         self.max_staleness = max_staleness
         self.batch_groups = batch_groups
         self.accepted = 0
@@ -148,8 +140,9 @@ class OrderedExperienceBuffer:
     steps are consumed in order ``0, 1, 2, ...``.
 
     Args:
-        batch_groups: ``B``, prompt groups per train step.
-        max_staleness: ``k``; :meth:`take_batch` checks every sample against it.
+        batch_groups: ``B``, prompt groups per train step (the plan's, checked there).
+        max_staleness: ``k`` (the plan's, checked there); :meth:`take_batch` checks every
+            sample against it.
 
     Attributes:
         next_step: the step :meth:`take_batch` expects next.
@@ -159,7 +152,6 @@ class OrderedExperienceBuffer:
     """
 
     def __init__(self, batch_groups: int, max_staleness: int) -> None:
-        _check_config(max_staleness, batch_groups)
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.next_step = 0

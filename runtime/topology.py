@@ -12,12 +12,14 @@ group is one device node's mesh with the CPU-light nodes placed with it (``place
   it hosts ``batch`` nodes, batches ``B`` groups per step in admission order (the trainer).
 
 The ``dataset`` source runs on the router. Edges inside a group are calls; edges between
-groups are experience channels; ``sync_weights`` edges become weight routes from a
+groups are experience channels; the plan's weight routes (``plan.routes``) go from a
 trainer (a node whose role is ``training``: ``train_step``, or a user op that trains) to
-every replica of its generate node. Which group is *the trainer* (whose step loop paces the
-run, whose end ends it, which republishes weights to a restarted replica) is one rule,
-:attr:`Topology.trainer`, for every scheduler. Nothing here reads an op's name: what a node
-is comes from its declared grain, role and ports (``areal_flow.ops.registry``).
+every replica of its generate node. k, B and the routes are read from the plan as they are
+(the plan check, ``compiler.plan_check``, has refused a plan lacking them). Which group is
+*the trainer* (whose step loop paces the run, whose end ends it, which republishes weights
+to a restarted replica) is one rule, :attr:`Topology.trainer`, for every scheduler. Nothing
+here reads an op's name: what a node is comes from its declared grain, role and ports
+(``areal_flow.ops.registry``).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ class Topology:
         groups: by name, generation group first.
         generate / dataset: the nodes the router and replicas run.
         train_steps: every node that trains its model (role ``training``); ``routes``:
-            (trainer, generate) weight routes.
-        batch_groups / max_staleness / steps: B, k (smallest over the train_step edges) and steps.
+            (trainer, generate) weight routes (``plan.routes``).
+        batch_groups / max_staleness / steps: B, k (``Plan.batch_groups``, ``Plan.staleness_bound``)
+            and steps.
         notes: what the runtime does differently from the plan's letter, printed at start.
     """
 
@@ -108,8 +111,8 @@ def build_topology(plan: Plan) -> Topology:
     Raises:
         TopologyError: not exactly one dataset and one generate node; a generation
             strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a trainer without exactly one data input, or without a data edge bound
-            (k, B); a group node whose input comes from a later group; no trainer.
+            processes; a trainer without exactly one data input; a group node whose input comes
+            from a later group; no trainer.
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -165,15 +168,9 @@ def build_topology(plan: Plan) -> Topology:
         raise TopologyError(f"plan {plan.id}: no node trains a model (train_step)")
     for node in steps:
         trainer_input(node)
-    bounds = [e for e in plan.edges if e.dst in {n.name for n in steps} and e.kind == "data"]
-    missing = [n.name for n in steps if not any(e.dst == n.name and e.batch_groups for e in bounds)]
-    if missing:
-        raise TopologyError(f"plan {plan.id}: train_step '{missing[0]}' has no data edge with k and B (re-compile "
-                            "the plan)")
-    routes = [(e.src, _route_target(plan, e.dst)) for e in plan.edges if e.kind == "weights" and
-              plan.node(e.src).trains]
+    routes = [(r.src, r.dst) for r in plan.routes]
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
-                    batch_groups=bounds[0].batch_groups, max_staleness=min(e.max_staleness or 0 for e in bounds),
+                    batch_groups=plan.batch_groups, max_staleness=plan.staleness_bound,
                     steps=int(plan.run["steps"]), notes=notes)
 
 
@@ -206,10 +203,6 @@ def trainer_input(node: NodePlan) -> str:
         raise TopologyError(f"{node.where()}: a node that trains its model takes its step's batch on one data input; "
                             f"it has {len(node.inputs)} ({', '.join(node.inputs) or 'none'})")
     return next(iter(node.inputs))
-
-
-def _route_target(plan: Plan, sync_node: str) -> str:
-    return next(e.dst for e in plan.edges if e.src == sync_node and e.kind == "weights")
 
 
 def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:

@@ -131,7 +131,8 @@ def test_every_attribute_lower_attrs_writes_is_in_the_table_the_plan_is_checked_
     import argparse
 
     from areal_flow.cli import flow_config, load_flow
-    from compiler.program import LOWERED, lower_attrs
+    from compiler.lowering import LOWERED
+    from compiler.program import lower_attrs
 
     seen = set()
     for name in ("arith_grpo", "arith_ppo", "agent_support"):

@@ -48,7 +48,7 @@ def test_moe_gradient_traffic_over_expert_data_parallel_ranks():
 def test_dp_never_exceeds_the_sequences_of_a_step():
     # 2 prompts x 4 samples = 8 sequences on 16 GPUs: no node may run more than 8 data-parallel ranks
     plan = compile_plan(grpo_graph("Qwen2.5-1.5B"), ClusterConfig(2, 8, "H100"),
-                        CompileConfig(prompts_per_step=2, samples_per_prompt=4))
+                        CompileConfig(samples_per_prompt=4), batch_groups=2)
     for node in plan.nodes:
         if node.parallel is not None:
             assert node.parallel.dp <= 8, (node.name, node.strategy)
@@ -57,7 +57,7 @@ def test_dp_never_exceeds_the_sequences_of_a_step():
 def test_critic_is_costed_with_a_scalar_head():
     graph = grpo_graph("Qwen2.5-7B", critic=True)
     graph.nodes["advantage"].attrs["model_role"] = "critic"
-    w = build_workload(graph, CompileConfig())
+    w = build_workload(graph, CompileConfig(), 64)
     critic, policy = w.task("critic_step").model, w.task("train_step").model
     # Qwen2.5-7B: 7,615,616,512 with a 152,064 x 3,584 = 544,997,376 LM head; the value head is 3,584 x 1
     assert policy.n_params == 7_615_616_512

@@ -43,14 +43,14 @@ def plan() -> Plan:
     # hidden behind compute, so the numbers below can be derived by hand
     cfg = CompileConfig(length_dist=LengthDistConfig(kind="fixed", mean=1.0), decode_step_overhead_s=0.0,
                         fsdp_overlap=0.0)
-    return compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"), cfg)
+    return compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"), cfg, batch_groups=64)
 
 
 def test_json_round_trip(plan):
     text = plan.to_json()
     again = Plan.from_json(text)
     assert again == plan and again.to_json() == text
-    assert json.loads(text)["schema_version"] == 2
+    assert json.loads(text)["schema_version"] == 3
     assert again.node("train_step").parallel.tp == plan.node("train_step").parallel.tp
 
 
@@ -116,7 +116,7 @@ def test_warnings_for_a_slow_colocated_manual_allocation():
     # 4 devices of 32 time-share generation and training: 28 idle; the graph's k = 1 asks for
     # asynchrony, which a shared mesh cannot give; the search's best is far faster.
     plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"),
-                        CompileConfig(allocation="gen:d4 | train:d4"))
+                        CompileConfig(allocation="gen:d4 | train:d4"), batch_groups=64)
     best = plan.alternatives[1]
     assert plan.alternatives[0].allocation == "gen:d4 | train:d4" and best.step_time_s * 1.2 < plan.step_time_s
     slower, idle, colocated = plan.warnings
@@ -159,7 +159,7 @@ def test_html_outlines_tp_groups_and_pipeline_stages(tmp_path):
     # gen d2t4 on n0: 2 TP groups of 4; train d4t2p2 on n1-2: 8 TP groups of 2 and 2 stages of 8
     # devices, each stage one whole machine -> 10 solid outlines and 2 dashed ones.
     plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=4, n_gpus_per_node=8, gpu="H100"),
-                        CompileConfig(allocation="gen:d2t4 + train:d4t2p2"))
+                        CompileConfig(allocation="gen:d2t4 + train:d4t2p2"), batch_groups=64)
     text = render(plan, tmp_path / "plan.html").read_text()
     outlines = [line for line in text.split("<rect") if 'fill="none"' in line and 'stroke="#111"' in line]
     dashed = [line for line in outlines if "stroke-dasharray" in line]
@@ -188,7 +188,8 @@ def test_html_labels_fit_their_gaps_and_stay_off_the_machines(tmp_path):
     # each weight-sync label lies below every machine box.
     from compiler.viz_html import BOX_W, graph_page
 
-    plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=16, n_gpus_per_node=8, gpu="H100"), CompileConfig())
+    plan = compile_plan(grpo_7b(), ClusterConfig(n_nodes=16, n_gpus_per_node=8, gpu="H100"), CompileConfig(),
+                        batch_groups=64)
     labels = {f"{e.src}->{e.dst}": "mean wait 1234.5 ms, 17 items" for e in plan.edges if e.kind != "weights"}
     page = graph_page("t", plan, {n.name: "#ccc" for n in plan.nodes}, {n.name: [n.name] for n in plan.nodes},
                       labels, {}, render(plan, tmp_path / "p.html").read_text().split("<body>", 1)[1])

@@ -75,11 +75,11 @@ def _all_strategies(task, size, per_node, n_sequences):
     return found
 
 
-def brute_force(graph, cluster, cfg):
+def brute_force(graph, cluster, cfg, batch_groups):
     """Best (step time, allocation) over every pair of disjoint aligned meshes and every
     combination of per-node strategies, each costed by compiler.step.evaluate; ties break
     on the serial time G + T + S, then the allocation string."""
-    model = CostModel(build_workload(graph, cfg), device_spec(cluster.gpu), cluster, cfg)
+    model = CostModel(build_workload(graph, cfg, batch_groups), device_spec(cluster.gpu), cluster, cfg)
     gen = [t for t in model.workload.tasks if t.role == GENERATION]
     train = [t for t in model.workload.tasks if t.role != GENERATION]
     meshes = _aligned_meshes(cluster.n_nodes, cluster.n_gpus_per_node)
@@ -107,30 +107,29 @@ def brute_force(graph, cluster, cfg):
     return best[0], best[2]
 
 
-CASES = [
-    ("Qwen2.5-1.5B", ClusterConfig(1, 8, "H100"), CompileConfig(prompts_per_step=32), False),
-    ("Qwen2.5-7B", ClusterConfig(1, 8, "A100-80G"), CompileConfig(prompts_per_step=16, mode="sync"), False),
-    ("Qwen2.5-7B", ClusterConfig(2, 4, "L40S"), CompileConfig(prompts_per_step=16), False),
-    ("Qwen2.5-1.5B", ClusterConfig(1, 4, "H100"), CompileConfig(prompts_per_step=16), True),
-    ("SmolLM2-135M", ClusterConfig(1, 4, "cpu"), CompileConfig(prompts_per_step=4, max_prompt_len=32,
-                                                               max_new_tokens=32), False),
+CASES = [  # (model, cluster, compile config, B = prompt groups per step, critic)
+    ("Qwen2.5-1.5B", ClusterConfig(1, 8, "H100"), CompileConfig(), 32, False),
+    ("Qwen2.5-7B", ClusterConfig(1, 8, "A100-80G"), CompileConfig(mode="sync"), 16, False),
+    ("Qwen2.5-7B", ClusterConfig(2, 4, "L40S"), CompileConfig(), 16, False),
+    ("Qwen2.5-1.5B", ClusterConfig(1, 4, "H100"), CompileConfig(), 16, True),
+    ("SmolLM2-135M", ClusterConfig(1, 4, "cpu"), CompileConfig(max_prompt_len=32, max_new_tokens=32), 4, False),
 ]
 
 
-@pytest.mark.parametrize("spec,cluster,cfg,critic", CASES)
-def test_search_matches_brute_force(spec, cluster, cfg, critic):
+@pytest.mark.parametrize("spec,cluster,cfg,b,critic", CASES)
+def test_search_matches_brute_force(spec, cluster, cfg, b, critic):
     graph = grpo_graph(spec, critic)
-    plan = compile_plan(graph, cluster, cfg)
-    step, allocation = brute_force(graph, cluster, cfg)
+    plan = compile_plan(graph, cluster, cfg, batch_groups=b)
+    step, allocation = brute_force(graph, cluster, cfg, b)
     assert plan.allocation == allocation
     assert plan.step_time_s == pytest.approx(step, rel=1e-12)
 
 
 def test_search_matches_brute_force_on_16_gpus():
     graph, cluster = grpo_graph("Llama-3-8B"), ClusterConfig(2, 8, "H100")
-    cfg = CompileConfig(prompts_per_step=32)
-    plan = compile_plan(graph, cluster, cfg)
-    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+    cfg = CompileConfig()
+    plan = compile_plan(graph, cluster, cfg, batch_groups=32)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg, 32))
 
 
 SMALL_MOE = dict(  # a Qwen3-MoE-shaped config small enough for brute force: 16 experts, top-4
@@ -144,23 +143,23 @@ def test_search_with_ep_matches_brute_force(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SMALL_MOE))
     graph, cluster = grpo_graph(str(path)), ClusterConfig(1, 8, "H100")
-    cfg = CompileConfig(prompts_per_step=16, max_new_tokens=2048, fsdp_overlap=0.0)
-    plan = compile_plan(graph, cluster, cfg)
-    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+    cfg = CompileConfig(max_new_tokens=2048, fsdp_overlap=0.0)
+    plan = compile_plan(graph, cluster, cfg, batch_groups=16)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg, 16))
 
 
 def test_search_with_cp_matches_brute_force_on_a_long_context():
     # 2 responses of up to 64k tokens: dp <= 2, so spreading training wider needs TP, PP or CP
     graph, cluster = grpo_graph("Qwen2.5-1.5B"), ClusterConfig(1, 8, "H100")
-    cfg = CompileConfig(prompts_per_step=1, samples_per_prompt=2, max_new_tokens=65536)
-    plan = compile_plan(graph, cluster, cfg)
-    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg))
+    cfg = CompileConfig(samples_per_prompt=2, max_new_tokens=65536)
+    plan = compile_plan(graph, cluster, cfg, batch_groups=1)
+    assert (plan.step_time_s, plan.allocation) == pytest.approx(brute_force(graph, cluster, cfg, 1))
 
 
-def _every_layout(graph, cluster, cfg):
+def _every_layout(graph, cluster, cfg, batch_groups):
     """(step, serial, allocation) of the best layout over every aligned size pair and every
     colocated size, with no bound or dominance pruning (compiler.search._Search.layout on each)."""
-    model = CostModel(build_workload(graph, cfg), device_spec(cluster.gpu), cluster, cfg)
+    model = CostModel(build_workload(graph, cfg, batch_groups), device_spec(cluster.gpu), cluster, cfg)
     s = _Search(model, {})
     sizes = aligned_sizes(cluster.n_nodes, cluster.n_gpus_per_node)
     found = []
@@ -184,44 +183,44 @@ def _every_layout(graph, cluster, cfg):
                                               ("Qwen2.5-72B", "sync", 32), ("Qwen3-30B-A3B", "sync", 32)])
 def test_pruned_search_equals_every_layout(spec, mode, n_nodes):
     graph, cluster = grpo_graph(spec), ClusterConfig(n_nodes, 8, "H100")
-    cfg = CompileConfig(prompts_per_step=256, mode=mode)
-    plan = compile_plan(graph, cluster, cfg)
-    step, _, allocation = _every_layout(graph, cluster, cfg)
+    cfg = CompileConfig(mode=mode)
+    plan = compile_plan(graph, cluster, cfg, batch_groups=256)
+    step, _, allocation = _every_layout(graph, cluster, cfg, 256)
     assert (plan.step_time_s, plan.allocation) == (step, allocation)
 
 
 def test_local_cpu_plan_is_disaggregated_one_device_each():
     plan = compile_plan(grpo_graph("tiny-arith"), ClusterConfig(1, 2, "cpu"),
-                        CompileConfig(prompts_per_step=8, max_prompt_len=16, max_new_tokens=8))
+                        CompileConfig(max_prompt_len=16, max_new_tokens=8), batch_groups=8)
     gen, train = plan.node("generate"), plan.node("train_step")
     assert (gen.mesh, train.mesh) == (MeshSpec(0, 1, 0, 1), MeshSpec(0, 1, 1, 1))
     assert gen.strategy == train.strategy == "d1"
     assert plan.allocation == "gen:d1 + train:d1" and not plan.colocated
     assert plan.node("reward").placed_with == "generate" and plan.node("dataset").placed_with == "generate"
-    one = compile_plan(grpo_graph("tiny-arith"), ClusterConfig(), CompileConfig(max_new_tokens=8))
+    one = compile_plan(grpo_graph("tiny-arith"), ClusterConfig(), CompileConfig(max_new_tokens=8), batch_groups=64)
     assert one.allocation == "gen:d1 | train:d1"  # one device: both engines share it
 
 
 def test_plans_are_deterministic():
     args = (grpo_graph("Qwen2.5-7B"), ClusterConfig(2, 8, "H100"), CompileConfig())
-    first, second = compile_plan(*args), compile_plan(*args)
+    first, second = compile_plan(*args, batch_groups=64), compile_plan(*args, batch_groups=64)
     assert first == second and first.id == second.id
-    other = compile_plan(args[0], args[1], CompileConfig(prompts_per_step=32))
+    other = compile_plan(*args, batch_groups=32)
     assert other.id != first.id
 
 
 def test_manual_allocation_and_pins():
     graph, cluster = grpo_graph("Qwen2.5-7B"), ClusterConfig(2, 8, "H100")
-    plan = compile_plan(graph, cluster, CompileConfig(allocation="gen:d4t2 + train:d2t2p2"))
+    plan = compile_plan(graph, cluster, CompileConfig(allocation="gen:d4t2 + train:d2t2p2"), batch_groups=64)
     assert plan.allocation == "gen:d4t2 + train:d2t2p2"
     assert plan.node("generate").mesh == MeshSpec(0, 1, 0, 8)
     assert plan.node("train_step").mesh == MeshSpec(1, 1, 0, 8)
     assert plan.alternatives[0].allocation == plan.allocation
-    pinned = compile_plan(graph, cluster, CompileConfig(pins={"gen": "d2t2"}))
+    pinned = compile_plan(graph, cluster, CompileConfig(pins={"gen": "d2t2"}), batch_groups=64)
     assert pinned.node("generate").strategy == "d2t2"
     assert pinned.allocation.startswith("gen:d2t2 ")
     with pytest.raises(CompileConfigError, match="compile.pins.gen"):
-        compile_plan(graph, cluster, CompileConfig(pins={"gen": "t8"}))  # 8 does not divide 4 KV heads
+        compile_plan(graph, cluster, CompileConfig(pins={"gen": "t8"}), batch_groups=64)  # 8 does not divide 4 KV heads
 
 
 @pytest.mark.parametrize("text,position,reason", [
@@ -251,13 +250,13 @@ def test_allocation_binding_errors():
     ]
     for text, position, reason in cases:
         with pytest.raises(AllocationError, match=reason) as info:
-            compile_plan(graph, cluster, CompileConfig(allocation=text))
+            compile_plan(graph, cluster, CompileConfig(allocation=text), batch_groups=64)
         assert info.value.position == position, text
 
 
 def test_infeasible_error_names_every_node_floor_and_knob():
     with pytest.raises(InfeasiblePlanError) as info:
-        compile_plan(grpo_graph("Qwen2.5-72B"), ClusterConfig(1, 8, "H100"), CompileConfig())
+        compile_plan(grpo_graph("Qwen2.5-72B"), ClusterConfig(1, 8, "H100"), CompileConfig(), batch_groups=64)
     by_node = {s.node: s for s in info.value.shortfalls}
     assert set(by_node) == {"generate", "train_step"}
     # generation: 2 x 72.7e9 B of weights over tp=8 = 18.2e9 B (16.9 GiB) + one KV slot: fits
@@ -272,4 +271,4 @@ def test_infeasible_error_names_every_node_floor_and_knob():
     assert "train_step" in message and "GiB" in message and "generate" in message
     with pytest.raises(InfeasiblePlanError, match="does not fit"):
         compile_plan(grpo_graph("Qwen2.5-7B"), ClusterConfig(1, 8, "H100"),
-                     CompileConfig(allocation="gen:d4 + train:d1"))
+                     CompileConfig(allocation="gen:d4 + train:d1"), batch_groups=64)

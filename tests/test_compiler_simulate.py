@@ -18,11 +18,11 @@ def toy_plan():
     """One replica with 2 slots, one prompt group of 2 responses of exactly 2 tokens per step;
     a device so fast that a decode step costs only the 1 s per-step overhead (prefill ~0);
     train_step 3 s; weight sync 1 s."""
-    cfg = CompileConfig(prompts_per_step=1, samples_per_prompt=2, max_prompt_len=1, max_new_tokens=2,
+    cfg = CompileConfig(samples_per_prompt=2, max_prompt_len=1, max_new_tokens=2,
                         length_dist=LengthDistConfig(kind="fixed", mean=1.0), decode_step_overhead_s=1.0)
     graph = grpo_7b()
     graph.models["policy"] = dataclasses.replace(graph.models["policy"], spec="tiny-arith")
-    plan = compile_plan(graph, ClusterConfig(1, 2, "cpu"), cfg)
+    plan = compile_plan(graph, ClusterConfig(1, 2, "cpu"), cfg, batch_groups=1)
     assert plan.allocation == "gen:d1 + train:d1" and plan.node("generate").concurrent == 2
     device = {**plan.device, "peak_flops": 1e30, "hbm_bandwidth": 1e30}
     nodes = tuple(dataclasses.replace(n, times={"compute": 3.0}) if n.name == "train_step" else n for n in plan.nodes)
@@ -84,8 +84,7 @@ AREAL = [("Qwen2.5-1.5B", 16, "gen:d96 + train:d32", 41.0 / 14.8), ("Qwen2.5-7B"
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,nodes,allocation,published", AREAL)
 def test_async_over_sync_matches_areal_table_1(spec, nodes, allocation, published):
-    cfg = CompileConfig(prompts_per_step=512, samples_per_prompt=16, max_prompt_len=1024, max_new_tokens=27648,
-                        allocation=allocation)
-    plan = compile_plan(grpo_graph(spec), ClusterConfig(nodes, 8, "H800"), cfg)
+    cfg = CompileConfig(samples_per_prompt=16, max_prompt_len=1024, max_new_tokens=27648, allocation=allocation)
+    plan = compile_plan(grpo_graph(spec), ClusterConfig(nodes, 8, "H800"), cfg, batch_groups=512)
     ratio = simulate(plan, k=0).step_time_s / simulate(plan, k=4).step_time_s
     assert ratio == pytest.approx(published, rel=0.15)

@@ -134,13 +134,13 @@ def test_each_replica_says_which_dtype_auto_chose_and_warns_for_a_coupled_loss(m
     monkeypatch.setattr(precision, "_CHOICES", {})
     engine = GenerationEngine(_model(0), TOK, max_batch_size=4, dtype="auto")  # 1.0 / 0.4 = 2.5x >= 1.3x: bf16
     gen = SimpleNamespace(engine=engine, node=SimpleNamespace(name="generate"))
-    spec = SimpleNamespace(rank=1, plan=_plan(tmp_path))  # train.loss.use_decoupled_loss defaults to false
+    spec = SimpleNamespace(rank=1, plan=_plan(tmp_path, "train.loss.use_decoupled_loss=false"))  # a coupled loss
     assert engine_precision(spec, gen) == {"engine_dtype": "bfloat16", "engine_dtype_speedup": 2.5}
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == ("generate 'generate' replica 1: gen.dtype=auto chose bfloat16 (bfloat16 decode step 2.50x as "
                         "fast as float32; 1.3x needed)")
     assert len(lines) == 2 and "warning: the engine decodes in bfloat16 while train.loss.use_decoupled_loss" in lines[1]
-    spec.plan = _plan(tmp_path, "train.loss.use_decoupled_loss=true")
+    spec.plan = _plan(tmp_path)  # k = 2 (the yaml): the compiler turns the decoupled loss on
     engine_precision(spec, gen)
     assert "warning" not in capsys.readouterr().err  # the recomputed proximal log-probs are the reference
     forced = SimpleNamespace(engine=GenerationEngine(_model(0), TOK, max_batch_size=4), node=gen.node)

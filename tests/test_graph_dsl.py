@@ -109,7 +109,7 @@ def test_two_train_steps_on_one_model():
 def test_data_cycle_without_staleness_is_a_deadlock():
     g = _manual_graph()
     g.add_node(Node("r", "reward"))
-    g.add_node(Node("a", "advantage"))
+    g.add_node(Node("a", "advantage", attrs={"estimator": "grpo"}))
     g.add_node(Node("t", "train_step", model="policy", attrs={"max_staleness": 0}))
     g.add_edge(Edge("gen", "rollouts", "r", "rollouts"))
     g.add_edge(Edge("gen", "rollouts", "a", "rollouts"))

@@ -90,6 +90,64 @@ def test_kl_in_reward_needs_a_ref_and_an_estimator_that_takes_the_kl():
         kl_dropped(CFG)
 
 
+def test_the_config_algorithm_switches_an_estimator_the_graph_left_to_it():
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+
+    flow_ = load_flow(ROOT / "graphs/arith_grpo.py")  # ops.advantage(rollout, reward): no estimator named
+    for algorithm, estimator in (("grpo", "grpo"), ("rloo", "rloo"), ("lite_ppo", "lite_ppo"), ("dapo", "grpo")):
+        graph = flow_(load_config(ROOT / "graphs/arith_grpo.yaml", [f"train.algorithm={algorithm}"]))
+        assert graph.nodes["advantage"].attrs["estimator"] == estimator, algorithm
+        assert graph.nodes["train_step"].attrs["algorithm"] == algorithm
+
+
+def test_an_estimator_of_another_algorithm_is_one_line_naming_both_nodes():
+    @flow
+    def rloo_on_grpo_advantages(cfg):
+        return _policy_loop(cfg, algorithm="rloo", estimator="grpo")[2]
+
+    with pytest.raises(GraphError, match=(
+        rf"^node 'advantage' \(advantage, .*{at('adv')}\) says estimator='grpo' \(the estimator of dapo, "
+        rf"decoupled_ppo, grpo, gspo, m2po, sapo\), but node 'train_step' \(train_step, .*{at('step')}\) trains "
+        r"algorithm='rloo', whose estimator is 'rloo': leave estimator= out \(the algorithm decides\) or train the "
+        r"algorithm it belongs to$")):
+        rloo_on_grpo_advantages(CFG)
+
+
+def test_an_estimator_that_is_no_algorithms_default_goes_with_any():
+    @flow
+    def baseline_variant(cfg):  # REINFORCE++ with its group-baseline estimator (Hu 2025, sec. 3)
+        ref = Model("ref", "tiny-arith", trainable=False)
+        return _policy_loop(cfg, algorithm="reinforce_pp", estimator="reinforce_pp_baseline", ref=ref)[2]
+
+    assert baseline_variant(CFG).nodes["advantage"].attrs["estimator"] == "reinforce_pp_baseline"
+
+
+def test_an_estimator_left_to_the_algorithm_has_its_knobs_checked_and_needs_a_train_step():
+    @flow
+    def knob_of_another(cfg):
+        policy = Model("policy", "tiny-arith")
+        rollout = ops.generate(policy, ops.dataset(cfg.dataset))
+        adv = ops.advantage(rollout, ops.reward(rollout), lam=0.9)  # knob
+        stats = ops.train_step(policy, adv, algorithm="grpo")
+        ops.sync_weights(policy, to=rollout)
+        return stats
+
+    with pytest.raises(GraphError, match=(
+        rf"^node 'advantage' \(advantage, .*{at('knob')}\): unknown argument 'lam'; estimator 'grpo' \(the default "
+        r"of algorithm 'grpo'\) takes: eps, std_unbiased$")):
+        knob_of_another(CFG)
+
+    @flow
+    def nobody_takes_it(cfg):
+        rollout = ops.generate(Model("policy", "tiny-arith"), ops.dataset(cfg.dataset))
+        return ops.advantage(rollout, ops.reward(rollout))  # orphan
+
+    with pytest.raises(GraphError, match=(
+        rf"^node 'advantage' \(advantage, .*{at('orphan')}\): no estimator given and no train_step reads this node")):
+        nobody_takes_it(CFG)
+
+
 def test_user_registered_algorithm_is_accepted_and_checked_while_tracing():
     from areal_flow.algorithms import registry
     from areal_flow.algorithms.base import BaseAlgorithm

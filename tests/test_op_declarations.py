@@ -43,7 +43,7 @@ def own_trainer(cfg):
     rollout = ops.generate(policy, ops.dataset(cfg.dataset), n_samples=cfg.gen.n_samples,
                            max_new_tokens=cfg.gen.max_new_tokens)
     adv = ops.advantage(rollout, ops.reward(rollout, fn="arithmetic"), estimator="grpo")
-    stats, _ = update_policy(adv, model=policy)
+    stats, _ = update_policy(adv, model=policy, max_staleness=0)
     ops.sync_weights(policy, to=rollout)
     return stats
 '''

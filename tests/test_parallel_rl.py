@@ -26,6 +26,7 @@ checksums differ): the reductions above round differently, by a few ulps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms.advantages import compute_advantages
+from areal_flow.algorithms.catalog import ALGORITHMS
 from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.config_load import load_config
 from areal_flow.models.logprobs import token_logprobs
@@ -62,7 +64,8 @@ CASES = {  # case -> (algorithm, strategy, packed rows); Dr.GRPO normalises by t
 
 
 def _spec(folder: Path, algorithm: str, packed: bool = False) -> TrainSettings:
-    return TrainSettings(model_folder=str(folder), algorithm=algorithm, loss_overrides={}, lr=LR, weight_decay=0.01,
+    loss = dataclasses.asdict(ALGORITHMS[algorithm].loss_config({}))  # what the compiler writes into the plan
+    return TrainSettings(model_folder=str(folder), algorithm=algorithm, loss=loss, lr=LR, weight_decay=0.01,
                          max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0, pack_sequences=packed)
 
 

@@ -206,6 +206,15 @@ def test_local_cluster_trains_every_sample_once(tmp_path, loopback_ray):
 
 
 @pytest.mark.slow
+def test_user_algorithm_and_estimator_reach_ray_actors_by_value(tmp_path, loopback_ray):
+    from user_algorithm import check_user_run, write_user_graph
+
+    graph, cfg = _config(write_user_graph(tmp_path), tmp_path, "train.steps=2", "train.batch_size=2")
+    run_experiment(graph, cfg, show_progress=False)  # a local cluster; the actors never see the graph file
+    check_user_run(tmp_path / "user_grpo", steps=2)
+
+
+@pytest.mark.slow
 def test_two_nodes_generation_and_training_apart(tmp_path, two_nodes):
     path = tmp_path / "own_reward_graph.py"
     path.write_text(GRAPH_WITH_OWN_REWARD)  # its reward function reaches the actor by value

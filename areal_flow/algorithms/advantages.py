@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from areal_flow.algorithms.catalog import estimator_names, user_estimator
 from areal_flow.algorithms.returns import (
     AdvantageOutput,
     discounted_returns,
@@ -228,7 +229,8 @@ ESTIMATORS: dict[str, Callable[..., AdvantageOutput]] = {
 
 
 def compute_advantages(name: str, **kwargs) -> AdvantageOutput:
-    """Run the estimator ``ESTIMATORS[name]``.
+    """Run the estimator ``ESTIMATORS[name]``, or the one a graph registered under ``name``
+    (``catalog.register_estimator``).
 
     ``kwargs`` may be a superset of what the estimator takes (e.g. a trainer passes
     ``rewards, group_ids, loss_mask, values`` and ``AdvantageConfig.estimator_kwargs()``
@@ -238,10 +240,11 @@ def compute_advantages(name: str, **kwargs) -> AdvantageOutput:
         ValueError: unknown ``name`` (the message lists the known ones).
         TypeError: an argument no estimator takes (a typo), or a required one missing.
     """
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
-    fn = ESTIMATORS[name]
-    known = set().union(*(inspect.signature(f).parameters for f in ESTIMATORS.values()))
+    user = user_estimator(name)
+    fn = ESTIMATORS.get(name) or (user.fn if user is not None else None)
+    if fn is None:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(estimator_names())}")
+    known = set().union(*(inspect.signature(f).parameters for f in (*ESTIMATORS.values(), fn)))
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(f"compute_advantages: no estimator takes {unknown}; known arguments: {sorted(known)}")

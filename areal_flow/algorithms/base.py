@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
-from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.config import LossConfig, merged_loss_config
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.losses import (
@@ -98,10 +98,7 @@ class BaseAlgorithm:
         Raises:
             ValueError: an override key that is not a ``LossConfig`` field.
         """
-        unknown = sorted(set(overrides) - set(LossConfig.field_names()))
-        if unknown:
-            raise ValueError(f"unknown loss config key(s) {unknown}; valid: {sorted(LossConfig.field_names())}")
-        return LossConfig(**{**cls.loss_defaults, **overrides})
+        return merged_loss_config(cls.loss_defaults, overrides)
 
     def __init__(
         self,

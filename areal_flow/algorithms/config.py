@@ -8,6 +8,7 @@ from these and overrides a few fields (``BaseAlgorithm.loss_defaults``).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 POLICY_LOSSES = ("ppo", "gspo", "sapo", "m2po")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -77,6 +78,19 @@ class LossConfig:
     def field_names(cls) -> tuple[str, ...]:
         """Names of all fields, for validating user overrides."""
         return tuple(f.name for f in fields(cls))
+
+
+def merged_loss_config(defaults: dict[str, Any], overrides: dict[str, Any]) -> LossConfig:
+    """``LossConfig`` from an algorithm's ``defaults``, then ``overrides`` (both field -> value).
+
+    Raises:
+        ValueError: a key that is not a ``LossConfig`` field (the valid ones listed), or a
+            value out of range (naming the field).
+    """
+    unknown = sorted(set(overrides) - set(LossConfig.field_names()))
+    if unknown:
+        raise ValueError(f"unknown loss config key(s) {unknown}; valid: {sorted(LossConfig.field_names())}")
+    return LossConfig(**{**defaults, **overrides})
 
 
 @dataclass

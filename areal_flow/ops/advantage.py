@@ -2,9 +2,13 @@
 
 Port schema: inputs ``rollouts``, ``rewards`` and optionally ``ref_logprobs`` (from
 ``ops.logprobs`` of a frozen reference); output ``advantages`` (the step's collated batch
-with its advantages: what a ``train_step`` consumes). ``estimator`` names one of
-``areal_flow.algorithms.advantages.ESTIMATORS``; extra keyword arguments go to it
-(e.g. ``gamma``, ``lam``).
+with its advantages: what a ``train_step`` consumes). ``estimator`` names a built-in
+estimator (``areal_flow.algorithms.advantages.ESTIMATORS``) or one a graph registered
+(``catalog.register_estimator``); extra keyword arguments go to it (e.g. ``gamma``, ``lam``).
+Left out, it is the default estimator of the algorithm of the ``train_step`` this node feeds,
+set while that node is traced (:func:`settle_estimator`), so ``train.algorithm=rloo`` gives
+RLOO's advantages; an explicit estimator that is another algorithm's default is refused by the
+graph's rules (``areal_flow.graph_rules``).
 
 Grain ``batch``: the node runs once per train step over the step's ``B`` groups, so
 batch-level statistics (LitePPO's and REINFORCE++'s std) are over the step. It reads at
@@ -29,9 +33,9 @@ from __future__ import annotations
 
 import inspect
 
-from areal_flow.algorithms.catalog import ESTIMATORS
+from areal_flow.algorithms.catalog import AlgorithmInfo, estimator_info, estimator_names
 from areal_flow.tracing import Handle, Model, current_graph, outputs, record
-from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.graph import GraphError, Node, OpSpec, PortSpec
 from areal_flow.ops.registry import BATCH, CPU, INFERENCE, OPS, OpDef, check_arguments, define
 
 SPEC = OpSpec(
@@ -48,7 +52,7 @@ def advantage(
     rollouts: Handle,
     rewards: Handle | None = None,
     *,
-    estimator: str = "grpo",
+    estimator: str | None = None,
     critic: Model | None = None,
     ref: Model | None = None,
     ref_logprobs: Handle | None = None,
@@ -63,12 +67,13 @@ def advantage(
         rewards: ``rewards`` handle from ``ops.reward`` (or a user op); None when the
             rollouts are episodes of ``ops.rollout`` (scored by their env: the discounted
             return of each episode; ``estimator="multi_turn"`` reads the turn rewards).
-        estimator: estimator name (``grpo``, ``dr_grpo``, ``rloo``, ``gae``, ...).
+        estimator: estimator name (``grpo``, ``dr_grpo``, ``rloo``, ``gae``, ...); None = the
+            default estimator of the consuming train_step's algorithm (module doc).
         critic: the value model for GAE (PPO); it is read, not updated, here.
         ref: the frozen reference policy whose KL is folded into the reward (REINFORCE++).
         ref_logprobs: ``logprobs`` handle of a reference model (``ops.logprobs``).
         kl_coef: beta, nats of reward per nat of KL to ``ref_logprobs`` (module doc).
-        **estimator_kwargs: knobs of the estimator (``catalog.ESTIMATORS[estimator].knobs``,
+        **estimator_kwargs: knobs of the estimator (``catalog.estimator_info(estimator).knobs``,
             e.g. ``gamma`` and ``lam`` for ``gae``).
 
     Raises:
@@ -94,21 +99,56 @@ def advantage(
         node.attrs["model_role"] = "ref"
     elif critic is not None:
         node.attrs["model_role"] = "critic"
-    episodes = _from_rollout(rollouts)
-    if rewards is None and not episodes:
+    if rewards is None and not _from_rollout(rollouts):
         raise GraphError(f"{node.where()}: no rewards= for rollouts that no env scored; pass ops.reward(...) "
                          "(or take the rollouts from ops.rollout)")
-    if estimator == "multi_turn" and not episodes:
-        raise GraphError(f"{node.where()}: estimator 'multi_turn' needs the episodes of an ops.rollout (turn rewards)")
-    if estimator not in ESTIMATORS:
-        raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
-    check_arguments(node.where(), estimator_kwargs, ESTIMATORS[estimator].knobs, taker=f"estimator '{estimator}'",
-                    nearby=_OWN_ARGUMENTS)
+    if estimator is None:  # the train_step settles it; meanwhile a knob no estimator takes is a typo
+        knobs = sorted({k for name in estimator_names() for k in estimator_info(name).knobs})
+        check_arguments(node.where(), estimator_kwargs, knobs, taker="an estimator", nearby=_OWN_ARGUMENTS)
+    else:
+        _check_estimator(node, estimator, f"estimator '{estimator}'")
     return outputs(node, SPEC)
 
 
+_OWN = ("estimator", "kl_coef", "model_role")
+"""Attributes of an advantage node that are not estimator knobs."""
+
 _OWN_ARGUMENTS = [p for p in inspect.signature(advantage).parameters if p != "estimator_kwargs"]
 """The op's own parameters: a did-you-mean for a misspelt one (``estimatr``)."""
+
+
+def _check_estimator(node: Node, estimator: str, taker: str) -> None:
+    """Raise GraphError (naming ``node``) for an unknown estimator, a knob it does not take, or
+    ``multi_turn`` on rollouts that are not episodes."""
+    info = estimator_info(estimator)
+    if info is None:
+        raise GraphError(f"{node.where()}: unknown advantage estimator {estimator!r}; known: "
+                         f"{', '.join(estimator_names())}")
+    if estimator == "multi_turn" and not _from_rollout(_rollouts_handle(node)):
+        raise GraphError(f"{node.where()}: estimator 'multi_turn' needs the episodes of an ops.rollout (turn rewards)")
+    knobs = [k for k in node.attrs if k not in _OWN]
+    check_arguments(node.where(), knobs, info.knobs, taker=taker, nearby=_OWN_ARGUMENTS)
+
+
+def settle_estimator(adv: Node, algorithm: AlgorithmInfo) -> None:
+    """Give advantage node ``adv``, if it names no estimator, the default estimator of
+    ``algorithm`` (the algorithm of the train_step it feeds, being traced), and check the
+    node's knobs against it. An estimator ``adv`` names is checked against the algorithm
+    by the graph's rules (``areal_flow.graph_rules``).
+
+    Raises:
+        GraphError: a knob the settled estimator does not take (naming ``adv`` and its line).
+    """
+    if adv.attrs.get("estimator") is None:
+        default = algorithm.default_estimator
+        adv.attrs["estimator"] = default
+        _check_estimator(adv, default, f"estimator '{default}' (the default of algorithm '{algorithm.name}')")
+
+
+def _rollouts_handle(node: Node) -> Handle:
+    graph = current_graph()
+    edge = next(e for e in graph.in_edges(node.name) if e.dst_port == "rollouts")
+    return Handle(edge.src, edge.src_port, "rollouts")
 
 
 def _from_rollout(handle: Handle) -> bool:

@@ -233,7 +233,8 @@ class UserOp:
 
     ``op(handle, ..., name=None, model=None, **attrs)``: positional handles fill the input
     ports in declaration order (or pass them by port name); ``attrs`` are the node's
-    attributes, given to the function on the worker. Returns the handle of the first
+    attributes, given to the function on the worker; a trainer (role ``training``) takes
+    ``max_staleness=k``, the bound on its data edge, as ``ops.train_step`` does. Returns the handle of the first
     output port (a tuple of handles when there are several). Raises GraphError for an
     attribute the function does not take (unless it takes ``**kwargs``).
     """
@@ -251,8 +252,11 @@ class UserOp:
             raise GraphError(f"op '{self.op.name}' takes {len(ports)} inputs ({', '.join(ports)}), got {len(handles)}")
         inputs = dict(zip(ports, handles))
         inputs.update({k: kwargs.pop(k) for k in list(kwargs) if k in ports})
+        staleness = None
+        if self.op.spec.trains and "max_staleness" in kwargs:  # a trainer's k, on its data edge (as train_step's)
+            staleness = dict.fromkeys(ports, kwargs.pop("max_staleness"))
         attrs = kwargs if self.op.executor is self.fn else {**_defaults(self.fn, skip=ports), **kwargs}
-        node = record(self.op.spec, inputs, model=model, attrs=attrs, name=name)
+        node = record(self.op.spec, inputs, model=model, attrs=attrs, name=name, staleness=staleness)
         takes = function_parameters(self.fn, skip=ports)
         if takes is not None:
             check_arguments(node.where(), kwargs, takes, taker=f"op '{self.op.name}' (function {self.fn.__name__})",

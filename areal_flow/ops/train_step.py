@@ -6,14 +6,19 @@ which ``ops.sync_weights`` routes to a generator). Each step increments the mode
 policy version. The update itself is ``areal_flow.algorithms`` (picked by ``algorithm``).
 A ``train_step`` of a critic (the model an ``advantage`` node reads as ``critic=``) trains
 the value model on the returns of that node (clipped value loss), in its own node.
-The staleness bound k is an attribute of the data edge into this node, nowhere else.
+The staleness bound k is an attribute of the data edge into this node, nowhere else; its
+default is ``areal_flow.graph.DEFAULT_MAX_STALENESS`` (2, also ``async.max_staleness``'s).
+The algorithm is decided here, while the graph is traced: the ``advantage`` node that feeds
+this one gets the algorithm's estimator if it named none (``ops.advantage.settle_estimator``);
+one it named is checked against the algorithm by the graph's rules.
 """
 
 from __future__ import annotations
 
 from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
-from areal_flow.tracing import Handle, Model, outputs, record
-from areal_flow.graph import GraphError, OpSpec, PortSpec
+from areal_flow.tracing import Handle, Model, current_graph, outputs, record
+from areal_flow.graph import DEFAULT_MAX_STALENESS, GraphError, OpSpec, PortSpec
+from areal_flow.ops.advantage import settle_estimator
 from areal_flow.ops.registry import BATCH, TRAINING, OpDef, define, op_function
 
 SPEC = OpSpec(
@@ -32,7 +37,7 @@ def train_step(
     advantages: Handle,
     *,
     algorithm: str = "grpo",
-    max_staleness: int = 0,
+    max_staleness: int = DEFAULT_MAX_STALENESS,
     name: str | None = None,
 ) -> Handle:
     """Declare the training node of ``model``.
@@ -42,14 +47,15 @@ def train_step(
         advantages: ``advantages`` handle from ``ops.advantage``.
         algorithm: registered algorithm name (``areal_flow.algorithms``).
         max_staleness: k >= 0; a sample is trained at most k versions after the version
-            that generated its first token. 0 = synchronous (a barrier per step).
+            that generated its first token. 0 = synchronous (a barrier per step); the
+            default, 2, is ``async.max_staleness``'s (the graph validation checks it).
 
     Returns:
         Handle of type ``stats``.
 
     Raises:
-        GraphError: negative or non-integer ``max_staleness``, or an algorithm that is
-            neither built in nor registered (naming the node and line).
+        GraphError: an algorithm that is neither built in nor registered, or an estimator
+            knob the algorithm's estimator does not take (naming the node and line).
     """
     node = record(
         SPEC,
@@ -59,8 +65,10 @@ def train_step(
         name=name,
         staleness={"advantages": max_staleness},
     )
-    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-        raise GraphError(f"{node.where()}: max_staleness must be an int >= 0, got {max_staleness!r}")
-    if algorithm_info(algorithm) is None:
+    info = algorithm_info(algorithm)
+    if info is None:
         raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(algorithm_names())}")
+    adv = current_graph().source_of(node.name, "advantages", "advantage")
+    if adv is not None:
+        settle_estimator(adv, info)
     return outputs(node, SPEC)

@@ -3,18 +3,19 @@
 Owns the batch-grain computation of ``areal_flow.ops.advantage`` (see its docstring for the
 formulas): collate the ``B`` groups of the step (rewards from the node's ``rewards`` port, so
 a user op between reward and advantage counts), the critic's values (GAE), the KL to a
-reference folded into the reward, and the estimator. It must not update any model.
+reference folded into the reward (with the coefficient and estimator of the loss config the
+plan gives the policy's train_step it feeds), and the estimator (built in, or registered from
+``plan.estimators``). It must not update any model.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from areal_flow.algorithms.advantages import ESTIMATORS, compute_advantages
+from areal_flow.algorithms.advantages import compute_advantages
+from areal_flow.algorithms.catalog import estimator_info
+from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.kl import kl_penalty
-from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.batching import collate
 from areal_flow.values import Advantages
@@ -51,13 +52,12 @@ class AdvantageExecutor:
         role = node.attrs.get("model_role")
         self.critic = ctx.model(node.model) if role == "critic" else None
         self.ref = ctx.model(node.model) if role == "ref" else None
-        self.takes_kl = "kl" in inspect.signature(ESTIMATORS[self.estimator]).parameters
+        self.takes_kl = estimator_info(self.estimator).takes_kl
         gen = ctx.generator()
         self.temperature = gen.attrs.get("temperature") or 1.0
         consumer = next((n for n in ctx.plan.nodes if n.trains and any(src == node.name for src, _ in n.inputs.values())
                          and ctx.plan.models[n.model]["head"] == "lm"), None)  # the policy's trainer it feeds
-        self.loss_cfg = None if consumer is None else get_algorithm(consumer.attrs["algorithm"]).default_loss_config(
-            **consumer.attrs.get("loss", {}))
+        self.loss_cfg = None if consumer is None else LossConfig(**consumer.attrs["loss"])  # the plan's, whole
 
     def _reference(self, inputs: dict, trajectories, batch) -> tuple[torch.Tensor | None, float, str]:
         """``(ref_logprobs [B, T] or None, kl_coef, kl estimator)``."""

@@ -6,9 +6,12 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
-value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``)
-and activation checkpointing. It must not receive experience or publish weights: the
-worker does, with the ``weights`` this executor returns.
+value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``),
+activation checkpointing and the whole loss config the compiler merged (``attrs.loss``:
+``compiler.algorithms``; nothing here merges defaults), with the algorithm's class from the
+registry or, for a user-registered one, from the plan (``plan.algorithms``). It must not
+receive experience or publish weights: the worker does, with the ``weights`` this executor
+returns.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from pathlib import Path
 import torch
 
 from areal_flow.algorithms.aggregation import step_normalisers
+from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.algorithms.lookup import build_algorithm
+from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.values import Advantages, Stats, Weights
+from compiler.plan import decode_value
 from runtime.nonfinite import NonFiniteGuard
 from runtime.rank_commands import broadcast_command
 from runtime.topology import trainer_input
@@ -36,17 +41,19 @@ class TrainSettings:
     """A train_step node's settings, as ``BaseAlgorithm`` and the ranks need them.
 
     Attributes:
-        model_folder: version-0 weights. algorithm: registered name. loss_overrides:
-        ``LossConfig`` fields. lr / weight_decay / max_grad_norm: AdamW and clipping.
+        model_folder: version-0 weights. algorithm: registered name. loss: the plan's whole
+        ``LossConfig`` (field -> value). lr / weight_decay / max_grad_norm: AdamW and clipping.
         micro_batch_size: sequences per forward/backward (recomputed each step from the
         plan's micro-batches). temperature: of the sampler. seed: initialisation seed.
         max_tokens_per_micro_batch / pack_sequences: ``train.*`` of the same names (the
         policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
+        user_algorithm: the plan's encoded class of a user-registered algorithm (None: built in),
+        so a rank process that never read the graph file builds it too.
     """
 
     model_folder: str
     algorithm: str
-    loss_overrides: dict
+    loss: dict
     lr: float
     weight_decay: float
     max_grad_norm: float
@@ -55,16 +62,29 @@ class TrainSettings:
     seed: int
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False
+    user_algorithm: dict | None = None
 
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
         a = node.attrs
         gen = ctx.generator()
-        return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss_overrides=dict(a.get("loss", {})),
+        return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss=dict(a["loss"]),
                    lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
                    temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
                    max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
-                   pack_sequences=a.get("pack_sequences", False))
+                   pack_sequences=a.get("pack_sequences", False),
+                   user_algorithm=ctx.plan.algorithms.get(a["algorithm"]))
+
+    def loss_config(self) -> LossConfig:
+        """The plan's loss config of this node."""
+        return LossConfig(**self.loss)
+
+    def build_algorithm(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> BaseAlgorithm:
+        """This node's algorithm over ``model`` and ``optimizer``, with the plan's loss config."""
+        cls = decode_value(self.user_algorithm) if self.user_algorithm is not None else get_algorithm(self.algorithm)
+        return cls(self.loss_config(), model, optimizer, micro_batch_size=self.micro_batch_size,
+                   max_grad_norm=self.max_grad_norm, temperature=self.temperature,
+                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch, pack_sequences=self.pack_sequences)
 
 
 def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
@@ -106,19 +126,10 @@ class TrainStepExecutor:
         s = self.settings
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         if self.critic:
-            self.loss_cfg = self._policy_loss_config()
+            self.loss_cfg = s.loss_config()
         else:
-            self.algorithm = build_algorithm(s.algorithm, self.model, self.optimizer, loss_overrides=s.loss_overrides,
-                                             micro_batch_size=1, max_grad_norm=s.max_grad_norm,
-                                             temperature=s.temperature,
-                                             max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
-                                             pack_sequences=s.pack_sequences)
+            self.algorithm = s.build_algorithm(self.model, self.optimizer)
         self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
-
-    def _policy_loss_config(self) -> LossConfig:
-        from areal_flow.algorithms.lookup import get_algorithm
-
-        return get_algorithm(self.settings.algorithm).default_loss_config(**self.settings.loss_overrides)
 
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
