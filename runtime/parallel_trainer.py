@@ -32,13 +32,16 @@ resync) or, with ``checkpoint`` set, to save the ranks' shards of model and opti
 with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
 of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
-Supported: ``dp`` and ``tp`` (and both) for the policy; a critic's train_step and
-``pp``/``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
+Supported: ``dp``, ``tp`` and ``pp`` (and their products) for the policy; under ``pp`` the
+algorithm's passes run in a pipeline schedule (``runtime.parallel.rl_pipeline``), rank 0 (the
+first stage) drives the step as above and the metrics come from the last stage. A critic's
+train_step and ``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -56,9 +59,11 @@ from areal_flow.algorithms.lookup import build_algorithm
 from compiler.strategy import ParallelStrategy, StrategyError
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
-from runtime.parallel.apply import ParallelModel, parallelize
+from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh, dp_cp_mesh
+from runtime.parallel.rl_pipeline import PipelineRunner
+from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
@@ -84,17 +89,26 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
 
     Raises:
         StrategyError: naming the rule: those of ``validate_strategy_for_model``; only
-            ``dp``/``tp`` are wired into the RL loss; ``rows`` divisible by ``dp``; no critic;
-            no token budget with ``dp > 1`` (ranks would run different micro-batch counts).
+            ``dp``/``tp``/``pp`` are wired into the RL loss; ``rows`` divisible by ``dp``; at
+            least ``pp`` sequences per DP rank; no critic; no token budget with ``dp > 1``
+            (ranks would run different micro-batch counts) or ``pp > 1`` (one micro-batch shape).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
-    if strategy.pp > 1 or strategy.cp > 1 or strategy.ep > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp and tp only (pp, cp "
-                            "and ep would need the policy loss inside a pipeline schedule or sequence chunks)")
+    if strategy.cp > 1 or strategy.ep > 1:
+        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp, tp and pp only (cp and "
+                            "ep would need the policy loss over sequence chunks and expert all-to-alls)")
     if rows % strategy.dp:
         raise StrategyError(f"train_step strategy {strategy.short()}: a step of {rows} sequences (train.batch_size "
                             f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
                             "micro-batches (FSDP collectives) as the others")
+    if rows // strategy.dp < strategy.pp:
+        raise StrategyError(f"train_step strategy {strategy.short()}: {rows // strategy.dp} sequences per DP rank "
+                            f"cannot fill pp={strategy.pp} pipeline micro-batches (the 1F1B schedule runs at least "
+                            "one micro-batch of at least one sequence per stage); raise train.batch_size")
+    if max_tokens_per_micro_batch and strategy.pp > 1:
+        raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
+                            f"{max_tokens_per_micro_batch} with pp={strategy.pp}: pipeline stages exchange "
+                            "micro-batches of one shape; set it to 0 and size micro-batches with train.micro_batch_size")
     if max_tokens_per_micro_batch and strategy.dp > 1:
         raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
                             f"{max_tokens_per_micro_batch} with dp={strategy.dp}: each DP rank must run as many "
@@ -138,9 +152,10 @@ class RankTrainer:
 
     @classmethod
     def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu") -> "RankTrainer":
-        """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``) and
-        build the algorithm on the sharded parameters. Every rank calls this (collectives).
-        A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
+        """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
+        rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
+        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``). Every rank calls
+        this (collectives). A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
@@ -148,7 +163,8 @@ class RankTrainer:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             model = model.cuda()
         mesh = build_device_mesh(strategy, device_type)
-        parallel = parallelize(model.train(), strategy, mesh)
+        config = ParallelConfig(n_microbatches=None)  # the runner drives a pipeline stage itself
+        parallel = parallelize(model.train(), strategy, mesh, config)
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
@@ -157,12 +173,14 @@ class RankTrainer:
             micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
             max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, pack_sequences=spec.pack_sequences,
         )
+        algorithm.runner = PipelineRunner(parallel) if strategy.pp_enabled else ShardedRunner(parallel)
         return cls(rank, strategy, parallel, algorithm)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors,
         advantages included; the same on every rank). Returns the metrics merged over the DP
-        ranks (the same on every rank).
+        ranks (the same on every rank; under ``pp`` the last stage's, where the loss runs).
+        Under ``pp`` the micro-batches are made small enough that there are at least ``pp``.
 
         Raises:
             ValueError: ``B`` not divisible by ``dp``; those of ``update_parameters``.
@@ -179,18 +197,42 @@ class RankTrainer:
         dist.all_reduce(counts, group=group)
         longest_t = torch.tensor([longest], dtype=torch.int64)
         dist.all_reduce(longest_t, op=dist.ReduceOp.MAX, group=group)
+        if self.strategy.pp_enabled:
+            algorithm = self.algorithm
+            algorithm.micro_batch_size = min(algorithm.micro_batch_size, math.ceil(share / self.strategy.pp))
         stats = self.algorithm.update_parameters(local, n_tokens=int(counts[0]), n_seqs=int(counts[1]),
                                                  norm_length=max(int(longest_t), 1))
-        return merge_dp_metrics(stats, group)
+        stats = merge_dp_metrics(stats, group)
+        if self.strategy.pp_enabled:
+            stats = self.algorithm.runner.broadcast_from_last_stage(stats)
+        return stats
 
     def gather_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
         """The full parameters (state-dict names and order, tied names included) on rank 0,
         ``None`` on the others. Every rank must call it (one all-gather per parameter); a
-        rank other than 0 holds at most one bucket of ``bucket_bytes`` bytes at a time."""
+        rank other than 0 holds at most one bucket of ``bucket_bytes`` bytes at a time. Under
+        ``pp`` each stage gathers its own parameters and its first rank sends them to rank 0
+        bucket by bucket (on the CPU), after rank 0's own stage."""
         state: dict[str, torch.Tensor] = {}
+        coordinate = self.parallel.coordinate
+        sends = coordinate["pp"] > 0 and coordinate["dp"] == coordinate["cp"] == coordinate["tp"] == 0
+        device = torch.device("cuda", torch.cuda.current_device()) if self.parallel.mesh.device_type == "cuda" else None
         for bucket in iter_weight_buckets(self.parallel.module, bucket_bytes):
             if self.rank == 0:
                 state.update(bucket.tensors)
+            elif sends:
+                dist.send_object_list([{k: v.cpu() for k, v in bucket.tensors.items()}], dst=0, device=device)
+        if sends:
+            dist.send_object_list([None], dst=0, device=device)
+        if self.rank == 0:
+            for stage in range(1, self.strategy.pp):
+                source = int(self.parallel.mesh.mesh[stage, 0, 0, 0])
+                while True:
+                    received: list = [None]
+                    dist.recv_object_list(received, src=source, device=device)
+                    if received[0] is None:
+                        break
+                    state.update(received[0])
         return state if self.rank == 0 else None
 
     def save_state(self, folder: str | Path) -> None:

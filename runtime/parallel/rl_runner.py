@@ -1,0 +1,56 @@
+"""The RL algorithm's model runner on one rank of a parallelized policy (DP, TP, EP).
+
+``BaseAlgorithm`` runs its forward and backward passes through a runner
+(``areal_flow.algorithms.model_runner``). On a rank of a parallel strategy the passes are the
+same module calls (FSDP and TP hide in the module, EP's all-to-alls too); what changes is what
+follows the backward: expert gradients are summed over their ``edp`` replicas
+(``expert_parallel.reduce_expert_gradients``, which FSDP does not see) and the gradient norm
+counts every gradient once over the ranks that hold pieces of it (``grad_norm``). Pipeline and
+context parallelism replace the passes themselves (``rl_pipeline``, ``rl_context``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areal_flow.algorithms.micro_batches import MicroBatch
+from areal_flow.algorithms.model_runner import MicroBatchLoss, ModelRunner
+from runtime.parallel.apply import ParallelModel
+from runtime.parallel.expert_parallel import reduce_expert_gradients
+from runtime.parallel.grad_norm import clip_grad_norm
+
+
+class ShardedRunner(ModelRunner):
+    """:class:`ModelRunner` of ``parallel.module`` on this rank.
+
+    Args:
+        parallel: this rank's parallelized policy (``runtime.parallel.apply.parallelize``).
+    """
+
+    def __init__(self, parallel: ParallelModel) -> None:
+        super().__init__(parallel.module)
+        self.parallel = parallel
+
+    def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+        """:meth:`ModelRunner.forward_backward`, then the expert gradients summed over their replicas."""
+        super().forward_backward(micro_batches, input_ids, attention_mask, loss_fn, temperature=temperature,
+                                 entropy_grad=entropy_grad)
+        self.reduce_expert_gradients()
+
+    def reduce_expert_gradients(self) -> None:
+        """Sum the expert gradients over the ``edp`` replicas (no-op without EP or with one replica)."""
+        if self.parallel.edp_mesh is not None:
+            reduce_expert_gradients(self.parallel.expert_params, self.parallel.edp_mesh)
+
+    def clip_grad_norm(self, max_norm: float, **where) -> torch.Tensor:
+        """Clip to global L2 norm ``max_norm`` over the whole model replica; returns the norm
+        before clipping. DP/TP alone: ``torch.nn.utils.clip_grad_norm_`` (DTensor norms are
+        global). With EP (or ``where``: ``grad_norm.clip_grad_norm``'s ``pp_group`` and
+        ``counted_elsewhere``): expert blocks summed over the ``ep`` group."""
+        parallel = self.parallel
+        if not parallel.expert_params and not where:
+            return super().clip_grad_norm(max_norm)
+        ep_group = parallel.ep_mesh.get_group() if parallel.ep_mesh is not None else None
+        return clip_grad_norm(self.model.parameters(), max_norm, experts=parallel.expert_params, ep_group=ep_group,
+                              **where)
