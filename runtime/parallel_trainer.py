@@ -17,11 +17,14 @@ Protocol, every step:
    weights are needed after the step; every rank keeps the rows of its DP coordinate
    (``B / dp`` contiguous rows; TP ranks of one DP coordinate keep the same rows).
 3. The loss normalisers of the *whole* step (valid tokens and sequences summed, longest
-   response maxed) are all-reduced over the ``dp_cp`` ranks and passed to
+   response maxed) are all-reduced over the ``dp`` ranks (the ``cp``, ``tp`` and ``pp``
+   ranks of one DP rank hold the same rows) and passed to
    ``BaseAlgorithm.update_parameters``, which runs on every rank: FSDP sums the ranks'
    gradients (divide factor 1), so the gradient is that of the global loss; TP ranks see
-   the whole batch and compute one model between them. Each rank's micro-batch size is
-   its share of the batch over the plan's micro-batches per DP rank.
+   the whole batch and compute one model between them; the algorithm's forward and
+   backward passes go through a runner of ``runtime.parallel`` (``rl_pipeline`` under pp,
+   ``rl_context`` under cp: sequence chunks, a whole-row loss). Each rank's micro-batch
+   size is its share of the batch over the plan's micro-batches per DP rank.
 4. When flagged, the full weights are gathered bucket by bucket (``iter_weight_buckets``,
    every rank joins each collective) and kept on rank 0, which publishes them on the
    weight channel; metrics are summed / token-weighted over the DP ranks
@@ -32,10 +35,10 @@ resync) or, with ``checkpoint`` set, to save the ranks' shards of model and opti
 with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
 of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
-Supported: ``dp``, ``tp`` and ``pp`` (and their products) for the policy; under ``pp`` the
-algorithm's passes run in a pipeline schedule (``runtime.parallel.rl_pipeline``), rank 0 (the
-first stage) drives the step as above and the metrics come from the last stage. A critic's
-train_step and ``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
+Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, for the policy;
+under ``pp`` rank 0 (the first stage) drives the step as above and the metrics come from the
+last stage. A critic's train_step and ``ep`` are refused by :func:`check_parallel_training`
+before any process starts.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
-from runtime.parallel.mesh import build_device_mesh, dp_cp_mesh
+from runtime.parallel.mesh import build_device_mesh
+from runtime.parallel.rl_context import ContextRunner
 from runtime.parallel.rl_pipeline import PipelineRunner
 from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
@@ -94,9 +98,12 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
             (ranks would run different micro-batch counts) or ``pp > 1`` (one micro-batch shape).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
-    if strategy.cp > 1 or strategy.ep > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp, tp and pp only (cp and "
-                            "ep would need the policy loss over sequence chunks and expert all-to-alls)")
+    if strategy.ep > 1:
+        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp, tp, pp and cp only (ep "
+                            "would need the experts' all-to-alls in the policy loss)")
+    if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
+        raise StrategyError(f"train_step strategy {strategy.short()}: cp={strategy.cp} with pp or tp: the RL trainer's "
+                            "context parallelism (sequence chunks, whole-row loss) runs with dp only")
     if rows % strategy.dp:
         raise StrategyError(f"train_step strategy {strategy.short()}: a step of {rows} sequences (train.batch_size "
                             f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
@@ -173,7 +180,8 @@ class RankTrainer:
             micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm, temperature=spec.temperature,
             max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch, pack_sequences=spec.pack_sequences,
         )
-        algorithm.runner = PipelineRunner(parallel) if strategy.pp_enabled else ShardedRunner(parallel)
+        runner = PipelineRunner if strategy.pp_enabled else ContextRunner if strategy.cp_enabled else ShardedRunner
+        algorithm.runner = runner(parallel)
         return cls(rank, strategy, parallel, algorithm)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -191,7 +199,7 @@ class RankTrainer:
         share = rows // dp
         start = self.parallel.coordinate["dp"] * share
         local = {k: v[start:start + share] for k, v in batch.items()}
-        group = dp_cp_mesh(self.parallel.mesh).get_group()
+        group = self.parallel.mesh["dp"].get_group()  # cp, tp and pp ranks of one DP rank hold the same rows
         n_tokens, n_seqs, longest = step_normalisers(local["loss_mask"])
         counts = torch.tensor([n_tokens, n_seqs], dtype=torch.int64)
         dist.all_reduce(counts, group=group)

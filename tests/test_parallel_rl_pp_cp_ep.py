@@ -3,7 +3,8 @@
 1. One step at k = 0 (the batch's behavior log-probs are the policy's own plus noise) of GRPO
    and of decoupled PPO (proximal log-probs recomputed, behavior weights capped) on a tiny
    policy: pp2 (1F1B, the tied embedding's two copies on the first and last stage), pp2xdp2
-   (FSDP inside each stage): the loss, the merged metrics, the gradients and the gathered
+   (FSDP inside each stage), pp2xtp2; cp2 (Ulysses, sequence chunks; GSPO too, whose sequence
+   means need whole rows) and cp2xdp2: the loss, the merged metrics, the gradients and the gathered
    weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
    fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
    weights within the Adam error bound).
@@ -31,9 +32,15 @@ from runtime.parallel_trainer import RankTrainer
 from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("grpo", "decoupled_ppo")
-TWO_RANKS = {f"{algorithm}-pp2": (algorithm, "p2") for algorithm in ALGORITHMS}
-FOUR_RANKS = {f"{algorithm}-pp2xdp2": (algorithm, "d2p2") for algorithm in ALGORITHMS}
+ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
+TWO_RANKS = {  # case -> (algorithm, strategy); GSPO: per-sequence means and ratios over whole rows under cp
+    **{f"{algorithm}-pp2": (algorithm, "p2") for algorithm in ("grpo", "decoupled_ppo")},
+    **{f"{algorithm}-cp2": (algorithm, "c2") for algorithm in ALGORITHMS},
+}
+FOUR_RANKS = {
+    **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-cp2xdp2": ("grpo", "d2c2"), "grpo-pp2xtp2": ("grpo", "t2p2"),
+}
 
 
 def _steps_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, cases: dict) -> dict | None:
@@ -82,8 +89,8 @@ def four_rank_steps(dense_policy):
 
 
 def _check(got: dict, ref: dict, algorithm: str) -> None:
-    if algorithm == "grpo":
-        assert ref["stats"]["clip_frac"] > 0  # the clipped branch of the PPO objective is exercised
+    if algorithm != "decoupled_ppo":
+        assert ref["stats"]["clip_frac"] > 0  # the clipped branch of the objective is exercised
         assert_step_matches(got, ref)
     else:  # the proximal policy is the current one at the step start: the cap, not the clip, acts
         assert ref["stats"]["behavior_imp_weight_capped_frac"] > 0
@@ -99,7 +106,7 @@ def test_two_rank_rl_step_matches_single_process(dense_policy, two_rank_steps, c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(FOUR_RANKS))
-def test_pp2_dp2_rl_step_matches_single_process(dense_policy, four_rank_steps, case):
+def test_four_rank_rl_step_matches_single_process(dense_policy, four_rank_steps, case):
     algorithm = FOUR_RANKS[case][0]
     _check(_merged(four_rank_steps, case), dense_policy[2][algorithm], algorithm)
 

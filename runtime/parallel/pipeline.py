@@ -163,5 +163,9 @@ def sync_tied_embedding_grads(stage: PipelineStageModel, group: dist.ProcessGrou
         return
     if weight.grad is None:  # no token reached it: its share of the sum is 0
         weight.grad = torch.zeros_like(weight)
-    grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+    grad = weight.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != weight.placements:  # e.g. TP's embedding gradient comes back unsharded
+            weight.grad = grad = grad.redistribute(grad.device_mesh, weight.placements)
+        grad = grad.to_local()
     dist.all_reduce(grad, group=group)

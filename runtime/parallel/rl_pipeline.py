@@ -40,7 +40,7 @@ from areal_flow.algorithms.model_runner import MicroBatchLoss, token_outputs
 from areal_flow.models.logprobs import logprobs_from_logits
 from runtime.parallel.apply import ParallelModel
 from runtime.parallel.pipeline import SCHEDULES, sync_tied_embedding_grads, tied_embedding
-from runtime.parallel.rl_runner import ShardedRunner
+from runtime.parallel.rl_runner import ShardedRunner, right_padded
 
 LogitsFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 
@@ -95,9 +95,8 @@ class PipelineRunner(ShardedRunner):
         return self._on_logits(logits, target)
 
     def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, fn: LogitsFn, *, train: bool) -> None:
-        """Run the schedule over ``micro_batches``; on the last stage ``fn(mb, logits [b, w, vocab])``
-        gets each one's logits (its real rows, its own width) and returns its loss."""
-        micro_batches = [MicroBatch(mb.rows, mb.lengths, packed=False) for mb in micro_batches]
+        """Run the schedule over ``micro_batches`` (padded layout); on the last stage ``fn(mb, logits
+        [b, w, vocab])`` gets each one's logits (its real rows, its own width) and returns its loss."""
         n_micro = len(micro_batches)
         if self.schedule_name == "1f1b" and n_micro < self.parallel.strategy.pp:
             raise ValueError(f"the 1F1B schedule needs at least pp={self.parallel.strategy.pp} micro-batches, "
@@ -142,7 +141,7 @@ class PipelineRunner(ShardedRunner):
             mb.put(out, logprobs_from_logits(logits, mb.take(input_ids), temperature))
             return logits.new_zeros(())
 
-        self._run(micro_batches, input_ids, record, train=False)
+        self._run(right_padded(micro_batches, attention_mask), input_ids, record, train=False)
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -154,7 +153,7 @@ class PipelineRunner(ShardedRunner):
             logp, entropy = token_outputs(logits, mb.take(input_ids), temperature, entropy_grad=entropy_grad)
             return loss_fn(mb, logp, entropy)
 
-        self._run(micro_batches, input_ids, loss, train=True)
+        self._run(right_padded(micro_batches, attention_mask), input_ids, loss, train=True)
         sync_tied_embedding_grads(self.stage, self.parallel.tied_group)
         self.reduce_expert_gradients()
 

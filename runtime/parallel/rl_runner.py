@@ -20,6 +20,23 @@ from runtime.parallel.expert_parallel import reduce_expert_gradients
 from runtime.parallel.grad_norm import clip_grad_norm
 
 
+def right_padded(micro_batches: list[MicroBatch], attention_mask: torch.Tensor) -> list[MicroBatch]:
+    """``micro_batches`` in the padded layout (a packed one runs padded, with the same values),
+    after checking that every row is right-padded: pipeline stages and Ulysses attention mask
+    causally only, which is exact on every real token of a row whose real tokens come first.
+
+    Raises:
+        ValueError: a row with padding before its last real token (names the row).
+    """
+    real = attention_mask.bool().sum(dim=1).tolist()
+    for mb in micro_batches:
+        for row, length in zip(mb.rows, mb.lengths):
+            if real[row] != length:
+                raise ValueError(f"row {row} has padding inside its first {length} tokens: pipeline and context "
+                                 "parallelism need right-padded rows (real tokens first)")
+    return [MicroBatch(mb.rows, mb.lengths, packed=False) for mb in micro_batches]
+
+
 class ShardedRunner(ModelRunner):
     """:class:`ModelRunner` of ``parallel.module`` on this rank.
 
