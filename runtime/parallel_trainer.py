@@ -35,10 +35,10 @@ resync) or, with ``checkpoint`` set, to save the ranks' shards of model and opti
 with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
 of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
-Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, for the policy;
-under ``pp`` rank 0 (the first stage) drives the step as above and the metrics come from the
-last stage. A critic's train_step and ``ep`` are refused by :func:`check_parallel_training`
-before any process starts.
+Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
+``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
+the metrics come from the last stage. A critic's train_step and the other products are refused
+by :func:`check_parallel_training` before any process starts.
 """
 
 from __future__ import annotations
@@ -92,15 +92,15 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         max_tokens_per_micro_batch: ``train.max_tokens_per_micro_batch`` (0 = off).
 
     Raises:
-        StrategyError: naming the rule: those of ``validate_strategy_for_model``; only
-            ``dp``/``tp``/``pp`` are wired into the RL loss; ``rows`` divisible by ``dp``; at
+        StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
+            with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
             least ``pp`` sequences per DP rank; no critic; no token budget with ``dp > 1``
             (ranks would run different micro-batch counts) or ``pp > 1`` (one micro-batch shape).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
-    if strategy.ep > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp, tp, pp and cp only (ep "
-                            "would need the experts' all-to-alls in the policy loss)")
+    if strategy.ep > 1 and (strategy.pp > 1 or strategy.cp > 1 or strategy.tp > 1):
+        raise StrategyError(f"train_step strategy {strategy.short()}: ep={strategy.ep} with pp, cp or tp: the RL "
+                            "trainer's expert parallelism runs over dp ranks only (e.g. train:d2e2)")
     if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
         raise StrategyError(f"train_step strategy {strategy.short()}: cp={strategy.cp} with pp or tp: the RL trainer's "
                             "context parallelism (sequence chunks, whole-row loss) runs with dp only")

@@ -4,7 +4,9 @@
    and of decoupled PPO (proximal log-probs recomputed, behavior weights capped) on a tiny
    policy: pp2 (1F1B, the tied embedding's two copies on the first and last stage), pp2xdp2
    (FSDP inside each stage), pp2xtp2; cp2 (Ulysses, sequence chunks; GSPO too, whose sequence
-   means need whole rows) and cp2xdp2: the loss, the merged metrics, the gradients and the gathered
+   means need whole rows) and cp2xdp2; ep2 (``d2e2``: a tiny Qwen3-MoE's 8 experts split over
+   the 2 DP ranks, tokens dispatched by all-to-all) and dp4xep2 (two replicas of each expert
+   block): the loss, the merged metrics, the gradients and the gathered
    weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
    fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
    weights within the Adam error bound).
@@ -33,21 +35,25 @@ from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
-TWO_RANKS = {  # case -> (algorithm, strategy); GSPO: per-sequence means and ratios over whole rows under cp
-    **{f"{algorithm}-pp2": (algorithm, "p2") for algorithm in ("grpo", "decoupled_ppo")},
-    **{f"{algorithm}-cp2": (algorithm, "c2") for algorithm in ALGORITHMS},
+TWO_RANKS = {  # case -> (algorithm, strategy, policy); GSPO: per-sequence means and ratios over whole rows under cp
+    **{f"{algorithm}-pp2": (algorithm, "p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    **{f"{algorithm}-cp2": (algorithm, "c2", "dense") for algorithm in ALGORITHMS},
+    **{f"{algorithm}-ep2": (algorithm, "d2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
 }
-FOUR_RANKS = {
-    **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2") for algorithm in ("grpo", "decoupled_ppo")},
-    "grpo-cp2xdp2": ("grpo", "d2c2"), "grpo-pp2xtp2": ("grpo", "t2p2"),
+FOUR_RANKS = {  # dp4 x ep2: each expert block has two replicas (edp), whose gradients are summed
+    **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-cp2xdp2": ("grpo", "d2c2", "dense"), "grpo-pp2xtp2": ("grpo", "t2p2", "dense"),
+    "grpo-dp4xep2": ("grpo", "d4e2", "moe"),
 }
+PRESETS = {"dense": "tiny-s", "moe": "tiny-moe"}  # 2 layers, tied / Qwen3-MoE, 4 layers of 8 experts, top-2, tied
 
 
-def _steps_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, cases: dict) -> dict | None:
+def _steps_on_ranks(rank: int, world_size: int, policies: dict, cases: dict) -> dict | None:
     """Worker: one RL step per case, each on a fresh model. Returns the stats, the gathered
     weights and this rank's stage's full gradients (every rank joins the gathers)."""
     out = {}
-    for case, (algorithm, text) in cases.items():
+    for case, (algorithm, text, kind) in cases.items():
+        folder, batch = policies[kind]
         trainer = RankTrainer.build(settings(folder, algorithm), ParallelStrategy.parse(text))
         stats = trainer.step(batch)
         grads = dict(full_named_tensors(trainer.parallel.module, grads=True))
@@ -66,26 +72,33 @@ def _merged(per_rank: list[dict], case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dense_policy(tmp_path_factory):
+def policies(tmp_path_factory):
+    """kind -> (folder, batch, {algorithm: single-process step})."""
     torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("policy")
     tokenizer = build_char_tokenizer()
-    build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(folder)  # 2 layers, tied embedding
-    tokenizer.save_pretrained(folder)
-    batch = rl_batch(folder)
-    return folder, batch, {algorithm: single_process_step(folder, batch, algorithm) for algorithm in ALGORITHMS}
+    out = {}
+    for kind, preset in PRESETS.items():
+        folder = tmp_path_factory.mktemp(kind)
+        build_model(preset, len(tokenizer), seed=0).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        batch = rl_batch(folder)
+        out[kind] = folder, batch, {algorithm: single_process_step(folder, batch, algorithm) for algorithm in ALGORITHMS}
+    return out
+
+
+def _spawn(policies: dict, cases: dict, world_size: int) -> list[dict]:
+    inputs = {kind: (folder, batch) for kind, (folder, batch, _) in policies.items()}
+    return spawn_workers(_steps_on_ranks, world_size, (inputs, cases), backend="gloo")
 
 
 @pytest.fixture(scope="module")
-def two_rank_steps(dense_policy):
-    folder, batch, _ = dense_policy
-    return spawn_workers(_steps_on_ranks, 2, (folder, batch, TWO_RANKS), backend="gloo")
+def two_rank_steps(policies):
+    return _spawn(policies, TWO_RANKS, 2)
 
 
 @pytest.fixture(scope="module")
-def four_rank_steps(dense_policy):
-    folder, batch, _ = dense_policy
-    return spawn_workers(_steps_on_ranks, 4, (folder, batch, FOUR_RANKS), backend="gloo")
+def four_rank_steps(policies):
+    return _spawn(policies, FOUR_RANKS, 4)
 
 
 def _check(got: dict, ref: dict, algorithm: str) -> None:
@@ -99,16 +112,16 @@ def _check(got: dict, ref: dict, algorithm: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(TWO_RANKS))
-def test_two_rank_rl_step_matches_single_process(dense_policy, two_rank_steps, case):
-    algorithm = TWO_RANKS[case][0]
-    _check(_merged(two_rank_steps, case), dense_policy[2][algorithm], algorithm)
+def test_two_rank_rl_step_matches_single_process(policies, two_rank_steps, case):
+    algorithm, _, kind = TWO_RANKS[case]
+    _check(_merged(two_rank_steps, case), policies[kind][2][algorithm], algorithm)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(FOUR_RANKS))
-def test_four_rank_rl_step_matches_single_process(dense_policy, four_rank_steps, case):
-    algorithm = FOUR_RANKS[case][0]
-    _check(_merged(four_rank_steps, case), dense_policy[2][algorithm], algorithm)
+def test_four_rank_rl_step_matches_single_process(policies, four_rank_steps, case):
+    algorithm, _, kind = FOUR_RANKS[case]
+    _check(_merged(four_rank_steps, case), policies[kind][2][algorithm], algorithm)
 
 
 @pytest.mark.slow
