@@ -10,8 +10,10 @@
    weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
    fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
    weights within the Adam error bound).
-2. The arithmetic GRPO graph trains end to end with its train_step on 2 pipeline stages and
-   generation in a third process: every sample trained exactly once, staleness <= k.
+2. The arithmetic GRPO graph trains end to end with its train_step on 2 pipeline stages, and
+   its MoE variant (``graphs/arith_grpo_moe.py``) with its experts split over 2 ranks, each
+   with generation in a third process: every sample trained exactly once, staleness <= k,
+   every saved weight moved (those of the other stage or of the other rank's experts too).
 """
 
 from __future__ import annotations
@@ -124,21 +126,22 @@ def test_four_rank_rl_step_matches_single_process(policies, four_rank_steps, cas
     _check(_merged(four_rank_steps, case), policies[kind][2][algorithm], algorithm)
 
 
-@pytest.mark.slow
-def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
+def _run_and_check(tmp_path: Path, graph: str, strategy: str, overrides: list[str]) -> None:
+    """Run ``graph`` for 3 steps at k = 1 with its train_step on 2 ranks (``strategy``) and the
+    generator in a third process; check the accounting and that the saved weights moved."""
     from areal_flow.cli import default_config_path, load_flow
     from areal_flow.cli.run import run_experiment
 
     k = 1
-    flow = load_flow(REPO / "graphs/arith_grpo.py")
-    overrides = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10",
-                 "eval.enabled=false", f"async.max_staleness={k}", "cluster.n_gpus_per_node=3",
-                 "compile.allocation=train:p2 + gen:d1", "train.weight_decay=0.1", f"out_dir={tmp_path}"]
-    cfg = load_config(default_config_path(flow, None), overrides)
+    flow = load_flow(REPO / "graphs" / graph)
+    cfg = load_config(default_config_path(flow, None), [
+        "train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+        f"async.max_staleness={k}", "cluster.n_gpus_per_node=3", "train.weight_decay=0.1", f"out_dir={tmp_path}",
+        *overrides])
     summary = run_experiment(flow(cfg), cfg, show_progress=False)
     out = tmp_path / flow.name
     plan = json.loads((out / "plan.json").read_text())
-    assert {n["name"]: n["strategy"] for n in plan["nodes"]}["train_step"] == "d1p2"
+    assert {n["name"]: n["strategy"] for n in plan["nodes"]}["train_step"] == strategy
     trainer = summary["workers"]["train_step/0"]
     assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (3, 3 * 2 * 4, 2)
     records = trained_records(out)
@@ -147,8 +150,18 @@ def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
     assert all(r["group_id"] // 2 == r["step"] for r in records)
     assert all(r["staleness"] <= k for r in records)
     assert summary["workers"]["generate/0"]["final_version"] >= 1
-    # rank 0 (stage 0) saved the weights of both stages: at least AdamW's decay moved the last one's too
+    # rank 0 saved weights gathered from both ranks: at least AdamW's decay moved those it does not hold
     model, _ = load_pretrained(out / "model")
     initial, _ = load_pretrained(summary["initial_model"])
-    for name in ("model.embed_tokens.weight", "model.norm.weight"):
-        assert not torch.equal(model.state_dict()[name], initial.state_dict()[name]), name
+    moved = [name for name, value in model.state_dict().items() if not torch.equal(value, initial.state_dict()[name])]
+    assert len(moved) == len(model.state_dict()), sorted(set(model.state_dict()) - set(moved))
+
+
+@pytest.mark.slow
+def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
+    _run_and_check(tmp_path, "arith_grpo.py", "d1p2", ["compile.allocation=train:p2 + gen:d1"])
+
+
+@pytest.mark.slow
+def test_arith_grpo_moe_trains_with_its_experts_on_two_ranks(tmp_path, warm_cache):
+    _run_and_check(tmp_path, "arith_grpo_moe.py", "d2e2", [])  # the yaml's train:d2e2 + gen:d1
