@@ -94,8 +94,9 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
     Raises:
         StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
             with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
-            least ``pp`` sequences per DP rank; no critic; no token budget with ``dp > 1``
-            (ranks would run different micro-batch counts) or ``pp > 1`` (one micro-batch shape).
+            least ``pp`` sequences per DP rank; no critic; no token budget with ``pp > 1`` (the
+            stages exchange micro-batches of one shape). Under ``dp > 1`` a token budget is fine:
+            every DP rank runs the most micro-batches any has (``rl_runner.ShardedRunner.same_count``).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
     if strategy.ep > 1 and (strategy.pp > 1 or strategy.cp > 1 or strategy.tp > 1):
@@ -116,10 +117,6 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
                             f"{max_tokens_per_micro_batch} with pp={strategy.pp}: pipeline stages exchange "
                             "micro-batches of one shape; set it to 0 and size micro-batches with train.micro_batch_size")
-    if max_tokens_per_micro_batch and strategy.dp > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
-                            f"{max_tokens_per_micro_batch} with dp={strategy.dp}: each DP rank must run as many "
-                            "micro-batches (FSDP collectives) as the others; set it to 0 (pack_sequences is fine)")
     if critic:
         raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
                             "run its graph with a world size of 1 (e.g. train:d1)")

@@ -42,11 +42,12 @@ METRICS = ("loss", "policy_loss", "grad_norm", "entropy", "importance_weight_mea
 OVERRIDES = {"decoupled_ppo": {"behavior_imp_weight_cap": 1.2}}
 
 
-def settings(folder: Path, algorithm: str, packed: bool = False) -> TrainSettings:
-    """The train_step settings every case shares (micro-batches of 2 sequences)."""
-    return TrainSettings(model_folder=str(folder), algorithm=algorithm, loss_overrides=OVERRIDES.get(algorithm, {}),
-                         lr=LR, weight_decay=0.01, max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0,
-                         pack_sequences=packed)
+def settings(folder: Path, algorithm: str, packed: bool = False, **fields) -> TrainSettings:
+    """The train_step settings every case shares (micro-batches of 2 sequences), ``fields`` changed."""
+    return TrainSettings(**{**dict(model_folder=str(folder), algorithm=algorithm,
+                                   loss_overrides=OVERRIDES.get(algorithm, {}), lr=LR, weight_decay=0.01,
+                                   max_grad_norm=1.0, micro_batch_size=2, temperature=1.0, seed=0,
+                                   pack_sequences=packed), **fields})
 
 
 def rl_batch(folder: Path) -> dict[str, torch.Tensor]:

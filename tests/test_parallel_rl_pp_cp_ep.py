@@ -6,7 +6,8 @@
    (FSDP inside each stage), pp2xtp2; cp2 (Ulysses, sequence chunks; GSPO too, whose sequence
    means need whole rows) and cp2xdp2; ep2 (``d2e2``: a tiny Qwen3-MoE's 8 experts split over
    the 2 DP ranks, tokens dispatched by all-to-all) and dp4xep2 (two replicas of each expert
-   block): the loss, the merged metrics, the gradients and the gathered
+   block); dp2 with a token budget that gives the two ranks different micro-batch counts
+   (evened out by splitting): the loss, the merged metrics, the gradients and the gathered
    weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
    fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
    weights within the Adam error bound).
@@ -37,10 +38,15 @@ from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
-TWO_RANKS = {  # case -> (algorithm, strategy, policy); GSPO: per-sequence means and ratios over whole rows under cp
+TWO_RANKS = {  # case -> (algorithm, strategy, policy[, TrainSettings changes]); GSPO: per-sequence means and ratios over whole rows under cp
     **{f"{algorithm}-pp2": (algorithm, "p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
     **{f"{algorithm}-cp2": (algorithm, "c2", "dense") for algorithm in ALGORITHMS},
     **{f"{algorithm}-ep2": (algorithm, "d2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
+    # a budget of 16 tokens gives rank 0's rows (4, 5, 7, 6 tokens) 2 micro-batches and rank 1's
+    # (6, 11, 7, 8) 3, padded and packed alike: rank 0 splits one to run 3 as well
+    "grpo-dp2-token-budget": ("grpo", "d2", "dense", {"max_tokens_per_micro_batch": 16}),
+    "grpo-dp2-packed-token-budget": ("grpo", "d2", "dense", {"max_tokens_per_micro_batch": 16,
+                                                             "pack_sequences": True}),
 }
 FOUR_RANKS = {  # dp4 x ep2: each expert block has two replicas (edp), whose gradients are summed
     **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
@@ -54,9 +60,9 @@ def _steps_on_ranks(rank: int, world_size: int, policies: dict, cases: dict) -> 
     """Worker: one RL step per case, each on a fresh model. Returns the stats, the gathered
     weights and this rank's stage's full gradients (every rank joins the gathers)."""
     out = {}
-    for case, (algorithm, text, kind) in cases.items():
+    for case, (algorithm, text, kind, *fields) in cases.items():
         folder, batch = policies[kind]
-        trainer = RankTrainer.build(settings(folder, algorithm), ParallelStrategy.parse(text))
+        trainer = RankTrainer.build(settings(folder, algorithm, **(fields or [{}])[0]), ParallelStrategy.parse(text))
         stats = trainer.step(batch)
         grads = dict(full_named_tensors(trainer.parallel.module, grads=True))
         coordinate = trainer.parallel.coordinate
@@ -115,7 +121,7 @@ def _check(got: dict, ref: dict, algorithm: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(TWO_RANKS))
 def test_two_rank_rl_step_matches_single_process(policies, two_rank_steps, case):
-    algorithm, _, kind = TWO_RANKS[case]
+    algorithm, _, kind, *_ = TWO_RANKS[case]
     _check(_merged(two_rank_steps, case), policies[kind][2][algorithm], algorithm)
 
 

@@ -75,14 +75,14 @@ class ContextRunner(ShardedRunner):
         """No-grad log-probs ``[B, T]`` float32 (the same on every cp rank)."""
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
-            for mb in right_padded(micro_batches, attention_mask):
+            for mb in right_padded(self.same_count(micro_batches), attention_mask):
                 mb.put(out, self._outputs(mb, input_ids, temperature, entropy_grad=False)[0])
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
         """The step's gradient, one micro-batch at a time: chunk forward, whole-row loss, backward."""
-        for mb in right_padded(micro_batches, attention_mask):
+        for mb in right_padded(self.same_count(micro_batches), attention_mask):
             logp, entropy = self._outputs(mb, input_ids, temperature, entropy_grad)
             loss_fn(mb, logp, entropy).backward()
         self.reduce_expert_gradients()

@@ -12,8 +12,9 @@ context parallelism replace the passes themselves (``rl_pipeline``, ``rl_context
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from areal_flow.algorithms.micro_batches import MicroBatch
+from areal_flow.algorithms.micro_batches import MicroBatch, split_to_count
 from areal_flow.algorithms.model_runner import MicroBatchLoss, ModelRunner
 from runtime.parallel.apply import ParallelModel
 from runtime.parallel.expert_parallel import reduce_expert_gradients
@@ -47,12 +48,29 @@ class ShardedRunner(ModelRunner):
     def __init__(self, parallel: ParallelModel) -> None:
         super().__init__(parallel.module)
         self.parallel = parallel
+        self.dp_group = parallel.mesh["dp"].get_group() if parallel.strategy.dp > 1 else None
+
+    def same_count(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """``micro_batches`` split up to the most any DP rank has (``micro_batches.split_to_count``):
+        every DP rank runs as many forward and backward passes (FSDP's and EP's collectives pair
+        up) whatever its rows' lengths under a token budget. A collective of the DP group."""
+        if self.dp_group is None:
+            return micro_batches
+        count = torch.tensor([len(micro_batches)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return split_to_count(micro_batches, int(count))
+
+    def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+        """:meth:`ModelRunner.logprobs` over as many micro-batches as every DP rank runs."""
+        return super().logprobs(self.same_count(micro_batches), input_ids, attention_mask, temperature)
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
-        """:meth:`ModelRunner.forward_backward`, then the expert gradients summed over their replicas."""
-        super().forward_backward(micro_batches, input_ids, attention_mask, loss_fn, temperature=temperature,
-                                 entropy_grad=entropy_grad)
+        """:meth:`ModelRunner.forward_backward` over as many micro-batches as every DP rank runs,
+        then the expert gradients summed over their replicas."""
+        super().forward_backward(self.same_count(micro_batches), input_ids, attention_mask, loss_fn,
+                                 temperature=temperature, entropy_grad=entropy_grad)
         self.reduce_expert_gradients()
 
     def reduce_expert_gradients(self) -> None:
