@@ -30,7 +30,7 @@ from runtime.model_source import load_pretrained
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel_trainer import RankTrainer
 from runtime.reshard import load_sharded, whole_state
-from test_parallel_rl import LR, _batch, _spec
+from rl_step_cases import LR, rl_batch, settings
 
 NODE = "train_step"
 LOADS = [("d2", 2, "t2"), ("t2", 2, "d2"), ("d1", 1, "d2"), ("d1", 1, "t2")]  # (checkpoint, its world size, into)
@@ -43,14 +43,14 @@ def _save_and_load_on_ranks(rank: int, world_size: int, root: Path, batch: dict)
     import torch.distributed as dist
 
     for strategy, steps in (("d2", 1), ("t2", 2)):
-        trainer = RankTrainer.build(_spec(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
+        trainer = RankTrainer.build(settings(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
         for _ in range(steps):
             trainer.step(batch)
         trainer.save_state(root / strategy / SHARDED_DIR)
     dist.barrier()
     loaded = {}
     for source, size, strategy in LOADS:
-        trainer = RankTrainer.build(_spec(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
+        trainer = RankTrainer.build(settings(root / "policy", "grpo"), ParallelStrategy.parse(strategy))
         trainer.load_state(root / source, size, NODE)
         loaded[(source, strategy)] = whole_state(trainer.parallel.module, trainer.algorithm.optimizer)
     return loaded if rank == 0 else None
@@ -60,7 +60,7 @@ def _one_process_checkpoint(root: Path, batch: dict) -> None:
     """``root/d1``: one AdamW step in one process, saved as a one-process train_step saves it."""
     torch.manual_seed(0)
     model, tokenizer = load_pretrained(root / "policy")
-    spec = _spec(root / "policy", "grpo")
+    spec = settings(root / "policy", "grpo")
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     build_algorithm("grpo", model.train(), optimizer, micro_batch_size=spec.micro_batch_size,
                     max_grad_norm=spec.max_grad_norm, temperature=spec.temperature).update_parameters(batch)
@@ -106,7 +106,7 @@ def resharded(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(root / "policy")
     tokenizer.save_pretrained(root / "policy")
-    batch = _batch(root / "policy")
+    batch = rl_batch(root / "policy")
     _one_process_checkpoint(root, batch)
     loaded = spawn_workers(_save_and_load_on_ranks, 2, (root, batch), backend="gloo")[0]
     return root, loaded
