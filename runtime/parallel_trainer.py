@@ -71,7 +71,7 @@ from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
-from runtime.reshard import load_sharded, load_whole_into_ranks
+from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks, rename_parameters
 from runtime.executors.train import TrainSettings, micro_batch_size
 from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
@@ -244,11 +244,21 @@ class RankTrainer:
         """Save this rank's shards of the model and AdamW state (moments, step counts) to
         ``folder`` with ``torch.distributed.checkpoint`` (``get_state_dict``, then ``dcp.save``:
         one ``__<rank>_0.distcp`` file per rank and a ``.metadata`` file from rank 0; PyTorch
-        docs, "Distributed Checkpoint - torch.distributed.checkpoint"). Every rank must call it
-        (collectives); ``folder`` must be on a file system every rank sees.
+        docs, "Distributed Checkpoint - torch.distributed.checkpoint"), the optimizer state
+        flattened (``reshard.FLAT``: pipeline stages' parameter groups differ). Every rank must
+        call it (collectives); ``folder`` must be on a file system every rank sees.
         """
-        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
+        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer, options=FLAT)
+        optim_state = rename_parameters(optim_state, self._checkpoint_names())
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def _checkpoint_names(self) -> dict[str, str] | None:
+        """The last pipeline stage's copy of a tied embedding goes by the tied parameter's first
+        name in a checkpoint's optimizer state, as in one process (``reshard.rename_parameters``)."""
+        module = self.parallel.module
+        if self.strategy.pp_enabled and module.tied_embeddings and module.is_last:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return None
 
     def load_state(self, folder: str | Path, world_size: int, node: str) -> None:
         """Load checkpoint ``folder`` (``runtime.checkpoint``), written by train_step ``node`` on
@@ -262,11 +272,12 @@ class RankTrainer:
                 one of other tensors (names the missing keys).
             KeyError: ``trainer_state.pt`` holds no optimizer state of ``node``.
         """
+        names = self._checkpoint_names()
         if world_size > 1:
-            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR)
+            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR, names)
         else:
             load_whole_into_ranks(self.parallel.module, self.algorithm.optimizer, folder,
-                                  read_state(Path(folder))["optimizers"][node])
+                                  read_state(Path(folder))["optimizers"][node], names)
 
 
 def _die_with_parent() -> None:
