@@ -144,10 +144,7 @@ class ModelSpec:
 
 # Tiny presets (this project's, character vocabulary) and published models' config.json excerpts.
 MODEL_PRESETS: dict[str, dict] = {
-    **{name: dict(model_type="qwen2", hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
-                  num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
-                  intermediate_size=p.intermediate_size, vocab_size=CHAR_VOCAB_SIZE, tie_word_embeddings=True)
-       for name, p in TINY_PRESETS.items()},
+    **{name: p.config(CHAR_VOCAB_SIZE) for name, p in TINY_PRESETS.items()},
     **PUBLISHED_CONFIGS,
 }
 

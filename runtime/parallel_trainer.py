@@ -17,11 +17,14 @@ Protocol, every step:
    weights are needed after the step; every rank keeps the rows of its DP coordinate
    (``B / dp`` contiguous rows; TP ranks of one DP coordinate keep the same rows).
 3. The loss normalisers of the *whole* step (valid tokens and sequences summed, longest
-   response maxed) are all-reduced over the ``dp_cp`` ranks and passed to
+   response maxed) are all-reduced over the ``dp`` ranks (the ``cp``, ``tp`` and ``pp``
+   ranks of one DP rank hold the same rows) and passed to
    ``BaseAlgorithm.update_parameters``, which runs on every rank: FSDP sums the ranks'
    gradients (divide factor 1), so the gradient is that of the global loss; TP ranks see
-   the whole batch and compute one model between them. Each rank's micro-batch size is
-   its share of the batch over the plan's micro-batches per DP rank.
+   the whole batch and compute one model between them; the algorithm's forward and
+   backward passes go through a runner of ``runtime.parallel`` (``rl_pipeline`` under pp,
+   ``rl_context`` under cp: sequence chunks, a whole-row loss). Each rank's micro-batch
+   size is its share of the batch over the plan's micro-batches per DP rank.
 4. When flagged, the full weights are gathered bucket by bucket (``iter_weight_buckets``,
    every rank joins each collective) and kept on rank 0, which publishes them on the
    weight channel; metrics are summed / token-weighted over the DP ranks
@@ -32,13 +35,16 @@ resync) or, with ``checkpoint`` set, to save the ranks' shards of model and opti
 with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
 of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
-Supported: ``dp`` and ``tp`` (and both) for the policy; a critic's train_step and
-``pp``/``cp``/``ep`` are refused by :func:`check_parallel_training` before any process starts.
+Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
+``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
+the metrics come from the last stage. A critic's train_step and the other products are refused
+by :func:`check_parallel_training` before any process starts.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -55,13 +61,16 @@ from areal_flow.algorithms.base import BaseAlgorithm
 from compiler.strategy import ParallelStrategy, StrategyError
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
-from runtime.parallel.apply import ParallelModel, parallelize
+from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
-from runtime.parallel.mesh import build_device_mesh, dp_cp_mesh
+from runtime.parallel.mesh import build_device_mesh
+from runtime.parallel.rl_context import ContextRunner
+from runtime.parallel.rl_pipeline import PipelineRunner
+from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
-from runtime.reshard import load_sharded, load_whole_into_ranks
+from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks, rename_parameters
 from runtime.executors.train import TrainSettings, micro_batch_size
 from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
@@ -82,22 +91,31 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         max_tokens_per_micro_batch: ``train.max_tokens_per_micro_batch`` (0 = off).
 
     Raises:
-        StrategyError: naming the rule: those of ``validate_strategy_for_model``; only
-            ``dp``/``tp`` are wired into the RL loss; ``rows`` divisible by ``dp``; no critic;
-            no token budget with ``dp > 1`` (ranks would run different micro-batch counts).
+        StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
+            with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
+            least ``pp`` sequences per DP rank; no critic; no token budget with ``pp > 1`` (the
+            stages exchange micro-batches of one shape). Under ``dp > 1`` a token budget is fine:
+            every DP rank runs the most micro-batches any has (``rl_runner.ShardedRunner.same_count``).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
-    if strategy.pp > 1 or strategy.cp > 1 or strategy.ep > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: the RL trainer runs dp and tp only (pp, cp "
-                            "and ep would need the policy loss inside a pipeline schedule or sequence chunks)")
+    if strategy.ep > 1 and (strategy.pp > 1 or strategy.cp > 1 or strategy.tp > 1):
+        raise StrategyError(f"train_step strategy {strategy.short()}: ep={strategy.ep} with pp, cp or tp: the RL "
+                            "trainer's expert parallelism runs over dp ranks only (e.g. train:d2e2)")
+    if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
+        raise StrategyError(f"train_step strategy {strategy.short()}: cp={strategy.cp} with pp or tp: the RL trainer's "
+                            "context parallelism (sequence chunks, whole-row loss) runs with dp only")
     if rows % strategy.dp:
         raise StrategyError(f"train_step strategy {strategy.short()}: a step of {rows} sequences (train.batch_size "
                             f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
                             "micro-batches (FSDP collectives) as the others")
-    if max_tokens_per_micro_batch and strategy.dp > 1:
+    if rows // strategy.dp < strategy.pp:
+        raise StrategyError(f"train_step strategy {strategy.short()}: {rows // strategy.dp} sequences per DP rank "
+                            f"cannot fill pp={strategy.pp} pipeline micro-batches (the 1F1B schedule runs at least "
+                            "one micro-batch of at least one sequence per stage); raise train.batch_size")
+    if max_tokens_per_micro_batch and strategy.pp > 1:
         raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
-                            f"{max_tokens_per_micro_batch} with dp={strategy.dp}: each DP rank must run as many "
-                            "micro-batches (FSDP collectives) as the others; set it to 0 (pack_sequences is fine)")
+                            f"{max_tokens_per_micro_batch} with pp={strategy.pp}: pipeline stages exchange "
+                            "micro-batches of one shape; set it to 0 and size micro-batches with train.micro_batch_size")
     if critic:
         raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
                             "run its graph with a world size of 1 (e.g. train:d1)")
@@ -137,9 +155,10 @@ class RankTrainer:
 
     @classmethod
     def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu") -> "RankTrainer":
-        """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``) and
-        build the algorithm on the sharded parameters. Every rank calls this (collectives).
-        A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
+        """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
+        rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
+        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``). Every rank calls
+        this (collectives). A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
@@ -147,16 +166,21 @@ class RankTrainer:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             model = model.cuda()
         mesh = build_device_mesh(strategy, device_type)
-        parallel = parallelize(model.train(), strategy, mesh)
+        config = ParallelConfig(n_microbatches=None)  # the runner drives a pipeline stage itself
+        parallel = parallelize(model.train(), strategy, mesh, config)
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])
         optimizer = torch.optim.AdamW(parallel.module.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        return cls(rank, strategy, parallel, spec.build_algorithm(parallel.module, optimizer))
+        algorithm = spec.build_algorithm(parallel.module, optimizer)
+        runner = PipelineRunner if strategy.pp_enabled else ContextRunner if strategy.cp_enabled else ShardedRunner
+        algorithm.runner = runner(parallel)
+        return cls(rank, strategy, parallel, algorithm)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors,
         advantages included; the same on every rank). Returns the metrics merged over the DP
-        ranks (the same on every rank).
+        ranks (the same on every rank; under ``pp`` the last stage's, where the loss runs).
+        Under ``pp`` the micro-batches are made small enough that there are at least ``pp``.
 
         Raises:
             ValueError: ``B`` not divisible by ``dp``; those of ``update_parameters``.
@@ -167,35 +191,69 @@ class RankTrainer:
         share = rows // dp
         start = self.parallel.coordinate["dp"] * share
         local = {k: v[start:start + share] for k, v in batch.items()}
-        group = dp_cp_mesh(self.parallel.mesh).get_group()
+        group = self.parallel.mesh["dp"].get_group()  # cp, tp and pp ranks of one DP rank hold the same rows
         n_tokens, n_seqs, longest = step_normalisers(local["loss_mask"])
         counts = torch.tensor([n_tokens, n_seqs], dtype=torch.int64)
         dist.all_reduce(counts, group=group)
         longest_t = torch.tensor([longest], dtype=torch.int64)
         dist.all_reduce(longest_t, op=dist.ReduceOp.MAX, group=group)
+        if self.strategy.pp_enabled:
+            algorithm = self.algorithm
+            algorithm.micro_batch_size = min(algorithm.micro_batch_size, math.ceil(share / self.strategy.pp))
         stats = self.algorithm.update_parameters(local, n_tokens=int(counts[0]), n_seqs=int(counts[1]),
                                                  norm_length=max(int(longest_t), 1))
-        return merge_dp_metrics(stats, group)
+        stats = merge_dp_metrics(stats, group)
+        if self.strategy.pp_enabled:
+            stats = self.algorithm.runner.broadcast_from_last_stage(stats)
+        return stats
 
     def gather_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
         """The full parameters (state-dict names and order, tied names included) on rank 0,
         ``None`` on the others. Every rank must call it (one all-gather per parameter); a
-        rank other than 0 holds at most one bucket of ``bucket_bytes`` bytes at a time."""
+        rank other than 0 holds at most one bucket of ``bucket_bytes`` bytes at a time. Under
+        ``pp`` each stage gathers its own parameters and its first rank sends them to rank 0
+        bucket by bucket (on the CPU), after rank 0's own stage."""
         state: dict[str, torch.Tensor] = {}
+        coordinate = self.parallel.coordinate
+        sends = coordinate["pp"] > 0 and coordinate["dp"] == coordinate["cp"] == coordinate["tp"] == 0
+        device = torch.device("cuda", torch.cuda.current_device()) if self.parallel.mesh.device_type == "cuda" else None
         for bucket in iter_weight_buckets(self.parallel.module, bucket_bytes):
             if self.rank == 0:
                 state.update(bucket.tensors)
+            elif sends:
+                dist.send_object_list([{k: v.cpu() for k, v in bucket.tensors.items()}], dst=0, device=device)
+        if sends:
+            dist.send_object_list([None], dst=0, device=device)
+        if self.rank == 0:
+            for stage in range(1, self.strategy.pp):
+                source = int(self.parallel.mesh.mesh[stage, 0, 0, 0])
+                while True:
+                    received: list = [None]
+                    dist.recv_object_list(received, src=source, device=device)
+                    if received[0] is None:
+                        break
+                    state.update(received[0])
         return state if self.rank == 0 else None
 
     def save_state(self, folder: str | Path) -> None:
         """Save this rank's shards of the model and AdamW state (moments, step counts) to
         ``folder`` with ``torch.distributed.checkpoint`` (``get_state_dict``, then ``dcp.save``:
         one ``__<rank>_0.distcp`` file per rank and a ``.metadata`` file from rank 0; PyTorch
-        docs, "Distributed Checkpoint - torch.distributed.checkpoint"). Every rank must call it
-        (collectives); ``folder`` must be on a file system every rank sees.
+        docs, "Distributed Checkpoint - torch.distributed.checkpoint"), the optimizer state
+        flattened (``reshard.FLAT``: pipeline stages' parameter groups differ). Every rank must
+        call it (collectives); ``folder`` must be on a file system every rank sees.
         """
-        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer)
+        model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer, options=FLAT)
+        optim_state = rename_parameters(optim_state, self._checkpoint_names())
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def _checkpoint_names(self) -> dict[str, str] | None:
+        """The last pipeline stage's copy of a tied embedding goes by the tied parameter's first
+        name in a checkpoint's optimizer state, as in one process (``reshard.rename_parameters``)."""
+        module = self.parallel.module
+        if self.strategy.pp_enabled and module.tied_embeddings and module.is_last:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return None
 
     def load_state(self, folder: str | Path, world_size: int, node: str) -> None:
         """Load checkpoint ``folder`` (``runtime.checkpoint``), written by train_step ``node`` on
@@ -209,11 +267,12 @@ class RankTrainer:
                 one of other tensors (names the missing keys).
             KeyError: ``trainer_state.pt`` holds no optimizer state of ``node``.
         """
+        names = self._checkpoint_names()
         if world_size > 1:
-            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR)
+            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR, names)
         else:
             load_whole_into_ranks(self.parallel.module, self.algorithm.optimizer, folder,
-                                  read_state(Path(folder))["optimizers"][node])
+                                  read_state(Path(folder))["optimizers"][node], names)
 
 
 def _die_with_parent() -> None:

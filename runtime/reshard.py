@@ -9,10 +9,11 @@ state in (``runtime.checkpoint``) and the trainer layouts it can be loaded into:
 * **sharded** (a train_step of several ranks): ``trainer_dcp/``, written by
   ``torch.distributed.checkpoint`` from ``get_state_dict``: every tensor stored once as a
   *global* tensor named by its fully qualified name (FQN), each rank's file holding its
-  slices, ``.metadata`` their offsets.
+  slices, ``.metadata`` their offsets; the optimizer state flattened to one entry per
+  parameter (:data:`FLAT`, what torchtitan does for pipeline stages).
 
 ============  ===========================================  ==========================================
-checkpoint    trainer of one process                       trainer of several ranks (any dp x tp)
+checkpoint    trainer of one process                       trainer of several ranks (dp, tp, pp)
 ============  ===========================================  ==========================================
 whole         ``load_state_dict`` (``runtime.executors``)   :func:`load_whole_into_ranks`
 sharded       :func:`load_sharded` (no process group)       :func:`load_sharded` (every rank its slice)
@@ -37,21 +38,55 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""How several ranks save the optimizer: one entry per parameter and field (``state.<fqn>.exp_avg``,
+``param_groups.<fqn>.lr``), so pipeline stages, whose parameter groups differ, never write one key."""
+
+
+def rename_parameters(optimizer_state: dict, names: dict[str, str] | None) -> dict:
+    """A flattened optimizer state (:data:`FLAT`) with parameter FQNs renamed, ``{old: new}``:
+    the last pipeline stage's copy of a tied embedding (``lm_head.weight``) is stored under the
+    tied parameter's first name (``model.embed_tokens.weight``), as one process stores it."""
+    if not names:
+        return optimizer_state
+    out = {}
+    for key, value in optimizer_state.items():
+        for old, new in names.items():
+            for section in ("state.", "param_groups."):
+                if key.startswith(f"{section}{old}."):
+                    key = f"{section}{new}{key[len(section) + len(old):]}"
+        out[key] = value
+    return out
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path,
+                 names: dict[str, str] | None = None) -> None:
     """Load a sharded checkpoint's ``folder`` (``trainer_dcp/``: keys ``model`` and
     ``optimizer``) into ``model`` and its ``optimizer``, whatever their layout: on several
-    ranks (FSDP2 / DTensor TP module; every rank calls it, collectives) each rank reads the
-    slices of the global tensors its shards cover; in a process without a process group
-    (a one-process trainer) the whole tensors.
+    ranks (FSDP2 / DTensor TP module, pipeline stage; every rank calls it, collectives) each
+    rank reads the slices of the global tensors its shards cover; in a process without a
+    process group (a one-process trainer) the whole tensors. The optimizer state is read in
+    the form it was written: flattened (:data:`FLAT`), or nested (checkpoints written before
+    it, which no pipeline stage can read). ``names``: :func:`rename_parameters`' renames of
+    this rank's parameters to the checkpoint's.
 
     Raises:
         FileNotFoundError / RuntimeError (from DCP): ``folder`` holds no DCP checkpoint, or one
             of other tensors (DCP names the missing keys or the mismatched shapes).
+        ValueError: a nested-optimizer checkpoint into a pipeline stage with renames.
     """
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    flat = "optimizer.param_groups.0.lr" not in keys
+    if names and not flat:
+        raise ValueError(f"checkpoint {folder}: its optimizer state is nested (written before pipeline stages "
+                         "could load it); resume it on a strategy without pp")
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optimizer": rename_parameters(optim_state, names)}
     dcp.load(state, checkpoint_id=str(folder))  # no process group: DCP reads in this process alone
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    back = {new: old for old, new in (names or {}).items()}
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=rename_parameters(state["optimizer"], back), options=options)
 
 
 def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -64,7 +99,7 @@ def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
 
 
 def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_folder: str | Path,
-                          optimizer_state: dict) -> None:
+                          optimizer_state: dict, names: dict[str, str] | None = None) -> None:
     """Load a one-process checkpoint into this rank's shards (every rank calls it: the
     distribution is a collective; rank 0's copy is scattered).
 
@@ -72,13 +107,15 @@ def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimi
     builds AdamW on it and loads ``optimizer_state`` (the positional ``state_dict``), so that
     ``get_state_dict`` names the moments by FQN as the sharded module does; ``set_state_dict``
     with ``full_state_dict=True`` then cuts every tensor to this rank's placement
-    (``distribute_tensor``). Peak memory: one whole model and its AdamW state per rank, for
-    the duration of the call.
+    (``distribute_tensor``), for the parameters ``module`` holds (a pipeline stage: its own;
+    ``names`` as :func:`load_sharded`'s). Peak memory: one whole model and its AdamW state per
+    rank, for the duration of the call.
 
     Raises:
         ValueError: ``optimizer_state`` does not fit the model (torch's message: parameter
             counts of the groups differ).
         RuntimeError: weights that do not fit ``module`` (torch names the keys).
+        KeyError: ``module`` holds a parameter the checkpoint lacks.
     """
     from runtime.model_source import load_pretrained
 
@@ -86,5 +123,13 @@ def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimi
     plain_optimizer = torch.optim.AdamW(plain.parameters())
     plain_optimizer.load_state_dict(optimizer_state)  # lr, betas, weight decay come from the state
     model_state, optim_state = get_state_dict(plain, plain_optimizer)
-    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True))
+    held_model, held_optim = get_state_dict(module, optimizer)
+    names = names or {}
+    held = [fqn for group in held_optim["param_groups"] for fqn in group["params"]]
+    optim_state = {  # the parameters this rank holds, by its names
+        "state": {fqn: optim_state["state"][names.get(fqn, fqn)] for fqn in held},
+        "param_groups": [{**group, "params": [fqn for fqn in held if names.get(fqn, fqn) in group["params"]]}
+                         for group in optim_state["param_groups"]],
+    }
+    set_state_dict(module, optimizer, model_state_dict={k: model_state[k] for k in held_model},
+                   optim_state_dict=optim_state, options=StateDictOptions(full_state_dict=True))

@@ -6,7 +6,7 @@ import torch
 from test_algorithms import VARIANTS, make_batch, run, tiny_model
 
 from areal_flow.algorithms.config import LOSS_AGG_MODES, LossConfig
-from areal_flow.algorithms.micro_batches import plan_micro_batches, trimmed_width
+from areal_flow.algorithms.micro_batches import plan_micro_batches, split_to_count, trimmed_width
 from areal_flow.models.logprobs import token_logprobs
 
 
@@ -54,6 +54,20 @@ def test_token_budget_first_fit_decreasing_by_hand():
     padded = plan_micro_batches(_mask(lengths, 6), micro_batch_size=1, max_tokens=8)
     assert [mb.rows for mb in padded] == [(0,), (2, 3), (1, 4)]
     assert [mb.tokens for mb in padded] == [5, 8, 4]
+
+
+def test_split_to_count_by_hand():
+    # padded, budget 8: A = (0,) 5 tokens, B = (2, 3) 2 x 4 = 8, C = (1, 4) 2 x 2 = 4 (test above)
+    mbs = plan_micro_batches(_mask([5, 2, 4, 3, 1], 6), micro_batch_size=1, max_tokens=8)
+    # 4 micro-batches (another DP rank's count): B computes the most of those with 2 rows -> (2,), (3,) in its place
+    four = split_to_count(mbs, 4)
+    assert [mb.rows for mb in four] == [(0,), (2,), (3,), (1, 4)]
+    assert [mb.tokens for mb in four] == [5, 4, 3, 4]  # none over the budget of 8
+    # 5: only C has 2 rows left
+    assert [mb.rows for mb in split_to_count(mbs, 5)] == [(0,), (2,), (3,), (1,), (4,)]
+    assert split_to_count(mbs, 3) == mbs
+    with pytest.raises(ValueError, match="cannot split 5 rows into 6 micro-batches"):
+        split_to_count(mbs, 6)
 
 
 def test_bad_micro_batch_input_is_named():
@@ -115,10 +129,11 @@ def test_config_keys_reach_the_trainer_and_bad_values_are_named(tmp_path):
     with pytest.raises(ConfigError, match="train.max_tokens_per_micro_batch=-3"):
         load_config(overrides=["train.max_tokens_per_micro_batch=-3"])
     build_model("tiny-s", 50).save_pretrained(tmp_path)
-    with pytest.raises(StrategyError, match="max_tokens_per_micro_batch=512 with dp=2"):
-        check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False,
+    with pytest.raises(StrategyError, match="max_tokens_per_micro_batch=512 with pp=2"):  # one micro-batch shape
+        check_parallel_training(ParallelStrategy.parse("p2"), tmp_path, rows=8, critic=False,
                                 max_tokens_per_micro_batch=512)
-    check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False)  # no budget: accepted
+    # dp ranks even out their micro-batch counts (split_to_count): accepted
+    check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False, max_tokens_per_micro_batch=512)
 
 
 def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cache):

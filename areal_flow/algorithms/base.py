@@ -9,8 +9,6 @@ Subclasses registered with ``@register_algorithm`` only choose defaults.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -19,32 +17,12 @@ from areal_flow.algorithms.aggregation import aggregate_loss, step_normalisers
 from areal_flow.algorithms.config import LossConfig, merged_loss_config
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.kl import kl_penalty
-from areal_flow.algorithms.losses import (
-    behavior_importance_weight,
-    compute_policy_loss,
-    m2po_keep_mask,
-    token_entropy,
-)
+from areal_flow.algorithms.losses import behavior_importance_weight, compute_policy_loss, m2po_keep_mask
 from areal_flow.algorithms.micro_batches import MicroBatch, plan_micro_batches, trimmed_width
+from areal_flow.algorithms.model_runner import ModelRunner
 from areal_flow.algorithms.step_metrics import StepMetrics
-from areal_flow.models.logprobs import token_logprobs
-from areal_flow.models.packed_attention import packed_attention
 
 _REQUIRED = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "advantages")
-
-
-class _LogitsTap:
-    """Calls the model and keeps its logits, so ``token_logprobs`` stays the one
-    log-prob function while the entropy reuses the same forward pass."""
-
-    def __init__(self, model: Callable[..., Any]) -> None:
-        self.model = model
-        self.logits: torch.Tensor | None = None
-
-    def __call__(self, **kwargs: Any) -> Any:
-        out = self.model(**kwargs)
-        self.logits = out.logits
-        return out
 
 
 class BaseAlgorithm:
@@ -141,6 +119,7 @@ class BaseAlgorithm:
         self.ref_model = ref_model
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.pack_sequences = pack_sequences
+        self.runner = ModelRunner(model)
 
     # ----------------------------------------------------------------- helpers
     def _slices(self, batch_size: int) -> list[slice]:
@@ -152,25 +131,13 @@ class BaseAlgorithm:
         return plan_micro_batches(attention_mask, micro_batch_size=self.micro_batch_size,
                                   max_tokens=self.max_tokens_per_micro_batch, pack=self.pack_sequences)
 
-    def _forward_logprobs(
-        self, model: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """No-grad ``token_logprobs`` over micro-batches: ``[batch, seq]`` float32."""
-        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        with torch.no_grad():
-            for mb in self._micro_batches(attention_mask):
-                with packed_attention(model) if mb.packed else nullcontext():
-                    logp = token_logprobs(model, **mb.model_inputs(input_ids, attention_mask),
-                                          temperature=self.temperature)
-                mb.put(out, mb.unpack(logp))
-        return out
-
     def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Reference-model log-probs ``[batch, seq]`` (no grad), e.g. to fold KL into the
         reward (``kl_in_reward``). Raises ``ValueError`` without a ``ref_model``."""
         if self.ref_model is None:
             raise ValueError(f"algorithm {self.name!r}: ref_logprobs needs ref_model")
-        return self._forward_logprobs(self.ref_model, input_ids, attention_mask)
+        return ModelRunner(self.ref_model).logprobs(self._micro_batches(attention_mask), input_ids, attention_mask,
+                                                    self.temperature)
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Critic values ``[batch, seq]`` float32 (no grad), for GAE before the update."""
@@ -259,7 +226,7 @@ class BaseAlgorithm:
         proximal = None
         if cfg.use_decoupled_loss or cfg.policy_loss == "m2po":
             # Before any parameter update: the proximal policy is the current weights.
-            proximal = self._forward_logprobs(self.model, ids, attn)
+            proximal = self.runner.logprobs(self._micro_batches(attn), ids, attn, self.temperature)
         m2po_keep = None
         if cfg.policy_loss == "m2po":
             m2po_keep = m2po_keep_mask(proximal - behavior, mask, cfg.m2po_threshold)
@@ -274,16 +241,14 @@ class BaseAlgorithm:
 
         metrics = StepMetrics()
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in self._micro_batches(attn):
-            # backward inside too: activation checkpointing recomputes the attention there
-            with packed_attention(self.model) if mb.packed else nullcontext():
-                loss = self._micro_batch_loss(
-                    batch, mb, mask, behavior, *(None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref)),
-                    norm, metrics,
-                )
-                loss.backward()
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        def micro_batch_loss(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            taken = (None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref))
+            return self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, *taken, norm, metrics)
+
+        self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
+                                     temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0)
+        grad_norm = self.runner.clip_grad_norm(self.max_grad_norm)
         skipped = norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
@@ -296,20 +261,12 @@ class BaseAlgorithm:
             result.update(self._update_critic(batch, mask, norm))
         return result
 
-    def _entropy(self, logits: torch.Tensor, *, with_grad: bool) -> torch.Tensor:
-        """``[batch, seq]`` entropy (nats) of the distribution that predicted token t
-        (position 0 holds 0). Without grad (metric only) it runs one row at a time, so the
-        float32 softmax never holds more than ``[seq, vocab]``."""
-        if with_grad:
-            return torch.nn.functional.pad(token_entropy(logits[:, :-1] / self.temperature), (1, 0))
-        with torch.no_grad():
-            rows = [token_entropy(logits[i, :-1].detach() / self.temperature) for i in range(logits.shape[0])]
-            return torch.nn.functional.pad(torch.stack(rows), (1, 0))
-
     def _micro_batch_loss(
         self,
         batch: dict[str, torch.Tensor],
         mb: MicroBatch,
+        logp: torch.Tensor,
+        ent: torch.Tensor,
         mask: torch.Tensor,
         behavior: torch.Tensor,
         proximal: torch.Tensor | None,
@@ -318,14 +275,12 @@ class BaseAlgorithm:
         norm: dict[str, Any],
         metrics: StepMetrics,
     ) -> torch.Tensor:
-        """Forward one micro-batch ``mb`` and return its share of the step loss: policy loss
-        (+ KL) (- entropy bonus). ``mask``/``behavior`` are the step's ``[B, T]``; the other
-        tensors are already ``mb``'s ``[b, w]`` rows."""
+        """Micro-batch ``mb``'s share of the step loss: policy loss (+ KL) (- entropy bonus), from
+        the policy's log-probs ``logp`` and entropy ``ent`` on its rows (``[b, w]``, with grad;
+        ``ent`` with grad only under an entropy bonus). ``mask``/``behavior`` are the step's
+        ``[B, T]``; the other tensors are already ``mb``'s ``[b, w]`` rows."""
         cfg = self.loss_cfg
         m, behav = mb.take(mask), mb.take(behavior)
-        tap = _LogitsTap(self.model)
-        logp = mb.unpack(token_logprobs(tap, **mb.model_inputs(batch["input_ids"], batch["attention_mask"]),
-                                        temperature=self.temperature))
         old = proximal if cfg.use_decoupled_loss else behav
         out = compute_policy_loss(cfg, logp, old, mb.take(batch["advantages"]), m, m2po_keep=m2po_keep)
         per_token = out.loss
@@ -342,7 +297,6 @@ class BaseAlgorithm:
             kl = kl_penalty(logp, ref, cfg.kl_estimator, loss_mask=m, log_ratio_clamp=cfg.log_ratio_clamp)
             loss = loss + cfg.kl_coef * aggregate_loss(kl, m, cfg.loss_agg_mode, **norm)
             metrics.add_mean("kl_ref", kl.detach(), m)
-        ent = mb.unpack(self._entropy(tap.logits, with_grad=cfg.entropy_coef > 0))
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * aggregate_loss(ent, m, cfg.loss_agg_mode, **norm)
         metrics.add_total("loss", loss)

@@ -20,7 +20,10 @@ and in one of two groupings: ``micro_batch_size`` rows in batch order, or, with 
 budget, rows sorted by length (longest first) and put first-fit into micro-batches whose
 computed tokens (padded: rows x width; packed: the sum of lengths) stay within the budget
 (dynamic micro-batching, as AReaL's ``max_tokens_per_mb``). Gradients of a step's
-micro-batches are summed, so the grouping changes only the summation order.
+micro-batches are summed, so the grouping changes only the summation order. Data-parallel
+ranks must run as many micro-batches as each other (their collectives pair up), so a rank
+whose budget gives fewer splits some (:func:`split_to_count`) up to the most any rank has, as
+verl's dynamic batch size does.
 """
 
 from __future__ import annotations
@@ -165,3 +168,24 @@ def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int, m
         else:
             bins.append([r])
     return [MicroBatch(tuple(b), tuple(lengths[i] for i in b), pack) for b in bins]
+
+
+def split_to_count(micro_batches: list[MicroBatch], count: int) -> list[MicroBatch]:
+    """``micro_batches`` split until there are ``count`` of them: the one computing the most
+    tokens (of those with two rows or more) is cut into its first and second half of rows, in
+    place, again and again. A part never computes more tokens than the whole (fewer rows, no
+    wider), so a token budget still holds.
+
+    Raises:
+        ValueError: ``count`` exceeds the rows (a micro-batch holds at least one).
+    """
+    rows = sum(len(mb.rows) for mb in micro_batches)
+    if count > rows:
+        raise ValueError(f"cannot split {rows} rows into {count} micro-batches (each needs a row)")
+    out = list(micro_batches)
+    while len(out) < count:
+        i = max((j for j, mb in enumerate(out) if len(mb.rows) > 1), key=lambda j: out[j].tokens)
+        mb, half = out[i], (len(out[i].rows) + 1) // 2
+        out[i : i + 1] = [MicroBatch(mb.rows[:half], mb.lengths[:half], mb.packed),
+                          MicroBatch(mb.rows[half:], mb.lengths[half:], mb.packed)]
+    return out

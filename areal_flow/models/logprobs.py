@@ -35,14 +35,33 @@ def token_logprobs(
     Raises:
         ValueError: neither ``attention_mask`` nor ``position_ids`` given.
     """
+    return logprobs_from_logits(model_logits(model, input_ids, attention_mask, position_ids), input_ids, temperature)
+
+
+def model_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits ``[batch, seq, vocab]`` (the model's dtype) of ``model`` on ``input_ids``;
+    arguments and errors as :func:`token_logprobs`."""
     if attention_mask is None and position_ids is None:
         raise ValueError("token_logprobs: packed rows (attention_mask=None) need position_ids")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if attention_mask is None:  # packed (no KV cache: a scoring pass; transformers' own packed mask needs none)
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of every token of ``input_ids [batch, seq]`` under ``logits [batch, seq, vocab]``
+    (position ``t`` predicts token ``t + 1``), divided by ``temperature``.
+
+    Returns:
+        ``[batch, seq]`` float32, laid out as :func:`token_logprobs` (``out[:, 0] = 0``).
+    """
     logits = logits[:, :-1].float() / temperature
     targets = input_ids[:, 1:]
     # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materialising the full log-softmax.

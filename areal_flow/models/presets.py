@@ -23,15 +23,20 @@ CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(ALPHABET)  # 4 + 46 = 50 token ids
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """Architecture of one tiny preset (Qwen2: RMSNorm, RoPE, SwiGLU MLP, GQA).
+    """Architecture of one tiny preset: Qwen2 (RMSNorm, RoPE, SwiGLU MLP, GQA), or Qwen3-MoE
+    (the same attention with per-head q/k norms, and top-k routed SwiGLU experts instead of the
+    MLP in every layer) when ``num_experts > 0``.
 
     Attributes:
         hidden_size: model width (residual stream), elements.
-        intermediate_size: SwiGLU MLP width, elements.
+        intermediate_size: SwiGLU MLP width, elements (unused by a MoE preset's layers).
         num_hidden_layers: decoder layers.
         num_attention_heads: query heads; ``hidden_size`` must be a multiple of it.
         num_key_value_heads: key/value heads (grouped-query attention).
         max_position_embeddings: longest sequence (prompt + response), tokens.
+        num_experts: routed experts per layer (0: a dense model).
+        num_experts_per_tok: experts each token is routed to (top-k, weights renormalised).
+        moe_intermediate_size: each expert's SwiGLU width, elements.
     """
 
     hidden_size: int
@@ -40,6 +45,23 @@ class TinyPreset:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int = 256
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    def config(self, vocab_size: int) -> dict:
+        """The ``transformers`` config keys of this preset (``model_type`` included; tied
+        embeddings), the one shape both the model builder (``tiny``) and the compiler read."""
+        shape = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                     num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                     num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+                     vocab_size=vocab_size, tie_word_embeddings=True)
+        if not self.num_experts:
+            return dict(model_type="qwen2", **shape)
+        return dict(model_type="qwen3_moe", **shape, head_dim=self.hidden_size // self.num_attention_heads,
+                    num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                    moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1,
+                    mlp_only_layers=[])
 
 
 PRESETS: dict[str, TinyPreset] = {
@@ -50,6 +72,9 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-arith": TinyPreset(128, 512, 4, 4, 2),
     # ~2.6 M parameters: same depth, wider; for longer runs.
     "tiny-arith-wide": TinyPreset(192, 768, 5, 6, 2),
+    # ~1.8 M parameters (~0.5 M active per token): Qwen3-MoE shape, 8 experts of width 128 per
+    # layer, top-2; the arithmetic RL demo with expert parallelism (graphs/arith_grpo_moe.py).
+    "tiny-moe": TinyPreset(128, 512, 4, 4, 2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
 }
 
 

@@ -1,11 +1,12 @@
-"""Tiny causal LMs built in code from a ``transformers`` Qwen2 config (no download).
+"""Tiny causal LMs built in code from a ``transformers`` Qwen2 or Qwen3-MoE config (no download).
 
 The presets' shapes are plain data in ``areal_flow.models.presets`` (the compiler reads
 them without importing torch).
 
 Presets are sized for CPU experiments: ``tiny-s`` (~78 k parameters) reaches partial
 competence on 2-digit arithmetic in well under a minute on one core; ``tiny-arith``
-(~1 M) learns more per example but costs ~5x more per step. Models are built fp32.
+(~1 M) learns more per example but costs ~5x more per step; ``tiny-moe`` (Qwen3-MoE,
+8 experts, top-2) is the one for expert parallelism. Models are built fp32.
 
 bf16 does not pay for them (measured with ``torch.profiler``, torch 2.13, 1 thread, on the
 2-core AMX / AVX-512-bf16 box under a load average of 6): a ``tiny-arith`` forward + backward
@@ -23,10 +24,8 @@ interleaved runs.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
-from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_flow.models.presets import PRESETS
 
@@ -40,7 +39,8 @@ def build_model(
     eos_token_id: int = 2,
     seed: int = 0,
 ) -> PreTrainedModel:
-    """Build a freshly initialised fp32 ``Qwen2ForCausalLM`` from a named preset.
+    """Build a freshly initialised fp32 ``Qwen2ForCausalLM`` (``Qwen3MoeForCausalLM`` for a
+    preset with experts) from a named preset (its shape: ``TinyPreset.config``).
 
     Args:
         preset: a key of ``PRESETS``.
@@ -60,10 +60,10 @@ def build_model(
         raise ValueError(f"unknown tiny model preset {preset!r}; known presets: {sorted(PRESETS)}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        **asdict(PRESETS[preset]),
-        tie_word_embeddings=True,
+    shape = PRESETS[preset].config(vocab_size)
+    moe = shape.pop("model_type") == "qwen3_moe"
+    config = (Qwen3MoeConfig if moe else Qwen2Config)(
+        **shape,
         rms_norm_eps=1e-6,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
@@ -73,5 +73,5 @@ def build_model(
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = (Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM)(config)
     return model.float().eval()

@@ -8,7 +8,8 @@ Weights: read from the modules of a ``transformers`` Qwen2 / Llama / Qwen3-style
 (embedding, RoPE, grouped-query attention, RMSNorm, SiLU-gated MLP) and packed per layer
 into one QKV matrix ``[(heads + 2 kv_heads) * head_dim, hidden]`` and one gate+up matrix
 ``[2 * intermediate, hidden]``, cast to the engine dtype: 4 matrix products a layer instead
-of 7. ``pack`` re-reads them after a weight update.
+of 7. ``pack`` re-reads them after a weight update. A Mixture-of-Experts layer (Qwen3-MoE) keeps
+its model's sparse block (router and experts, ``transformers``' forward) for the MLP.
 
 Cache: per layer one key and one value tensor ``[rows, kv_heads, capacity, head_dim]``,
 allocated once and grown by doubling (rows up to ``max_rows``, capacity up to the model's
@@ -83,10 +84,12 @@ class _Layer:
         self.wqkv = pack(torch.cat([p.weight for p in projs]))
         self.bqkv = cast(torch.cat([bias(p) for p in projs])) if any(p.bias is not None for p in projs) else None
         self.wo, self.bo = pack(attn.o_proj.weight), cast(attn.o_proj.bias)
-        self.wgu = pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        gu_bias = mlp.gate_proj.bias is not None
-        self.bgu = cast(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])) if gu_bias else None
-        self.wd, self.bd = pack(mlp.down_proj.weight), cast(mlp.down_proj.bias)
+        self.moe = mlp if hasattr(mlp, "experts") else None  # routed experts: the model's own block runs them
+        if self.moe is None:
+            self.wgu = pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            gu_bias = mlp.gate_proj.bias is not None
+            self.bgu = cast(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])) if gu_bias else None
+            self.wd, self.bd = pack(mlp.down_proj.weight), cast(mlp.down_proj.bias)
         self.ln1, self.ln2 = cast(layer.input_layernorm.weight), cast(layer.post_attention_layernorm.weight)
         self.eps1 = layer.input_layernorm.variance_epsilon
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
@@ -188,7 +191,10 @@ class KVDecoder:
             o = attend(i, q, k, v, w.scaling)
             attn_out = _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
             h, x = layer_ops.add_rms_norm(h, attn_out, w.ln2, w.eps2)
-            mlp_out = _linear(layer_ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
+            if w.moe is None:
+                mlp_out = _linear(layer_ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
+            else:  # in the block's own dtype (routing, top-k experts, weighted sum), back in the engine's
+                mlp_out = w.moe(x.to(w.moe.gate.weight.dtype)).to(x.dtype)
             # the residual add meets the next layer's input norm, or the final norm after the last layer
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             norm, eps = (nxt.ln1, nxt.eps1) if nxt is not None else (self.norm, self.norm_eps)

@@ -2,7 +2,8 @@
 
 Fixed order, each step a small function of its own module:
 
-1. pipeline split (``pipeline.split_stage``): keep this rank's stage;
+1. pipeline split (``pipeline.split_stage``): keep this rank's stage (and a group for a tied
+   embedding's two copies, ``pipeline.tied_embedding_group``);
 2. tensor parallel (``tensor_parallel.apply_tensor_parallel``) over ``"tp"``;
 3. expert parallel (``expert_parallel.apply_expert_parallel``) over ``"ep"``;
 4. context parallel (``context_parallel.apply_context_parallel``) over ``"cp"``;
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -29,7 +31,7 @@ from runtime.parallel.expert_parallel import apply_expert_parallel
 from runtime.parallel.fsdp import apply_fsdp
 from runtime.parallel.loss import TokenMeanLoss
 from runtime.parallel.mesh import dp_cp_mesh, expert_mesh
-from runtime.parallel.pipeline import build_schedule, split_stage, stage_layer_ranges
+from runtime.parallel.pipeline import build_schedule, split_stage, stage_layer_ranges, tied_embedding_group
 from runtime.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -39,13 +41,15 @@ class ParallelConfig:
 
     Attributes:
         n_microbatches: micro-batches per optimizer step (gradient accumulation,
-            or pipeline micro-batches); the local batch must divide by it.
+            or pipeline micro-batches); the local batch must divide by it. ``None``: no
+            pipeline schedule is built (the caller drives the stage: the RL trainer builds
+            one per batch shape, ``rl_pipeline``).
         pp_schedule: ``"gpipe"`` or ``"1f1b"``.
         layers_per_stage: the plan's layer split over pipeline stages (default equal).
         activation_checkpointing: recompute each decoder layer in backward.
     """
 
-    n_microbatches: int = 1
+    n_microbatches: int | None = 1
     pp_schedule: str = "1f1b"
     layers_per_stage: list[int] | None = None
     activation_checkpointing: bool = False
@@ -59,9 +63,11 @@ class ParallelModel:
         module: the ``*ForCausalLM`` (or its pipeline stage) after all wrappers.
         strategy, mesh, config: as given to :func:`parallelize`.
         loss: the step's token-mean loss (its global token count is set per step).
-        schedule: the pipeline schedule when ``pp > 1``, else ``None``.
+        schedule: the pipeline schedule when ``pp > 1`` and ``config.n_microbatches`` is set, else ``None``.
         expert_params: this rank's expert parameters (EP), in model order.
         edp_mesh, ep_mesh: the expert data-parallel / expert-parallel meshes (EP only).
+        tied_group: the first and last pipeline stages of this rank's coordinate, when they
+            hold the two copies of a tied embedding (``pipeline.tied_embedding_group``), else None.
     """
 
     module: nn.Module
@@ -73,6 +79,7 @@ class ParallelModel:
     expert_params: list[nn.Parameter] = field(default_factory=list)
     edp_mesh: DeviceMesh | None = None
     ep_mesh: DeviceMesh | None = None
+    tied_group: dist.ProcessGroup | None = None
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -94,14 +101,16 @@ def parallelize(
         ValueError: a bad layer split, schedule name or micro-batch count, or
             ``ep > 1`` on a model without MoE layers.
     """
-    if config.n_microbatches < 1:
+    if config.n_microbatches is not None and config.n_microbatches < 1:
         raise ValueError(f"n_microbatches={config.n_microbatches}: must be >= 1")
     loss = TokenMeanLoss()
     module = causal_lm
+    tied_group = None
     if strategy.pp_enabled:
         ranges = stage_layer_ranges(len(causal_lm.model.layers), strategy.pp, config.layers_per_stage)
         stage = mesh["pp"].get_local_rank()
         module = split_stage(causal_lm, stage, ranges[stage], strategy.pp)
+        tied_group = tied_embedding_group(mesh) if module.tied_embeddings else None
     if strategy.tp_enabled:
         apply_tensor_parallel(module, mesh["tp"])
     expert_params: list[nn.Parameter] = []
@@ -117,7 +126,7 @@ def parallelize(
     if strategy.dp * strategy.cp > 1:
         apply_fsdp(module, dp_cp_mesh(mesh), ignored_params=set(expert_params))
     schedule = None
-    if strategy.pp_enabled:
+    if strategy.pp_enabled and config.n_microbatches is not None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
         schedule = build_schedule(module, mesh["pp"], device, config.n_microbatches, loss, config.pp_schedule)
-    return ParallelModel(module, strategy, mesh, config, loss, schedule, expert_params, edp_mesh, ep_mesh)
+    return ParallelModel(module, strategy, mesh, config, loss, schedule, expert_params, edp_mesh, ep_mesh, tied_group)

@@ -113,3 +113,32 @@ def sequence_chunk(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
         raise ValueError(f"sequence length {x.shape[1]} must be divisible by cp={cp} for context parallelism")
     chunk = x.shape[1] // cp
     return x[:, cp_rank * chunk : (cp_rank + 1) * chunk]
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rank):  # type: ignore[override]
+        ctx.chunk, ctx.rank = x.shape[1], rank
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        start = ctx.rank * ctx.chunk
+        return grad_output[:, start : start + ctx.chunk], None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, rank: int) -> torch.Tensor:
+    """The whole sequences ``[batch, seq, ...]`` from every cp rank's chunk ``x [batch, seq/cp, ...]``
+    (rank order), for a function that *every* cp rank then computes identically (a loss).
+
+    Backward takes this rank's chunk of the incoming gradient and sums nothing: each rank
+    differentiates the same function of the same gathered tensor, so its chunk's share of the
+    gradient is already whole on it (an all-gather's usual backward, a reduce-scatter, would
+    count it ``cp`` times).
+
+    Args:
+        group: the cp group; ``rank``: this rank's index in it.
+    """
+    return _GatherSequence.apply(x, group, rank)

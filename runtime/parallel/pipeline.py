@@ -14,6 +14,13 @@ created with ``scale_grads=False``: by default they divide gradients by the
 number of micro-batches, but ``loss.TokenMeanLoss`` already divides each
 micro-batch's token sum by the step's global token count.
 
+Tied word embeddings (the embedding matrix is also the LM head, as in the tiny presets and
+Qwen2.5-0.5B/1.5B): the first stage keeps it as the embedding and the last as the LM head,
+two copies of one parameter, as Megatron-LM does (Shoeybi et al. 2019; its "embedding group").
+Each copy gets the gradient of its own use; :func:`sync_tied_embedding_grads` sums the two
+over the first and last stage ranks of the same ``dp``/``cp``/``tp`` coordinate, so both hold
+the gradient of the tied parameter and the identical optimizer updates keep them equal.
+
 Attention masks: stages run the decoder with no padding mask, only the causal
 one. For right-padded batches this is exact on every valid token (a valid
 token never attends to a later, padded one); padded positions carry no loss.
@@ -21,9 +28,13 @@ token never attends to a later, padded one); padded positions carry no loss.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -65,6 +76,7 @@ class PipelineStageModel(nn.Module):
         self.config = causal_lm.config
         self.is_first = is_first
         self.is_last = is_last
+        self.tied_embeddings = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
         self.position_offset = 0  # first position of this rank's sequence chunk (context parallelism)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,3 +129,43 @@ def build_schedule(
         stage_model, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group()
     )
     return SCHEDULES[schedule](stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of this rank's first- and last-stage ranks (same ``dp``, ``cp``, ``tp``
+    coordinate of the ``[pp, dp, cp, tp]`` mesh), or ``None`` on a middle stage. Every rank
+    must call it (it creates one group per coordinate, in the same order everywhere)."""
+    ranks = mesh.mesh  # global rank at each [pp, dp, cp, tp] coordinate
+    mine = None
+    for coordinate in itertools.product(*(range(size) for size in ranks.shape[1:])):
+        pair = [int(ranks[(0, *coordinate)]), int(ranks[(-1, *coordinate)])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def tied_embedding(stage: PipelineStageModel) -> nn.Parameter | None:
+    """This stage's copy of a tied embedding / LM head matrix (``None`` when untied or on a middle stage)."""
+    if not stage.tied_embeddings:
+        return None
+    if stage.is_first:
+        return stage.model.embed_tokens.weight
+    return stage.lm_head.weight if stage.is_last else None
+
+
+def sync_tied_embedding_grads(stage: PipelineStageModel, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the tied matrix's two copies over ``group`` (:func:`tied_embedding_group`),
+    after the step's backward; a no-op for an untied model or a middle stage. Both copies are
+    sharded alike (FSDP rows of the same shape, TP vocabulary rows), so local shards are summed."""
+    weight = tied_embedding(stage)
+    if weight is None:
+        return
+    if weight.grad is None:  # no token reached it: its share of the sum is 0
+        weight.grad = torch.zeros_like(weight)
+    grad = weight.grad
+    if isinstance(grad, DTensor):
+        if grad.placements != weight.placements:  # e.g. TP's embedding gradient comes back unsharded
+            weight.grad = grad = grad.redistribute(grad.device_mesh, weight.placements)
+        grad = grad.to_local()
+    dist.all_reduce(grad, group=group)

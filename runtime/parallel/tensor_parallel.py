@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from runtime.parallel.model_parts import held_layers
+
 # Parameter FQN pattern (fnmatch) -> tensor dimension split across TP ranks
 # (torch.chunk order); parameters that match nothing are replicated.
 PARAM_SHARD_DIMS: dict[str, int] = {
@@ -87,7 +89,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     ``model`` is a ``*ForCausalLM`` or a pipeline stage with the same FQNs
     (``model.embed_tokens``, ``model.layers``, ``lm_head``); modules a stage
-    does not hold (``None`` or ``nn.Identity``) are skipped. After this, the
+    does not hold (``None``, ``nn.Identity``, ``SkippedLayer``) are skipped. After this, the
     split parameters are ``DTensor``s; module inputs and outputs stay plain
     local tensors. A tied embedding / LM head stays tied: both styles shard the
     shared ``[vocab, hidden]`` weight by vocabulary rows (``Shard(0)``), so the
@@ -103,7 +105,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, {name: style for name, style in outer_plan().items() if name in held})
     if tied:  # both plans shard the [vocab, hidden] weight along dim 0, so one DTensor serves both again
         model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.model.layers:
+    for layer in held_layers(model):
         plan = attention_plan()
         if hasattr(layer.mlp, "gate_proj"):
             plan |= dense_mlp_plan()

@@ -18,6 +18,7 @@ from runtime.parallel.context_parallel import sequence_chunk
 from runtime.parallel.expert_parallel import reduce_expert_gradients
 from runtime.parallel.loss import global_token_count
 from runtime.parallel.mesh import dp_cp_mesh
+from runtime.parallel.pipeline import sync_tied_embedding_grads
 
 
 def shard_batch(
@@ -67,6 +68,7 @@ def forward_backward(parallel_model: ParallelModel, input_ids: torch.Tensor, lab
     offset = pm.coordinate["cp"] * input_ids.shape[1]
     if pm.schedule is not None:
         local_loss = _pipeline_forward_backward(pm, input_ids, labels, offset)
+        sync_tied_embedding_grads(pm.module, pm.tied_group)
     else:
         local_loss = _accumulate(pm, input_ids, labels, offset)
     if pm.edp_mesh is not None:

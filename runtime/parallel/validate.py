@@ -5,10 +5,10 @@ applies :meth:`ParallelStrategy.validate_for`, plus the rules that only the
 runtime's own choices impose:
 
 - context parallelism is Ulysses all-to-all (see ``context_parallel``), so
-  ``cp`` must divide the heads and the KV heads left on each TP rank;
-- pipeline stages hold the embedding and the LM head on different ranks, so
-  ``pp > 1`` needs untied word embeddings (TP keeps a tied pair tied: both of
-  its styles shard the shared weight by vocabulary rows).
+  ``cp`` must divide the heads and the KV heads left on each TP rank.
+
+Tied word embeddings are fine under ``pp > 1``: the first and last stages each keep a copy and
+sum its gradients (``pipeline.sync_tied_embedding_grads``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def validate_strategy_for_model(strategy: ParallelStrategy, config: Any, gpus_pe
 
     Raises:
         StrategyError: naming the broken rule (the strategy module's rules, or
-            the Ulysses head rule, or the untied-embedding rule above).
+            the Ulysses head rule above).
     """
     shape = model_shape(config)
     strategy.validate_for(**shape, gpus_per_node=gpus_per_node)
@@ -47,9 +47,4 @@ def validate_strategy_for_model(strategy: ParallelStrategy, config: Any, gpus_pe
         raise StrategyError(
             f"cp={strategy.cp} must divide the heads ({heads_per_tp}) and KV heads ({kv_per_tp}) per TP rank: "
             "Ulysses context parallelism scatters heads across the cp ranks"
-        )
-    if strategy.pp_enabled and getattr(config, "tie_word_embeddings", False):
-        raise StrategyError(
-            f"pp={strategy.pp} needs tie_word_embeddings=False: the embedding and the LM head are placed on "
-            "different pipeline stages"
         )

@@ -1,0 +1,86 @@
+"""How an algorithm's forward and backward passes run over the micro-batches of one step.
+
+Owns the model side of ``BaseAlgorithm``'s optimizer step: calling the model on each
+micro-batch (padded or packed, ``algorithms.micro_batches``), turning its logits into the
+per-token values every loss reads (log-probs of the sampled tokens, entropy), back-propagating
+each micro-batch's loss and clipping the gradient. The loss math stays in ``BaseAlgorithm``,
+which hands the runner a :data:`MicroBatchLoss`: a function of one micro-batch's rows and its
+``[b, w]`` log-probs and entropy. :class:`ModelRunner` runs everything on this process; a
+parallel trainer gives the algorithm a subclass (``runtime.parallel``: a pipeline schedule,
+sequence chunks on context-parallel ranks) and the loss code does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from areal_flow.algorithms.losses import token_entropy
+from areal_flow.algorithms.micro_batches import MicroBatch
+from areal_flow.models.logprobs import logprobs_from_logits, model_logits
+from areal_flow.models.packed_attention import packed_attention
+
+MicroBatchLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss(mb, logprobs [b, w], entropy [b, w]) -> 0-dim loss`` of micro-batch ``mb`` (its share of
+the step loss, already divided by the step's global normaliser), in ``mb``'s padded layout."""
+
+
+def token_entropy_from_logits(logits: torch.Tensor, temperature: float, *, with_grad: bool) -> torch.Tensor:
+    """``[batch, seq]`` entropy (nats) of the distribution that predicted token ``t`` from
+    ``logits [batch, seq, vocab]`` (position 0 holds 0). Without grad (a metric only) it runs
+    one row at a time, so the float32 softmax never holds more than ``[seq, vocab]``."""
+    if with_grad:
+        return torch.nn.functional.pad(token_entropy(logits[:, :-1] / temperature), (1, 0))
+    with torch.no_grad():
+        rows = [token_entropy(logits[i, :-1].detach() / temperature) for i in range(logits.shape[0])]
+        return torch.nn.functional.pad(torch.stack(rows), (1, 0))
+
+
+def token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *,
+                  entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, entropy)``, both ``[batch, seq]`` float32, of ``logits [batch, seq, vocab]``
+    on ``input_ids [batch, seq]`` (``token_logprobs``' layout); the entropy carries a gradient only
+    when ``entropy_grad`` (an entropy bonus in the loss)."""
+    return (logprobs_from_logits(logits, input_ids, temperature),
+            token_entropy_from_logits(logits, temperature, with_grad=entropy_grad))
+
+
+class ModelRunner:
+    """Forward and backward passes of ``model`` on this process, one micro-batch at a time.
+
+    Args:
+        model: a ``transformers`` causal LM (``model(input_ids=, ...).logits``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+        """No-grad log-probs ``[B, T]`` float32 of the step batch ``input_ids [B, T]``."""
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        with torch.no_grad():
+            for mb in micro_batches:
+                inputs = mb.model_inputs(input_ids, attention_mask)
+                with packed_attention(self.model) if mb.packed else nullcontext():
+                    logits = model_logits(self.model, **inputs)
+                mb.put(out, mb.unpack(logprobs_from_logits(logits, inputs["input_ids"], temperature)))
+        return out
+
+    def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+        """Accumulate the gradient of ``sum(loss_fn(mb, ...))`` over ``micro_batches`` (backward
+        after each one, inside its attention context: activation checkpointing recomputes there)."""
+        for mb in micro_batches:
+            inputs = mb.model_inputs(input_ids, attention_mask)
+            with packed_attention(self.model) if mb.packed else nullcontext():
+                logits = model_logits(self.model, **inputs)
+                logp, entropy = token_outputs(logits, inputs["input_ids"], temperature, entropy_grad=entropy_grad)
+                loss_fn(mb, mb.unpack(logp), mb.unpack(entropy)).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient of every parameter to global L2 norm ``max_norm``; returns the
+        norm before clipping (``torch.nn.utils.clip_grad_norm_``)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -1,0 +1,88 @@
+"""The RL algorithm's passes on context-parallel ranks: sequence chunks, whole-sequence loss.
+
+Under ``cp > 1`` the ranks of one DP coordinate hold the same rows (the DP rank's share of the
+step) and each runs the model on one contiguous chunk of ``width / cp`` positions of every row
+(Ulysses attention, ``context_parallel``, gives each chunk the whole sequence's causal
+attention). From its chunk's logits a rank computes the per-position values every loss reads:
+the log-prob of the *next* token (so a chunk's last position needs only the first token of
+the next chunk, which every rank has: the whole batch is on every rank) and the entropy.
+Then :func:`context_parallel.gather_sequence` assembles whole rows of them and every cp rank
+runs the algorithm's loss on the whole rows, exactly as one process would: per-sequence means
+(``seq-mean-token-mean``), GSPO's sequence ratio and M2PO's batch-wide mask need whole
+sequences, and the loss code stays unaware of chunks. The gather's backward hands each rank
+the gradient of its own chunk, so FSDP's sum over the ``dp_cp`` ranks adds each chunk's
+gradient once. The loss's normalisers and the metrics count the rows once per DP rank, not
+once per cp rank (``parallel_trainer``).
+
+Widths are padded to a multiple of ``cp`` with padding tokens after the real ones (right
+padding: causal attention keeps them out of every real token's output).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from areal_flow.algorithms.losses import token_entropy
+from areal_flow.algorithms.micro_batches import MicroBatch
+from areal_flow.algorithms.model_runner import MicroBatchLoss
+from runtime.parallel.apply import ParallelModel
+from runtime.parallel.context_parallel import gather_sequence
+from runtime.parallel.rl_runner import ShardedRunner, right_padded
+
+
+class ContextRunner(ShardedRunner):
+    """The algorithm's passes on this rank's sequence chunks of a ``cp > 1`` policy.
+
+    Every cp rank calls each method with the same arguments, in the same order (all-to-alls
+    in attention, all-gathers of the per-token values).
+
+    Args:
+        parallel: this rank's policy (``parallelize`` with ``cp > 1``: Ulysses attention).
+    """
+
+    def __init__(self, parallel: ParallelModel) -> None:
+        super().__init__(parallel)
+        self.cp = parallel.strategy.cp
+        self.cp_rank = parallel.coordinate["cp"]
+        self.cp_group = parallel.mesh["cp"].get_group()
+
+    def _outputs(self, mb: MicroBatch, input_ids: torch.Tensor, temperature: float,
+                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-row ``(log-probs, entropy)`` ``[b, w]`` of micro-batch ``mb`` (``token_outputs``'
+        layout), each rank computing its chunk."""
+        ids = mb.take(input_ids)
+        width = ids.shape[1]
+        chunk = math.ceil(width / self.cp)
+        padded = torch.nn.functional.pad(ids, (0, chunk * self.cp - width + 1))  # + the target after the last
+        start = self.cp_rank * chunk
+        positions = torch.arange(start, start + chunk, device=ids.device).unsqueeze(0)
+        logits = self.model(input_ids=padded[:, start : start + chunk], position_ids=positions, use_cache=False).logits
+        z = logits.float() / temperature
+        targets = padded[:, start + 1 : start + chunk + 1]  # position p predicts token p + 1
+        logp = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        if entropy_grad:
+            entropy = token_entropy(logits / temperature)
+        else:
+            with torch.no_grad():  # a metric: one row at a time, as ``model_runner``
+                entropy = torch.stack([token_entropy(logits[i].detach() / temperature) for i in range(len(mb.rows))])
+        whole = [gather_sequence(t, self.cp_group, self.cp_rank)[:, : width - 1] for t in (logp, entropy)]
+        return tuple(torch.nn.functional.pad(t, (1, 0)) for t in whole)  # token t's value sits at t
+
+    def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+        """No-grad log-probs ``[B, T]`` float32 (the same on every cp rank)."""
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        with torch.no_grad():
+            for mb in right_padded(self.same_count(micro_batches), attention_mask):
+                mb.put(out, self._outputs(mb, input_ids, temperature, entropy_grad=False)[0])
+        return out
+
+    def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+        """The step's gradient, one micro-batch at a time: chunk forward, whole-row loss, backward."""
+        for mb in right_padded(self.same_count(micro_batches), attention_mask):
+            logp, entropy = self._outputs(mb, input_ids, temperature, entropy_grad)
+            loss_fn(mb, logp, entropy).backward()
+        self.reduce_expert_gradients()

@@ -1,0 +1,171 @@
+"""The RL algorithm's passes through a pipeline of stages (``torch.distributed.pipelining``).
+
+Under ``pp > 1`` each rank holds one stage (``pipeline.split_stage``); only the last stage
+sees logits, so the policy loss runs there, as the schedule's loss function, one micro-batch at
+a time: the step's micro-batches (the plan's count per DP rank, rows in batch order) are
+stacked into one ``[n * rows, width]`` batch that the schedule splits back into ``n`` equal
+micro-batches, and the target the schedule hands the loss is each micro-batch's row indices.
+The last stage turns the logits of a micro-batch into its log-probs and entropy
+(``model_runner.token_outputs``) and calls the algorithm's loss on them
+(``BaseAlgorithm``'s, whichever algorithm: the loss never sees the pipeline), and the schedule
+back-propagates that loss through the stages (1F1B: Narayanan et al. 2019, PipeDream-Flush; or
+GPipe). Log-probs without gradient (decoupled PPO's proximal policy, M2PO's mask) run the
+same schedule forward only (``schedule.eval``), the last stage writing each micro-batch's
+log-probs into a ``[B, T]`` tensor.
+
+Why the micro-batches are padded to one shape: the schedule's stages exchange activations of a
+fixed shape, given to ``PipelineStage`` up front (its static mode: no trial forward and
+backward to infer them). A step's micro-batches share ``rows`` (the plan's micro-batch size:
+a shorter last one is padded with empty rows, which carry no loss) and ``width`` (the step's
+longest row: right padding, which causal attention keeps out of every real token's output).
+A new shape builds a new stage and schedule (no communication beyond a 1-element vote).
+Packed micro-batches (``train.pack_sequences``) run padded here, with the same values.
+
+After the backward the tied embedding's two copies sum their gradients
+(``pipeline.sync_tied_embedding_grads``) and the gradient norm adds the stages' squares over
+the pipeline group (``grad_norm``), counting the tied matrix once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from areal_flow.algorithms.micro_batches import MicroBatch
+from areal_flow.algorithms.model_runner import MicroBatchLoss, token_outputs
+from areal_flow.models.logprobs import logprobs_from_logits
+from runtime.parallel.apply import ParallelModel
+from runtime.parallel.pipeline import SCHEDULES, sync_tied_embedding_grads, tied_embedding
+from runtime.parallel.rl_runner import ShardedRunner, right_padded
+
+LogitsFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
+
+
+class PipelineRunner(ShardedRunner):
+    """The algorithm's passes through this rank's stage of a ``pp > 1`` policy.
+
+    Every rank of the pipeline calls each method with the same arguments (the whole step batch:
+    every stage holds it), in the same order. Collectives: the schedule's point-to-point
+    exchanges over ``mesh["pp"]``, the tied-embedding sum, the gradient norm.
+
+    Args:
+        parallel: this rank's stage (``parallelize`` with ``ParallelConfig(n_microbatches=None)``).
+        schedule: ``"1f1b"`` (needs at least ``pp`` micro-batches) or ``"gpipe"``.
+
+    Raises:
+        ValueError: an unknown schedule name.
+    """
+
+    def __init__(self, parallel: ParallelModel, schedule: str = "1f1b") -> None:
+        super().__init__(parallel)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+        self.stage = parallel.module
+        self.schedule_name = schedule
+        self.pp_group = parallel.mesh["pp"].get_group()
+        self._built: tuple[tuple[int, int, int], PipelineScheduleSingle] | None = None
+        self._on_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    # ---------------------------------------------------------------- schedule
+    def _schedule(self, rows: int, width: int, n_micro: int, device: torch.device) -> PipelineScheduleSingle:
+        """The schedule for ``n_micro`` micro-batches of ``[rows, width]`` tokens (cached per shape)."""
+        key = (rows, width, n_micro)
+        if self._built is not None and self._built[0] == key:
+            return self._built[1]
+        stage, config = self.stage, self.stage.config
+        dtype = next(stage.parameters()).dtype  # the residual stream: fp32 master weights, also under autocast
+        # requires_grad: the activations (and so their gradients) cross the stage boundary
+        hidden = torch.empty((rows, width, config.hidden_size), dtype=dtype, device="meta", requires_grad=True)
+        inputs = torch.empty((rows, width), dtype=torch.int64, device="meta") if stage.is_first else hidden
+        outputs = torch.empty((rows, width, config.vocab_size), dtype=dtype, device="meta") if stage.is_last else hidden
+        pp_mesh = self.parallel.mesh["pp"]
+        pipeline_stage = PipelineStage(stage, pp_mesh.get_local_rank(), pp_mesh.size(), device, input_args=inputs,
+                                       output_args=outputs, group=self.pp_group)
+        schedule = SCHEDULES[self.schedule_name](pipeline_stage, n_microbatches=n_micro, loss_fn=self._loss,
+                                                 scale_grads=False)
+        self._built = (key, schedule)
+        return schedule
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function (last stage): ``target`` holds the micro-batch's row indices."""
+        return self._on_logits(logits, target)
+
+    def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, fn: LogitsFn, *, train: bool) -> None:
+        """Run the schedule over ``micro_batches`` (padded layout); on the last stage ``fn(mb, logits
+        [b, w, vocab])`` gets each one's logits (its real rows, its own width) and returns its loss."""
+        n_micro = len(micro_batches)
+        if self.schedule_name == "1f1b" and n_micro < self.parallel.strategy.pp:
+            raise ValueError(f"the 1F1B schedule needs at least pp={self.parallel.strategy.pp} micro-batches, "
+                             f"got {n_micro}")
+        rows = max(len(mb.rows) for mb in micro_batches)
+        width = max(mb.width for mb in micro_batches)
+        device = input_ids.device
+        stacked = torch.zeros((n_micro * rows, width), dtype=input_ids.dtype, device=device)
+        target = torch.full((n_micro * rows,), -1, dtype=torch.int64, device=device)
+        by_first_row = {}
+        for i, mb in enumerate(micro_batches):
+            picked = torch.tensor(mb.rows, device=device)
+            stacked[i * rows : i * rows + len(mb.rows)] = input_ids[picked, :width]
+            target[i * rows : i * rows + len(mb.rows)] = picked
+            by_first_row[mb.rows[0]] = mb
+
+        def on_logits(logits: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
+            mb = by_first_row[int(rows_of[0])]
+            return fn(mb, logits[: len(mb.rows), : mb.width])
+
+        schedule = self._schedule(rows, width, n_micro, device)
+        args = (stacked,) if self.stage.is_first else ()
+        kwargs = dict(target=target if self.stage.is_last else None, return_outputs=False)
+        self._on_logits = on_logits
+        try:
+            if train:
+                schedule.step(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    schedule.eval(*args, **kwargs)
+        finally:
+            self._on_logits = None
+
+    # ------------------------------------------------------------- the runner
+    def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 temperature: float) -> torch.Tensor:
+        """No-grad log-probs ``[B, T]`` float32, filled on the last stage (zeros on the others,
+        which never read them: the loss runs on the last stage)."""
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+
+        def record(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            mb.put(out, logprobs_from_logits(logits, mb.take(input_ids), temperature))
+            return logits.new_zeros(())
+
+        self._run(right_padded(micro_batches, attention_mask), input_ids, record, train=False)
+        return out
+
+    def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+        """The step's gradient through the pipeline schedule, ``loss_fn`` on the last stage; then
+        the tied embedding's gradients summed and the experts' over their replicas."""
+
+        def loss(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logp, entropy = token_outputs(logits, mb.take(input_ids), temperature, entropy_grad=entropy_grad)
+            return loss_fn(mb, logp, entropy)
+
+        self._run(right_padded(micro_batches, attention_mask), input_ids, loss, train=True)
+        sync_tied_embedding_grads(self.stage, self.parallel.tied_group)
+        self.reduce_expert_gradients()
+
+    def clip_grad_norm(self, max_norm: float, **where) -> torch.Tensor:
+        """Clip to the global norm over all stages (the tied matrix counted once, on the first stage)."""
+        duplicate = tied_embedding(self.stage) if self.stage.is_last else None
+        return super().clip_grad_norm(max_norm, pp_group=self.pp_group,
+                                      counted_elsewhere=[duplicate] if duplicate is not None else [])
+
+    def broadcast_from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """The last stage's ``stats`` on every stage of this pipeline (a collective of the pp group)."""
+        pp_mesh = self.parallel.mesh["pp"]
+        holder = [stats]
+        dist.broadcast_object_list(holder, group_src=pp_mesh.size() - 1, group=self.pp_group)
+        return holder[0]

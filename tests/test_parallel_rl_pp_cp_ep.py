@@ -1,0 +1,173 @@
+"""Pipeline, context and expert parallelism in the RL trainer equal the single-process step.
+
+1. One step at k = 0 (the batch's behavior log-probs are the policy's own plus noise) of GRPO
+   and of decoupled PPO (proximal log-probs recomputed, behavior weights capped) on a tiny
+   policy: pp2 (1F1B, the tied embedding's two copies on the first and last stage), pp2xdp2
+   (FSDP inside each stage), pp2xtp2; cp2 (Ulysses, sequence chunks; GSPO too, whose sequence
+   means need whole rows) and cp2xdp2; ep2 (``d2e2``: a tiny Qwen3-MoE's 8 experts split over
+   the 2 DP ranks, tokens dispatched by all-to-all) and dp4xep2 (two replicas of each expert
+   block); dp2 with a token budget that gives the two ranks different micro-batch counts
+   (evened out by splitting): the loss, the merged metrics, the gradients and the gathered
+   weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
+   fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
+   weights within the Adam error bound).
+2. The arithmetic GRPO graph trains end to end with its train_step on 2 pipeline stages, and
+   its MoE variant (``graphs/arith_grpo_moe.py``) with its experts split over 2 ranks, each
+   with generation in a third process: every sample trained exactly once, staleness <= k,
+   every saved weight moved (those of the other stage or of the other rank's experts too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_flow.config_load import load_config
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
+from compiler.strategy import ParallelStrategy
+from rl_step_cases import METRICS, assert_step_matches, rl_batch, settings, single_process_step
+from runtime.model_source import load_pretrained
+from runtime.parallel.launch import spawn_workers
+from runtime.parallel.weight_sync import full_named_tensors
+from runtime.parallel_trainer import RankTrainer
+from runs import records as trained_records
+
+REPO = Path(__file__).resolve().parents[1]
+ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
+TWO_RANKS = {  # case -> (algorithm, strategy, policy[, TrainSettings changes]); GSPO: per-sequence means and ratios over whole rows under cp
+    **{f"{algorithm}-pp2": (algorithm, "p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    **{f"{algorithm}-cp2": (algorithm, "c2", "dense") for algorithm in ALGORITHMS},
+    **{f"{algorithm}-ep2": (algorithm, "d2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
+    # a budget of 16 tokens gives rank 0's rows (4, 5, 7, 6 tokens) 2 micro-batches and rank 1's
+    # (6, 11, 7, 8) 3, padded and packed alike: rank 0 splits one to run 3 as well
+    "grpo-dp2-token-budget": ("grpo", "d2", "dense", {"max_tokens_per_micro_batch": 16}),
+    "grpo-dp2-packed-token-budget": ("grpo", "d2", "dense", {"max_tokens_per_micro_batch": 16,
+                                                             "pack_sequences": True}),
+}
+FOUR_RANKS = {  # dp4 x ep2: each expert block has two replicas (edp), whose gradients are summed
+    **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-cp2xdp2": ("grpo", "d2c2", "dense"), "grpo-pp2xtp2": ("grpo", "t2p2", "dense"),
+    "grpo-dp4xep2": ("grpo", "d4e2", "moe"),
+}
+PRESETS = {"dense": "tiny-s", "moe": "tiny-moe"}  # 2 layers, tied / Qwen3-MoE, 4 layers of 8 experts, top-2, tied
+
+
+def _steps_on_ranks(rank: int, world_size: int, policies: dict, cases: dict) -> dict | None:
+    """Worker: one RL step per case, each on a fresh model. Returns the stats, the gathered
+    weights and this rank's stage's full gradients (every rank joins the gathers)."""
+    out = {}
+    for case, (algorithm, text, kind, *fields) in cases.items():
+        folder, batch = policies[kind]
+        trainer = RankTrainer.build(settings(folder, algorithm, **(fields or [{}])[0]), ParallelStrategy.parse(text))
+        stats = trainer.step(batch)
+        grads = dict(full_named_tensors(trainer.parallel.module, grads=True))
+        coordinate = trainer.parallel.coordinate
+        out[case] = {"stats": stats, "state": trainer.gather_weights(),
+                     "grads": grads if coordinate["dp"] == coordinate["cp"] == coordinate["tp"] == 0 else {}}
+    return out
+
+
+def _merged(per_rank: list[dict], case: str) -> dict:
+    """Rank 0's stats and weights, the stages' gradients in rank (= stage) order."""
+    grads = {}
+    for result in per_rank:
+        grads.update(result[case]["grads"])
+    return {**per_rank[0][case], "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """kind -> (folder, batch, {algorithm: single-process step})."""
+    torch.set_num_threads(1)
+    tokenizer = build_char_tokenizer()
+    out = {}
+    for kind, preset in PRESETS.items():
+        folder = tmp_path_factory.mktemp(kind)
+        build_model(preset, len(tokenizer), seed=0).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        batch = rl_batch(folder)
+        out[kind] = folder, batch, {algorithm: single_process_step(folder, batch, algorithm) for algorithm in ALGORITHMS}
+    return out
+
+
+def _spawn(policies: dict, cases: dict, world_size: int) -> list[dict]:
+    inputs = {kind: (folder, batch) for kind, (folder, batch, _) in policies.items()}
+    return spawn_workers(_steps_on_ranks, world_size, (inputs, cases), backend="gloo")
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(policies):
+    return _spawn(policies, TWO_RANKS, 2)
+
+
+@pytest.fixture(scope="module")
+def four_rank_steps(policies):
+    return _spawn(policies, FOUR_RANKS, 4)
+
+
+def _check(got: dict, ref: dict, algorithm: str) -> None:
+    if algorithm != "decoupled_ppo":
+        assert ref["stats"]["clip_frac"] > 0  # the clipped branch of the objective is exercised
+        assert_step_matches(got, ref)
+    else:  # the proximal policy is the current one at the step start: the cap, not the clip, acts
+        assert ref["stats"]["behavior_imp_weight_capped_frac"] > 0
+        assert_step_matches(got, ref, metrics=(*METRICS, "behavior_imp_weight_capped_frac"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_two_rank_rl_step_matches_single_process(policies, two_rank_steps, case):
+    algorithm, _, kind, *_ = TWO_RANKS[case]
+    _check(_merged(two_rank_steps, case), policies[kind][2][algorithm], algorithm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FOUR_RANKS))
+def test_four_rank_rl_step_matches_single_process(policies, four_rank_steps, case):
+    algorithm, _, kind = FOUR_RANKS[case]
+    _check(_merged(four_rank_steps, case), policies[kind][2][algorithm], algorithm)
+
+
+def _run_and_check(tmp_path: Path, graph: str, strategy: str, overrides: list[str]) -> None:
+    """Run ``graph`` for 3 steps at k = 1 with its train_step on 2 ranks (``strategy``) and the
+    generator in a third process; check the accounting and that the saved weights moved."""
+    from areal_flow.cli import default_config_path, load_flow
+    from areal_flow.cli.run import run_experiment
+
+    k = 1
+    flow = load_flow(REPO / "graphs" / graph)
+    cfg = load_config(default_config_path(flow, None), [
+        "train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+        f"async.max_staleness={k}", "cluster.n_gpus_per_node=3", "train.weight_decay=0.1", f"out_dir={tmp_path}",
+        *overrides])
+    summary = run_experiment(flow(cfg), cfg, show_progress=False)
+    out = tmp_path / flow.name
+    plan = json.loads((out / "plan.json").read_text())
+    assert {n["name"]: n["strategy"] for n in plan["nodes"]}["train_step"] == strategy
+    trainer = summary["workers"]["train_step/0"]
+    assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (3, 3 * 2 * 4, 2)
+    records = trained_records(out)
+    # every sample of the 3 steps x 2 groups x 4 samples trained exactly once, in its step's slot
+    assert len(records) == len({(r["group_id"], r["sample_id"]) for r in records}) == 3 * 2 * 4
+    assert all(r["group_id"] // 2 == r["step"] for r in records)
+    assert all(r["staleness"] <= k for r in records)
+    assert summary["workers"]["generate/0"]["final_version"] >= 1
+    # rank 0 saved weights gathered from both ranks: at least AdamW's decay moved those it does not hold
+    model, _ = load_pretrained(out / "model")
+    initial, _ = load_pretrained(summary["initial_model"])
+    moved = [name for name, value in model.state_dict().items() if not torch.equal(value, initial.state_dict()[name])]
+    assert len(moved) == len(model.state_dict()), sorted(set(model.state_dict()) - set(moved))
+
+
+@pytest.mark.slow
+def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
+    _run_and_check(tmp_path, "arith_grpo.py", "d1p2", ["compile.allocation=train:p2 + gen:d1"])
+
+
+@pytest.mark.slow
+def test_arith_grpo_moe_trains_with_its_experts_on_two_ranks(tmp_path, warm_cache):
+    _run_and_check(tmp_path, "arith_grpo_moe.py", "d2e2", [])  # the yaml's train:d2e2 + gen:d1
