@@ -6,7 +6,7 @@ Public API: ``flow`` (decorator), ``Model``, ``ops`` (the node kinds). Configs a
 runtime reading a plan) does not import the DSL.
 """
 
-from importlib import import_module
+from areal_flow.lazy import lazy_getattr
 
 _EXPORTS = {"Flow": "areal_flow.dsl", "Handle": "areal_flow.tracing", "Model": "areal_flow.tracing",
             "flow": "areal_flow.dsl", "ops": "areal_flow.ops"}
@@ -14,10 +14,4 @@ _EXPORTS = {"Flow": "areal_flow.dsl", "Handle": "areal_flow.tracing", "Model": "
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    """Load the module that defines ``name``. Raises AttributeError for other names."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'areal_flow' has no attribute {name!r}")
-    return import_module(module) if name == "ops" else getattr(import_module(module), name)
+__getattr__ = lazy_getattr("areal_flow", _EXPORTS)

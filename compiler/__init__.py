@@ -6,7 +6,7 @@ and the errors a user can meet. Names load their module on first use, so a reade
 (the runtime) imports ``compiler.plan`` without the search.
 """
 
-from importlib import import_module
+from areal_flow.lazy import lazy_getattr
 
 _EXPORTS = {
     "AllocationError": "compiler.allocation",
@@ -22,10 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """Load the module that defines ``name``. Raises AttributeError for other names."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'compiler' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = lazy_getattr("compiler", _EXPORTS)

@@ -14,30 +14,23 @@ stays light. The registry module registers exactly the built-in algorithms
 the torch-free ``catalog.py``.
 """
 
-from importlib import import_module
+from areal_flow.lazy import lazy_getattr
 
 _EXPORTS = {
-    "ESTIMATORS": "advantages",
-    "AdvantageOutput": "advantages",
-    "compute_advantages": "advantages",
-    "aggregate_loss": "aggregation",
-    "step_normalisers": "aggregation",
-    "BaseAlgorithm": "base",
-    "AdvantageConfig": "config",
-    "LossConfig": "config",
-    "kl_penalty": "kl",
-    "build_algorithm": "lookup",
-    "get_algorithm": "lookup",
-    "register_algorithm": "registry",
-    "registered_algorithms": "lookup",
+    "ESTIMATORS": "areal_flow.algorithms.advantages",
+    "AdvantageOutput": "areal_flow.algorithms.advantages",
+    "compute_advantages": "areal_flow.algorithms.advantages",
+    "aggregate_loss": "areal_flow.algorithms.aggregation",
+    "step_normalisers": "areal_flow.algorithms.aggregation",
+    "BaseAlgorithm": "areal_flow.algorithms.base",
+    "LossConfig": "areal_flow.algorithms.config",
+    "kl_penalty": "areal_flow.algorithms.kl",
+    "build_algorithm": "areal_flow.algorithms.lookup",
+    "get_algorithm": "areal_flow.algorithms.lookup",
+    "register_algorithm": "areal_flow.algorithms.registry",
+    "registered_algorithms": "areal_flow.algorithms.lookup",
 }
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """Load the submodule that defines ``name``. Raises AttributeError for other names."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'areal_flow.algorithms' has no attribute {name!r}")
-    return getattr(import_module(f"areal_flow.algorithms.{module}"), name)
+__getattr__ = lazy_getattr("areal_flow.algorithms", _EXPORTS)

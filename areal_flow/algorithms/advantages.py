@@ -233,8 +233,8 @@ def compute_advantages(name: str, **kwargs) -> AdvantageOutput:
     (``catalog.register_estimator``).
 
     ``kwargs`` may be a superset of what the estimator takes (e.g. a trainer passes
-    ``rewards, group_ids, loss_mask, values`` and ``AdvantageConfig.estimator_kwargs()``
-    to any estimator); arguments the chosen estimator does not take are ignored.
+    ``rewards, group_ids, loss_mask, values`` and the node's estimator knobs (``gamma``,
+    ``lam``, ...) to any estimator); arguments the chosen estimator does not take are ignored.
 
     Raises:
         ValueError: unknown ``name`` (the message lists the known ones).

@@ -91,26 +91,3 @@ def merged_loss_config(defaults: dict[str, Any], overrides: dict[str, Any]) -> L
     if unknown:
         raise ValueError(f"unknown loss config key(s) {unknown}; valid: {sorted(LossConfig.field_names())}")
     return LossConfig(**{**defaults, **overrides})
-
-
-@dataclass
-class AdvantageConfig:
-    """Knobs of the advantage estimators (``advantages.compute_advantages``)."""
-
-    estimator: str | None = None  # name in ESTIMATORS; None = the algorithm's ``default_estimator``.
-    gamma: float = 1.0  # discount per token (GAE, REINFORCE++) or per turn (multi_turn).
-    lam: float = 1.0  # GAE lambda.
-    eps: float = 1e-6  # added to every std before dividing (GRPO, LitePPO, REINFORCE++).
-    std_unbiased: bool = True  # group/batch std with Bessel's correction (n - 1) instead of n.
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"AdvantageConfig.gamma={self.gamma!r}: must be in [0, 1]")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"AdvantageConfig.lam={self.lam!r}: must be in [0, 1]")
-        if self.eps < 0:
-            raise ValueError(f"AdvantageConfig.eps={self.eps!r}: must be >= 0")
-
-    def estimator_kwargs(self) -> dict[str, float | bool]:
-        """The knobs as keyword arguments for ``compute_advantages``."""
-        return {"gamma": self.gamma, "lam": self.lam, "eps": self.eps, "std_unbiased": self.std_unbiased}
