@@ -20,19 +20,27 @@ WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0",
         "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
 
 
-def _sharded_optimizer(folder: Path) -> dict:
-    """The whole state a ``trainer_dcp/`` folder holds (DCP's own converter to one torch.save file)."""
+def _sharded_state(folder: Path) -> tuple[dict, dict]:
+    """``(weights, AdamW moments by FQN)`` a ``trainer_dcp/`` folder holds (DCP's own converter
+    to one torch.save file; the optimizer state is flattened: ``state.<fqn>.<field>``)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(folder / "trainer_dcp", folder.parent / f"{folder.name}.pt")
-    return torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+    saved = torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+    moments: dict[str, dict] = {}
+    for key, value in saved["optimizer"].items():
+        if key.startswith("state."):
+            fqn, field = key.removeprefix("state.").rsplit(".", 1)
+            moments.setdefault(fqn, {})[field] = value
+    return saved["model"], moments
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1"])
+@pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1", "train:p2 + gen:d1"])
 def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache,
                                                                                         allocation):
-    """FSDP2 (dp2) and DTensor TP (tp2) shards: saved, joined and loaded back bit for bit."""
+    """FSDP2 (dp2), DTensor TP (tp2) and pipeline (pp2: each stage its layers, the tied
+    embedding's moments once) shards: saved, joined and loaded back bit for bit."""
     DP2 = [*WIDE, f"compile.allocation={allocation}"]
     _finish(_cli(tmp_path, "whole", *DP2))
     whole = tmp_path / "whole"
@@ -40,11 +48,11 @@ def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_
     files = latest_checkpoint(whole).manifest()["files"]
     assert {"trainer_dcp/.metadata", "trainer_dcp/__0_0.distcp", "trainer_dcp/__1_0.distcp"} <= files.keys()
     assert read_state(version_2)["world_sizes"] == {"train_step": 2}
-    saved, weights = _sharded_optimizer(version_2), _weights(version_2)
-    moments = saved["optimizer"]["state"]
+    (saved, moments), weights = _sharded_state(version_2), _weights(version_2)
+    assert weights.keys() <= saved.keys() and moments.keys() <= weights.keys()  # a tied LM head: moments once
     for name, tensor in weights.items():  # the shards join into whole tensors: the weights HF has, AdamW's moments
-        if name in saved["model"]:
-            assert torch.equal(saved["model"][name], tensor)
+        assert torch.equal(saved[name], tensor)
+        if name in moments:
             assert moments[name]["exp_avg"].shape == tensor.shape and moments[name]["exp_avg"].abs().sum() > 0
             assert float(moments[name]["step"]) == 2.0  # two optimizer steps before version 2
     err, _ = _run_killed(tmp_path, "cut", *DP2, "scheduler.max_restarts=0", code=1)

@@ -59,6 +59,11 @@ class BaseAlgorithm:
     Models should have dropout off (the LLM-RL convention): the proximal log-probs are
     recomputed in a separate no-grad pass and must equal the training forward's.
 
+    The policy's forward and backward passes go through :attr:`runner`
+    (``model_runner.ModelRunner``: the model on this process, one micro-batch at a time); a
+    parallel trainer replaces it (``runtime.parallel``: pipeline stages, sequence chunks) and
+    the loss, written per micro-batch from log-probs and entropy, stays the same.
+
     Raises:
         ValueError: a bad argument or a ``loss_cfg`` that contradicts the algorithm.
     """

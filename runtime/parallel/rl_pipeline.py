@@ -8,8 +8,8 @@ micro-batches, and the target the schedule hands the loss is each micro-batch's 
 The last stage turns the logits of a micro-batch into its log-probs and entropy
 (``model_runner.token_outputs``) and calls the algorithm's loss on them
 (``BaseAlgorithm``'s, whichever algorithm: the loss never sees the pipeline), and the schedule
-back-propagates that loss through the stages (1F1B: Narayanan et al. 2019, PipeDream-Flush; or
-GPipe). Log-probs without gradient (decoupled PPO's proximal policy, M2PO's mask) run the
+back-propagates that loss through the stages (1F1B: Narayanan et al. 2019, PipeDream-Flush: at
+most ``pp`` micro-batches' activations in flight on the first stage). Log-probs without gradient (decoupled PPO's proximal policy, M2PO's mask) run the
 same schedule forward only (``schedule.eval``), the last stage writing each micro-batch's
 log-probs into a ``[B, T]`` tensor.
 
@@ -32,14 +32,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from areal_flow.algorithms.micro_batches import MicroBatch
 from areal_flow.algorithms.model_runner import MicroBatchLoss, token_outputs
 from areal_flow.models.logprobs import logprobs_from_logits
 from runtime.parallel.apply import ParallelModel
-from runtime.parallel.pipeline import SCHEDULES, sync_tied_embedding_grads, tied_embedding
+from runtime.parallel.pipeline import sync_tied_embedding_grads, tied_embedding
 from runtime.parallel.rl_runner import ShardedRunner, right_padded
 
 LogitsFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
@@ -54,18 +54,11 @@ class PipelineRunner(ShardedRunner):
 
     Args:
         parallel: this rank's stage (``parallelize`` with ``ParallelConfig(n_microbatches=None)``).
-        schedule: ``"1f1b"`` (needs at least ``pp`` micro-batches) or ``"gpipe"``.
-
-    Raises:
-        ValueError: an unknown schedule name.
     """
 
-    def __init__(self, parallel: ParallelModel, schedule: str = "1f1b") -> None:
+    def __init__(self, parallel: ParallelModel) -> None:
         super().__init__(parallel)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pp schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
         self.stage = parallel.module
-        self.schedule_name = schedule
         self.pp_group = parallel.mesh["pp"].get_group()
         self._built: tuple[tuple[int, int, int], PipelineScheduleSingle] | None = None
         self._on_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -85,8 +78,7 @@ class PipelineRunner(ShardedRunner):
         pp_mesh = self.parallel.mesh["pp"]
         pipeline_stage = PipelineStage(stage, pp_mesh.get_local_rank(), pp_mesh.size(), device, input_args=inputs,
                                        output_args=outputs, group=self.pp_group)
-        schedule = SCHEDULES[self.schedule_name](pipeline_stage, n_microbatches=n_micro, loss_fn=self._loss,
-                                                 scale_grads=False)
+        schedule = Schedule1F1B(pipeline_stage, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
         self._built = (key, schedule)
         return schedule
 
@@ -98,7 +90,7 @@ class PipelineRunner(ShardedRunner):
         """Run the schedule over ``micro_batches`` (padded layout); on the last stage ``fn(mb, logits
         [b, w, vocab])`` gets each one's logits (its real rows, its own width) and returns its loss."""
         n_micro = len(micro_batches)
-        if self.schedule_name == "1f1b" and n_micro < self.parallel.strategy.pp:
+        if n_micro < self.parallel.strategy.pp:
             raise ValueError(f"the 1F1B schedule needs at least pp={self.parallel.strategy.pp} micro-batches, "
                              f"got {n_micro}")
         rows = max(len(mb.rows) for mb in micro_batches)
