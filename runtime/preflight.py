@@ -3,7 +3,7 @@
 Owns :func:`preflight`, which ``runtime.run_setup.RunSetup.create`` calls before it moves an
 earlier run aside or writes ``plan.json``, for every way a run starts (a graph file with its
 YAML and overrides, a hand-edited ``plan.json``, either scheduler): the plan's config values
-with the config's own checks, the dataset's task with its data file, and what the version-0
+with the config's own checks, the generators' sampling attributes, the dataset's task with its
 models need of that task. A bad input is refused with one line and nothing written; the
 plan's structure and JSON types were checked when it was read (``compiler.plan_check``).
 """
@@ -23,7 +23,27 @@ def preflight(plan: Plan, topo: Topology):
         ConfigError: naming the plan key or node, the config key and the fix.
     """
     _check_config_values(plan)
+    _check_generators(plan)
     return _task(plan, topo)
+
+
+def _check_generators(plan: Plan) -> None:
+    """The sampling attributes of every generator (``stream`` node: ``n_samples``,
+    ``max_new_tokens``, ``temperature``, ``top_p``, ``engine``) in their ranges, by the same
+    check a traced graph passes (``areal_flow.ops.generate.check_sampling``): a hand-edited
+    ``n_samples: -4`` is one line, not a run whose generator never finishes a group.
+
+    Raises:
+        ConfigError: naming the node, its graph line and the attribute.
+    """
+    from areal_flow.graph import GraphError
+    from areal_flow.ops.generate import check_sampling
+
+    for node in (n for n in plan.nodes if n.grain == "stream"):
+        try:
+            check_sampling(node)
+        except (GraphError, KeyError, TypeError) as exc:
+            raise ConfigError(f"plan node '{node.name}': {exc}") from None
 
 
 def _check_config_values(plan: Plan) -> None:

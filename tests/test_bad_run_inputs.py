@@ -107,6 +107,9 @@ EDITS = {  # a hand edit -> what the one line names
                                        ["plan node 'train_step': train.max_nonfinite_steps=0: must be an integer >= 1"]),
     "dataset.max_digits": (lambda p: _node(p, "dataset")["attrs"].update(max_digits=0),
                            ["plan node 'dataset': dataset.max_digits=0: the arithmetic task takes an int >= 1"]),
+    # found by the new-user trial: this plan ran and never finished a group (hung)
+    "generate.n_samples<1": (lambda p: _node(p, "generate")["attrs"].update(n_samples=-4),
+                             ["plan node 'generate': ", "n_samples=-4: must be >= 1"]),
     "run.scheduler.type": (lambda p: p["run"]["scheduler"].update(type="slurm"),
                            ["plan.run: scheduler.type='slurm': expected 'local' or 'ray'"]),
 }

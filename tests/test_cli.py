@@ -173,3 +173,11 @@ def test_a_graph_file_without_a_yaml_beside_it_says_the_defaults_are_used(tmp_pa
     assert _main("graph", graph, "--config", ROOT / "graphs/arith_grpo.yaml") == (0, "")
     (tmp_path / "mine.yaml").write_text("seed: 2\n")
     assert _main("graph", graph) == (0, "")
+
+
+def test_eval_refuses_a_bad_count_before_any_work():
+    """Found by the new-user trial: `eval ... --n 0` started a 1,500-step warm start first."""
+    out = _cli("eval", "graphs/arith_grpo.py", "--n", "0")
+    assert out.returncode == 2 and "--n: 0 must be >= 1" in out.stderr, out.stderr
+    out = _cli("eval", "graphs/arith_grpo.py", "--samples", "-1")
+    assert out.returncode == 2 and "--samples: -1 must be >= 0" in out.stderr, out.stderr

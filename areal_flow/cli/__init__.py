@@ -208,6 +208,20 @@ def _add_graph_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--flow", help="which @flow, when the file holds several")
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (refused by the parser, before any work is done)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the module doc's first paragraph
     parser = argparse.ArgumentParser(prog="areal-flow", description=summary)
@@ -251,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="test set and rule by dataset.name: arithmetic, gsm8k or longtail (default: the "
                    "config's dataset.name; a graph's is its own)")
     p.add_argument("--flow", help="which @flow, when the graph file holds several")
-    p.add_argument("--n", type=int, help="test problems (default: the config's eval.n_test, 500)")
-    p.add_argument("--samples", type=int, default=0, help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
+    p.add_argument("--n", type=_at_least(1), help="test problems (default: the config's eval.n_test, 500)")
+    p.add_argument("--samples", type=_at_least(0), default=0,
+                   help="k: samples per problem for pass@1..pass@k (default 0: greedy only)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--config", help="YAML config of the run to match: seed, model.dtype, warm_start, dataset.* "
