@@ -66,7 +66,7 @@ if [ "$DRY" = 1 ]; then
   check "$AF eval --help"
   check "$PY -m py_compile tests/test_vllm_engine.py"
   check "$PY bench/engine_throughput.py --help"
-  check "$PY -c 'from runtime.engines.evaluate import pass_at_k; assert abs(pass_at_k(5, 2, 2) - 0.7) < 1e-12'"
+  check "$PY -c 'from runtime.evaluate import pass_at_k; assert abs(pass_at_k(5, 2, 2) - 0.7) < 1e-12'"
   [ "$status" = 0 ] && echo "dry run: ok" || echo "dry run: FAILED" >&2
   rm -rf "$WORK"
   exit "$status"
