@@ -432,6 +432,12 @@ class ExperimentConfig:
                            ("env.max_turns", self.env.max_turns)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
+        for key, value in (("train.lr", self.train.lr), ("warm_start.lr", self.warm_start.lr)):
+            if not (math.isfinite(value) and value > 0):  # found by the new-user trial: -1 and nan compiled
+                raise ConfigError(f"{key}={value}: must be a finite number > 0")
+        if not self.name or self.name in (".", "..") or "/" in self.name or "\\" in self.name:
+            raise ConfigError(f"name={self.name!r}: must be a plain folder name (runs go to <out_dir>/<name>/; no "
+                              "'/', not empty)")
         if not 0 <= self.warm_start.teacher_bug_rate <= 1:
             raise ConfigError(f"warm_start.teacher_bug_rate={self.warm_start.teacher_bug_rate}: must be in [0, 1]")
         if not 0 < self.gen.top_p <= 1:

@@ -1,5 +1,7 @@
 """YAML + dotted overrides into typed dataclasses, and errors that name key, source and fix."""
 
+import re
+
 import pytest
 
 from areal_flow.config import ConfigError, ExperimentConfig
@@ -73,4 +75,18 @@ def test_bad_values_and_malformed_input(tmp_path):
 ])
 def test_out_of_range_values_name_the_key_before_any_work(override, message):
     with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=-1", "train.lr=-1.0: must be a finite number > 0"),
+    ("train.lr=.nan", "train.lr=nan: must be a finite number > 0"),
+    ("name=../../etc", "name='../../etc': must be a plain folder name"),
+])
+def test_a_learning_rate_and_a_run_name_that_cannot_work_are_refused(override, message):
+    """Found by the new-user trial: these compiled without a word (name=../.. would write outside out_dir)."""
+    from areal_flow.config import ConfigError
+    from areal_flow.config_load import load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
