@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
 TWO_RANKS = {  # case -> (algorithm, strategy, policy[, TrainSettings changes]); GSPO: per-sequence means and ratios over whole rows under cp
     **{f"{algorithm}-pp2": (algorithm, "p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-pp2-packed": ("grpo", "p2", "dense", {"pack_sequences": True}),  # stages run packed rows padded
     **{f"{algorithm}-cp2": (algorithm, "c2", "dense") for algorithm in ALGORITHMS},
     **{f"{algorithm}-ep2": (algorithm, "d2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
     # a budget of 16 tokens gives rank 0's rows (4, 5, 7, 6 tokens) 2 micro-batches and rank 1's
