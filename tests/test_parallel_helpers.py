@@ -35,10 +35,11 @@ PARAM_ATOL = LR * GRAD_ATOL / (4 * ADAM_EPS)
 
 
 def tiny_config(kind: str = "dense"):
-    """Qwen2 (dense) or Qwen3-MoE config: hidden 32, 4 layers, 4 heads / 2 KV heads, vocab 64."""
+    """Qwen2 (``dense``; ``dense-tied``: the LM head is the embedding) or Qwen3-MoE config: hidden 32,
+    4 layers, 4 heads / 2 KV heads, vocab 64."""
     common = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+        head_dim=8, max_position_embeddings=64, tie_word_embeddings=kind == "dense-tied",
     )
     if kind == "moe":
         config = Qwen3MoeConfig(

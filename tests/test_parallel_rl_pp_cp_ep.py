@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("grpo", "decoupled_ppo", "gspo")
 TWO_RANKS = {  # case -> (algorithm, strategy, policy[, TrainSettings changes]); GSPO: per-sequence means and ratios over whole rows under cp
     **{f"{algorithm}-pp2": (algorithm, "p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-pp2-packed": ("grpo", "p2", "dense", {"pack_sequences": True}),  # stages run packed rows padded
     **{f"{algorithm}-cp2": (algorithm, "c2", "dense") for algorithm in ALGORITHMS},
     **{f"{algorithm}-ep2": (algorithm, "d2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
     # a budget of 16 tokens gives rank 0's rows (4, 5, 7, 6 tokens) 2 micro-batches and rank 1's
@@ -171,3 +172,25 @@ def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
 @pytest.mark.slow
 def test_arith_grpo_moe_trains_with_its_experts_on_two_ranks(tmp_path, warm_cache):
     _run_and_check(tmp_path, "arith_grpo_moe.py", "d2e2", [])  # the yaml's train:d2e2 + gen:d1
+
+
+@pytest.mark.parametrize(("preset", "strategy", "rows", "budget", "rule"), [
+    ("tiny-s", "d1p2c2", 8, 0, r"cp=2 with pp or tp: .* runs with dp only"),
+    ("tiny-moe", "d2p2e2", 8, 0, r"ep=2 with pp, cp or tp: .* over dp ranks only \(e.g. train:d2e2\)"),
+    ("tiny-s", "d2p2", 2, 0, r"1 sequences per DP rank cannot fill pp=2 pipeline micro-batches"),
+    ("tiny-s", "d1p2", 8, 64, r"max_tokens_per_micro_batch=64 with pp=2"),
+    ("tiny-s", "d2", 8, 0, None), ("tiny-s", "d1p2", 8, 0, None), ("tiny-s", "d2c2", 8, 0, None),
+    ("tiny-moe", "d2e2", 8, 0, None), ("tiny-s", "d1t2p2", 8, 0, None), ("tiny-s", "d2", 8, 64, None),
+])
+def test_the_rl_trainer_refuses_only_what_it_cannot_run(tmp_path, preset, strategy, rows, budget, rule):
+    from compiler.strategy import StrategyError
+    from runtime.parallel_trainer import check_parallel_training
+
+    build_model(preset, 50).save_pretrained(tmp_path)
+    check = lambda: check_parallel_training(ParallelStrategy.parse(strategy), tmp_path, rows=rows,  # noqa: E731
+                                            critic=False, max_tokens_per_micro_batch=budget)
+    if rule is None:
+        check()
+    else:
+        with pytest.raises(StrategyError, match=rule):
+            check()

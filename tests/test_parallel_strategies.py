@@ -77,6 +77,17 @@ def test_expert_parallel_matches_single_process(moe_runs, case):
 
 
 @pytest.mark.slow
+def test_pp2_with_a_tied_embedding_matches_single_process():
+    """The tied matrix's two copies (embedding on the first stage, LM head on the last) sum their
+    gradients, so both hold the tied parameter's gradient and stay equal after AdamW."""
+    results, reference = _run("dense-tied", {"pp2-tied": ("p2", ParallelConfig(n_microbatches=2))}, 2)
+    first, last = results["pp2-tied"]
+    for key in ("grads", "params"):  # one process names the tied parameter once
+        assert torch.equal(last[key].pop("lm_head.weight"), first[key]["model.embed_tokens.weight"]), key
+    assert_matches_reference([first, last], reference)
+
+
+@pytest.mark.slow
 def test_dp2_tp2_on_four_processes_matches_single_process():
     cases = {"dp2xtp2": ("d2t2", PLAIN), "dp2xtp2-accumulate-ac": ("d2t2", ACCUMULATE_AC)}
     results, reference = _run("dense", cases, 4)
