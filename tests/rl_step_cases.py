@@ -86,7 +86,7 @@ def single_process_step(folder: Path, batch: dict, algorithm: str) -> dict:
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec = settings(folder, algorithm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    algo = build_algorithm(spec.algorithm, model, optimizer, loss_overrides=spec.loss_overrides,
+    algo = build_algorithm(spec.algorithm, model, optimizer, loss_cfg=spec.loss_config(),
                            micro_batch_size=spec.micro_batch_size, max_grad_norm=spec.max_grad_norm,
                            temperature=spec.temperature)
     stats = algo.update_parameters(batch)
