@@ -37,7 +37,7 @@ def lower_losses(graph, overrides: dict) -> tuple[str, ...]:
     """
     notes = []
     critics = set(scalar_head_models(graph))
-    for node in graph.nodes_of("train_step"):
+    for node in (n for n in graph.trainers() if "algorithm" in n.attrs):  # train_step or a user trainer taking one
         info = algorithm_info(node.attrs["algorithm"])
         try:
             loss = info.loss_config(dict(overrides))
@@ -72,7 +72,7 @@ def user_code(graph) -> tuple[dict, dict]:
     (``compiler.plan.encode_value``) for ``plan.algorithms`` / ``plan.estimators``."""
     algorithms, estimators = {}, {}
     for node in graph.nodes.values():
-        if node.op == "train_step":
+        if node in graph.trainers() and "algorithm" in node.attrs:
             cls = user_algorithm(node.attrs["algorithm"])
             if cls is not None:
                 algorithms[cls.name] = encode_value(cls)

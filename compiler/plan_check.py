@@ -193,7 +193,7 @@ def _check_unsynced(plan, nodes: dict, error) -> None:
 def _check_algorithms(plan, error) -> None:
     """Known algorithms with a whole, valid loss config; known estimators."""
     for node in plan.nodes:
-        if node.op == "train_step":
+        if node.trains and "algorithm" in node.attrs:
             name = node.attrs.get("algorithm")
             info = algorithm_info(name) if isinstance(name, str) else None
             if info is None and name not in plan.algorithms:

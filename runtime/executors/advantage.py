@@ -57,7 +57,8 @@ class AdvantageExecutor:
         self.temperature = gen.attrs.get("temperature") or 1.0
         consumer = next((n for n in ctx.plan.nodes if n.trains and any(src == node.name for src, _ in n.inputs.values())
                          and ctx.plan.models[n.model]["head"] == "lm"), None)  # the policy's trainer it feeds
-        self.loss_cfg = None if consumer is None else LossConfig(**consumer.attrs["loss"])  # the plan's, whole
+        loss = None if consumer is None else consumer.attrs.get("loss")  # a user trainer may declare none
+        self.loss_cfg = None if loss is None else LossConfig(**loss)  # the plan's, whole
 
     def _reference(self, inputs: dict, trajectories, batch) -> tuple[torch.Tensor | None, float, str]:
         """``(ref_logprobs [B, T] or None, kl_coef, kl estimator)``."""
