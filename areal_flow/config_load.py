@@ -128,6 +128,8 @@ def _override_layer(key: str, value: str) -> Any:
         ConfigError: the value is not YAML (``dataset.ops=*``: ``*`` starts an alias), naming
             the override and how to pass it as a string.
     """
+    if value == "" and key_type(key) is str:  # `name=`: the empty string (a dotlist reads it as null)
+        return OmegaConf.from_dotlist([f"{_field_key(key)}=''"])
     try:
         return OmegaConf.from_dotlist([f"{_field_key(key)}={value}"])
     except yaml.YAMLError as exc:

@@ -51,6 +51,27 @@ def lower_losses(graph, overrides: dict) -> tuple[str, ...]:
     return tuple(notes)
 
 
+GROUP_BASELINE = ("grpo", "dr_grpo", "rloo", "lite_ppo", "reinforce_pp_baseline")
+"""Built-in estimators whose baseline is the mean of the sample's prompt group (Shao et al.
+2024, GRPO eq. 3; Ahmadian et al. 2024, RLOO eq. 4): with one sample a prompt, every
+advantage is 0 (or undefined), so nothing is learned."""
+
+
+def group_notes(graph) -> tuple[str, ...]:
+    """One line per advantage node with a group baseline (:data:`GROUP_BASELINE`) fed by a
+    generator that samples one response a prompt (``n_samples=1``)."""
+    notes = []
+    for node in graph.nodes.values():
+        if node.attrs.get("estimator") not in GROUP_BASELINE:
+            continue
+        gen = graph.source_of(node.name, "rollouts", "generate") or graph.source_of(node.name, "rollouts", "rollout")
+        if gen is not None and gen.attrs.get("n_samples") == 1:
+            notes.append(f"{node.where()}: estimator '{node.attrs['estimator']}' subtracts the mean of each prompt's "
+                         f"group, but '{gen.name}' samples n_samples=1 a prompt: every advantage is 0 and the policy "
+                         "does not learn; raise gen.n_samples (4-16 is usual)")
+    return tuple(notes)
+
+
 def _off_policy(node, info, loss, overrides: dict, k: int):
     """``(loss, note)``: the decoupled loss on for a PPO-clip policy unless ``train.loss`` or
     the algorithm set it; a note when it stays off."""

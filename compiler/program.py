@@ -82,7 +82,7 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
             plan check refuses.
     """
     from compiler import compile_plan
-    from compiler.algorithms import lower_losses, user_code
+    from compiler.algorithms import group_notes, lower_losses, user_code
     from compiler.plan_check import check_plan
     from areal_flow.config_compile import CompileConfigError
 
@@ -97,7 +97,7 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
             raise CompileConfigError(f"debug.record: {edge!r} is not a data edge of the graph; edges: "
                                      f"{', '.join(data_edges)}")
     lower_attrs(graph, cfg)
-    notes = lower_losses(graph, cfg.train.loss)
+    notes = lower_losses(graph, cfg.train.loss) + group_notes(graph)
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None:
         compile_cfg.micro_batches = micro_batches(cfg, graph)

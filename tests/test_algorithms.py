@@ -176,6 +176,20 @@ def test_decoupled_ppo_uses_proximal_policy_and_caps_weight():
     assert m["loss"] == pytest.approx(-1.5 * 15.5 / 13, abs=1e-5)
 
 
+def test_decoupled_gradient_is_the_behavior_weight_times_the_on_policy_gradient():
+    """AReaL eq. 5 at the step's start: u = pi_theta / pi_prox = 1 (the proximal policy is the
+    weights before the update, read from the training forward itself), so the gradient of
+    -w * A * u is w * (-A grad log pi_theta): w = e^0.5 times that of the on-policy batch."""
+    model = tiny_model()
+    w = math.exp(0.5)
+    _, on_policy, _ = run(LossConfig(), model, make_batch(model), mbs=2)
+    _, decoupled, _ = run(LossConfig(use_decoupled_loss=True, behavior_imp_weight_cap=None), model,
+                          make_batch(model, shift=0.5), mbs=2)
+    assert any(d.abs().max() > 0 for d in on_policy)
+    for a, b in zip(on_policy, decoupled):
+        torch.testing.assert_close(b, w * a, atol=1e-6, rtol=1e-4)
+
+
 def test_temperature_reaches_the_recomputed_logprobs():
     model = tiny_model()
     hot = make_batch(model, temperature=2.0)

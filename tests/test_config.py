@@ -82,6 +82,7 @@ def test_out_of_range_values_name_the_key_before_any_work(override, message):
     ("train.lr=-1", "train.lr=-1.0: must be a finite number > 0"),
     ("train.lr=.nan", "train.lr=nan: must be a finite number > 0"),
     ("name=../../etc", "name='../../etc': must be a plain folder name"),
+    ("name=", "name='': must be a plain folder name"),  # not "Incompatible value 'None'"
 ])
 def test_a_learning_rate_and_a_run_name_that_cannot_work_are_refused(override, message):
     """Found by the new-user trial: these compiled without a word (name=../.. would write outside out_dir)."""

@@ -192,9 +192,9 @@ def test_unknown_algorithm_and_estimator_are_caught_while_tracing():
     def bad_algorithm(cfg):
         policy = Model("policy", "tiny-arith")
         rollout = ops.generate(policy, ops.dataset(cfg.dataset))
-        return ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)), algorithm="gpro")
+        return ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)), algorithm="grpoo")
 
-    with pytest.raises(GraphError, match=r"node 'train_step' .*unknown algorithm 'gpro'; registered: .*grpo"):
+    with pytest.raises(GraphError, match=r"node 'train_step' .*unknown algorithm 'grpoo' \(did you mean 'grpo'\?\); registered: .*grpo"):
         bad_algorithm(CFG)
 
     @flow

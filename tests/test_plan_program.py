@@ -44,8 +44,13 @@ def _compile(graph: str, *overrides: str) -> Plan:
 
 def _train_step_at(graph: str) -> str:
     """``graphs/<graph>.py:<line>`` of its ``ops.train_step`` call (the node's source)."""
+    return _call_at(graph, "ops.train_step(")
+
+
+def _call_at(graph: str, call: str) -> str:
+    """``graphs/<graph>.py:<line>`` of the first line holding ``call``."""
     lines = (REPO / f"graphs/{graph}.py").read_text().splitlines()
-    return f"graphs/{graph}.py:{next(i for i, line in enumerate(lines, 1) if 'ops.train_step(' in line)}"
+    return f"graphs/{graph}.py:{next(i for i, line in enumerate(lines, 1) if call in line)}"
 
 
 def _loss(**fields) -> dict:
@@ -97,6 +102,16 @@ def test_an_off_policy_correction_left_off_is_said_in_one_line():
     assert m2po.node("train_step").attrs["loss"]["use_decoupled_loss"] is False
     assert any("without the decoupled PPO loss: its policy loss 'm2po' takes the ratio its own way" in w
                for w in m2po.warnings)
+
+
+def test_a_group_baseline_with_one_sample_a_prompt_is_said_in_one_line():
+    """GRPO's advantage (r - mean of the group) / std is 0 for a group of one: nothing learns."""
+    one = _compile("arith_grpo", "gen.n_samples=1")
+    assert [w for w in one.warnings if "n_samples=1" in w] == [
+        f"node 'advantage' (advantage, {_call_at('arith_grpo', 'ops.advantage(')}): estimator 'grpo' subtracts the mean of each prompt's group, but "
+        "'generate' samples n_samples=1 a prompt: every advantage is 0 and the policy does not learn; raise "
+        "gen.n_samples (4-16 is usual)"]
+    assert not [w for w in _compile("arith_grpo", "gen.n_samples=2").warnings if "n_samples" in w]
 
 
 def test_a_critic_keeps_its_loss_without_the_correction():

@@ -228,9 +228,12 @@ class BaseAlgorithm:
             n_seqs=local_seqs if n_seqs is None else n_seqs,
             norm_length=cfg.loss_agg_norm_length or norm_length or max(longest, 1),
         )
+        # The proximal policy is the one before this step's update (AReaL eq. 5): the current
+        # weights. A step makes one optimizer update after every micro-batch's forward, so the
+        # training forward's own log-probs (detached) are the proximal ones; only M2PO, whose
+        # mask needs the whole batch before the first micro-batch, recomputes them up front.
         proximal = None
-        if cfg.use_decoupled_loss or cfg.policy_loss == "m2po":
-            # Before any parameter update: the proximal policy is the current weights.
+        if cfg.policy_loss == "m2po":
             proximal = self.runner.logprobs(self._micro_batches(attn), ids, attn, self.temperature)
         m2po_keep = None
         if cfg.policy_loss == "m2po":
@@ -248,8 +251,10 @@ class BaseAlgorithm:
         self.optimizer.zero_grad(set_to_none=True)
 
         def micro_batch_loss(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-            taken = (None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref))
-            return self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, *taken, norm, metrics)
+            prox, keep, ref_mb = (None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref))
+            if prox is None and cfg.use_decoupled_loss:
+                prox = logp.detach()  # the weights before the update (above)
+            return self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
 
         self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
                                      temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0)

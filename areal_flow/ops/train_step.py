@@ -15,6 +15,8 @@ one it named is checked against the algorithm by the graph's rules.
 
 from __future__ import annotations
 
+import difflib
+
 from areal_flow.algorithms.catalog import algorithm_info, algorithm_names
 from areal_flow.tracing import Handle, Model, current_graph, outputs, record
 from areal_flow.graph import DEFAULT_MAX_STALENESS, GraphError, OpSpec, PortSpec
@@ -67,7 +69,10 @@ def train_step(
     )
     info = algorithm_info(algorithm)
     if info is None:
-        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}; registered: {', '.join(algorithm_names())}")
+        near = difflib.get_close_matches(str(algorithm), algorithm_names(), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise GraphError(f"{node.where()}: unknown algorithm {algorithm!r}{hint}; registered: "
+                         f"{', '.join(algorithm_names())}")
     adv = current_graph().source_of(node.name, "advantages", "advantage")
     if adv is not None:
         settle_estimator(adv, info)
