@@ -43,7 +43,7 @@ class ModelConfig:
     importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
     "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
     log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
-    drift from an fp32 engine's; decoupled PPO recomputes the proximal log-probs in the same dtype).
+    drift from an fp32 engine's; decoupled PPO's proximal log-probs come from the trainer's own forward, in the same dtype).
     Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:

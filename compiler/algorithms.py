@@ -5,7 +5,7 @@ Owns the one place where a loss config is computed (compile time): every train_s
 ``attrs["loss"]``, the whole ``LossConfig`` of its algorithm's defaults and ``train.loss``
 (as a dict); the train_step, critic, rank and advantage executors read it from the plan and
 rebuild nothing. With ``k >= 1`` a policy's samples may be up to ``k`` versions old, so the
-decoupled PPO loss (Fu et al. 2025, AReaL eq. 5: the clip against the recomputed proximal
+decoupled PPO loss (Fu et al. 2025, AReaL eq. 5: the clip against the proximal
 policy, times the capped behavior importance weight) is on by default, as in AReaL, for
 every algorithm whose policy loss is the PPO clip; when it stays off (``train.loss`` says
 so, the algorithm says so, or the policy loss is GSPO/SAPO/M2PO, which take their ratio

@@ -9,8 +9,8 @@ whatever loop runs it. Spans are named by the node (``train_step``), category ``
 
 * ``forward`` — micro-batch ``args.micro_batch`` (0, 1, ... in order): from the model's
   forward pre-hook (``torch.nn.Module.register_forward_pre_hook``) to the start of its
-  backward, i.e. the model and the loss; a no-grad forward (the proximal or reference
-  log-probs recomputed before the update) is its own ``forward`` span with ``args.grad``
+  backward, i.e. the model and the loss; a no-grad forward (M2PO's proximal or the reference
+  log-probs computed before the update) is its own ``forward`` span with ``args.grad``
   false that ends with the model's forward hook;
 * ``backward`` — from the moment autograd reaches the model's output (a tensor hook on it,
   ``torch.Tensor.register_hook``) to the end of that ``backward()`` call (a callback queued on

@@ -142,6 +142,6 @@ def test_each_replica_says_which_dtype_auto_chose_and_warns_for_a_coupled_loss(m
     assert len(lines) == 2 and "warning: the engine decodes in bfloat16 while train.loss.use_decoupled_loss" in lines[1]
     spec.plan = _plan(tmp_path)  # k = 2 (the yaml): the compiler turns the decoupled loss on
     engine_precision(spec, gen)
-    assert "warning" not in capsys.readouterr().err  # the recomputed proximal log-probs are the reference
+    assert "warning" not in capsys.readouterr().err  # the trainer's proximal log-probs are the reference
     forced = SimpleNamespace(engine=GenerationEngine(_model(0), TOK, max_batch_size=4), node=gen.node)
     assert engine_precision(spec, forced) == {"engine_dtype": "float32"} and capsys.readouterr().err == ""

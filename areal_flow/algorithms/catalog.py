@@ -93,8 +93,8 @@ ALGORITHMS: dict[str, AlgorithmInfo] = {a.name: a for a in (
     AlgorithmInfo("lite_ppo", "lite_ppo", loss_defaults={"loss_agg_mode": "token-mean"}, doc=(
         "LitePPO (Liu et al. 2025, 'Tricks or Traps'): group mean / batch std, token-mean.")),
     AlgorithmInfo("decoupled_ppo", "grpo", loss_defaults={"use_decoupled_loss": True}, doc=(
-        "Decoupled PPO (Fu et al. 2025, AReaL eq. 5) for stale samples: clip against the recomputed proximal "
-        "policy, behavior importance weight capped at 5 (tokens above are masked; "
+        "Decoupled PPO (Fu et al. 2025, AReaL eq. 5) for stale samples: clip against the proximal policy "
+        "(the weights before the update), behavior importance weight capped at 5 (tokens above are masked; "
         "behavior_imp_weight_mode='truncate' to truncate instead). The compiler turns the decoupled loss on "
         "for every PPO-clip algorithm whose samples may be stale (k >= 1); this name keeps it on at k = 0.")),
 )}

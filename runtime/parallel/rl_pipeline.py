@@ -9,7 +9,7 @@ The last stage turns the logits of a micro-batch into its log-probs and entropy
 (``model_runner.token_outputs``) and calls the algorithm's loss on them
 (``BaseAlgorithm``'s, whichever algorithm: the loss never sees the pipeline), and the schedule
 back-propagates that loss through the stages (1F1B: Narayanan et al. 2019, PipeDream-Flush: at
-most ``pp`` micro-batches' activations in flight on the first stage). Log-probs without gradient (decoupled PPO's proximal policy, M2PO's mask) run the
+most ``pp`` micro-batches' activations in flight on the first stage). Log-probs without gradient (M2PO's proximal policy, for its mask) run the
 same schedule forward only (``schedule.eval``), the last stage writing each micro-batch's
 log-probs into a ``[B, T]`` tensor.
 
