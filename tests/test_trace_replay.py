@@ -115,10 +115,11 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     receive = _one(spans, "sync_weights", "generate/0", phase="receive", version=received)
     load = _one(spans, "sync_weights", "generate/0", phase="load", version=received)
     phases = [s for s in spans if s["name"] == "train_step" and s["cat"] == "phase" and s["args"]["step"] == 0]
-    # k = 2: the decoupled loss first recomputes the proximal log-probs (a no-grad forward, no micro-batch index);
-    # 2 groups x 4 = 8 rows fit one micro-batch: one forward, one backward
+    # k = 2: the decoupled loss takes the proximal log-probs from the step's own forward (one update a
+    # step: the weights before it), so no extra no-grad forward; 2 groups x 4 = 8 rows fit one
+    # micro-batch: one forward, one backward
     assert [(s["args"]["phase"], s["args"].get("micro_batch")) for s in phases] == [
-        ("forward", None), ("forward", 0), ("backward", 0), ("optimizer", None)]
+        ("forward", 0), ("backward", 0), ("optimizer", None)]
     assert {s["proc"] for s in phases} == {"train_step/0"}
     assert train["ts"] <= phases[0]["ts"] and end(phases[-1]) <= end(train)
     path = [engine, reward, penalty, channel, advantage, *phases, publish]
@@ -130,7 +131,7 @@ def test_trace_shows_a_groups_path_in_order_and_replay_is_bit_identical(tmp_path
     assert set(timeline.nodes) == {"generate", "reward", "penalty", "advantage", "train_step", "sync_weights"}
     assert timeline.waits[("penalty->advantage", "channel")].count == 6  # 3 steps x 2 groups
     assert {key: p.count for key, p in timeline.phases.items()} == {
-        ("train_step", "forward"): 6, ("train_step", "backward"): 3, ("train_step", "optimizer"): 3}  # 2 forwards a step
+        ("train_step", "forward"): 3, ("train_step", "backward"): 3, ("train_step", "optimizer"): 3}  # 3 steps, 1 micro-batch
     assert sum(timeline.staleness["advantage->train_step"].values()) > 0
 
     digests = [json.loads(x)["digest"] for x in (run / "record/advantage-train_step/digests.jsonl").read_text()
