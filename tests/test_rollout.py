@@ -278,3 +278,35 @@ def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
     adv = batch["advantages"][0][batch["loss_mask"][0].bool()].tolist()
     assert adv == pytest.approx([0.62, 0.62, 0.8, 0.8, 1.0, 1.0])
     assert batch["advantages"][0][~batch["loss_mask"][0].bool()].abs().sum() == 0  # observation tokens: none
+
+
+class AppendEnv(BaseEnv):
+    """One turn; appends its row id to ``config["seen"]`` (a list from env_config) and bumps
+    ``config["tags"]["n"]`` (a dict in the row); records what it saw in ``SEEN``."""
+
+    SEEN: list = []
+
+    def reset(self):
+        self.config["seen"].append(self.config["id"])
+        self.config["tags"]["n"] += 1
+        AppendEnv.SEEN.append((list(self.config["seen"]), self.config["tags"]["n"]))
+        return "go"
+
+    def step(self, action):
+        return "", 1.0, True, {}
+
+
+def test_episodes_share_no_state_and_leave_rows_and_env_config_unchanged():
+    """Four episodes (2 rows x n_samples 2): each starts from ``seen == []`` and ``n == 0``, so
+    each sees exactly ``[its id]`` and ``n == 1``; the rows and env_config are as given."""
+    AppendEnv.SEEN.clear()
+    env_config = {"seen": []}
+    rows = [{"id": 0, "tags": {"n": 0}}, {"id": 1, "tags": {"n": 0}}]
+    runner = _runner(FakeEngine(), env="append", env_class=AppendEnv, max_turns=1, env_config=env_config)
+    for i, row in enumerate(rows):
+        runner.submit(i, 1, row)
+    done = _drain(runner)
+    assert [len(done[i]) for i in (0, 1)] == [2, 2]
+    assert sorted(AppendEnv.SEEN) == [([0], 1), ([0], 1), ([1], 1), ([1], 1)]
+    assert env_config == {"seen": []}
+    assert rows == [{"id": 0, "tags": {"n": 0}}, {"id": 1, "tags": {"n": 0}}]

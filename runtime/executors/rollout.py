@@ -4,7 +4,9 @@ Owns the episode loop of ``areal_flow.ops.rollout``: every episode runs as ordin
 blocking code in its own thread (``env.reset``, then per turn: ask the engine for the
 policy's turn, parse it, ``env.step``), while the replica's thread owns the engine:
 ``step`` submits the turns the episodes asked for, runs one engine step and hands the
-finished turns back. So many env instances run at once, a slow env stalls only its
+finished turns back. Each episode's env (or agent) gets its own deep copy of the node's
+``env_config`` with the dataset row over it, so episodes share no state and the dataset
+and the node are never changed. So many env instances run at once, a slow env stalls only its
 episode, and weight updates (``update_weights``, between engine steps) land between
 turns or inside one; each token keeps the version that sampled it.
 
@@ -27,6 +29,7 @@ result ignored.
 
 from __future__ import annotations
 
+import copy
 import json
 import queue
 import threading
@@ -124,11 +127,18 @@ class EpisodeRunner:
             raise _Abandoned
         return box[0]
 
+    def _episode_config(self, run: _Run) -> dict:
+        """The episode's own config: a deep copy of the node's ``env_config`` with a deep copy
+        of the dataset row over it, so nothing an env (agent) changes in it reaches another
+        episode, the dataset or the node. Raises what ``copy.deepcopy`` raises for a value
+        that cannot be copied (the episode fails, naming it)."""
+        return copy.deepcopy({**(self.attrs.get("env_config") or {}), **run.row})
+
     def _play(self, run: _Run) -> None:
         env = None
         a = self.attrs
         try:
-            env = self._env_call(run, lambda: self.env_cls({**a.get("env_config", {}), **run.row}))
+            env = self._env_call(run, lambda: self.env_cls(self._episode_config(run)))
             run.episode.tools = env.tools
             run.episode.observe(_checked(env, self._env_call(run, env.reset)))
             for turn in range(a["max_turns"]):
@@ -173,7 +183,7 @@ class EpisodeRunner:
             endpoint = self._agent_endpoint()
             key, url = endpoint.open(run)
             run.phase, run.since = "env", time.monotonic()
-            value = self.agent(url, {**(self.attrs.get("env_config") or {}), **run.row})
+            value = self.agent(url, self._episode_config(run))
             if run.failed:
                 raise _Abandoned
             endpoint.end(key)  # no call of this episode is in flight any more
