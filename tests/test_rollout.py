@@ -310,3 +310,20 @@ def test_episodes_share_no_state_and_leave_rows_and_env_config_unchanged():
     assert sorted(AppendEnv.SEEN) == [([0], 1), ([0], 1), ([1], 1), ([1], 1)]
     assert env_config == {"seen": []}
     assert rows == [{"id": 0, "tags": {"n": 0}}, {"id": 1, "tags": {"n": 0}}]
+
+
+def test_an_env_that_always_fails_uses_up_the_failure_budget_with_one_line():
+    """Window 4, fraction 0.5: more than 0.5 * 4 = 2 failures stop the run, i.e. the 3rd failed
+    episode (groups of 2: the first episode of the second group), not an endless resample."""
+    from areal_flow.rewards.pool import FailureFractionError
+
+    runner = EpisodeRunner(FakeEngine(), TOK, {**ATTRS, "max_failure_fraction": 0.5, "failure_window": 4},
+                           SamplingParams(max_new_tokens=4), max_context=256, name="play")
+    for i in range(3):
+        runner.submit(i, 1, {"id": i, "answer": "7", "mode": "raise"})
+    with pytest.raises(FailureFractionError) as err:
+        _drain(runner)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("rollout node 'play' (env 'count'): 3 of the last 3 samples failed")
+    assert "RuntimeError: env broke" in line and "x3" in line

@@ -22,7 +22,11 @@ between policy turns) takes more than ``step_timeout_s``, ends as failed: it is 
 out of its group (its group's statistics are over the others; a group with no surviving
 episode is dropped and its slot resampled) and counted per distinct error
 (``runtime.executors.episode_failures``: the first of each prints one line, its traceback
-goes to the run folder's ``episode_failures.log``, the run summary counts them). A hung
+goes to the run folder's ``episode_failures.log``, the run summary counts them). Failed
+episodes are budgeted as failed rewards are (``areal_flow.rewards.pool.FailureMonitor``, node
+attributes ``max_failure_fraction`` / ``failure_window`` lowered from ``reward.*``): when more
+than that fraction of the last window's episodes failed, the run stops with one line naming
+the node, the env (agent) and the count, instead of resampling forever. A hung
 env (agent) thread cannot be killed; it is abandoned (a daemon thread) and its late
 result ignored.
 """
@@ -40,6 +44,7 @@ from pathlib import Path
 from areal_flow.envs.builtin import env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.envs.tools import ToolCallError, parse_tool_call
+from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
 from areal_flow.values import Prompt, Rollouts
 from runtime.engines.generation import GenerationRequest, SamplingParams
@@ -79,18 +84,21 @@ class EpisodeRunner:
         engine: an engine with ``submit``/``step``/``has_work``/``update_weights``/``version``.
         tokenizer: the policy's tokenizer.
         attrs: the rollout node's attributes (``env`` or ``agent``, ``env_config``,
-            ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``).
+            ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``,
+            ``max_failure_fraction`` (default 0.5) and ``failure_window`` (episodes, default 200)).
         params: sampling settings of every policy turn.
         max_context: tokens of prompt + turns at most.
         failure_log: where the first traceback of each distinct episode error goes
             (``EpisodeFailures``; None: nowhere).
+        name: the rollout node's name (in the failure budget's message).
 
     Raises:
         EnvError: no ``attrs["agent"]`` and ``attrs["env"]`` names no registered env.
+        ValueError: a failure budget outside ``0 < max_failure_fraction <= 1``, ``failure_window >= 1``.
     """
 
     def __init__(self, engine, tokenizer, attrs: dict, params: SamplingParams, max_context: int,
-                 failure_log: Path | None = None) -> None:
+                 failure_log: Path | None = None, name: str = "rollout") -> None:
         self.engine, self.tokenizer, self.attrs, self.params = engine, tokenizer, attrs, params
         self.agent = attrs.get("agent")
         self.env_cls = None if self.agent is not None else attrs.get("env_class") or env_class(attrs["env"])
@@ -104,6 +112,8 @@ class EpisodeRunner:
         self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
         who = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{attrs['env']}'"
         self.failures = EpisodeFailures(who, self.agent if self.agent is not None else self.env_cls, failure_log)
+        self.monitor = FailureMonitor(f"rollout node '{name}' ({who})", attrs.get("max_failure_fraction", 0.5),
+                                      attrs.get("failure_window", 200))
         self._endpoint = None  # the agent endpoint, started with the first agent episode
         self._endpoint_lock = threading.Lock()
 
@@ -261,7 +271,11 @@ class EpisodeRunner:
 
     def step(self) -> list[tuple[int, int, Rollouts]]:
         """Submit the turns asked for, one engine step, time-outs; the groups all of whose
-        episodes ended: ``(index, attempt, rollouts)``, the surviving trajectories."""
+        episodes ended: ``(index, attempt, rollouts)``, the surviving trajectories.
+
+        Raises:
+            FailureFractionError: the failure budget is used up (module doc).
+        """
         self._submit_turns(0 if self.engine.has_work() else _IDLE_WAIT_S)
         if self.engine.has_work():
             for result in self.engine.step():
@@ -288,8 +302,10 @@ class EpisodeRunner:
         self.counts["episodes_failed"] += failed
         out = []
         for run in runs:
+            line = run.error or run.failed
+            self.monitor.record(Outcome(kind=line, detail=line), f"{run.index}:{run.sample}")
             if run.failed:
-                self.failures.count(run.error or run.failed)
+                self.failures.count(line)
                 continue
             self.counts["tool_call_errors"] += run.tool_errors
             ep = run.episode
@@ -364,7 +380,7 @@ class RolloutExecutor(EpisodeRunner):
     def __init__(self, node, ctx) -> None:
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
-                         episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME)
+                         episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME, node.name)
 
     def close(self) -> None:
         """Stop the agent endpoint (if one started), then close the engine."""
@@ -375,8 +391,9 @@ class RolloutExecutor(EpisodeRunner):
 def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,
                   failure_log: Path | None = None) -> list[Trajectory]:
     """Play one episode per row to the end (held-out evaluation); trajectories in row order
-    (failed episodes left out; ``failure_log`` as :class:`EpisodeRunner`'s)."""
-    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1}, SamplingParams(
+    (failed episodes left out and counted, never stopping the evaluation: no failure budget;
+    ``failure_log`` as :class:`EpisodeRunner`'s)."""
+    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1, "max_failure_fraction": 1.0}, SamplingParams(
         temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,
         failure_log)
     finished: dict[int, list[Trajectory]] = {}
