@@ -16,7 +16,8 @@ from areal_flow.envs.episode import Episode
 from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.batching import collate
 from runtime.engines.generation import GenerationResult, SamplingParams
-from runtime.executors.rollout import EpisodeRunner, play_episodes
+from runtime.evaluate import play_episodes
+from runtime.executors.rollout import EpisodeRunner
 from runs import REPO, cli_run, records
 
 TOK = build_char_tokenizer()

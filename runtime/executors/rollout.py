@@ -174,8 +174,8 @@ class EpisodeRunner:
         except _Abandoned:
             return
         except Exception as exc:  # an env (or tokenizer) failure ends this episode only
+            run.error = self.failures.error(exc)  # before failed: the engine's thread may end the group at once
             run.failed = f"{type(exc).__name__}: {exc}"
-            run.error = self.failures.error(exc)
         finally:
             if env is not None:
                 try:
@@ -208,8 +208,8 @@ class EpisodeRunner:
             return
         except Exception as exc:  # the agent failed (or timed out and then failed): this episode only
             if not run.failed:
+                run.error = self.failures.error(exc)  # before failed, as in _play
                 run.failed = f"{type(exc).__name__}: {exc}"
-                run.error = self.failures.error(exc)
         finally:
             if endpoint is not None and key:
                 endpoint.end(key)
@@ -386,23 +386,4 @@ class RolloutExecutor(EpisodeRunner):
         """Stop the agent endpoint (if one started), then close the engine."""
         super().close()
         self.engine.close()
-
-
-def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,
-                  failure_log: Path | None = None) -> list[Trajectory]:
-    """Play one episode per row to the end (held-out evaluation); trajectories in row order
-    (failed episodes left out and counted, never stopping the evaluation: no failure budget;
-    ``failure_log`` as :class:`EpisodeRunner`'s)."""
-    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1, "max_failure_fraction": 1.0}, SamplingParams(
-        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,
-        failure_log)
-    finished: dict[int, list[Trajectory]] = {}
-    try:
-        for i, row in enumerate(rows):
-            runner.submit(i, 1, row)
-        while runner.has_work():
-            finished.update((index, trajs) for index, _, trajs in runner.step())
-    finally:
-        runner.close()
-    return [t for i in range(len(rows)) for t in finished[i]]
 
