@@ -4,6 +4,7 @@ episode), and the issue's env template run verbatim from a graph file."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -171,7 +172,8 @@ def test_raising_and_hanging_envs_end_only_their_episode():
     done = _drain(runner)
     assert time.monotonic() - started < 3  # the hanging env did not hold its group for 5 s x 3 turns
     assert len(done[0]) == 2 and len(done[1]) == 0 and len(done[2]) == 0
-    assert runner.counts == {"episodes": 6, "episodes_failed": 4, "env_timeouts": 2, "tool_call_errors": 0}
+    assert runner.counts == {"episodes": 6, "episodes_failed": 4, "env_timeouts": 2, "tool_call_errors": 0,
+                             "empty_episodes": 0}
 
 
 def test_play_episodes_with_the_fake_engine_scores_by_the_env():
@@ -328,3 +330,28 @@ def test_an_env_that_always_fails_uses_up_the_failure_budget_with_one_line():
     assert "\n" not in line
     assert line.startswith("rollout node 'play' (env 'count'): 3 of the last 3 samples failed")
     assert "RuntimeError: env broke" in line and "x3" in line
+
+
+class FullPromptEnv(BaseEnv):
+    """One turn rewarded 1.0; of every two episodes one opens with a 20-character observation
+    (21 tokens with BOS: the context of 16 is full before any policy turn), the other with "go"."""
+
+    calls = itertools.count()
+
+    def reset(self):
+        return "x" * 20 if next(FullPromptEnv.calls) % 2 == 0 else "go"
+
+    def step(self, action):
+        return "", 1.0, True, {}
+
+
+def test_an_episode_with_no_policy_token_leaves_its_group():
+    """Group of 2: the "go" episode plays its turn (G_0 = 1.0); the full-prompt one has no policy
+    token and is left out, so the group is [1.0] (kept, it would be [1.0, 0.0]: baseline 0.5)."""
+    runner = EpisodeRunner(FakeEngine(), TOK, {**ATTRS, "env": "full", "env_class": FullPromptEnv, "max_turns": 1},
+                           SamplingParams(max_new_tokens=4), max_context=16)
+    runner.submit(0, 1, {"id": 0})
+    (traj,) = _drain(runner)[0]
+    assert traj.reward == 1.0 and traj.prompt_ids == [1, cid("g"), cid("o")] and sum(traj.loss_mask) == 2
+    assert runner.counts["empty_episodes"] == 1 and runner.counts["episodes_failed"] == 0
+    assert runner.monitor.kinds == {"an episode with no policy token (its first observation fills max_context)": 1}

@@ -29,6 +29,10 @@ than that fraction of the last window's episodes failed, the run stops with one 
 the node, the env (agent) and the count, instead of resampling forever. A hung
 env (agent) thread cannot be killed; it is abandoned (a daemon thread) and its late
 result ignored.
+
+An episode with no policy token (its first observation fills ``max_context``) would shift
+its group's baseline with nothing to train: as an empty ``ops.generate`` response, it is left
+out of its group, counted (``empty_episodes``) and recorded on the failure budget.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from runtime.engines.generation import GenerationRequest, SamplingParams
 from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.executors.generate import build_engine, sampling_params
 
+NO_POLICY_TOKEN = "an episode with no policy token (its first observation fills max_context)"
+"""The failure kind of an episode left out for holding no policy token (module doc)."""
 _IDLE_WAIT_S = 0.005  # how long step() waits for a turn request when only envs are busy
 
 
@@ -109,7 +115,8 @@ class EpisodeRunner:
         self._waiting: dict[str, tuple[_Run, list]] = {}
         self._groups: dict[tuple[int, int], list[_Run]] = {}
         self._serial = 0
-        self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
+        self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0,
+                       "empty_episodes": 0}
         who = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{attrs['env']}'"
         self.failures = EpisodeFailures(who, self.agent if self.agent is not None else self.env_cls, failure_log)
         self.monitor = FailureMonitor(f"rollout node '{name}' ({who})", attrs.get("max_failure_fraction", 0.5),
@@ -297,15 +304,21 @@ class EpisodeRunner:
         return done
 
     def _finish(self, runs: list[_Run]) -> list[Trajectory]:
+        """The group's trajectories: its failed episodes and those with no policy token left
+        out (module doc), each recorded on the failure budget."""
         failed = sum(bool(r.failed) for r in runs)
         self.counts["episodes"] += len(runs)
         self.counts["episodes_failed"] += failed
         out = []
         for run in runs:
-            line = run.error or run.failed
+            empty = not run.failed and not any(run.episode.loss_mask)
+            line = run.error or run.failed or (NO_POLICY_TOKEN if empty else "")
             self.monitor.record(Outcome(kind=line, detail=line), f"{run.index}:{run.sample}")
             if run.failed:
                 self.failures.count(line)
+                continue
+            if empty:
+                self.counts["empty_episodes"] += 1
                 continue
             self.counts["tool_call_errors"] += run.tool_errors
             ep = run.episode
