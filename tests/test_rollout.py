@@ -355,3 +355,4 @@ def test_an_episode_with_no_policy_token_leaves_its_group():
     assert traj.reward == 1.0 and traj.prompt_ids == [1, cid("g"), cid("o")] and sum(traj.loss_mask) == 2
     assert runner.counts["empty_episodes"] == 1 and runner.counts["episodes_failed"] == 0
     assert runner.monitor.kinds == {"an episode with no policy token (its first observation fills max_context)": 1}
+
