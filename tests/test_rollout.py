@@ -258,6 +258,26 @@ def test_the_env_template_runs_verbatim_from_a_graph_file(tmp_path, warm_cache):
     assert all(1 <= e.value <= 2 for e in events.Scalars("episode/turns"))
 
 
+@pytest.mark.slow
+def test_a_run_whose_env_always_fails_stops_with_one_line(tmp_path, warm_cache):
+    """Window 8, fraction 0.5: the 5th failed episode (> 4) stops the run in seconds, naming the
+    node and the env, rather than the trainer's 600 s timeout."""
+    import subprocess
+    import sys
+
+    graph = tmp_path / "broken_env.py"
+    graph.write_text(TEMPLATE_GRAPH.replace("        self.turns += 1\n", "        raise RuntimeError('broken env')\n"))
+    (tmp_path / "broken_env.yaml").write_text((REPO / "graphs/arith_grpo.yaml").read_text())
+    args = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+            "reward.failure_window=8", f"out_dir={tmp_path}", "name=broken"]
+    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(graph), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    (line,) = [x for x in proc.stderr.splitlines() if "FailureFractionError" in x]
+    assert "rollout node 'rollout' (env 'my_env'): 5 of the last 5 samples failed" in line
+    assert "RuntimeError: broken env" in line
+
+
 def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
     """The node's wiring: collated turn rewards and turn ids reach ``multi_turn``; by hand as in
     ``test_turn_returns_by_hand_with_observations_between_turns`` (G = 0.62, 0.8, 1.0)."""
