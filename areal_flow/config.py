@@ -255,7 +255,8 @@ class RewardKnobs:
     """Threads calling a rule reward function (calls of a group in flight at once)."""
     max_failure_fraction: float = 0.5
     """The run stops when more than this fraction of the last failure_window samples' rewards failed
-    (the generate node applies it to its requests too: empty responses and generation errors)."""
+    (the generate node applies it to its requests too: empty responses and generation errors; a rollout
+    node to its episodes: failed env or agent episodes)."""
     failure_window: int = 200
     """Samples in the sliding window of max_failure_fraction."""
 

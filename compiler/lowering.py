@@ -62,7 +62,8 @@ LOWERED: dict[str, dict[str, str]] = {
     "dataset": {f.name: f"dataset.{f.name}" for f in dataclasses.fields(DatasetConfig)},
     "generate": {**_ENGINE, "interruptible": "gen.interruptible", "max_failure_fraction": "reward.max_failure_fraction",
                  "failure_window": "reward.failure_window"},
-    "rollout": _ENGINE,
+    "rollout": {**_ENGINE, "max_failure_fraction": "reward.max_failure_fraction",
+                "failure_window": "reward.failure_window"},
     "sync_weights": _ENGINE,  # it takes a weights input, so lower_attrs counts it among the generators
     "train_step": {k: f"train.{k}" for k in _TRAIN},
     "reward": {k: f"reward.{k}" for k in ("timeout_s", "workers", "max_failure_fraction", "failure_window")},

@@ -7,14 +7,18 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``)
-  and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests);
+  and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests); ``rollout``
+  gets the engine's two and the same failure budget (for its failed episodes);
   every trainer (``train_step``, or a user op with role ``training``) gets its optimizer
   (``train.lr``, ``weight_decay``, ``max_grad_norm``), micro-batching
   (``max_tokens_per_micro_batch``, ``pack_sequences``), ``checkpoint_every``,
   ``max_nonfinite_steps`` and its whole loss config (``loss``: the algorithm's defaults with
   ``train.loss``, and the off-policy correction for k >= 1: ``compiler.algorithms``); a rule
   ``reward`` gets ``reward.timeout_s``, ``workers``, ``max_failure_fraction`` and
-  ``failure_window`` (``areal_flow.rewards.pool``);
+  ``failure_window`` (``areal_flow.rewards.pool``); an ``advantage`` node with
+  ``estimator="multi_turn"`` in ``mode="turn"`` over an ``ops.rollout``'s episodes gets that
+  rollout's ``gamma`` (a discount per turn, as the episode return's) unless it was given one;
+  ``mode="token"`` discounts per policy token, another unit, so it keeps its own (1.0 unless given);
 * ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
   ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
   writes the count per DP rank into the plan and the trainer follows the plan;
@@ -50,8 +54,9 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         if node in graph.generators():
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
             node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
-            if node.op == "generate":  # generation errors of one request: the reward's failure fraction
+            if node.op == "generate":
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)
+            if node.op in ("generate", "rollout"):  # failed requests / episodes: the reward's failure fraction
                 node.attrs.update(max_failure_fraction=cfg.reward.max_failure_fraction,
                                   failure_window=cfg.reward.failure_window)
         elif node in steps:
@@ -64,6 +69,11 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             r = cfg.reward
             node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,
                               failure_window=r.failure_window)
+        elif node.op == "advantage" and node.attrs.get("estimator") == "multi_turn" \
+                and node.attrs.get("mode", "turn") == "turn":
+            episodes = graph.source_of(node.name, "rollouts", "rollout")
+            if episodes is not None:  # the per-turn discount of the episodes' returns
+                node.attrs.setdefault("gamma", episodes.attrs["gamma"])
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:

@@ -3,7 +3,8 @@
 Owns the evaluation a run does before and after RL (``greedy_answers``,
 ``answer_accuracy``) and the stand-alone one behind ``areal-flow eval`` (``evaluate_model``
 of the model a run starts from, ``start_of_run``, or of a model under a config on its
-task, ``eval_task``: a JSON-able result). Must not train or change the model.
+task, ``eval_task``: a JSON-able result), and the held-out episodes of a rollout node
+(``play_episodes``). Must not train or change the model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from areal_flow.ops.generate import encode_prompt
+from areal_flow.types import Trajectory
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
 
 
@@ -238,7 +240,7 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         info key, "failed": episodes that failed}``.
     """
     from runtime.engines.generation import GenerationEngine
-    from runtime.executors.rollout import episode_correct, play_episodes
+    from runtime.executors.rollout import episode_correct
 
     engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
     trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context,
@@ -254,3 +256,25 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
     for key in sorted({k for t in trajs for k in t.meta.get("env", {})}):
         out[f"env/{key}"] = sum(t.meta["env"].get(key, 0.0) for t in trajs) / n
     return out
+
+
+def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,
+                  failure_log: Path | None = None) -> list[Trajectory]:
+    """Play one episode per row to the end (held-out evaluation); trajectories in row order
+    (failed episodes left out and counted, never stopping the evaluation: no failure budget;
+    ``failure_log`` as ``runtime.executors.rollout.EpisodeRunner``'s)."""
+    from runtime.executors.rollout import EpisodeRunner
+
+    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1, "max_failure_fraction": 1.0}, SamplingParams(
+        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,
+        failure_log)
+    finished: dict[int, list[Trajectory]] = {}
+    try:
+        for i, row in enumerate(rows):
+            runner.submit(i, 1, row)
+        while runner.has_work():
+            finished.update((index, trajs) for index, _, trajs in runner.step())
+    finally:
+        runner.close()
+    return [t for i in range(len(rows)) for t in finished[i]]
+

@@ -135,7 +135,8 @@ def test_two_chat_calls_become_one_multi_turn_trajectory():
     # usage by hand: prompt = the whole context the policy saw, completion = its ids (EOS included)
     assert (first.usage.prompt_tokens, first.usage.completion_tokens, first.usage.total_tokens) == (8, 2, 10)
     assert (second.usage.prompt_tokens, second.usage.completion_tokens, second.usage.total_tokens) == (17, 2, 19)
-    assert runner.counts == {"episodes": 1, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
+    assert runner.counts == {"episodes": 1, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0,
+                             "empty_episodes": 0}
 
 
 def test_a_history_that_does_not_extend_the_recording_is_refused_naming_the_index():
@@ -178,7 +179,8 @@ def test_a_raising_hanging_or_silent_agent_fails_only_its_episode():
     assert time.monotonic() - started < 3.5  # the hanging agent did not hold its group
     assert [len(done[i]) for i in range(4)] == [1, 0, 0, 0]
     assert done[0][0].turn_rewards == [1.0]
-    assert runner.counts == {"episodes": 4, "episodes_failed": 3, "env_timeouts": 1, "tool_call_errors": 0}
+    assert runner.counts == {"episodes": 4, "episodes_failed": 3, "env_timeouts": 1, "tool_call_errors": 0,
+                             "empty_episodes": 0}
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

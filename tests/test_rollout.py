@@ -4,6 +4,7 @@ episode), and the issue's env template run verbatim from a graph file."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -16,7 +17,8 @@ from areal_flow.envs.episode import Episode
 from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.batching import collate
 from runtime.engines.generation import GenerationResult, SamplingParams
-from runtime.executors.rollout import EpisodeRunner, play_episodes
+from runtime.evaluate import play_episodes
+from runtime.executors.rollout import EpisodeRunner
 from runs import REPO, cli_run, records
 
 TOK = build_char_tokenizer()
@@ -170,7 +172,8 @@ def test_raising_and_hanging_envs_end_only_their_episode():
     done = _drain(runner)
     assert time.monotonic() - started < 3  # the hanging env did not hold its group for 5 s x 3 turns
     assert len(done[0]) == 2 and len(done[1]) == 0 and len(done[2]) == 0
-    assert runner.counts == {"episodes": 6, "episodes_failed": 4, "env_timeouts": 2, "tool_call_errors": 0}
+    assert runner.counts == {"episodes": 6, "episodes_failed": 4, "env_timeouts": 2, "tool_call_errors": 0,
+                             "empty_episodes": 0}
 
 
 def test_play_episodes_with_the_fake_engine_scores_by_the_env():
@@ -255,6 +258,26 @@ def test_the_env_template_runs_verbatim_from_a_graph_file(tmp_path, warm_cache):
     assert all(1 <= e.value <= 2 for e in events.Scalars("episode/turns"))
 
 
+@pytest.mark.slow
+def test_a_run_whose_env_always_fails_stops_with_one_line(tmp_path, warm_cache):
+    """Window 8, fraction 0.5: the 5th failed episode (> 4) stops the run in seconds, naming the
+    node and the env, rather than the trainer's 600 s timeout."""
+    import subprocess
+    import sys
+
+    graph = tmp_path / "broken_env.py"
+    graph.write_text(TEMPLATE_GRAPH.replace("        self.turns += 1\n", "        raise RuntimeError('broken env')\n"))
+    (tmp_path / "broken_env.yaml").write_text((REPO / "graphs/arith_grpo.yaml").read_text())
+    args = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+            "reward.failure_window=8", f"out_dir={tmp_path}", "name=broken"]
+    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(graph), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    (line,) = [x for x in proc.stderr.splitlines() if "FailureFractionError" in x]
+    assert "rollout node 'rollout' (env 'my_env'): 5 of the last 5 samples failed" in line
+    assert "RuntimeError: broken env" in line
+
+
 def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
     """The node's wiring: collated turn rewards and turn ids reach ``multi_turn``; by hand as in
     ``test_turn_returns_by_hand_with_observations_between_turns`` (G = 0.62, 0.8, 1.0)."""
@@ -278,3 +301,78 @@ def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
     adv = batch["advantages"][0][batch["loss_mask"][0].bool()].tolist()
     assert adv == pytest.approx([0.62, 0.62, 0.8, 0.8, 1.0, 1.0])
     assert batch["advantages"][0][~batch["loss_mask"][0].bool()].abs().sum() == 0  # observation tokens: none
+
+
+class AppendEnv(BaseEnv):
+    """One turn; appends its row id to ``config["seen"]`` (a list from env_config) and bumps
+    ``config["tags"]["n"]`` (a dict in the row); records what it saw in ``SEEN``."""
+
+    SEEN: list = []
+
+    def reset(self):
+        self.config["seen"].append(self.config["id"])
+        self.config["tags"]["n"] += 1
+        AppendEnv.SEEN.append((list(self.config["seen"]), self.config["tags"]["n"]))
+        return "go"
+
+    def step(self, action):
+        return "", 1.0, True, {}
+
+
+def test_episodes_share_no_state_and_leave_rows_and_env_config_unchanged():
+    """Four episodes (2 rows x n_samples 2): each starts from ``seen == []`` and ``n == 0``, so
+    each sees exactly ``[its id]`` and ``n == 1``; the rows and env_config are as given."""
+    AppendEnv.SEEN.clear()
+    env_config = {"seen": []}
+    rows = [{"id": 0, "tags": {"n": 0}}, {"id": 1, "tags": {"n": 0}}]
+    runner = _runner(FakeEngine(), env="append", env_class=AppendEnv, max_turns=1, env_config=env_config)
+    for i, row in enumerate(rows):
+        runner.submit(i, 1, row)
+    done = _drain(runner)
+    assert [len(done[i]) for i in (0, 1)] == [2, 2]
+    assert sorted(AppendEnv.SEEN) == [([0], 1), ([0], 1), ([1], 1), ([1], 1)]
+    assert env_config == {"seen": []}
+    assert rows == [{"id": 0, "tags": {"n": 0}}, {"id": 1, "tags": {"n": 0}}]
+
+
+def test_an_env_that_always_fails_uses_up_the_failure_budget_with_one_line():
+    """Window 4, fraction 0.5: more than 0.5 * 4 = 2 failures stop the run, i.e. the 3rd failed
+    episode (groups of 2: the first episode of the second group), not an endless resample."""
+    from areal_flow.rewards.pool import FailureFractionError
+
+    runner = EpisodeRunner(FakeEngine(), TOK, {**ATTRS, "max_failure_fraction": 0.5, "failure_window": 4},
+                           SamplingParams(max_new_tokens=4), max_context=256, name="play")
+    for i in range(3):
+        runner.submit(i, 1, {"id": i, "answer": "7", "mode": "raise"})
+    with pytest.raises(FailureFractionError) as err:
+        _drain(runner)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("rollout node 'play' (env 'count'): 3 of the last 3 samples failed")
+    assert "RuntimeError: env broke" in line and "x3" in line
+
+
+class FullPromptEnv(BaseEnv):
+    """One turn rewarded 1.0; of every two episodes one opens with a 20-character observation
+    (21 tokens with BOS: the context of 16 is full before any policy turn), the other with "go"."""
+
+    calls = itertools.count()
+
+    def reset(self):
+        return "x" * 20 if next(FullPromptEnv.calls) % 2 == 0 else "go"
+
+    def step(self, action):
+        return "", 1.0, True, {}
+
+
+def test_an_episode_with_no_policy_token_leaves_its_group():
+    """Group of 2: the "go" episode plays its turn (G_0 = 1.0); the full-prompt one has no policy
+    token and is left out, so the group is [1.0] (kept, it would be [1.0, 0.0]: baseline 0.5)."""
+    runner = EpisodeRunner(FakeEngine(), TOK, {**ATTRS, "env": "full", "env_class": FullPromptEnv, "max_turns": 1},
+                           SamplingParams(max_new_tokens=4), max_context=16)
+    runner.submit(0, 1, {"id": 0})
+    (traj,) = _drain(runner)[0]
+    assert traj.reward == 1.0 and traj.prompt_ids == [1, cid("g"), cid("o")] and sum(traj.loss_mask) == 2
+    assert runner.counts["empty_episodes"] == 1 and runner.counts["episodes_failed"] == 0
+    assert runner.monitor.kinds == {"an episode with no policy token (its first observation fills max_context)": 1}
+

@@ -40,7 +40,9 @@ class BaseEnv:
 
     Attributes:
         config: the dict the env was built from: the dataset row of the episode (``id``,
-            ``prompt``, task fields) merged with the node's ``env_config``.
+            ``prompt``, task fields) merged over the node's ``env_config``, a deep copy the
+            episode owns (the rollout loop makes it): changing it, lists and dicts inside
+            included, changes no other episode, the dataset or the node.
         observation_space: a description of a valid observation (``"text"`` or
             ``"messages"``); the loop checks every observation against it.
         tools: the tool list in the OpenAI function-calling schema (``[{"type": "function",

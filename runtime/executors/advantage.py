@@ -5,7 +5,9 @@ formulas): collate the ``B`` groups of the step (rewards from the node's ``rewar
 a user op between reward and advantage counts), the critic's values (GAE), the KL to a
 reference folded into the reward (with the coefficient and estimator of the loss config the
 plan gives the policy's train_step it feeds), and the estimator (built in, or registered from
-``plan.estimators``). It must not update any model.
+``plan.estimators``) with the node's knobs: every attribute but its own (``gamma`` of
+``multi_turn`` included, which the compiler lowers from the rollout node, ``compiler.program``).
+It must not update any model.
 """
 
 from __future__ import annotations

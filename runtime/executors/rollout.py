@@ -4,7 +4,9 @@ Owns the episode loop of ``areal_flow.ops.rollout``: every episode runs as ordin
 blocking code in its own thread (``env.reset``, then per turn: ask the engine for the
 policy's turn, parse it, ``env.step``), while the replica's thread owns the engine:
 ``step`` submits the turns the episodes asked for, runs one engine step and hands the
-finished turns back. So many env instances run at once, a slow env stalls only its
+finished turns back. Each episode's env (or agent) gets its own deep copy of the node's
+``env_config`` with the dataset row over it, so episodes share no state and the dataset
+and the node are never changed. So many env instances run at once, a slow env stalls only its
 episode, and weight updates (``update_weights``, between engine steps) land between
 turns or inside one; each token keeps the version that sampled it.
 
@@ -20,13 +22,22 @@ between policy turns) takes more than ``step_timeout_s``, ends as failed: it is 
 out of its group (its group's statistics are over the others; a group with no surviving
 episode is dropped and its slot resampled) and counted per distinct error
 (``runtime.executors.episode_failures``: the first of each prints one line, its traceback
-goes to the run folder's ``episode_failures.log``, the run summary counts them). A hung
+goes to the run folder's ``episode_failures.log``, the run summary counts them). Failed
+episodes are budgeted as failed rewards are (``areal_flow.rewards.pool.FailureMonitor``, node
+attributes ``max_failure_fraction`` / ``failure_window`` lowered from ``reward.*``): when more
+than that fraction of the last window's episodes failed, the run stops with one line naming
+the node, the env (agent) and the count, instead of resampling forever. A hung
 env (agent) thread cannot be killed; it is abandoned (a daemon thread) and its late
 result ignored.
+
+An episode with no policy token (its first observation fills ``max_context``) would shift
+its group's baseline with nothing to train: as an empty ``ops.generate`` response, it is left
+out of its group, counted (``empty_episodes``) and recorded on the failure budget.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import queue
 import threading
@@ -37,12 +48,15 @@ from pathlib import Path
 from areal_flow.envs.builtin import env_class
 from areal_flow.envs.episode import Episode
 from areal_flow.envs.tools import ToolCallError, parse_tool_call
+from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
 from areal_flow.values import Prompt, Rollouts
 from runtime.engines.generation import GenerationRequest, SamplingParams
 from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.executors.generate import build_engine, sampling_params
 
+NO_POLICY_TOKEN = "an episode with no policy token (its first observation fills max_context)"
+"""The failure kind of an episode left out for holding no policy token (module doc)."""
 _IDLE_WAIT_S = 0.005  # how long step() waits for a turn request when only envs are busy
 
 
@@ -76,18 +90,21 @@ class EpisodeRunner:
         engine: an engine with ``submit``/``step``/``has_work``/``update_weights``/``version``.
         tokenizer: the policy's tokenizer.
         attrs: the rollout node's attributes (``env`` or ``agent``, ``env_config``,
-            ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``).
+            ``max_turns``, ``gamma``, ``n_samples``, ``chat_template``, ``step_timeout_s``,
+            ``max_failure_fraction`` (default 0.5) and ``failure_window`` (episodes, default 200)).
         params: sampling settings of every policy turn.
         max_context: tokens of prompt + turns at most.
         failure_log: where the first traceback of each distinct episode error goes
             (``EpisodeFailures``; None: nowhere).
+        name: the rollout node's name (in the failure budget's message).
 
     Raises:
         EnvError: no ``attrs["agent"]`` and ``attrs["env"]`` names no registered env.
+        ValueError: a failure budget outside ``0 < max_failure_fraction <= 1``, ``failure_window >= 1``.
     """
 
     def __init__(self, engine, tokenizer, attrs: dict, params: SamplingParams, max_context: int,
-                 failure_log: Path | None = None) -> None:
+                 failure_log: Path | None = None, name: str = "rollout") -> None:
         self.engine, self.tokenizer, self.attrs, self.params = engine, tokenizer, attrs, params
         self.agent = attrs.get("agent")
         self.env_cls = None if self.agent is not None else attrs.get("env_class") or env_class(attrs["env"])
@@ -98,9 +115,12 @@ class EpisodeRunner:
         self._waiting: dict[str, tuple[_Run, list]] = {}
         self._groups: dict[tuple[int, int], list[_Run]] = {}
         self._serial = 0
-        self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0}
+        self.counts = {"episodes": 0, "episodes_failed": 0, "env_timeouts": 0, "tool_call_errors": 0,
+                       "empty_episodes": 0}
         who = f"agent {_name(self.agent)}" if self.agent is not None else f"env '{attrs['env']}'"
         self.failures = EpisodeFailures(who, self.agent if self.agent is not None else self.env_cls, failure_log)
+        self.monitor = FailureMonitor(f"rollout node '{name}' ({who})", attrs.get("max_failure_fraction", 0.5),
+                                      attrs.get("failure_window", 200))
         self._endpoint = None  # the agent endpoint, started with the first agent episode
         self._endpoint_lock = threading.Lock()
 
@@ -124,11 +144,18 @@ class EpisodeRunner:
             raise _Abandoned
         return box[0]
 
+    def _episode_config(self, run: _Run) -> dict:
+        """The episode's own config: a deep copy of the node's ``env_config`` with a deep copy
+        of the dataset row over it, so nothing an env (agent) changes in it reaches another
+        episode, the dataset or the node. Raises what ``copy.deepcopy`` raises for a value
+        that cannot be copied (the episode fails, naming it)."""
+        return copy.deepcopy({**(self.attrs.get("env_config") or {}), **run.row})
+
     def _play(self, run: _Run) -> None:
         env = None
         a = self.attrs
         try:
-            env = self._env_call(run, lambda: self.env_cls({**a.get("env_config", {}), **run.row}))
+            env = self._env_call(run, lambda: self.env_cls(self._episode_config(run)))
             run.episode.tools = env.tools
             run.episode.observe(_checked(env, self._env_call(run, env.reset)))
             for turn in range(a["max_turns"]):
@@ -154,8 +181,8 @@ class EpisodeRunner:
         except _Abandoned:
             return
         except Exception as exc:  # an env (or tokenizer) failure ends this episode only
+            run.error = self.failures.error(exc)  # before failed: the engine's thread may end the group at once
             run.failed = f"{type(exc).__name__}: {exc}"
-            run.error = self.failures.error(exc)
         finally:
             if env is not None:
                 try:
@@ -173,7 +200,7 @@ class EpisodeRunner:
             endpoint = self._agent_endpoint()
             key, url = endpoint.open(run)
             run.phase, run.since = "env", time.monotonic()
-            value = self.agent(url, {**(self.attrs.get("env_config") or {}), **run.row})
+            value = self.agent(url, self._episode_config(run))
             if run.failed:
                 raise _Abandoned
             endpoint.end(key)  # no call of this episode is in flight any more
@@ -188,8 +215,8 @@ class EpisodeRunner:
             return
         except Exception as exc:  # the agent failed (or timed out and then failed): this episode only
             if not run.failed:
+                run.error = self.failures.error(exc)  # before failed, as in _play
                 run.failed = f"{type(exc).__name__}: {exc}"
-                run.error = self.failures.error(exc)
         finally:
             if endpoint is not None and key:
                 endpoint.end(key)
@@ -251,7 +278,11 @@ class EpisodeRunner:
 
     def step(self) -> list[tuple[int, int, Rollouts]]:
         """Submit the turns asked for, one engine step, time-outs; the groups all of whose
-        episodes ended: ``(index, attempt, rollouts)``, the surviving trajectories."""
+        episodes ended: ``(index, attempt, rollouts)``, the surviving trajectories.
+
+        Raises:
+            FailureFractionError: the failure budget is used up (module doc).
+        """
         self._submit_turns(0 if self.engine.has_work() else _IDLE_WAIT_S)
         if self.engine.has_work():
             for result in self.engine.step():
@@ -273,13 +304,21 @@ class EpisodeRunner:
         return done
 
     def _finish(self, runs: list[_Run]) -> list[Trajectory]:
+        """The group's trajectories: its failed episodes and those with no policy token left
+        out (module doc), each recorded on the failure budget."""
         failed = sum(bool(r.failed) for r in runs)
         self.counts["episodes"] += len(runs)
         self.counts["episodes_failed"] += failed
         out = []
         for run in runs:
+            empty = not run.failed and not any(run.episode.loss_mask)
+            line = run.error or run.failed or (NO_POLICY_TOKEN if empty else "")
+            self.monitor.record(Outcome(kind=line, detail=line), f"{run.index}:{run.sample}")
             if run.failed:
-                self.failures.count(run.error or run.failed)
+                self.failures.count(line)
+                continue
+            if empty:
+                self.counts["empty_episodes"] += 1
                 continue
             self.counts["tool_call_errors"] += run.tool_errors
             ep = run.episode
@@ -354,28 +393,10 @@ class RolloutExecutor(EpisodeRunner):
     def __init__(self, node, ctx) -> None:
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
-                         episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME)
+                         episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME, node.name)
 
     def close(self) -> None:
         """Stop the agent endpoint (if one started), then close the engine."""
         super().close()
         self.engine.close()
-
-
-def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context: int,
-                  failure_log: Path | None = None) -> list[Trajectory]:
-    """Play one episode per row to the end (held-out evaluation); trajectories in row order
-    (failed episodes left out; ``failure_log`` as :class:`EpisodeRunner`'s)."""
-    runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1}, SamplingParams(
-        temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,
-        failure_log)
-    finished: dict[int, list[Trajectory]] = {}
-    try:
-        for i, row in enumerate(rows):
-            runner.submit(i, 1, row)
-        while runner.has_work():
-            finished.update((index, trajs) for index, _, trajs in runner.step())
-    finally:
-        runner.close()
-    return [t for i in range(len(rows)) for t in finished[i]]
 
