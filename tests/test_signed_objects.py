@@ -75,8 +75,8 @@ def test_ranks_exchange_signed_objects_and_refuse_tampered_ones_before_unpicklin
     assert rank1["unpickled"] is False and not os.path.exists(marker)
 
 
-def test_a_process_without_the_secret_cannot_seal():
-    signed_objects._secret = None
+def test_a_process_without_the_secret_cannot_seal(monkeypatch):
+    monkeypatch.setattr(signed_objects, "_secret", None)
     with pytest.raises(RuntimeError, match="no secret in this process"):
         signed_objects.seal({}, "rank_commands")
     with pytest.raises(ValueError, match="channel secret must be bytes of length >= 16"):
