@@ -13,7 +13,7 @@ Protocol, every step:
 1. Rank 0 alone holds the channels: it takes step ``s``'s groups from the experience
    channel in admission order, runs the step's batch nodes before the train_step
    (advantages over the whole batch: group statistics need whole groups).
-2. Rank 0 broadcasts the batch (``broadcast_object_list``) with a flag saying whether the
+2. Rank 0 broadcasts the batch (signed: ``runtime.rank_commands``) with a flag saying whether the
    weights are needed after the step; every rank keeps the rows of its DP coordinate
    (``B / dp`` contiguous rows; TP ranks of one DP coordinate keep the same rows).
 3. The loss normalisers of the *whole* step (valid tokens and sequences summed, longest
@@ -63,6 +63,7 @@ from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
 from runtime.parallel.launch import spawn_workers
+from runtime.parallel import signed_objects
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_context import ContextRunner
 from runtime.parallel.rl_pipeline import PipelineRunner
@@ -129,8 +130,7 @@ def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[
     ``grad_norm`` (global already) take the maximum; every other metric is a per-token mean
     over the rank's valid tokens, so it is weighted by the rank's ``n_tokens``.
     """
-    per_rank: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(per_rank, stats, group=group)
+    per_rank: list[dict[str, float]] = signed_objects.all_gather(stats, "dp_metrics", group=group)
     weights = [r["n_tokens"] for r in per_rank]
     merged = {}
     for key in stats:
@@ -216,23 +216,18 @@ class RankTrainer:
         state: dict[str, torch.Tensor] = {}
         coordinate = self.parallel.coordinate
         sends = coordinate["pp"] > 0 and coordinate["dp"] == coordinate["cp"] == coordinate["tp"] == 0
-        device = torch.device("cuda", torch.cuda.current_device()) if self.parallel.mesh.device_type == "cuda" else None
         for bucket in iter_weight_buckets(self.parallel.module, bucket_bytes):
             if self.rank == 0:
                 state.update(bucket.tensors)
             elif sends:
-                dist.send_object_list([{k: v.cpu() for k, v in bucket.tensors.items()}], dst=0, device=device)
+                signed_objects.send({k: v.cpu() for k, v in bucket.tensors.items()}, 0, "weight_buckets")
         if sends:
-            dist.send_object_list([None], dst=0, device=device)
+            signed_objects.send(None, 0, "weight_buckets")
         if self.rank == 0:
             for stage in range(1, self.strategy.pp):
                 source = int(self.parallel.mesh.mesh[stage, 0, 0, 0])
-                while True:
-                    received: list = [None]
-                    dist.recv_object_list(received, src=source, device=device)
-                    if received[0] is None:
-                        break
-                    state.update(received[0])
+                while (received := signed_objects.recv(source, "weight_buckets")) is not None:
+                    state.update(received)
         return state if self.rank == 0 else None
 
     def save_state(self, folder: str | Path) -> None:
@@ -317,13 +312,14 @@ def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: Pa
 
 
 def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
-              device_type: str = "cpu", backend: str = "gloo") -> object:
+              device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None) -> object:
     """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
     its result is returned, the others follow its broadcasts (:func:`_follow`).
 
     Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
     rank 0 waits for experience). ``device_type``/``backend``: the plan's (``cpu``/``gloo``
-    or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``).
+    or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``). ``secret``: the run's
+    channel secret, the key of every object the ranks exchange (``spawn_workers``).
 
     Raises:
         StrategyError: ``strategy`` breaks a model rule (checked before spawning).
@@ -331,5 +327,5 @@ def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: t
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
     results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args),
-                            backend=backend, timeout_s=timeout_s)
+                            backend=backend, timeout_s=timeout_s, secret=secret)
     return results[0]

@@ -64,7 +64,8 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
         try:
             return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
-                             spec.recv_timeout_s + 120.0, device_type=spec.plan.device_type, backend=spec.plan.backend)
+                             spec.recv_timeout_s + 120.0, device_type=spec.plan.device_type, backend=spec.plan.backend,
+                             secret=spec.secret)
         except RankKilled as exc:  # die as the rank did: the scheduler restarts the trainer from its checkpoint
             print(f"areal-flow: {spec.group}/{spec.rank}: {exc}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), exc.signal)

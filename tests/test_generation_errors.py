@@ -42,7 +42,7 @@ def test_a_refused_request_fails_its_sample_and_the_worker_goes_on(monkeypatch, 
     assert len(finished[(1, 1)]) == 0  # an empty group: the replica reports it dropped, its slot is resampled
     assert len(finished[(0, 1)]) == 2 and {t.group_id for t in finished[(0, 1)]} == {0}
     assert gen.counts == {"empty_responses": 0, "generation_errors": 2}
-    assert gen.monitor.kinds == {"generation error (ValueError)": 2}
+    assert gen.monitor.kinds == {"generation error (RequestRefused)": 2}
 
 
 def test_generation_errors_past_the_fraction_stop_the_run(monkeypatch, tmp_path):
@@ -50,6 +50,6 @@ def test_generation_errors_past_the_fraction_stop_the_run(monkeypatch, tmp_path)
     gen, context = _executor(monkeypatch, tmp_path, fraction=0.5, window=4)
     gen.submit(0, 1, _problem("1" * context))  # failures 2 of 2: 2 > 0.5 * 4 is false, goes on
     with pytest.raises(FailureFractionError, match=r"generate node 'generate': 3 of the last 3 samples failed .*"
-                                                   r"generation error \(ValueError\) x3; first: sample 0:0: "
-                                                   r"ValueError: request '0:0': prompt of"):
+                                                   r"generation error \(RequestRefused\) x3; first: sample 0:0: "
+                                                   r"runtime\.engines\.generation\.RequestRefused: request '0:0': prompt of"):
         gen.submit(1, 1, _problem("1" * context))  # the third failure: 3 > 2

@@ -163,3 +163,29 @@ def test_a_math_verify_failure_is_a_failed_sample_not_a_zero(monkeypatch):
     assert math_reward("so 7", "7") == 1.0  # plain numbers never reach math-verify
     outcome, = RewardPool(math_reward, workers=1).map([(r"\boxed{\sqrt{2}}", r"\sqrt{2}")])
     assert outcome.failed and outcome.kind == "MathVerifyError" and outcome.value is None
+
+
+@pytest.mark.parametrize("error", [RuntimeError("latex2sympy bug"), "timeout"])
+def test_a_math_verify_parse_failure_is_a_failed_sample_naming_reference_and_output(monkeypatch, error):
+    """Issue 26: math-verify raising or timing out while parsing the output's LaTeX used to be
+    "no answer" (0); the reward is unknown, so it is a failed sample counted by the pool."""
+    import areal_flow.rewards.math as m
+    from areal_flow.rewards.pool import RewardPool
+
+    def broken(*args, **kwargs):
+        if error == "timeout":
+            raise m._MathVerifyTimeout("took too long")
+        raise error
+
+    monkeypatch.setattr(m, "_mv_parse", broken)
+    output = "x" * 100 + r" so \boxed{\sqrt{2}}"  # \sqrt is LaTeX only math-verify reads
+    kind = "TimeoutException" if error == "timeout" else "RuntimeError"
+    # the message names the reference and the output's last 60 characters (not the first 100 x's)
+    tail = output[-60:]
+    assert tail.startswith("x") and len(tail) == 60
+    with pytest.raises(m.MathVerifyError) as info:
+        math_reward(output, "7")
+    assert str(info.value).startswith(f"reference '7', output ending {tail!r}: math_verify.parse raised {kind}")
+    assert math_reward("#### 7", "7") == 1.0  # plain numbers never reach math-verify
+    outcome, = RewardPool(math_reward, workers=1).map([(output, "7")])
+    assert outcome.failed and outcome.kind == "MathVerifyError" and outcome.value is None

@@ -55,6 +55,7 @@ _MAX_TEXT_CHARS = 100_000  # longer outputs are judged on their last 100k charac
 _MATH_VERIFY_MAX_CHARS = 2_000
 _ANSWER_SPAN_CHARS = 200  # an answer phrase's value is looked for this far, within its line
 _MAX_ANSWER_PHRASES = 8  # only the last 8 answer phrases are tried (bounds the work)
+_MESSAGE_CHARS = 60  # a MathVerifyError names this much of the reference and of the output's end
 
 
 def math_reward(output_text: Any, reference: str | int | float | Fraction) -> float:
@@ -62,8 +63,8 @@ def math_reward(output_text: Any, reference: str | int | float | Fraction) -> fl
 
     Args:
         output_text: the model's decoded response. Anything that is not a ``str`` (None,
-            bytes, numbers) and any text without an answer scores 0.0; this function never
-            raises because of the output.
+            bytes, numbers) and any text without an answer scores 0.0; the output never
+            makes this function raise, except through math-verify (MathVerifyError).
         reference: the reference answer, e.g. ``"72"``, ``"1,200"``, ``"-3"``, ``"0.5"``,
             ``"\\frac{1}{2}"``, or a number.
 
@@ -76,21 +77,26 @@ def math_reward(output_text: Any, reference: str | int | float | Fraction) -> fl
         ValueError: ``reference`` is neither a number (as ``parse_number`` reads it) nor
             LaTeX math (``\\frac``, ``\\sqrt``, ``^``, ``\\pi``) that math-verify parses;
             that is a data bug, not a model error.
-        MathVerifyError: math-verify raised or timed out comparing the parsed answer with the
-            reference (the reward is unknown: a failed sample, not a 0).
+        MathVerifyError: math-verify raised or timed out parsing the reference or the
+            output's LaTeX, or comparing the two (the reward is unknown: a failed sample,
+            not a 0). The message names the reference and the output's last characters.
     """
-    gold = _parse_reference(reference)
-    if not isinstance(output_text, str) or not output_text.strip():
-        return 0.0
     try:
-        predicted = extract_answer(output_text)
-    except (ValueError, ZeroDivisionError, RecursionError, _MathVerifyTimeout):
-        return 0.0
-    if predicted is None:
-        return 0.0
-    if isinstance(predicted, Fraction) and isinstance(gold, Fraction):
-        return 1.0 if predicted == gold else 0.0
-    return 1.0 if _verify(_to_sympy(gold), _to_sympy(predicted)) else 0.0
+        gold = _parse_reference(reference)
+        if not isinstance(output_text, str) or not output_text.strip():
+            return 0.0
+        try:
+            predicted = extract_answer(output_text)
+        except (ValueError, ZeroDivisionError, RecursionError):  # our own extraction on garbage text
+            return 0.0
+        if predicted is None:
+            return 0.0
+        if isinstance(predicted, Fraction) and isinstance(gold, Fraction):
+            return 1.0 if predicted == gold else 0.0
+        return 1.0 if _verify(_to_sympy(gold), _to_sympy(predicted)) else 0.0
+    except MathVerifyError as exc:
+        tail = output_text[-_MESSAGE_CHARS:] if isinstance(output_text, str) else type(output_text).__name__
+        raise MathVerifyError(f"reference {str(reference)[:_MESSAGE_CHARS]!r}, output ending {tail!r}: {exc}") from exc
 
 
 def extract_answer(text: str) -> Fraction | sympy.Basic | None:
@@ -221,13 +227,15 @@ def _mv_parse_safe(latex: str) -> Fraction | sympy.Basic | None:
 
     Inputs over ``_MATH_VERIFY_MAX_CHARS`` are not parsed: off the main thread math-verify
     runs without a timeout, and sympy on a huge expression could stall a reward worker.
+    LaTeX math-verify cannot read is no answer (it returns nothing); math-verify raising or
+    timing out is not "no answer" but an unknown reward: raises MathVerifyError.
     """
     if len(latex) > _MATH_VERIFY_MAX_CHARS:
         return None
     try:
-        parsed = _mv_parse(latex, parsing_timeout=_timeout_s())
-    except (Exception, _MathVerifyTimeout):  # noqa: BLE001 - garbage in, no answer out
-        return None
+        parsed = _mv_parse(latex, parsing_timeout=_timeout_s(), raise_on_error=True)
+    except (Exception, _MathVerifyTimeout) as exc:  # noqa: BLE001 - every failure is reported, none scored
+        raise MathVerifyError(f"math_verify.parse raised {type(exc).__name__}: {str(exc)[:200]}") from exc
     for item in parsed:
         if isinstance(item, sympy.Rational):
             return Fraction(int(item.p), int(item.q))
@@ -243,7 +251,7 @@ def _to_sympy(value: Fraction | sympy.Basic) -> sympy.Basic:
 
 
 class MathVerifyError(RuntimeError):
-    """math-verify failed (raised or timed out) comparing two values it had parsed: the
+    """math-verify failed (raised or timed out) parsing LaTeX or comparing two values: the
     sample's reward is unknown, not 0; the reward pool counts it as a failed sample
     (``reward.max_failure_fraction``) instead of training on a wrong 0."""
 
@@ -253,7 +261,8 @@ def _verify(gold: sympy.Basic, predicted: sympy.Basic) -> bool:
     try:
         return bool(_mv_verify(gold, predicted, timeout_seconds=_timeout_s(), raise_on_error=True))
     except (Exception, _MathVerifyTimeout) as exc:  # noqa: BLE001 - every failure is reported, none scored
-        raise MathVerifyError(f"math_verify.verify({gold}, {predicted}) failed: {type(exc).__name__}: {exc}") from exc
+        # the values are not printed: str() of a pathological sympy value can itself hang
+        raise MathVerifyError(f"math_verify.verify raised {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def _timeout_s() -> int | None:

@@ -29,6 +29,12 @@ from runtime.engines.sampling import sample
 from runtime.weight_set import TensorSetError, check_tensor_set, tensor_set
 
 
+class RequestRefused(ValueError):
+    """An engine's ``submit`` refuses one request (named): empty prompt, prompt as long as
+    the context, invalid sampling settings. The engine is unharmed; the caller fails that
+    sample only (``runtime.executors.bugs``)."""
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings.
@@ -188,18 +194,19 @@ class GenerationEngine:
         """Queue a request; it is admitted by a later ``step`` when a batch slot is free.
 
         Raises:
-            ValueError: duplicate in-flight ``request_id``, empty prompt, prompt as long as
-                the model's context, or invalid sampling params (names the request).
+            RequestRefused: empty prompt, prompt as long as the model's context, or invalid
+                sampling params (names the request): that request only.
+            ValueError: ``request_id`` already in flight (the caller's bug).
         """
         p, rid = request.params, request.request_id
         if not request.prompt_ids:
-            raise ValueError(f"request {rid!r}: empty prompt_ids")
+            raise RequestRefused(f"request {rid!r}: empty prompt_ids")
         if len(request.prompt_ids) >= self._dec.max_len:
-            raise ValueError(f"request {rid!r}: prompt of {len(request.prompt_ids)} tokens "
-                             f"leaves no room in the context of {self._dec.max_len}")
+            raise RequestRefused(f"request {rid!r}: prompt of {len(request.prompt_ids)} tokens "
+                                 f"leaves no room in the context of {self._dec.max_len}")
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.max_new_tokens < 1:
-            raise ValueError(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, "
-                             f"max_new_tokens >= 1; got {p}")
+            raise RequestRefused(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, "
+                                 f"max_new_tokens >= 1; got {p}")
         with self._lock:
             if rid in self._ids:
                 raise ValueError(f"request id {rid!r} is already in flight")

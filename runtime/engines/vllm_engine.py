@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from areal_flow.dtypes import torch_dtype
-from runtime.engines.generation import (GenerationRequest, GenerationResult, generation_config_eos,
+from runtime.engines.generation import (GenerationRequest, GenerationResult, RequestRefused, generation_config_eos,
                                         run_to_completion, stop_token_ids)
 
 _FINISH = {"stop": "stop", "length": "length"}
@@ -119,18 +119,19 @@ class VLLMEngine:
         """Queue a request (vLLM admits it when a batch slot and KV blocks are free).
 
         Raises:
-            ValueError: duplicate in-flight ``request_id``, empty prompt, prompt as long as
-                the context, or invalid sampling params (names the request).
+            RequestRefused: empty prompt, prompt as long as the context, or invalid
+                sampling params (names the request): that request only.
+            ValueError: ``request_id`` already in flight (the caller's bug).
         """
         p, rid = request.params, request.request_id
         if not request.prompt_ids:
-            raise ValueError(f"request {rid!r}: empty prompt_ids")
+            raise RequestRefused(f"request {rid!r}: empty prompt_ids")
         if len(request.prompt_ids) >= self.max_len:
-            raise ValueError(f"request {rid!r}: prompt of {len(request.prompt_ids)} tokens "
-                             f"leaves no room in the context of {self.max_len}")
+            raise RequestRefused(f"request {rid!r}: prompt of {len(request.prompt_ids)} tokens "
+                                 f"leaves no room in the context of {self.max_len}")
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.max_new_tokens < 1:
-            raise ValueError(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, "
-                             f"max_new_tokens >= 1; got {p}")
+            raise RequestRefused(f"request {rid!r}: need temperature >= 0, 0 < top_p <= 1, "
+                                 f"max_new_tokens >= 1; got {p}")
         with self._lock:
             if any(s.request.request_id == rid for s in self._seqs.values()):
                 raise ValueError(f"request id {rid!r} is already in flight")

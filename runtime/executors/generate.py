@@ -31,13 +31,17 @@ Occupancy: :meth:`GenerateExecutor.occupancy` gives the rows the last engine ste
 and the engine's slots; the replica writes both into each engine-step span of the trace
 (``args.rows``, ``args.slots``).
 
-A request the engine refuses (``submit`` raises for that one request: a prompt as long as
-the context, a tokenizer fault) fails that sample only, like a failed reward: the sample is
+A request the engine refuses (``submit`` raises ``RequestRefused`` for that one request: a
+prompt as long as the context, invalid sampling settings) fails that sample only, like a
+failed reward: the sample is
 left out of its group (a group left empty is resampled), counted (``generation_errors``),
 logged once per exception type with its traceback, and the worker lives on. Empty responses
 and generation errors share one monitor: the run stops with one line when more than
 ``reward.max_failure_fraction`` (node attribute ``max_failure_fraction``) of the last
-``reward.failure_window`` responses failed.
+``reward.failure_window`` responses failed. Any other exception of the engine is not a
+refused request but a fault of the engine or of this code, and the replica stops: a
+programming error (``runtime.executors.bugs``) with one line naming the node, anything else
+(out of memory, a CUDA fault) with its traceback.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from areal_flow.ops.generate import encode_prompt
 from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
 from areal_flow.values import Prompt, Rollouts
-from runtime.engines.generation import GenerationRequest, GenerationResult, SamplingParams
+from runtime.engines.generation import GenerationRequest, GenerationResult, RequestRefused, SamplingParams
+from runtime.executors.bugs import PROGRAMMING_ERRORS, programming_error
 
 
 EMPTY = "empty response"
@@ -114,7 +119,9 @@ class GenerateExecutor:
         """Hand ``request`` to the engine; a refusal fails that sample only (module doc)."""
         try:
             self.engine.submit(request)
-        except Exception as exc:
+        except PROGRAMMING_ERRORS as exc:  # a bug is no failed sample (runtime.executors.bugs)
+            raise programming_error(f"generate node '{self.node.name}'", exc) from exc
+        except RequestRefused as exc:  # any other engine fault propagates: the replica stops
             key = (request.meta["group"], request.meta["attempt"])
             self.counts["generation_errors"] += 1
             self._groups[key]["failed"] += 1

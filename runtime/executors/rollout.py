@@ -17,7 +17,8 @@ first agent episode, stopped by :meth:`EpisodeRunner.close`): each chat completi
 one policy turn, the agent's own time between calls is the env phase, and its return
 value (when not ``None``) is added to the last turn's reward.
 
-An episode whose env (or agent) raises, or whose ``reset``/``step`` (the agent's time
+An episode whose env (or agent) raises (a programming error aside: ``TypeError``,
+``AttributeError``, ... stop the run, ``runtime.executors.bugs``), or whose ``reset``/``step`` (the agent's time
 between policy turns) takes more than ``step_timeout_s``, ends as failed: it is left
 out of its group (its group's statistics are over the others; a group with no surviving
 episode is dropped and its slot resampled) and counted per distinct error
@@ -28,7 +29,8 @@ attributes ``max_failure_fraction`` / ``failure_window`` lowered from ``reward.*
 than that fraction of the last window's episodes failed, the run stops with one line naming
 the node, the env (agent) and the count, instead of resampling forever. A hung
 env (agent) thread cannot be killed; it is abandoned (a daemon thread) and its late
-result ignored.
+result ignored. A policy turn the engine refuses (``RequestRefused``) fails its episode the
+same way.
 
 An episode with no policy token (its first observation fills ``max_context``) would shift
 its group's baseline with nothing to train: as an empty ``ops.generate`` response, it is left
@@ -51,7 +53,8 @@ from areal_flow.envs.tools import ToolCallError, parse_tool_call
 from areal_flow.rewards.pool import FailureMonitor, Outcome
 from areal_flow.types import Trajectory
 from areal_flow.values import Prompt, Rollouts
-from runtime.engines.generation import GenerationRequest, SamplingParams
+from runtime.engines.generation import GenerationRequest, RequestRefused, SamplingParams
+from runtime.executors.bugs import PROGRAMMING_ERRORS, ProgrammingError, programming_error
 from runtime.executors.episode_failures import LOG_NAME, EpisodeFailures
 from runtime.executors.generate import build_engine, sampling_params
 
@@ -122,6 +125,8 @@ class EpisodeRunner:
         self.monitor = FailureMonitor(f"rollout node '{name}' ({who})", attrs.get("max_failure_fraction", 0.5),
                                       attrs.get("failure_window", 200))
         self._endpoint = None  # the agent endpoint, started with the first agent episode
+        self.where = who  # names the runner in a ProgrammingError (RolloutExecutor: the node too)
+        self._bug: ProgrammingError | None = None  # set by an episode thread, raised by step()
         self._endpoint_lock = threading.Lock()
 
     # -- the episode side (one thread per episode) ------------------------------------
@@ -180,7 +185,9 @@ class EpisodeRunner:
                 run.episode.observe(_checked(env, obs))
         except _Abandoned:
             return
-        except Exception as exc:  # an env (or tokenizer) failure ends this episode only
+        except PROGRAMMING_ERRORS as exc:  # a bug in the env or ours: the run stops (runtime.executors.bugs)
+            self._stop(run, exc)
+        except Exception as exc:  # the env failed on this episode's data, I/O or time: this episode only
             run.error = self.failures.error(exc)  # before failed: the engine's thread may end the group at once
             run.failed = f"{type(exc).__name__}: {exc}"
         finally:
@@ -213,6 +220,8 @@ class EpisodeRunner:
                 run.episode.reward(float(value))
         except _Abandoned:
             return
+        except PROGRAMMING_ERRORS as exc:  # a bug in the agent or ours: the run stops (runtime.executors.bugs)
+            self._stop(run, exc)
         except Exception as exc:  # the agent failed (or timed out and then failed): this episode only
             if not run.failed:
                 run.error = self.failures.error(exc)  # before failed, as in _play
@@ -221,6 +230,12 @@ class EpisodeRunner:
             if endpoint is not None and key:
                 endpoint.end(key)
             run.done = True
+
+    def _stop(self, run: _Run, exc: BaseException) -> None:
+        """Episode thread: a programming error ends ``run`` and makes the next :meth:`step` raise it."""
+        if self._bug is None:
+            self._bug = programming_error(self.where, exc)
+        run.failed = run.failed or f"{type(exc).__name__}: {exc}"
 
     def _agent_endpoint(self):
         with self._endpoint_lock:
@@ -270,7 +285,15 @@ class EpisodeRunner:
             params = SamplingParams(temperature=self.params.temperature, top_p=self.params.top_p,
                                     max_new_tokens=max(1, budget))
             self._waiting[rid] = (run, box, ready)
-            self.engine.submit(GenerationRequest(rid, list(ids), params))
+            try:
+                self.engine.submit(GenerationRequest(rid, list(ids), params))
+            except PROGRAMMING_ERRORS as exc:  # runtime.executors.bugs
+                raise programming_error(self.where, exc) from exc
+            except RequestRefused as exc:  # this episode fails; any other engine fault stops the replica
+                del self._waiting[rid]
+                run.error = self.failures.error(exc)
+                run.failed = f"{type(exc).__name__}: {exc}"
+                ready.set()
             try:
                 item = self._requests.get_nowait()
             except queue.Empty:
@@ -282,6 +305,8 @@ class EpisodeRunner:
 
         Raises:
             FailureFractionError: the failure budget is used up (module doc).
+            ProgrammingError: an episode's env or agent, or the engine, raised a programming
+                error (``runtime.executors.bugs``): the run stops.
         """
         self._submit_turns(0 if self.engine.has_work() else _IDLE_WAIT_S)
         if self.engine.has_work():
@@ -301,6 +326,8 @@ class EpisodeRunner:
             if all(run.done or run.failed for run in runs):
                 del self._groups[key]
                 done.append((*key, Rollouts(self._finish(runs))))
+        if self._bug is not None:
+            raise self._bug
         return done
 
     def _finish(self, runs: list[_Run]) -> list[Trajectory]:
@@ -394,6 +421,7 @@ class RolloutExecutor(EpisodeRunner):
         self.node = node
         super().__init__(build_engine(node, ctx), ctx.tokenizer, node.attrs, sampling_params(node),
                          episode_context(node.attrs, ctx.folders[node.model]), Path(ctx.out_dir) / LOG_NAME, node.name)
+        self.where = f"rollout node '{node.name}' ({self.where})"
 
     def close(self) -> None:
         """Stop the agent endpoint (if one started), then close the engine."""

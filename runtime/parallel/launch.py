@@ -26,6 +26,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from compiler.strategy import ParallelStrategy
+from runtime.channel_auth import check_secret, new_secret
+from runtime.parallel.signed_objects import set_secret
 from runtime.parallel.validate import validate_strategy_for_model
 
 WorkerFn = Callable[..., Any]
@@ -57,8 +59,10 @@ def default_backend() -> str:
 
 
 def _worker_entry(
-    rank: int, fn: WorkerFn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple, out_dir: str
+    rank: int, fn: WorkerFn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple, out_dir: str,
+    secret: bytes,
 ) -> None:
+    set_secret(secret)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -78,7 +82,8 @@ def _worker_entry(
 
 
 def spawn_workers(
-    fn: WorkerFn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float = 120.0
+    fn: WorkerFn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float = 120.0,
+    secret: bytes | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
@@ -94,23 +99,27 @@ def spawn_workers(
         args: extra positional arguments, pickled to each process.
         backend: ``"gloo"`` or ``"nccl"``; default :func:`default_backend`.
         timeout_s: collective timeout in seconds (a stuck rank fails instead of hanging).
+        secret: the key of the ranks' signed objects (``runtime.parallel.signed_objects``;
+            the run's channel secret); None: a fresh one (``runtime.channel_auth.new_secret``).
+            It reaches the ranks through their start (a process pipe), never the store.
 
     Returns:
         ``fn``'s return values ordered by rank.
 
     Raises:
-        ValueError: ``world_size < 1``.
+        ValueError: ``world_size < 1``, or ``secret`` shorter than 16 bytes.
         WorkerError: a worker raised; the message holds its rank and traceback.
         RankKilled: a worker was ended by a signal (none raised).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one worker")
     backend = backend or default_backend()
+    secret = new_secret() if secret is None else check_secret(secret, "spawn_workers")
     with tempfile.TemporaryDirectory(prefix="areal_flow_workers_") as out_dir:
         try:
             mp.start_processes(
                 _worker_entry,
-                args=(fn, world_size, free_loopback_port(), backend, timeout_s, args, out_dir),
+                args=(fn, world_size, free_loopback_port(), backend, timeout_s, args, out_dir, secret),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",

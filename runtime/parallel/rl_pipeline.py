@@ -39,6 +39,7 @@ from areal_flow.algorithms.micro_batches import MicroBatch
 from areal_flow.algorithms.model_runner import MicroBatchLoss, token_outputs
 from areal_flow.models.logprobs import logprobs_from_logits
 from runtime.parallel.apply import ParallelModel
+from runtime.parallel import signed_objects
 from runtime.parallel.pipeline import sync_tied_embedding_grads, tied_embedding
 from runtime.parallel.rl_runner import ShardedRunner, right_padded
 
@@ -157,7 +158,5 @@ class PipelineRunner(ShardedRunner):
 
     def broadcast_from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
         """The last stage's ``stats`` on every stage of this pipeline (a collective of the pp group)."""
-        pp_mesh = self.parallel.mesh["pp"]
-        holder = [stats]
-        dist.broadcast_object_list(holder, group_src=pp_mesh.size() - 1, group=self.pp_group)
-        return holder[0]
+        last = dist.get_global_rank(self.pp_group, self.parallel.mesh["pp"].size() - 1)
+        return signed_objects.broadcast(stats, src=last, channel="pp_stats", group=self.pp_group)
