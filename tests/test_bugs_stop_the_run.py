@@ -4,7 +4,6 @@ failure still fails one sample only."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +12,7 @@ from areal_flow.envs import BaseEnv
 from runtime.engines.generation import RequestRefused, SamplingParams
 from runtime.executors.bugs import ProgrammingError, is_programming_error
 from runtime.executors.rollout import EpisodeRunner
-from test_rollout import ATTRS, TOK, FakeEngine
+from test_rollout import ATTRS, TOK, FakeEngine, _drain
 
 
 def test_the_split_between_bugs_and_failed_samples():
@@ -72,14 +71,6 @@ class _Env(BaseEnv):
         if self.config.get("mode") == "fail":
             raise KeyError("row has no field 'x'")  # the env's data: this episode only
         return "", 1.0, True, {}
-
-
-def _drain(runner: EpisodeRunner) -> dict:
-    done, started = {}, time.monotonic()
-    while runner.has_work():
-        assert time.monotonic() - started < 10, "episodes did not finish"
-        done.update((index, trajs) for index, _, trajs in runner.step())
-    return done
 
 
 def _runner(engine=None) -> EpisodeRunner:

@@ -278,9 +278,11 @@ def test_a_run_whose_env_always_fails_stops_with_one_line(tmp_path, warm_cache):
     assert "RuntimeError: broken env" in line
 
 
-def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
-    """The node's wiring: collated turn rewards and turn ids reach ``multi_turn``; by hand as in
-    ``test_turn_returns_by_hand_with_observations_between_turns`` (G = 0.62, 0.8, 1.0)."""
+def multi_turn_advantages(name: str, attrs: dict, gamma: float):
+    """The advantage executor's output for one 3-turn episode (turn rewards -0.1, -0.1, 1.0,
+    observations "ab" and "c" between turns) with node attributes ``attrs``; the rollout's
+    ``gamma`` is recorded on the trajectory. Returns (advantages on policy tokens, their sum
+    of absolute values on the other tokens)."""
     from types import SimpleNamespace
 
     from runtime.executors.advantage import AdvantageExecutor
@@ -292,15 +294,21 @@ def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
         ep.reward(r)
         if obs:
             ep.observe(obs)
-    node = SimpleNamespace(name="advantage", model=None, attrs={"estimator": "multi_turn", "gamma": 0.9},
-                           where=lambda: "advantage")
+    node = SimpleNamespace(name=name, model=None, attrs=dict(attrs), where=lambda: "advantage")
     ctx = SimpleNamespace(plan=SimpleNamespace(nodes=[]), pad_id=0,
                           generator=lambda: SimpleNamespace(attrs={"temperature": 1.0}))
-    out = AdvantageExecutor(node, ctx).run({"rollouts": [[ep.to_trajectory("0:0", 0, 0.9, {})]]}, {})
+    out = AdvantageExecutor(node, ctx).run({"rollouts": [[ep.to_trajectory("0:0", 0, gamma, {})]]}, {})
     batch = out["advantages"].batch
-    adv = batch["advantages"][0][batch["loss_mask"][0].bool()].tolist()
+    mask = batch["loss_mask"][0].bool()
+    return batch["advantages"][0][mask].tolist(), batch["advantages"][0][~mask].abs().sum()
+
+
+def test_the_advantage_node_credits_turns_with_the_multi_turn_estimator():
+    """The node's wiring: collated turn rewards and turn ids reach ``multi_turn``; by hand as in
+    ``test_turn_returns_by_hand_with_observations_between_turns`` (G = 0.62, 0.8, 1.0)."""
+    adv, on_observations = multi_turn_advantages("advantage", {"estimator": "multi_turn", "gamma": 0.9}, 0.9)
     assert adv == pytest.approx([0.62, 0.62, 0.8, 0.8, 1.0, 1.0])
-    assert batch["advantages"][0][~batch["loss_mask"][0].bool()].abs().sum() == 0  # observation tokens: none
+    assert on_observations == 0  # observation tokens: none
 
 
 class AppendEnv(BaseEnv):

@@ -3,16 +3,13 @@ the advantage node (``compiler.program.lower_attrs``), read by its executor; by 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from areal_flow import Model, flow, ops
 from areal_flow.config import ExperimentConfig
-from areal_flow.envs.episode import Episode
 from compiler.program import lower_attrs
-from runtime.executors.advantage import AdvantageExecutor
-from test_rollout import TOK, cid
+from test_rollout import multi_turn_advantages
 
 
 def _multi_turn_graph(**advantage_kwargs):
@@ -36,19 +33,8 @@ def test_the_rollouts_gamma_reaches_the_multi_turn_estimator_by_hand():
     lower_attrs(graph, ExperimentConfig())
     (node,) = graph.nodes_of("advantage")
     assert node.attrs["gamma"] == 0.5
-    ep = Episode(TOK, chat=False)
-    ep.observe("go")
-    for k, (r, obs) in enumerate(((-0.1, "ab"), (-0.1, "c"), (1.0, None))):
-        ep.act([cid(str(k)), TOK.eos_token_id], [-0.5, -0.5], [0, 0], str(k), "stop")
-        ep.reward(r)
-        if obs:
-            ep.observe(obs)
-    plan_node = SimpleNamespace(name=node.name, model=None, attrs=dict(node.attrs), where=lambda: "advantage")
-    ctx = SimpleNamespace(plan=SimpleNamespace(nodes=[]), pad_id=0,
-                          generator=lambda: SimpleNamespace(attrs={"temperature": 1.0}))
-    out = AdvantageExecutor(plan_node, ctx).run({"rollouts": [[ep.to_trajectory("0:0", 0, 0.5, {})]]}, {})
-    batch = out["advantages"].batch
-    assert batch["advantages"][0][batch["loss_mask"][0].bool()].tolist() == pytest.approx([0.1, 0.1, 0.4, 0.4, 1, 1])
+    adv, _ = multi_turn_advantages(node.name, node.attrs, 0.5)
+    assert adv == pytest.approx([0.1, 0.1, 0.4, 0.4, 1, 1])
 
 
 def test_a_gamma_given_to_the_advantage_node_or_token_mode_keeps_its_own():
