@@ -11,8 +11,10 @@ Grammar (whitespace between tokens is ignored)::
 Groups joined by ``+`` get disjoint device meshes, placed in the order written, each on
 the first free aligned block (see ``compiler.mesh``). Items joined by ``|`` time-share one
 mesh, so their world sizes ``d*t*p*c`` must be equal. Every node that needs devices
-appears exactly once, except forward-only (inference) nodes, which default to the policy
-trainer's mesh; CPU-light nodes are placed with their consumer automatically.
+appears exactly once, except forward-only (inference) nodes, which default to the mesh of
+their model's trainer, else the policy trainer's; CPU-light nodes are placed with their
+consumer automatically. Any node may have a mesh of its own (``gen:d1 + train:d1 +
+critic_step:d1``) within the runtime's shape, ``compiler.hosting``, which is checked here.
 ``gen`` is the generate node and ``train`` the policy's train_step.
 
 Examples: ``gen:d4t2 + train:d2t2p2`` (8 GPUs for generation, 8 for training);
@@ -27,9 +29,10 @@ import re
 from dataclasses import dataclass
 
 from compiler.cost import CostModel
+from compiler.hosting import hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, fitting_clusters, pack
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.workload import INFERENCE, DeviceTask
+from compiler.workload import INFERENCE, TRAINING, DeviceTask
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _STRATEGY = re.compile(r"[A-Za-z0-9]+")
@@ -112,18 +115,33 @@ def _strategy(text: str, pos: int) -> ParallelStrategy:
 
 
 def _place_inference(groups: list, seen: dict, workload) -> None:
-    """Forward-only (``inference``) nodes the string leaves out time-share the mesh of the
-    policy's train_step (``|``), data-parallel over it: a reference or reward model sits
-    with the trainer, as in verl. Naming them in the string places them elsewhere."""
-    train = workload.aliases.get("train")
-    home = next((g for g in groups if any(task.node == train for task, _ in g)), None)
-    if home is None:
-        return
-    size = home[0][1].world_size
+    """Forward-only (``inference``) nodes the string leaves out time-share a mesh (``|``),
+    data-parallel over it: the mesh of the node that trains their model when the string
+    places one (a critic's advantage with ``critic_step``: current values, ReaLHF-style),
+    else the policy train_step's (a reference or reward model sits with the trainer, as in
+    verl). Naming them in the string places them elsewhere."""
+    trains = {t.model_name: t.node for t in workload.tasks if t.role == TRAINING}
+
+    def home_of(node: str):
+        return next((g for g in groups if any(task.node == node for task, _ in g)), None)
+
     for task in workload.tasks:
         if task.role == INFERENCE and task.node not in seen:
-            home.append((task, ParallelStrategy(dp=size)))
+            home = home_of(trains.get(task.model_name)) or home_of(workload.aliases.get("train"))
+            if home is None:
+                continue
+            home.append((task, ParallelStrategy(dp=home[0][1].world_size)))
             seen[task.node] = None
+
+
+def _check_hosting(text: str, groups: list, seen: dict, workload) -> None:
+    """Raise AllocationError when the runtime cannot run this placement (``compiler.hosting``)."""
+    label = {task.node: i for i, group in enumerate(groups) for task, _ in group}
+    problem = hosting_problem(workload_hosting(workload, label))
+    if problem is not None:
+        node, reason = problem
+        item = seen.get(node)
+        raise AllocationError(text, item.name_pos if item is not None else 0, f"node '{node}': {reason}")
 
 
 def resolve(
@@ -136,8 +154,9 @@ def resolve(
 
     Raises:
         AllocationError: unknown or repeated node, a missing device node, unequal world
-            sizes in one group, a strategy invalid for the node's model, or meshes that do
-            not fit the cluster.
+            sizes in one group, a strategy invalid for the node's model, a placement the
+            runtime cannot run (``compiler.hosting``: the node and the rule), or meshes that
+            do not fit the cluster.
     """
     workload = model.workload
     groups, seen = [], {}
@@ -168,6 +187,7 @@ def resolve(
     missing = [t.node for t in workload.tasks if t.node not in seen]
     if missing:
         raise AllocationError(text, len(text), f"device node(s) not placed: {', '.join(missing)}")
+    _check_hosting(text, groups, seen, workload)
     sizes = [group[0][1].world_size for group in groups]
     try:
         meshes = pack(sizes, model.cluster.n_nodes, model.per_node)

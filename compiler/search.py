@@ -17,7 +17,8 @@ Layouts that cannot enter the top-k are skipped by exact bounds and a dominance 
 (:func:`search`), and costs are memoized by (node, mesh size): a 4,096-device cluster
 takes under the 2 s budget in async and sync mode (``bench/compile_search.py``). Candidates are
 ranked by :func:`rank_key` (step time, then the serial time, then the allocation string),
-so the result is deterministic. On devices that host one engine each (``cpu``) colocated
+so the result is deterministic. A layout the runtime cannot run (``compiler.hosting``) is
+never a candidate. On devices that host one engine each (``cpu``) colocated
 layouts are tried only when no disaggregated one fits.
 """
 
@@ -29,6 +30,7 @@ import itertools
 
 from compiler.cost import CostModel, NodeCost
 from compiler.errors import InfeasiblePlanError, shortfall
+from compiler.hosting import hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
 from compiler.step import Candidate, allocation_string, evaluate, same_machine, step_time
 from compiler.strategy import ParallelStrategy
@@ -226,7 +228,15 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     steps: list[float] = []  # step times found, ascending: the top_k-th is the threshold
     tried: set = set()
 
+    refused: dict[tuple, bool] = {}  # by grouping: a layout's runtime shape does not depend on sizes
+
     def add(kind: str, groups_tasks, meshes) -> None:
+        key = tuple(tuple(t.node for t in tasks) for tasks in groups_tasks)
+        if key not in refused:
+            label = {t.node: i for i, tasks in enumerate(groups_tasks) for t in tasks}
+            refused[key] = hosting_problem(workload_hosting(model.workload, label)) is not None
+        if refused[key]:
+            return
         result = s.layout(groups_tasks, meshes)
         if result is not None:
             found[kind].append((result[:2], result[2], meshes))

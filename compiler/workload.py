@@ -68,6 +68,7 @@ class Workload:
         aliases: ``gen`` -> the generate node, ``train`` -> the policy's train_step.
         data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
         ops: node -> op, for every graph node.
+        checkpointing: the trainers that write checkpoints (``checkpoint_every > 0``).
     """
 
     graph_name: str
@@ -80,6 +81,7 @@ class Workload:
     aliases: dict[str, str]
     data_edges: tuple[tuple[str, str, str, int | None], ...]
     ops: dict[str, str]
+    checkpointing: tuple[str, ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -171,6 +173,7 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
         aliases=aliases,
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
+        checkpointing=tuple(n.name for n in trainers(graph) if (n.attrs or {}).get("checkpoint_every")),
     )
 
 

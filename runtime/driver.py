@@ -6,8 +6,8 @@ Owns :class:`Driver`, which runs a plan's workers through a :class:`Scheduler` (
 
 * the attempt loop (``runtime.restarts.run_attempts``): each attempt gets addresses from the
   scheduler, builds the workers' specs and the router (``runtime.run_setup``), starts every
-  worker, and runs until *the trainer* (:attr:`runtime.topology.Topology.trainer`, one rule)
-  reports; then the router tells the replicas to stop and their reports are collected;
+  worker, and runs until every step group (:func:`run_ends`: the trainer's, a critic's on a
+  mesh of its own, ...) reports; then the router tells the replicas to stop and their reports are collected;
 * what a worker's end means: a report is kept; an error stops the run
   (:class:`~runtime.restarts.WorkerFailed` with its traceback); a dead generation replica is
   started again at the router's version for it, waiting for the trainer's republished weights
@@ -31,7 +31,7 @@ from areal_flow.ops.registry import GENERATION
 from runtime.metrics import RunLogger
 from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
 from runtime.run_setup import RunSetup
-from runtime.topology import WorkerGroup
+from runtime.topology import Topology, WorkerGroup
 from runtime.workers import WorkerSpec
 
 POLL_S = 0.2
@@ -94,6 +94,19 @@ class Scheduler(Protocol):
         """Free what the run holds; the scheduler's entries for the summary (may be empty)."""
 
 
+def reports(topo: Topology, group: WorkerGroup) -> bool:
+    """True for the one worker group whose worker reports the step metrics, under every
+    scheduler: the trainer's (:attr:`Topology.trainer`; a critic's step group on a mesh of
+    its own passes its stats on with the step's batch instead)."""
+    return group.name == topo.trainer.name
+
+
+def run_ends(topo: Topology) -> set[str]:
+    """The workers (``<group>/0``) whose ends end the run, under every scheduler: one per
+    step group (:attr:`Topology.step_groups`), so no step group is stopped mid-step."""
+    return {f"{g.name}/0" for g in topo.step_groups}
+
+
 class Driver:
     """Runs ``setup``'s plan on ``scheduler`` (module doc); :meth:`execute` returns the summary."""
 
@@ -149,12 +162,12 @@ class Driver:
     def _supervise(self, specs: list[WorkerSpec], logger: RunLogger, stop_router) -> dict:
         topo = self.setup.topo
         by_name = {f"{s.group}/{s.rank}": s for s in specs}
-        trainer = f"{topo.trainer.name}/0"
+        trainer, ends = f"{topo.trainer.name}/0", run_ends(topo)
         for spec in specs:
             self.scheduler.start(spec, topo.groups[spec.group])
         logger.note(f"starting {len(specs)} worker processes (torch, models)")
         done: dict = {}
-        while trainer not in done:
+        while not ends <= set(done):
             ended = self.scheduler.wait(POLL_S)
             self._log(logger)
             for end in ended:

@@ -41,7 +41,7 @@ import traceback
 from dataclasses import replace
 
 from compiler.plan import Plan
-from runtime.driver import DIED, Driver, WorkerEnd
+from runtime.driver import DIED, Driver, WorkerEnd, reports
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
@@ -162,7 +162,8 @@ class LocalScheduler:
         if group.kind == "generation":
             args = (run_generation_replica, spec, self.results, lease)
         else:
-            args = (run_stage_worker, spec, self.results, self.reports.put if group.batch_nodes else None, lease)
+            args = (run_stage_worker, spec, self.results, self.reports.put if reports(self.setup.topo, group) else None,
+                    lease)
         self.procs[name] = self.ctx.Process(target=_child, args=(placement, *args), name=name)
         with _passive_omp():
             self.procs[name].start()

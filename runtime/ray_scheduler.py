@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
-from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd
+from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd, reports
 from runtime.restarts import WorkerFailed
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
@@ -203,7 +203,8 @@ class RayScheduler:
     def start(self, spec: WorkerSpec, group: WorkerGroup) -> None:
         name = f"{spec.group}/{spec.rank}"
         generation = group.kind == "generation"
-        self.pending[self.actors[name].run.remote(spec, generation, None if generation else self.sink)] = name
+        sink = self.sink if reports(self.setup.topo, group) else None  # one rule with the local scheduler
+        self.pending[self.actors[name].run.remote(spec, generation, sink)] = name
 
     def wait(self, timeout_s: float) -> list[WorkerEnd]:
         if not self.pending:

@@ -54,13 +54,14 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
     of them is ended by a signal, this process ends by the same signal (a dead trainer, which
     the local scheduler restarts from the last checkpoint, ``runtime.launch``)."""
     group = worker_group(spec)
-    if group.batch_nodes and group.strategy.world_size > 1:
+    ctx = worker_context(spec)
+    policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
+                  None)
+    if policy is not None and group.strategy.world_size > 1:
         from runtime.executors.train import TrainSettings
         from runtime.parallel.launch import RankKilled
         from runtime.parallel_trainer import run_ranks
 
-        ctx = worker_context(spec)
-        policy = next(n for n in group.nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name())
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
         try:
             return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
@@ -70,7 +71,7 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
             print(f"areal-flow: {spec.group}/{spec.rank}: {exc}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), exc.signal)
             raise
-    return _Stage(spec, worker_context(spec), group, report, lease).run()
+    return _Stage(spec, ctx, group, report, lease).run()
 
 
 def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
@@ -99,21 +100,38 @@ class _Stage:
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
         self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
-        self.channels = {u: channel_edge(ctx.plan, group.nodes, self.topo.groups[u].nodes) for u in group.upstream}
+        chain = [g.name for g in self.topo.step_groups]
+        at = chain.index(group.name) if group.name in chain else 0
+        self.previous = chain[at - 1] if at else None  # the step group this one takes whole batches from
+        self.is_trainer = self.topo.trainer.name == group.name  # it logs trajectories and reports the steps
+        later = {n for g in chain[at + 1:] for n in self.topo.groups[g].nodes}
+        self.passed_on = {f"{src}.{port}" for n in later for src, port in ctx.node(n).inputs.values()}
+        self.carried: dict[int, tuple[dict, dict]] = {}  # step -> (batch values, stats) from self.previous
+        self.channels = {u: channel_edge(ctx.plan, group.nodes, self.topo.groups[u].nodes) for u in group.upstream
+                         if u != self.previous}
         self.lanes = (self.topo.max_staleness + 1) * self.topo.batch_groups  # groups that can wait at once
         self.records = [EdgeRecorder.start(Path(spec.out_dir), src, dst, port, threads=spec.threads,
                                            seed=ctx.seed, folders=spec.folders)
                         for src, dst, port in check_edges(ctx.plan, ctx.plan.run.get("debug", {}).get("record", []),
                                                           group.batch_nodes)]
 
-    def _receive(self, timeout_s: float) -> GroupItem | None:
-        """The next fully joined, processed item (None on timeout or a dropped group)."""
+    def _receive(self, timeout_s: float) -> list[GroupItem]:
+        """The next fully joined, processed item, or the ``B`` items of a step's batch from
+        the previous step group (its values and stats kept in :attr:`carried`); none on a
+        timeout or a dropped group."""
         msg = self.inbox.recv(timeout_s=timeout_s)
         if msg is None:
-            return None
+            return []
         if isinstance(msg, tuple) and msg[0] == "resync":
             self._resync(msg[1])
-            return None
+            return []
+        if isinstance(msg, tuple) and msg[0] == "batch":
+            _, step, items, values, stats, sent_us = msg
+            edge = f"{self.previous}->{self.spec.group}"
+            self.trace.complete(edge, "batch", sent_us, now_us(), cat="edge", proc=f"edge {edge}", wait="channel",
+                                step=step)
+            self.carried[step] = (values, stats)
+            return items
         if msg.origin in self.channels:
             edge = self.channels[msg.origin]
             self.trace.complete(edge, f"lane {msg.index % self.lanes}", msg.sent_us, now_us(), cat="edge",
@@ -121,15 +139,15 @@ class _Stage:
         parts = self.joining.setdefault((msg.index, msg.attempt), [])
         parts.append(msg)
         if len(parts) < max(1, len(self.group.upstream)):
-            return None
+            return []
         item = GroupItem(msg.index, msg.attempt)
         for part in self.joining.pop((msg.index, msg.attempt)):
             item.values.update(part.values)
         if not run_group_nodes(item, self.group_nodes, self.executors, self.trace):
             self.counts["dropped"] += 1
             self.control.send(("resample", item.index, item.attempt))
-            return None
-        return item
+            return []
+        return [item]
 
     def _resync(self, address: str) -> None:
         """Publish the current policy version to a restarted replica's weight ``address``
@@ -145,8 +163,7 @@ class _Stage:
         try:
             if not self.batch_nodes:
                 while True:
-                    item = self._receive(timeout_s=self.spec.recv_timeout_s)
-                    if item is not None:
+                    for item in self._receive(timeout_s=self.spec.recv_timeout_s):
                         for out in self.outs:
                             out.send(item.stamp(self.spec.group))
             return self._train()
@@ -164,20 +181,19 @@ class _Stage:
         publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).trains), default=0)
-        (out / "trajectories").mkdir(parents=True, exist_ok=True)
         try:
-            with (out / "trajectories" / "trajectories.jsonl").open("a" if start else "w") as log:
+            with self._trajectory_log(out, start) as log:
                 for step in range(start, topo.steps):
                     waited, waited_us = time.perf_counter(), now_us()
-                    while not buffer.ready(step):
-                        item = self._receive(timeout_s=1.0)
-                        if item is None:
-                            if time.perf_counter() - waited > self.spec.recv_timeout_s:
-                                raise TimeoutError(f"trainer step {step}: no experience for "
-                                                   f"{self.spec.recv_timeout_s} s")
-                            continue
-                        self.control.send(("received", item.index, item.attempt))
-                        file_group(item, items, buffer, self.counts, self.ctx.plan)
+                    while not buffer.ready(step) or (self.previous is not None and step not in self.carried):
+                        got = self._receive(timeout_s=1.0)
+                        if not got and time.perf_counter() - waited > self.spec.recv_timeout_s:
+                            raise TimeoutError(f"{self.spec.group} step {step}: no experience for "
+                                               f"{self.spec.recv_timeout_s} s")
+                        for item in got:
+                            if self.previous is None:  # held here first: no replica needs to keep it
+                                self.control.send(("received", item.index, item.attempt))
+                            file_group(item, items, buffer, self.counts, self.ctx.plan)
                     wait_s = time.perf_counter() - waited
                     self.trace.complete(self._batch_edge(), "batch wait", waited_us, now_us(), cat="edge",
                                         wait="batch", step=step)
@@ -186,15 +202,21 @@ class _Stage:
                     batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
                     checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
                     with self.lease:  # a mesh time-shared with generation: one of them at a time
-                        stats, advantage = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
-                                                            checkpoint=checkpoint, publishers=publishers)
+                        stats, advantage, values = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
+                                                                    checkpoint=checkpoint, publishers=publishers)
                     train_s = time.perf_counter() - started
                     self.counts["groups"] += len(batch_items)
+                    for sender in self.outs:  # the next step group of the chain (runtime.topology)
+                        sender.send(("batch", step, batch_items, {k: v for k, v in values.items() if k in self.passed_on},
+                                     stats, now_us()))
+                    if checkpoint:
+                        self._write_checkpoint(step + 1, out / "checkpoints")
+                    if log is None:  # not the trainer: it neither logs nor reports the step
+                        self.trace.flush()
+                        continue
                     for t in advantage.trajectories:
                         log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
                     log.flush()
-                    if checkpoint:
-                        self._write_checkpoint(step + 1, out / "checkpoints")
                     metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, train_s, wait_s)
                     if checkpoint:
                         metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
@@ -213,8 +235,17 @@ class _Stage:
             for p in publishers.values():
                 p.close()
         return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
+                "max_staleness_seen": buffer.max_seen_staleness,
                 "world_size": self.group.strategy.world_size, "rejected_messages": self.inbox.rejected,
                 **failure_counts(self.executors)}
+
+    def _trajectory_log(self, out: Path, start: int):
+        """The trainer's ``trajectories/trajectories.jsonl`` (appended to from a resumed
+        ``start``); another step group writes none (a null context giving None)."""
+        if not self.is_trainer:
+            return contextlib.nullcontext()
+        (out / "trajectories").mkdir(parents=True, exist_ok=True)
+        return (out / "trajectories" / "trajectories.jsonl").open("a" if start else "w")
 
     def _held_out_accuracy(self) -> float:
         """Greedy accuracy of the current policy on the run's held-out problems (``eval.n_test``),
@@ -247,11 +278,13 @@ class _Stage:
         return answer_accuracy(task, answers, problems)
 
     def _batch_step(self, step: int, batch_items: list[GroupItem], *, publish: bool, checkpoint: bool,
-                    publishers: dict) -> tuple[dict, Advantages]:
-        """Run the batch nodes on the step's groups; the train_steps' metrics and the
-        ``Advantages`` the (last) train_step trained on."""
-        values: dict = {}
-        stats: dict = {}
+                    publishers: dict) -> tuple[dict, Advantages | None, dict]:
+        """Run the batch nodes on the step's groups; the train_steps' metrics (after those the
+        previous step groups sent), the ``Advantages`` the (last) train_step here trained on
+        (None: none trains here) and every batch value (``"node.port"``) so far."""
+        carried, before = self.carried.pop(step, ({}, {}))
+        values: dict = dict(carried)
+        stats: dict = dict(before)
         advantage = None
         indices, samples = [it.index for it in batch_items], [len(it.rollouts(self.ctx.plan)) for it in batch_items]
         for node in self.batch_nodes:
@@ -289,7 +322,7 @@ class _Stage:
                     stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
                     self._to_save[node.name] = weights
-        return stats, advantage
+        return stats, advantage, values
 
     def _batch_edge(self) -> str:
         """The edge the trainer waits on for its batch: into its first batch node, from the

@@ -7,17 +7,26 @@ group is one device node's mesh with the CPU-light nodes placed with it (``place
 * the ``generation`` group of the generate node: ``dp`` replicas behind the router
   (``runtime.router``); its ``group``-grain nodes (rule reward, filter, ...) run on each
   replica as groups finish;
-* one group per other mesh (the trainer's, a reference or reward model's own): it joins
-  the groups that feed it by admission index, runs its ``group`` nodes per group and, if
-  it hosts ``batch`` nodes, batches ``B`` groups per step in admission order (the trainer).
+* one group per other mesh (the trainer's, a critic's, a reference or reward model's own):
+  it joins the groups that feed it by admission index, runs its ``group`` nodes per group
+  and, if it hosts ``batch`` nodes (a *step group*), batches ``B`` groups per step in
+  admission order.
+
+Any node may be on any mesh within one shape, ``compiler.hosting`` (the predicate the
+compiler uses too, checked here before any process starts, naming the node and the rule):
+the step groups form a chain in data order (:attr:`Topology.step_groups`); the first joins
+the per-group channels, and each passes step ``s``'s whole batch, with every value computed
+so far, to the next (the channels are wired so: a later step group hears only from the one
+before it, and what it reads from a per-group worker group reaches the first).
 
 The ``dataset`` source runs on the router. Edges inside a group are calls; edges between
 groups are experience channels; the plan's weight routes (``plan.routes``) go from a
 trainer (a node whose role is ``training``: ``train_step``, or a user op that trains) to
 every replica of its generate node. k, B and the routes are read from the plan as they are
 (the plan check, ``compiler.plan_check``, has refused a plan lacking them). Which group is
-*the trainer* (whose step loop paces the run, whose end ends it, which republishes weights
-to a restarted replica) is one rule, :attr:`Topology.trainer`, for every scheduler. Nothing
+*the trainer* (whose versions pace the run, which reports the step metrics and republishes
+weights to a restarted replica) and the step groups whose ends end the run are one rule each,
+:attr:`Topology.trainer` and :attr:`Topology.step_groups`, for every scheduler. Nothing
 here reads an op's name: what a node is comes from its declared grain, role and ports
 (``areal_flow.ops.registry``).
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_flow.ops.registry import BATCH, GENERATION, SOURCE, STREAM
+from compiler.hosting import Hosted, hosting_problem
 from compiler.plan import NodePlan, Plan
 from compiler.strategy import ParallelStrategy, StrategyError
 
@@ -46,7 +56,7 @@ class WorkerGroup:
         strategy: the device node's strategy; replicas (generation) = ``dp``, ranks of a
             multi-rank train_step = ``world_size``.
         upstream / downstream: names of the groups it receives from / sends to.
-        batch_nodes: its ``batch``-grain nodes (a group with any is a trainer).
+        batch_nodes: its ``batch``-grain nodes (a group with any is a step group).
     """
 
     name: str
@@ -95,10 +105,15 @@ class Topology:
     def trainer(self) -> WorkerGroup:
         """*The* trainer, for every scheduler: the group hosting the node that trains the
         generator's model (its weights reach the replicas); when no node trains it, the first
-        group (data order) that hosts batch nodes. Its worker's end ends the run."""
+        step group. It reports the step metrics and answers replicas' ``resync``."""
         policy = next((n.name for n in self.train_steps if n.model == self.generate.model), None)
-        return next((g for g in self.groups.values() if policy in g.nodes), None) or \
-            next(g for g in self.groups.values() if g.batch_nodes)
+        return next((g for g in self.groups.values() if policy in g.nodes), None) or self.step_groups[0]
+
+    @property
+    def step_groups(self) -> list[WorkerGroup]:
+        """The groups hosting ``batch`` nodes, in the order a step's batch passes through them
+        (``compiler.hosting``); the run ends when every one has ended (``runtime.driver``)."""
+        return [g for g in self.groups.values() if g.batch_nodes]
 
 
 def _host(plan: Plan, node: NodePlan) -> str:
@@ -111,8 +126,8 @@ def build_topology(plan: Plan) -> Topology:
     Raises:
         TopologyError: not exactly one dataset and one generate node; a generation
             strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a trainer without exactly one data input; a group node whose input comes
-            from a later group; no trainer.
+            processes; a trainer without exactly one data input; a placement the runtime
+            cannot run (``compiler.hosting``: the node and the rule); no trainer.
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -149,20 +164,25 @@ def build_topology(plan: Plan) -> Topology:
             g.name = step
             groups[step] = groups.pop(key)
     group_of = {n: g.name for g in groups.values() for n in g.nodes}
+    problem = hosting_problem(_hosted(plan, group_of))
+    if problem is not None:
+        raise TopologyError(f"{plan.node(problem[0]).where()}: {problem[1]}")
     rank = {name: i for i, name in enumerate(sorted(groups, key=lambda g: order.index(groups[g].nodes[0])))}
+    chain = sorted((g for g in groups if groups[g].batch_nodes), key=rank.__getitem__)
     for g in groups.values():
         for name in g.nodes:
             node = plan.node(name)
             for src, _ in node.inputs.values():
                 if src == source.name or group_of[src] == g.name:
                     continue
-                if rank[group_of[src]] > rank[g.name]:
-                    raise TopologyError(f"{node.where()}: its input from '{src}' runs in a later worker group")
-                if group_of[src] not in g.upstream:
-                    g.upstream.append(group_of[src])
-                    groups[group_of[src]].downstream.append(g.name)
+                if g.name not in chain[1:]:
+                    _connect(groups, group_of[src], g.name)
+                elif group_of[src] not in chain:  # a later step group gets it with the batch from the first
+                    _connect(groups, group_of[src], chain[0])
             if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
                 notes.extend(_check_multi_rank(plan, node))
+    for before, after in zip(chain, chain[1:]):  # the step's batch passes down the chain (compiler.hosting)
+        _connect(groups, before, after)
     steps = [n for n in plan.nodes if n.trains]
     if not steps:
         raise TopologyError(f"plan {plan.id}: no node trains a model (train_step)")
@@ -172,6 +192,20 @@ def build_topology(plan: Plan) -> Topology:
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
                     batch_groups=plan.batch_groups, max_staleness=plan.staleness_bound,
                     steps=int(plan.run["steps"]), notes=notes)
+
+
+def _connect(groups: dict[str, WorkerGroup], src: str, dst: str) -> None:
+    """A channel from group ``src`` to group ``dst`` (once)."""
+    if src != dst and src not in groups[dst].upstream:
+        groups[dst].upstream.append(src)
+        groups[src].downstream.append(dst)
+
+
+def _hosted(plan: Plan, group_of: dict[str, str]) -> list[Hosted]:
+    """The plan's nodes as ``compiler.hosting`` sees them (the dataset and routes have no group)."""
+    return [Hosted(n.name, n.grain, group_of.get(n.name), tuple(src for src, _ in n.inputs.values()),
+                   n.model if n.strategy is not None else None, n.trains,
+                   n.trains and bool(n.attrs.get("checkpoint_every"))) for n in plan.nodes]
 
 
 def _check_ops(plan: Plan) -> None:

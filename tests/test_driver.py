@@ -37,7 +37,7 @@ def _plan(tmp_path):
 def test_the_trainer_is_the_group_that_trains_the_generators_model(tmp_path):
     topo = build_topology(_plan(tmp_path))
     with_batch = [g.name for g in topo.groups.values() if g.batch_nodes]
-    assert with_batch == ["train_step", "critic_step"]  # the old local rule took the last, Ray's the first
+    assert with_batch == ["critic_step", "train_step"]  # the chain: advantage sits with critic_step (its model)
     assert topo.trainer.name == "train_step"  # it holds train_step, which trains 'policy', the generator's model
 
 

@@ -1,0 +1,143 @@
+"""Which placements of nodes on worker groups the runtime runs: one predicate, for compiler and runtime.
+
+A *worker group* is the generate node's replicas, or one other mesh with the CPU-light nodes
+placed with it (``runtime.topology``). A *step group* is a worker group that hosts ``batch``
+nodes (a train_step, an advantage, any op of grain ``batch``): it runs them once per train
+step. Any node may be hosted by any mesh (ReaLHF-style) under the runtime's one shape for
+several step groups, a *chain*: the step groups, ordered by their first node in the graph's
+data order, each take step ``s``'s whole batch — the first from the per-group channels, every
+later one from the step group before it, with every value computed so far — run their batch
+nodes on it and pass it on. The policy's trainer (wherever it sits in the chain) publishes
+the versions; the proof of the staleness bound over a chain is ``runtime.staleness``'s.
+
+:func:`hosting_problem` names the first node that breaks the chain, by rule:
+
+* ``later-group``: a node takes an input from a worker group whose first node comes after
+  its own group's (the channels run forward only);
+* ``batch-in-generation``: a ``batch`` node placed with the generate node's replicas (they
+  run per prompt group);
+* ``group-after-batch``: a ``group`` node in a step group other than the first (the batch
+  reaches it whole, so no per-group call can drop or reshape a group any more);
+* ``batch-to-group``: a node outside every step group takes an input from a step group
+  (step groups send only to the next step group);
+* ``stale-weights``: a forward-only node of a model that a node in another group trains (it
+  would read the initial weights for ever; place it with the trainer, e.g. ``critic_step:d1
+  | advantage:d1``); the generate node is exempt (its weights travel on the plan's routes);
+* ``checkpoint-chain``: checkpoints (``train.checkpoint_every``) with several step groups
+  (the checkpoint format holds one group's models and cursor).
+
+``compiler.allocation.resolve`` raises it for a user's allocation, ``compiler.search`` never
+emits a candidate it refuses, and ``runtime.topology.build_topology`` raises it before any
+process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_flow.ops.registry import BATCH, GROUP, ROUTE, SOURCE, STREAM
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """One graph node as the predicate sees it.
+
+    Attributes:
+        name: the node. grain: its op's grain (``areal_flow.ops.registry``).
+        group: the worker group hosting it (any hashable label, equal for nodes of one group).
+        inputs: the nodes its data inputs come from.
+        model: the model it runs (None for a CPU node). trains: it trains ``model``.
+        checkpoints: it trains and writes checkpoints (``checkpoint_every > 0``).
+    """
+
+    name: str
+    grain: str
+    group: object
+    inputs: tuple[str, ...] = ()
+    model: str | None = None
+    trains: bool = False
+    checkpoints: bool = False
+
+
+def step_groups(nodes: list[Hosted]) -> list:
+    """The groups hosting ``batch`` nodes, in the order of their first node (``nodes`` is in
+    data order): the chain a step's batch passes through."""
+    order = _group_order(nodes)
+    return sorted({n.group for n in nodes if n.grain == BATCH}, key=order.__getitem__)
+
+
+def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
+    """``(node, reason)`` for the first node (data order) whose placement the runtime cannot
+    run (module doc; ``reason`` starts with the rule's name), or None when every node's is.
+
+    Args:
+        nodes: every node of the graph, in data order; ``source`` and ``route`` nodes (the
+            dataset, weight syncs) are ignored.
+    """
+    nodes = [n for n in nodes if n.grain not in (SOURCE, ROUTE)]
+    group_of = {n.name: n.group for n in nodes}
+    order = _group_order(nodes)
+    steps = step_groups(nodes)
+    generation = {n.group for n in nodes if n.grain == STREAM}
+    trainer = {n.model: n for n in nodes if n.trains}
+    for n in nodes:
+        here = [src for src in n.inputs if src in group_of]
+        late = next((src for src in here if order[group_of[src]] > order[n.group]), None)
+        if late is not None:
+            return n.name, f"later-group: its input from '{late}' runs in a later worker group"
+        if n.grain == BATCH and n.group in generation:
+            return n.name, ("batch-in-generation: a batch node runs once per train step; the generate node's "
+                            "replicas run per prompt group")
+        if n.grain == GROUP and n.group in steps[1:]:
+            return n.name, (f"group-after-batch: a per-group node in a step group after the first (the step's batch "
+                            f"reaches it whole from the step group of '{_first(nodes, steps[steps.index(n.group) - 1])}')")
+        fed = next((src for src in here if group_of[src] in steps), None)
+        if n.group not in steps and fed is not None:
+            return n.name, (f"batch-to-group: its input from '{fed}' comes from a step group, which passes whole "
+                            "batches only to the next step group")
+        owner = trainer.get(n.model)
+        if n.model is not None and not n.trains and n.grain != STREAM and owner is not None \
+                and owner.group != n.group:
+            return n.name, (f"stale-weights: it runs model '{n.model}', which '{owner.name}' trains in another worker "
+                            f"group; place it with '{owner.name}' (time-share its mesh, '|')")
+    saving = next((n for n in nodes if n.checkpoints), None)
+    if saving is not None and len(steps) > 1:
+        return saving.name, (f"checkpoint-chain: checkpoints (train.checkpoint_every) with {len(steps)} step groups "
+                             f"(those of {', '.join(repr(_first(nodes, g)) for g in steps)}); a checkpoint holds one "
+                             "step group's models")
+    return None
+
+
+def workload_hosting(workload, group_of: dict[str, object]) -> list[Hosted]:
+    """The nodes of ``workload`` (``compiler.workload.Workload``) as :func:`hosting_problem`
+    sees them, its device nodes in the groups ``group_of`` gives (device node -> label; the
+    generate node's label is its own, as its replicas are a group of their own even when
+    they time-share a mesh) and every CPU node in its host's."""
+    from areal_flow.ops.registry import lookup
+    from compiler.workload import GENERATION, TRAINING
+
+    tasks = {t.node: t for t in workload.tasks}
+    inputs: dict[str, list[str]] = {}
+    for src, dst, kind, _ in workload.data_edges:
+        if kind == "data":
+            inputs.setdefault(dst, []).append(src)
+    out = []
+    for name, op in workload.ops.items():
+        task = tasks.get(name)
+        host = name if task is not None else workload.cpu_hosts[name]
+        group = ("generation", host) if tasks[host].role == GENERATION else group_of[host]
+        out.append(Hosted(name, lookup(op).grain, group, tuple(inputs.get(name, ())),
+                          task.model_name if task else None, bool(task and task.role == TRAINING),
+                          name in workload.checkpointing))
+    return out
+
+
+def _group_order(nodes: list[Hosted]) -> dict:
+    order: dict = {}
+    for n in nodes:
+        order.setdefault(n.group, len(order))
+    return order
+
+
+def _first(nodes: list[Hosted], group) -> str:
+    return next(n.name for n in nodes if n.group == group)
