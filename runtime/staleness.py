@@ -32,6 +32,23 @@ loaded it, capacity is ``(k + s + 1) * B >= (s + 1) * B``, so every index step `
 be admitted — the two sides never deadlock. With ``k = 0`` the rule is the synchronous
 baseline: at version ``v`` exactly the ``B`` groups of step ``v`` are admitted, then the
 generator waits for version ``v + 1`` (a barrier).
+
+Several step groups (a critic, or any ``batch`` node, on a mesh of its own; the chain of
+``compiler.hosting``): every step group consumes by the rule above — the first takes indices
+``[s*B, (s+1)*B)`` from the channels, each later one the same ``B`` groups, whole, from the
+one before it — and checks them in its own :class:`OrderedExperienceBuffer`. The claim holds
+in each: ``s - start_version`` depends only on the sample and on ``s``, not on which group
+trains it at step ``s`` nor when, and the proof above uses nothing else. No sample of step
+``s`` is ahead of version ``s``: version ``s + 1`` is published by the policy's trainer after
+its own step ``s``, which needs those very groups, sent by a replica once complete (it holds
+them from the channels, or through the chain), so their tokens came first. Liveness: a step
+group's step ``s`` waits only for indices ``< (s + 1) * B``, admissible at version ``s``
+(above), and for the step groups before it, which wait for the same; so the trainer's step
+``s`` and the version ``s + 1`` it publishes always come, and a step group after the trainer
+only lags it. Exactly-once: each step group puts every index in its buffer once (a step's
+batch reaches the next group as one message) and its buffer refuses a second. A forward-only
+node of a trained model sits with that model's trainer (rule ``stale-weights``), so at step
+``s`` it reads the model after ``s`` updates, as when everything ran in one process.
 """
 
 from __future__ import annotations

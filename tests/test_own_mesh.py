@@ -1,0 +1,184 @@
+"""Any node on its own mesh (issue 24): step groups chained by ``compiler.hosting``.
+
+PPO's critic on a mesh of its own (``gen:d1 + train:d1 + critic_step:d1``): the advantage
+node, a forward-only call of the critic, follows ``critic_step`` to that mesh, so the chain is
+``critic_step`` (advantage, critic_step) then ``train_step``. A real run ends and trains
+every sample once within k; both schedulers pick the same groups; what the chain cannot run
+is refused by the compiler and by the runtime, naming the node and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from areal_flow.config_load import load_config
+from areal_flow.ops.registry import BATCH, GROUP, SOURCE, STREAM
+from compiler.allocation import AllocationError
+from compiler.hosting import Hosted, hosting_problem, step_groups
+from runs import REPO, cli_run, records
+from runtime.topology import TopologyError, build_topology
+
+TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+        "async.max_staleness=1"]
+OWN = ["cluster.n_gpus_per_node=3", "compile.allocation=gen:d1 + train:d1 + critic_step:d1"]
+
+
+def _plan(tmp_path, *overrides: str):
+    from areal_flow.cli import load_flow
+    from compiler.program import compile_program
+
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml", [*TINY, *overrides, f"out_dir={tmp_path}", "name=own"])
+    return compile_program(load_flow(REPO / "graphs/arith_ppo.py")(cfg), cfg)
+
+
+def test_the_critic_takes_its_advantage_to_its_own_mesh_and_the_batch_flows_down_the_chain(tmp_path):
+    plan = _plan(tmp_path, *OWN)
+    assert plan.allocation == "gen:d1 + train:d1 + critic_step:d1 | advantage:d1"
+    topo = build_topology(plan)
+    assert [g.name for g in topo.step_groups] == ["critic_step", "train_step"]
+    assert topo.groups["critic_step"].nodes == ["advantage", "critic_step"]
+    assert topo.groups["train_step"].nodes == ["train_step"]
+    # replicas -> critic group (per prompt group) -> policy trainer (whole batches)
+    assert topo.generation.downstream == ["critic_step"]
+    assert topo.groups["critic_step"].upstream == ["generate"]
+    assert topo.groups["critic_step"].downstream == ["train_step"]
+    assert topo.groups["train_step"].upstream == ["critic_step"]
+    assert topo.trainer.name == "train_step"  # it trains 'policy', the generator's model
+
+
+def test_the_local_and_ray_schedulers_choose_the_same_groups(tmp_path):
+    from runtime.driver import reports, run_ends
+    from runtime.launch import LocalScheduler
+    from runtime.ray_scheduler import RayScheduler, _settings
+    from runtime.run_setup import RunSetup
+
+    plan = _plan(tmp_path, *OWN)
+    topo = build_topology(plan)
+    assert run_ends(topo) == {"critic_step/0", "train_step/0"}
+    assert [g.name for g in topo.groups.values() if reports(topo, g)] == ["train_step"]
+    setup = RunSetup(plan, topo, tmp_path / "own", show_progress=False)
+    spec = {name: SimpleNamespace(group=name, rank=0, plan=plan) for name in topo.groups}
+
+    local, started = LocalScheduler(setup), {}
+    local.ctx = SimpleNamespace(Process=lambda target, args, name: started.setdefault(name, (args, SimpleNamespace(
+        start=lambda: None)))[1])
+    local.procs, local.leases, local.results = {}, {}, object()
+    local.reports = SimpleNamespace(put="metrics sink")
+    ray_runs = {}
+
+    class _Actor:
+        def __init__(self, name):
+            self.run = SimpleNamespace(remote=lambda spec, generation, sink: ray_runs.setdefault(name, sink))
+
+    ray = RayScheduler(setup, _settings(plan))
+    ray.actors = {f"{g}/0": _Actor(f"{g}/0") for g in topo.groups}
+    ray.sink, ray.pending = "metrics sink", {}
+    for name, group in topo.groups.items():
+        local.start(spec[name], group)
+        ray.start(spec[name], group)
+    local_sinks = {name: args[-2] if topo.groups[name.split("/")[0]].kind != "generation" else None
+                   for name, (args, _) in started.items()}
+    expected = {"generate/0": None, "critic_step/0": None, "train_step/0": "metrics sink"}
+    assert local_sinks == expected
+    assert ray_runs == expected
+
+
+@pytest.mark.slow
+def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends(tmp_path):
+    cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, *OWN, f"out_dir={tmp_path}", "name=own",
+            "scheduler.threads_per_worker=1", timeout_s=400)  # a hang fails here, by the timeout
+    out = tmp_path / "own"
+    trained = records(out)
+    assert len(trained) == 3 * 2 * 4  # steps x B groups x n samples, by hand
+    assert len({t["sample_id"] for t in trained}) == 24  # each sample once
+    assert [t["step"] for t in trained] == [s for s in range(3) for _ in range(8)]
+    assert max(t["staleness"] for t in trained) <= 1  # k
+    workers = json.loads((out / "summary.json").read_text())["workers"]
+    for name in ("critic_step/0", "train_step/0"):  # both step groups ran every step on every sample
+        assert (workers[name]["steps"], workers[name]["consumed"], workers[name]["groups"]) == (3, 24, 6)
+        assert workers[name]["max_staleness_seen"] <= 1
+    assert (out / "critic" / "config.json").exists()  # the critic group saved its model
+    assert _scalars(out, "train/value_loss") == [0, 1, 2]  # the critic's stats reach the trainer's steps
+
+
+def _scalars(out: Path, tag: str) -> list[int]:
+    """The steps at which ``tag`` was logged in the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_compile_refuses_a_critics_advantage_away_from_its_trainer(tmp_path):
+    with pytest.raises(AllocationError, match=r"node 'advantage': stale-weights: .*'critic_step' trains"):
+        _plan(tmp_path, "cluster.n_gpus_per_node=3",
+              "compile.allocation=gen:d1 + train:d1 | advantage:d1 + critic_step:d1")
+    with pytest.raises(AllocationError, match=r"node 'train_step': checkpoint-chain: .*2 step groups"):
+        _plan(tmp_path, *OWN, "train.checkpoint_every=1")
+
+
+def test_run_refuses_it_before_any_process_starts(tmp_path):
+    from runtime.launch import run
+
+    plan = _plan(tmp_path, *OWN)
+    train_mesh = next(n.mesh for n in plan.nodes if n.name == "train_step")
+    moved = tuple(dataclasses.replace(n, mesh=train_mesh) if n.name == "advantage" else n for n in plan.nodes)
+    bad = dataclasses.replace(plan, nodes=moved)  # advantage on the policy's mesh, its critic trained elsewhere
+    with pytest.raises(TopologyError, match=r"advantage.*stale-weights: it runs model 'critic'"):
+        build_topology(bad)
+    with pytest.raises(TopologyError, match="stale-weights"):
+        run(bad, show_progress=False)
+    assert not (tmp_path / "own").exists()  # no run folder, no worker
+
+
+def test_the_search_never_emits_a_layout_the_predicate_refuses(tmp_path, monkeypatch):
+    import compiler.search as search
+
+    def no_shared_mesh(nodes):  # a stand-in rule: refuse any layout that co-locates gen and train
+        groups = {n.group for n in nodes if n.name == "generate"} & {n.group for n in nodes if n.name == "train_step"}
+        return ("train_step", "test rule") if groups or ("generation", "generate") not in {n.group for n in nodes} \
+            else None
+
+    monkeypatch.setattr(search, "hosting_problem", no_shared_mesh)
+    plan = _plan(tmp_path, "cluster.n_gpus_per_node=4")
+    assert plan.alternatives and all(" + " in a.allocation for a in plan.alternatives)
+    monkeypatch.setattr(search, "hosting_problem", lambda nodes: ("train_step", "test rule"))
+    with pytest.raises(Exception, match="fit|feasible|no "):
+        _plan(tmp_path, "cluster.n_gpus_per_node=4")
+
+
+def _n(name, grain, group, *inputs, model=None, trains=False, checkpoints=False):
+    return Hosted(name, grain, group, inputs, model, trains, checkpoints)
+
+
+PPO = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), _n("rew", GROUP, "G", "gen"),
+       _n("adv", BATCH, "C", "gen", "rew", model="v"), _n("train", BATCH, "T", "adv", model="pi", trains=True),
+       _n("critic", BATCH, "C", "adv", model="v", trains=True)]
+
+
+@pytest.mark.parametrize("change, node, rule", [
+    ({}, None, None),  # the chain C -> T
+    ({"adv": _n("adv", BATCH, "T", "gen", "rew", model="v")}, "adv", "stale-weights"),
+    ({"rew": _n("rew", BATCH, "G", "gen")}, "rew", "batch-in-generation"),
+    ({"rew": _n("rew", GROUP, "R", "adv")}, "rew", "later-group"),
+    ({"critic": _n("critic", BATCH, "C", "adv", model="v", trains=True, checkpoints=True)}, "critic",
+     "checkpoint-chain"),
+])
+def test_each_rule_names_its_node(change, node, rule):
+    nodes = [change.get(n.name, n) for n in PPO]
+    problem = hosting_problem(nodes)
+    assert (problem and (problem[0], problem[1].split(":")[0])) == ((node, rule) if node else None)
+
+
+def test_a_group_node_after_the_first_step_group_or_fed_by_one_is_refused_and_the_chain_is_in_data_order():
+    fed = hosting_problem([*PPO, _n("judge", GROUP, "J", "critic", model="j")])
+    assert fed[0] == "judge" and fed[1].startswith("batch-to-group")
+    late = hosting_problem([*PPO, _n("score", GROUP, "T", "gen")])  # per group, in the second step group
+    assert late[0] == "score" and late[1].startswith("group-after-batch")
+    assert step_groups(PPO) == ["C", "T"]
