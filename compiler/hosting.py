@@ -89,8 +89,9 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
             return n.name, ("batch-in-generation: a batch node runs once per train step; the generate node's "
                             "replicas run per prompt group")
         if n.grain == GROUP and n.group in steps[1:]:
+            before = _first(nodes, steps[steps.index(n.group) - 1])
             return n.name, (f"group-after-batch: a per-group node in a step group after the first (the step's batch "
-                            f"reaches it whole from the step group of '{_first(nodes, steps[steps.index(n.group) - 1])}')")
+                            f"reaches it whole from the step group of '{before}')")
         fed = next((src for src in here if group_of[src] in steps), None)
         if n.group not in steps and fed is not None:
             return n.name, (f"batch-to-group: its input from '{fed}' comes from a step group, which passes whole "

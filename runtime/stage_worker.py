@@ -15,6 +15,14 @@ loop for every world size: a multi-rank train_step runs it on rank 0
 (``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
 (``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
 
+Several step groups (a critic's ``advantage`` and ``critic_step`` on a mesh of their own)
+form a chain (``runtime.topology``, ``compiler.hosting``): each runs the same loop, the first
+on the channels' groups, each later one on step ``s``'s whole batch from the one before it,
+one message ``("batch", s, items, values, stats, sent_us)`` carrying the step's ``B`` items,
+the batch values later groups read (``"node.port"``) and the train_steps' stats so far. Only
+the trainer (``Topology.trainer``) logs trajectories, evaluates and reports the step's
+metrics (with the stats of the step groups before it); each step group saves its own models.
+
 A group a ``group`` node drops (a filter) is reported so the router resamples its slot; a
 late duplicate of a group already held (sent twice around a replica restart) is dropped and
 counted, never trained twice. A restarted replica's ``("resync", weight_address)`` on the
@@ -207,8 +215,8 @@ class _Stage:
                     train_s = time.perf_counter() - started
                     self.counts["groups"] += len(batch_items)
                     for sender in self.outs:  # the next step group of the chain (runtime.topology)
-                        sender.send(("batch", step, batch_items, {k: v for k, v in values.items() if k in self.passed_on},
-                                     stats, now_us()))
+                        passed = {k: v for k, v in values.items() if k in self.passed_on}
+                        sender.send(("batch", step, batch_items, passed, stats, now_us()))
                     if checkpoint:
                         self._write_checkpoint(step + 1, out / "checkpoints")
                     if log is None:  # not the trainer: it neither logs nor reports the step

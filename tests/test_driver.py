@@ -2,9 +2,9 @@
 metrics and the stop are written once; a scheduler only hosts workers.
 
 The plan here has several stage groups with batch nodes (PPO with the critic's train_step on
-its own mesh: ``train_step`` = advantage + the policy's train_step, ``critic_step`` = the
-critic's), two generation replicas, and no process is started: a scripted scheduler reports
-the workers' ends.
+its own mesh: ``critic_step`` = advantage + the critic's train_step, then ``train_step`` = the
+policy's, a chain: ``compiler.hosting``), two generation replicas, and no process is started:
+a scripted scheduler reports the workers' ends.
 """
 
 from __future__ import annotations
