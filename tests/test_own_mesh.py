@@ -89,9 +89,10 @@ def test_the_local_and_ray_schedulers_choose_the_same_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends(tmp_path):
+@pytest.mark.parametrize("scheduler", ["local", "ray"])
+def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends(tmp_path, scheduler):
     cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, *OWN, f"out_dir={tmp_path}", "name=own",
-            "scheduler.threads_per_worker=1", timeout_s=400)  # a hang fails here, by the timeout
+            "scheduler.threads_per_worker=1", f"scheduler.type={scheduler}", timeout_s=400)  # a hang fails, by timeout
     out = tmp_path / "own"
     trained = records(out)
     assert len(trained) == 3 * 2 * 4  # steps x B groups x n samples, by hand
