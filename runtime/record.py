@@ -71,8 +71,8 @@ def check_edges(plan, edges: list[str], batch_nodes: list[str]) -> list[tuple[st
     """Resolve ``debug.record`` edges to ``(src, dst, port)``.
 
     Raises:
-        RecordError: an edge is malformed, not in the graph, or its ``dst`` is not a
-            ``batch`` node of the trainer (listing the edges that can be recorded).
+        RecordError: an edge is malformed, not in the graph, or its ``dst`` is not one of
+            ``batch_nodes`` (every step group's; listing the edges that can be recorded).
     """
     recordable = [f"{src}->{n.name}" for n in plan.nodes if n.name in batch_nodes for src, _ in n.inputs.values()]
     out = []
@@ -81,7 +81,7 @@ def check_edges(plan, edges: list[str], batch_nodes: list[str]) -> list[tuple[st
         node = next((n for n in plan.nodes if n.name == dst), None)
         ports = [p for p, (s, _) in node.inputs.items() if s == src] if node is not None else []
         if not ports or dst not in batch_nodes:
-            raise RecordError(f"debug.record: {edge!r} is not an edge into a batch node of the trainer; "
+            raise RecordError(f"debug.record: {edge!r} is not an edge into a batch node; "
                               f"recordable: {', '.join(sorted(set(recordable))) or 'none'}")
         out.append((src, dst, ports[0]))
     return out

@@ -118,10 +118,11 @@ class _Stage:
         self.channels = {u: channel_edge(ctx.plan, group.nodes, self.topo.groups[u].nodes) for u in group.upstream
                          if u != self.previous}
         self.lanes = (self.topo.max_staleness + 1) * self.topo.batch_groups  # groups that can wait at once
+        recorded = check_edges(ctx.plan, ctx.plan.run.get("debug", {}).get("record", []),
+                               [n for g in self.topo.step_groups for n in g.batch_nodes])
         self.records = [EdgeRecorder.start(Path(spec.out_dir), src, dst, port, threads=spec.threads,
                                            seed=ctx.seed, folders=spec.folders)
-                        for src, dst, port in check_edges(ctx.plan, ctx.plan.run.get("debug", {}).get("record", []),
-                                                          group.batch_nodes)]
+                        for src, dst, port in recorded if dst in group.batch_nodes]  # each step group its own
 
     def _receive(self, timeout_s: float) -> list[GroupItem]:
         """The next fully joined, processed item, or the ``B`` items of a step's batch from
