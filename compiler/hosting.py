@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal_flow.ops.registry import BATCH, GROUP, ROUTE, SOURCE, STREAM
+from areal_flow.ops.registry import BATCH, GROUP, ROUTE, SOURCE, STREAM, lookup
+from compiler.workload import GENERATION, TRAINING, Workload
 
 
 @dataclass(frozen=True)
@@ -109,14 +110,15 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
     return None
 
 
-def workload_hosting(workload, group_of: dict[str, object]) -> list[Hosted]:
-    """The nodes of ``workload`` (``compiler.workload.Workload``) as :func:`hosting_problem`
-    sees them, its device nodes in the groups ``group_of`` gives (device node -> label; the
-    generate node's label is its own, as its replicas are a group of their own even when
-    they time-share a mesh) and every CPU node in its host's."""
-    from areal_flow.ops.registry import lookup
-    from compiler.workload import GENERATION, TRAINING
+def workload_hosting(workload: Workload, group_of: dict[str, object]) -> list[Hosted]:
+    """The nodes of ``workload`` as :func:`hosting_problem` sees them, its device nodes in the
+    groups ``group_of`` gives (device node -> label; the generate node's label is its own, as
+    its replicas are a group of their own even when they time-share a mesh) and every CPU
+    node in its host's.
 
+    Raises:
+        KeyError: a device node ``group_of`` lacks.
+    """
     tasks = {t.node: t for t in workload.tasks}
     inputs: dict[str, list[str]] = {}
     for src, dst, kind, _ in workload.data_edges:
