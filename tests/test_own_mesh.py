@@ -107,6 +107,39 @@ def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_
     assert _scalars(out, "train/value_loss") == [0, 1, 2]  # the critic's stats reach the trainer's steps
 
 
+SECOND = '''
+from areal_flow import Model, flow, ops
+from areal_flow.blocks import sample_groups, train_policy
+
+
+@flow
+def second(cfg):  # GRPO whose advantages also train a second model, on a mesh of its own
+    policy, other = Model("policy", cfg.model), Model("other", cfg.model)
+    rollout = sample_groups(policy, cfg)
+    adv = ops.advantage(rollout, ops.reward(rollout, fn="arithmetic"), estimator="grpo")
+    stats = train_policy(policy, adv, rollout, cfg, algorithm="grpo")
+    ops.train_step(other, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness, name="other_step")
+    return stats
+'''
+
+
+@pytest.mark.slow
+def test_a_step_group_after_the_policys_trainer_gets_every_batch_and_the_run_waits_for_it(tmp_path):
+    graph = tmp_path / "second.py"
+    graph.write_text(SECOND)
+    cli_run(graph, "--config", str(REPO / "graphs" / "arith_grpo.yaml"), *TINY, "cluster.n_gpus_per_node=3",
+            "compile.allocation=gen:d1 + train:d1 + other_step:d1", f"out_dir={tmp_path}", "name=second",
+            timeout_s=400)
+    out = tmp_path / "second"
+    plan = json.loads((out / "plan.json").read_text())
+    assert {n["name"]: n.get("placed_with") for n in plan["nodes"]}["advantage"] == "train_step"  # chain: T -> other
+    assert len({t["sample_id"] for t in records(out)}) == 3 * 2 * 4
+    workers = json.loads((out / "summary.json").read_text())["workers"]
+    assert (workers["other_step/0"]["steps"], workers["other_step/0"]["consumed"]) == (3, 24)  # after the trainer
+    assert workers["other_step/0"]["max_staleness_seen"] <= 1
+    assert (out / "other" / "config.json").exists()  # it finished: the run waited for its end
+
+
 def _scalars(out: Path, tag: str) -> list[int]:
     """The steps at which ``tag`` was logged in the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
