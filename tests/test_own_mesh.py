@@ -3,8 +3,10 @@
 PPO's critic on a mesh of its own (``gen:d1 + train:d1 + critic_step:d1``): the advantage
 node, a forward-only call of the critic, follows ``critic_step`` to that mesh, so the chain is
 ``critic_step`` (advantage, critic_step) then ``train_step``. A real run ends and trains
-every sample once within k; both schedulers pick the same groups; what the chain cannot run
-is refused by the compiler and by the runtime, naming the node and the rule.
+every sample once within k, under both schedulers, which pick the same groups; a step group
+after the policy's trainer (a second model trained on the same advantages) gets every batch
+and the run waits for it; what the chain cannot run is refused by the compiler and by the
+runtime, naming the node and the rule. Expected counts are steps x B x n by hand.
 """
 
 from __future__ import annotations
