@@ -64,7 +64,7 @@ if [ "$DRY" = 1 ]; then
   : "${TRAIN_ARGS:=--models tiny-s --rows-tiny 4 --max-response 16 --rounds 1}"
   : "${SYNC_ARGS:=--mb 1 --versions 2}"
   : "${LONGTAIL_KEYS:=train.steps=2 train.batch_size=2 gen.max_new_tokens=16 warm_start.steps=5 warm_start.batch_size=8}"
-  : "${STEP_LIMIT_S:=150}"
+  : "${STEP_LIMIT_S:=300}"  # the long-tail step runs 4 jobs: ~2 min on 2 busy cores
   # the wheels are cp312: pip checks here that they install for the GPU machine's Python
   WHEEL_STEP="if [ ! -d $WHEELS ]; then echo 'no $WHEELS folder (make gpu-wheels): not checked'; exit 77; fi
     $PY bench/gpu_check.py wheels $WHEELS && $PIP_INSTALL --target $WORK/site312 --only-binary=:all: \
@@ -89,15 +89,16 @@ fi
 
 declare -a NAMES CMDS LIMITS
 add() { NAMES+=("$1"); LIMITS+=("${STEP_LIMIT_S:-$2}"); CMDS+=("$3"); }
-add wheels 60 "$WHEEL_STEP"
-add env 60 "$PY bench/gpu_check.py env $DEVICE $WORK/env.json"
-add main_job 240 "$AF run graphs/arith_grpo.py $CLUSTER $MAIN_KEYS out_dir=$WORK/runs name=main \
+# GPU limits (seconds) add up to 600: the lent machine runs one command for at most 10 min
+add wheels 30 "$WHEEL_STEP"
+add env 30 "$PY bench/gpu_check.py env $DEVICE $WORK/env.json"
+add main_job 210 "$AF run graphs/arith_grpo.py $CLUSTER $MAIN_KEYS out_dir=$WORK/runs name=main \
   && $PY bench/gpu_check.py gain $WORK/runs/main/summary.json"
-add engine_throughput 90 "$PY bench/engine_throughput.py $ENGINE_ARGS"
+add engine_throughput 75 "$PY bench/engine_throughput.py $ENGINE_ARGS"
 add train_throughput 60 "$PY bench/train_throughput.py $TRAIN_ARGS"
-add weight_sync 45 "$PY bench/weight_sync.py $SYNC_ARGS"
+add weight_sync 30 "$PY bench/weight_sync.py $SYNC_ARGS"
 add longtail 150 "$PY bench/async_vs_sync.py --task longtail $CLUSTER $LONGTAIL_KEYS out_dir=$WORK/runs_longtail"
-add vllm_engine 60 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
+add vllm_engine 15 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
   $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
 
 echo "gpu_check.sh: $([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "$N_GPU GPU(s)"), python $PY, work folder $WORK"
