@@ -18,7 +18,8 @@
 # A step that exits 77 is skipped, which is not a failure; a missing wheel is a failure.
 # Results: one JSON (--out, default $OUT/gpu_check.json, else ./gpu_check.json) with every
 # step's rc, seconds and status, the main job's accuracy gain and each bench's printed table;
-# step logs go next to it (gpu_check_logs/).
+# step logs go next to it (gpu_check_logs/). bench/gpu_wheels/ is git-ignored: a lent machine
+# gets it only when the run names it in `carry` (with the tree: ~8 MiB of the 64 allowed).
 #
 # --dry-run (CPU, ~3 min): runs every step here at a tiny size on CPU (the main job for 2
 # steps, each bench with its smallest arguments) with every installed package the GPU
@@ -48,6 +49,7 @@ WHEELS="${GPU_WHEELS:-bench/gpu_wheels}"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 export AREAL_FLOW_CACHE="${AREAL_FLOW_CACHE:-$WORK/cache}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there; nothing here may need one
 export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 AF="$PY -m areal_flow.cli"
 PIP_INSTALL="$PY -m pip install -q --no-index --no-deps --find-links $WHEELS -r bench/gpu_requirements.txt"
@@ -101,6 +103,9 @@ add longtail 150 "$PY bench/async_vs_sync.py --task longtail $CLUSTER $LONGTAIL_
 add vllm_engine 15 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
   $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
 
+for step in ${ONLY//,/ }; do
+  [[ " ${NAMES[*]} " == *" $step "* ]] || { echo "gpu_check.sh: unknown step $step (steps: ${NAMES[*]})" >&2; exit 2; }
+done
 echo "gpu_check.sh: $([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "$N_GPU GPU(s)"), python $PY, work folder $WORK"
 FAILED=()
 : > "$WORK/steps.jsonl"
