@@ -4,6 +4,7 @@ and is named, the wheel set is checked, and the dry run hides what the GPU machi
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,28 @@ def test_unknown_argument_is_one_line():
     out = subprocess.run(["bash", str(SCRIPT), "--wet"], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip() == "gpu_check.sh: unknown argument --wet (use --dry-run, --out FILE, --only STEP,STEP)"
+
+
+def test_without_cuda_the_gpu_run_fails_at_env_and_still_writes_its_json(tmp_path):
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-fake)'\n")
+    (shim / "nvidia-smi").chmod(0o755)
+    out = _check(tmp_path, "--only", "env", PATH=f"{shim}:{os.environ['PATH']}")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "torch sees no CUDA device" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "gpu_check.sh: FAILED step(s): env"
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert result["ok"] is False and [s["name"] for s in result["steps"]] == ["env"]
+    assert result["steps"][0]["status"] == "failed" and result["env"]["cuda_available"] is False
+    assert (tmp_path / "out" / "gpu_check_logs" / "env.log").is_file()
+
+
+def test_no_gpu_is_one_line(tmp_path):
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (shim / "nvidia-smi").chmod(0o755)
+    out = _check(tmp_path, PATH=f"{shim}:{os.environ['PATH']}")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "gpu_check.sh: no GPU (nvidia-smi -L lists none); try --dry-run"
