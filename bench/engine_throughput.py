@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
             # vLLM decodes in its own process: this process's CPU time does not cover it
             cpu = "" if name == "vLLM" else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
             print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
+        if "HF generate bfloat16" in rates:  # like with like: both bf16
+            print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
+                  f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
 
 
 if __name__ == "__main__":
