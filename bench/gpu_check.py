@@ -208,6 +208,42 @@ def tail(path: Path, n: int = 3000) -> str | None:
     return path.read_text(errors="replace")[-n:] if path.is_file() else None
 
 
+def figures(work: Path) -> dict:
+    """The headline numbers the benchmarks printed (their logs in ``work``), by step; a step
+    whose log lacks a line is left out (its log tail is in the result anyway)."""
+    def text(step: str) -> str:
+        path = work / f"{step}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    out: dict = {}
+    engine = text("engine_throughput")
+    rates = {m[1].strip(): float(m[2]) for m in
+             re.finditer(r"^((?:embedded|HF generate) [^\n]*?)\s+([\d.]+) tokens/s", engine, re.M)}
+    ratio = re.search(r"embedded bfloat16 vs HF generate bfloat16 \(wall clock\): ([\d.]+)x", engine)
+    if rates:
+        out["engine_throughput"] = {"tokens_per_s": rates,
+                                    "bf16_vs_hf_bf16": float(ratio[1]) if ratio else None}
+    train = re.findall(r"^(padded|padded\+budget|packed\+budget)\s+(fp32|bf16)\s+\d+\s+\d+\s+[\d.]+\s+(\d+)",
+                       text("train_throughput"), re.M)
+    models = re.findall(r"^(\S+): \d+ sequences", text("train_throughput"), re.M)
+    if train and models:
+        per = len(train) // len(models)
+        out["train_throughput"] = {m: {f"{lay} {dt}": int(t) for lay, dt, t in train[i * per:(i + 1) * per]}
+                                   for i, m in enumerate(models)}
+    sync = re.search(r"(\d+) MB over (\w+): median ([\d.]+) GB/s, best ([\d.]+) GB/s", text("weight_sync"))
+    seconds = [float(x) for x in re.findall(r"^version \d+: ([\d.]+) s", text("weight_sync"), re.M)]
+    if sync:
+        out["weight_sync"] = {"mb": int(sync[1]), "transport": sync[2], "median_gb_s": float(sync[3]),
+                              "best_gb_s": float(sync[4]), "seconds": seconds}
+    tail_text = text("longtail")
+    speed = re.search(r"async speed-up \(mean sync / mean async\): loop ([\d.]+)x \(wall ([\d.]+)x\), "
+                      r"ideal \(loop\) ([\d.]+)x", tail_text)
+    if speed:
+        out["longtail"] = {"async_vs_sync_loop": float(speed[1]), "async_vs_sync_wall": float(speed[2]),
+                           "ideal_loop": float(speed[3])}
+    return out
+
+
 def result(work: Path, out: Path) -> int:
     """One JSON of the run's steps (name, rc, seconds, skipped), the main job's held-out
     accuracy gain and summary, and each bench's printed table (its log's tail)."""
@@ -223,6 +259,7 @@ def result(work: Path, out: Path) -> int:
         res["main_job"] = {k: summary[k] for k in keep if k in summary}
         if "accuracy_before" in summary and "accuracy_after" in summary:
             res["main_job"]["accuracy_gain"] = summary["accuracy_after"] - summary["accuracy_before"]
+    res["figures"] = figures(work)
     res["logs"] = {s["name"]: tail(work / f"{s['name']}.log") for s in steps}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")

@@ -134,6 +134,8 @@ if [ "$DRY" = 0 ]; then
   mkdir -p "$(dirname "$RESULT")/gpu_check_logs"
   cp "$WORK"/*.log "$(dirname "$RESULT")/gpu_check_logs/" 2>/dev/null
   $PY bench/gpu_check.py result "$WORK" "$RESULT" || FAILED+=(result)
+else  # the JSON is assembled (and checked) but not kept
+  $PY bench/gpu_check.py result "$WORK" "$WORK/gpu_check.json" > /dev/null || FAILED+=(result)
 fi
 if [ "${#FAILED[@]}" -gt 0 ]; then
   echo "gpu_check.sh: FAILED step(s): ${FAILED[*]}" >&2

@@ -134,3 +134,26 @@ def test_no_gpu_is_one_line(tmp_path):
     out = _check(tmp_path, PATH=f"{shim}:{os.environ['PATH']}")
     assert out.returncode == 2
     assert out.stderr.strip() == "gpu_check.sh: no GPU (nvidia-smi -L lists none); try --dry-run"
+
+
+def test_the_result_has_each_benchmarks_headline_numbers(tmp_path):
+    (tmp_path / "steps.jsonl").write_text('{"name": "weight_sync", "status": "ok", "rc": 0, "seconds": 3, "limit_s": 30}\n'
+                                          '{"name": "vllm_engine", "status": "skipped", "rc": 77, "seconds": 0, '
+                                          '"limit_s": 15}\n')
+    (tmp_path / "weight_sync.log").write_text("version 1: 0.500 s, 0.54 GB/s\nversion 2: 0.250 s, 1.08 GB/s\n"
+                                              "270 MB over ipc: median 0.81 GB/s, best 1.08 GB/s\n")
+    (tmp_path / "engine_throughput.log").write_text(
+        "embedded bfloat16                     126.7 tokens/s   1.09x HF fp32    3.6% of roofline\n"
+        "HF generate bfloat16                   70.8 tokens/s   0.61x HF fp32    2.0% of roofline\n"
+        "embedded bfloat16 vs HF generate bfloat16 (wall clock): 1.79x\n")
+    (tmp_path / "runs" / "main").mkdir(parents=True)
+    (tmp_path / "runs" / "main" / "summary.json").write_text(json.dumps(
+        {"accuracy_before": 0.25, "accuracy_after": 0.5, "wall_s": 60.0, "samples_trained": 51200}))
+    assert _helper().result(tmp_path, tmp_path / "out.json") == 0
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["ok"] is True  # a skipped step is no failure
+    assert result["main_job"]["accuracy_gain"] == 0.25
+    assert result["figures"]["weight_sync"] == {"mb": 270, "transport": "ipc", "median_gb_s": 0.81,
+                                                "best_gb_s": 1.08, "seconds": [0.5, 0.25]}
+    assert result["figures"]["engine_throughput"]["bf16_vs_hf_bf16"] == 1.79
+    assert result["figures"]["engine_throughput"]["tokens_per_s"]["HF generate bfloat16"] == 70.8
