@@ -91,16 +91,16 @@ fi
 
 declare -a NAMES CMDS LIMITS
 add() { NAMES+=("$1"); LIMITS+=("${STEP_LIMIT_S:-$2}"); CMDS+=("$3"); }
-# GPU limits (seconds) add up to 600: the lent machine runs one command for at most 10 min
-add wheels 30 "$WHEEL_STEP"
-add env 30 "$PY bench/gpu_check.py env $DEVICE $WORK/env.json"
-add main_job 210 "$AF run graphs/arith_grpo.py $CLUSTER $MAIN_KEYS out_dir=$WORK/runs name=main \
+# GPU limits (seconds) add up to 580: the lent machine runs one command for at most 10 min
+add wheels 20 "$WHEEL_STEP"
+add env 25 "$PY bench/gpu_check.py env $DEVICE $WORK/env.json"
+add main_job 225 "$AF run graphs/arith_grpo.py $CLUSTER $MAIN_KEYS out_dir=$WORK/runs name=main \
   && $PY bench/gpu_check.py gain $WORK/runs/main/summary.json"
 add engine_throughput 75 "$PY bench/engine_throughput.py $ENGINE_ARGS"
-add train_throughput 60 "$PY bench/train_throughput.py $TRAIN_ARGS"
-add weight_sync 30 "$PY bench/weight_sync.py $SYNC_ARGS"
-add longtail 150 "$PY bench/async_vs_sync.py --task longtail $CLUSTER $LONGTAIL_KEYS out_dir=$WORK/runs_longtail"
-add vllm_engine 15 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
+add train_throughput 55 "$PY bench/train_throughput.py $TRAIN_ARGS"
+add weight_sync 25 "$PY bench/weight_sync.py $SYNC_ARGS"
+add longtail 145 "$PY bench/async_vs_sync.py --task longtail $CLUSTER $LONGTAIL_KEYS out_dir=$WORK/runs_longtail"
+add vllm_engine 10 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
   $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
 
 for step in ${ONLY//,/ }; do
