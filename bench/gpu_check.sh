@@ -17,7 +17,8 @@
 #   vllm_engine       optional: skipped (not failed) when vllm is not importable
 # A step that exits 77 is skipped, which is not a failure; a missing wheel is a failure.
 # Results: one JSON (--out, default $OUT/gpu_check.json, else ./gpu_check.json) with every
-# step's rc, seconds and status, the main job's accuracy gain and each bench's printed table;
+# step's rc, seconds and status, the main job's accuracy gain, each bench's headline figures
+# and its log's tail;
 # step logs go next to it (gpu_check_logs/). bench/gpu_wheels/ is git-ignored: a lent machine
 # gets it only when the run names it in `carry` (with the tree: ~8 MiB of the 64 allowed).
 #
@@ -26,10 +27,9 @@
 # machine will not have hidden (bench/gpu_offline/sitecustomize.py), so a broken step or an
 # import not covered by the preinstalled packages plus the wheels fails it; checks the wheel
 # folder when it exists. Writes no results. Environment: PYTHON (default python3),
-# GPU_WHEELS (bench/gpu_wheels), GPU (H200), and each step's arguments: MAIN_KEYS,
+# GPU_WHEELS (bench/gpu_wheels), GPU_PRESET (cluster.gpu: H200), and each step's arguments: MAIN_KEYS,
 # ENGINE_ARGS, TRAIN_ARGS, SYNC_ARGS, LONGTAIL_KEYS, STEP_LIMIT_S (seconds per step).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 
 DRY=0
 ONLY=""
@@ -43,6 +43,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+case "$RESULT" in /*) ;; *) RESULT="$PWD/$RESULT" ;; esac  # relative to where it was called
+cd "$(dirname "$0")/.."
 
 PY="${PYTHON:-python3}"
 WHEELS="${GPU_WHEELS:-bench/gpu_wheels}"
@@ -76,7 +78,7 @@ else
   [ "$N_GPU" -ge 1 ] || { echo "gpu_check.sh: no GPU (nvidia-smi -L lists none); try --dry-run" >&2; exit 2; }
   DEVICE=cuda
   # one GPU: generation and training share it (colocated); two or more: one each
-  CLUSTER="cluster.gpu=${GPU:-H200} cluster.n_gpus_per_node=$(( N_GPU >= 2 ? 2 : 1 ))"
+  CLUSTER="cluster.gpu=${GPU_PRESET:-H200} cluster.n_gpus_per_node=$(( N_GPU >= 2 ? 2 : 1 ))"
   : "${MAIN_KEYS:=}"  # graphs/arith_grpo.yaml as it is: the main job's settings
   : "${ENGINE_ARGS:=--model SmolLM2-135M --device cuda --batch 64 --max-new-tokens 128 --repeats 2 --threads 4}"
   : "${TRAIN_ARGS:=--models tiny-arith,SmolLM2-135M --device cuda --rows-tiny 128 --rows-smollm2 32 --rounds 3 --threads 4}"
