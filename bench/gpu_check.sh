@@ -18,9 +18,9 @@
 # A step that exits 77 is skipped, which is not a failure; a missing wheel is a failure.
 # Results: one JSON (--out, default $OUT/gpu_check.json, else ./gpu_check.json) with every
 # step's rc, seconds and status, the main job's accuracy gain, each bench's headline figures
-# and its log's tail;
-# step logs go next to it (gpu_check_logs/). bench/gpu_wheels/ is git-ignored: a lent machine
-# gets it only when the run names it in `carry` (with the tree: ~8 MiB of the 64 allowed).
+# and its log's tail; the step logs go next to it (gpu_check_logs/). bench/gpu_wheels/ is
+# git-ignored: a lent machine gets it only when the run names it in `carry` (with the tree:
+# ~8 MiB of the 64 allowed).
 #
 # --dry-run (CPU, ~3 min): runs every step here at a tiny size on CPU (the main job for 2
 # steps, each bench with its smallest arguments) with every installed package the GPU
