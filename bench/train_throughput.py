@@ -14,7 +14,9 @@ each in fp32 and under bf16 autocast (fp32 master weights and AdamW state, as th
 runs ``model.dtype=bfloat16``). Variants are interleaved round by round, so they share the
 machine's load; tokens/s counts real tokens (prompt + response) and takes the fastest
 round; "computed tokens" counts the positions the model runs, padding included. Run:
-``python bench/train_throughput.py`` (``--models tiny-arith`` for a quick look).
+``python bench/train_throughput.py`` (``--models tiny-arith`` for a quick look). A published
+shape (``--models tiny-arith,SmolLM2-135M``) is built in code with random weights (no model
+file); ``--device cuda`` runs the steps on the GPU (autocast on CUDA).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load(name: str) -> tuple[torch.nn.Module, int]:
-    """The model ``name`` (a tiny preset or ``smollm2-135m``) in train mode, and its vocabulary size."""
-    if name.startswith("tiny"):
-        from areal_flow.models.presets import CHAR_VOCAB_SIZE
-        from areal_flow.models.tiny import build_model
+    """The model ``name`` (a tiny preset, a published shape such as ``SmolLM2-135M`` built in
+    code, or ``smollm2-135m``) in train mode, and its vocabulary size."""
+    from areal_flow.models.tiny import build_in_code
 
-        return build_model(name, CHAR_VOCAB_SIZE).train(), CHAR_VOCAB_SIZE
+    built = build_in_code(name)
+    if built is not None:
+        return built[0].train(), built[0].config.vocab_size
     from areal_flow.models.hf import load_model
 
     model, tokenizer = load_model(name)
@@ -60,20 +63,26 @@ def make_batch(rows: int, vocab: int, prompt: int, lo: int, hi: int, seed: int) 
             "behavior_logprobs": -3.0 * loss_mask, "advantages": torch.randn(rows, 1, generator=g) * loss_mask}
 
 
-def step_seconds(algo, batch: dict, layout: dict, budget: int, dtype: torch.dtype) -> float:
+def step_seconds(algo, batch: dict, layout: dict, budget: int, dtype: torch.dtype, device: str = "cpu") -> float:
     algo.max_tokens_per_micro_batch = budget if layout.get("budget") else 0
     algo.pack_sequences = bool(layout.get("pack"))
+    kind = torch.device(device).type
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autocast(kind, dtype=dtype, enabled=dtype != torch.float32):
         algo.update_parameters(batch)
+    sync()
     return time.perf_counter() - start
 
 
 def bench(name: str, args) -> None:
     model, vocab = load(name)
+    model = model.to(args.device)
     rows = args.rows_tiny if name.startswith("tiny") else args.rows_smollm2
     hi = min(args.max_response, model.config.max_position_embeddings - args.prompt)
-    batch = make_batch(rows, vocab, args.prompt, args.min_response, hi, args.seed)
+    batch = {k: v.to(args.device) for k, v in make_batch(rows, vocab, args.prompt, args.min_response, hi,
+                                                          args.seed).items()}
     lengths = batch["attention_mask"].sum(1)
     tokens = int(lengths.sum())
     budget = args.max_tokens or max(int(lengths.max()), math.ceil(tokens / 2))
@@ -81,14 +90,14 @@ def bench(name: str, args) -> None:
                            micro_batch_size=math.ceil(rows / 2), max_grad_norm=1.0)
     variants = [(lay, dt) for dt in DTYPES for lay in LAYOUTS]
     for lay, dt in variants:  # warm-up (allocator, oneDNN primitives)
-        step_seconds(algo, batch, LAYOUTS[lay], budget, DTYPES[dt])
+        step_seconds(algo, batch, LAYOUTS[lay], budget, DTYPES[dt], args.device)
     times = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            times[v].append(step_seconds(algo, batch, LAYOUTS[v[0]], budget, DTYPES[v[1]]))
+            times[v].append(step_seconds(algo, batch, LAYOUTS[v[0]], budget, DTYPES[v[1]], args.device))
     print(f"\n{name}: {rows} sequences, {tokens} real tokens ({rows * int(lengths.max())} padded), "
           f"responses {args.min_response}..{hi} tokens log-uniform, budget {budget} tokens, "
-          f"{args.rounds} interleaved rounds, {torch.get_num_threads()} threads")
+          f"{args.rounds} interleaved rounds, {torch.get_num_threads()} threads, on {args.device}")
     base = min(times[("padded", "fp32")])
     print(f"{'layout':<15}{'dtype':<6}{'micro-batches':>14}{'computed tokens':>16}{'step s':>9}{'tokens/s':>10}"
           f"{'vs padded fp32':>16}")
@@ -105,7 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tiny-arith,smollm2-135m")
     p.add_argument("--rows-tiny", type=int, default=32, help="sequences per step, tiny model")
-    p.add_argument("--rows-smollm2", type=int, default=8, help="sequences per step, SmolLM2-135M")
+    p.add_argument("--rows-smollm2", type=int, default=8, help="sequences per step, any model but a tiny one")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--min-response", type=int, default=4)
     p.add_argument("--max-response", type=int, default=240)
@@ -114,6 +123,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device of the model and batch (cpu, cuda)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):

@@ -75,3 +75,33 @@ def build_model(
         torch.manual_seed(seed)
         model = (Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM)(config)
     return model.float().eval()
+
+
+def build_in_code(spec: str, seed: int = 0):
+    """``(model, tokenizer)`` for a model name that needs no weights file: a tiny preset
+    (:func:`build_model`) or a published shape (``PUBLISHED_CONFIGS``, e.g. ``SmolLM2-135M``,
+    ``Qwen2.5-0.5B``: that architecture, seeded random fp32 weights, SDPA attention), each with
+    the character tokenizer (its pad/bos/eos ids in the config). For benchmarks on a machine
+    without model files: a random model's speed is a trained one's. None for any other name
+    (a GGUF preset, folder, file or hub id: ``areal_flow.models.hf.load_model`` loads those).
+    """
+    from areal_flow.models.names import resolve_name
+    from areal_flow.models.presets import CHAR_VOCAB_SIZE, PUBLISHED_CONFIGS
+    from areal_flow.models.tokenizer import build_char_tokenizer
+
+    ref = resolve_name(spec)
+    if ref.kind not in ("tiny", "shape"):
+        return None
+    tokenizer = build_char_tokenizer()
+    if ref.kind == "tiny":
+        return build_model(ref.preset, CHAR_VOCAB_SIZE, seed=seed), tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(PUBLISHED_CONFIGS[ref.preset])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape, pad_token_id=tokenizer.pad_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.float().eval(), tokenizer
