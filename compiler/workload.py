@@ -68,6 +68,7 @@ class Workload:
         aliases: ``gen`` -> the generate node, ``train`` -> the policy's train_step.
         data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
         ops: node -> op, for every graph node.
+        node_attrs: device node -> its attributes (what ``compiler.executable`` reads of it).
     """
 
     graph_name: str
@@ -80,6 +81,7 @@ class Workload:
     aliases: dict[str, str]
     data_edges: tuple[tuple[str, str, str, int | None], ...]
     ops: dict[str, str]
+    node_attrs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def seq_len(self) -> int:
@@ -171,6 +173,7 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
         aliases=aliases,
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
+        node_attrs={t.node: dict(graph.nodes[t.node].attrs) for t in tasks},
     )
 
 

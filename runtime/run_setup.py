@@ -135,14 +135,7 @@ class RunSetup:
         self._say(f"preparing the start models ({', '.join(sorted({m['spec'] for m in self.plan.models.values()}))})")
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
-        from runtime.parallel_trainer import check_parallel_training
-
-        for node in self.topo.train_steps:  # before any worker starts, naming the broken rule
-            if node.parallel.world_size > 1:
-                rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
-                check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
-                                        critic=self.plan.models[node.model]["head"] != "lm",
-                                        max_tokens_per_micro_batch=node.attrs.get("max_tokens_per_micro_batch", 0))
+        self._check_executable()
         self._check_token_budget()
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
@@ -158,6 +151,22 @@ class RunSetup:
         take seconds; in a log or pipe a bad input's error stays the one line)."""
         if self.show_progress and sys.stderr.isatty():
             print(f"areal-flow: {what}...", file=sys.stderr, flush=True)
+
+    def _check_executable(self) -> None:
+        """The compiler's one predicate (``compiler.executable``) on the plan, with the shapes of
+        the prepared models' ``config.json`` (heads, layers, experts), before any worker starts.
+
+        Raises:
+            compiler.executable.ExecutableError: naming the node and the broken rule.
+        """
+        from transformers import AutoConfig
+
+        from compiler.executable import check_executable
+        from runtime.parallel.validate import model_shape
+
+        multi = {n.model for n in self.plan.nodes if n.strategy is not None and n.parallel.world_size > 1}
+        shapes = {m: model_shape(AutoConfig.from_pretrained(self.folders[m])) for m in sorted(multi)}
+        check_executable(self.plan, shapes, rows=self.topo.batch_groups * self.topo.generate.attrs.get("n_samples", 1))
 
     def _check_token_budget(self) -> None:
         """Refuse a ``train.max_tokens_per_micro_batch`` below the longest trajectory the run

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_flow.ops.registry import BATCH, GENERATION, SOURCE, STREAM
+from compiler.executable import ExecutableError, check_executable
 from compiler.plan import NodePlan, Plan
 from compiler.strategy import ParallelStrategy, StrategyError
 
@@ -109,10 +110,11 @@ def build_topology(plan: Plan) -> Topology:
     """Partition ``plan`` into worker groups and check it (module doc).
 
     Raises:
-        TopologyError: not exactly one dataset and one generate node; a generation
-            strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a trainer without exactly one data input; a group node whose input comes
-            from a later group; no trainer.
+        TopologyError: not exactly one dataset and one generate node; a node breaking a rule
+            of ``compiler.executable.check_executable`` (its shape-free rules: the generation
+            engine's degrees, the trainer's products, rows per DP rank, a critic's degrees; the
+            message names the node and the rule); a trainer without exactly one data input; a
+            group node whose input comes from a later group; no trainer.
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -123,11 +125,10 @@ def build_topology(plan: Plan) -> Topology:
         raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node, found "
                             f"{len(sources)} and {len(gens)} ({names})")
     gen, source = gens[0], sources[0]
-    s = gen.parallel
-    if s.tp > 1 or s.pp > 1 or s.cp > 1 or s.ep > 1:
-        if gen.attrs.get("engine") != "vllm" or s.pp > 1 or s.cp > 1 or s.ep > 1:
-            raise TopologyError(f"{gen.where()}: generation strategy {s.short()}: the embedded engine runs dN "
-                                "replicas (one process each); tensor parallel generation needs engine='vllm'")
+    try:  # the one executability predicate; run_setup asks it again with the models' shapes
+        check_executable(plan, rows=plan.batch_groups * gen.attrs.get("n_samples", 1))
+    except ExecutableError as err:
+        raise TopologyError(str(err)) from None
     groups: dict[str, WorkerGroup] = {}
     meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
     notes: list[str] = []
@@ -206,11 +207,8 @@ def trainer_input(node: NodePlan) -> str:
 
 
 def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
-    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic."""
+    """Notes for nodes on a multi-rank mesh (what a trainer may run: ``compiler.executable``)."""
     if not node.trains:
         return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
                 "the plan)"]
-    if plan.models[node.model]["head"] != "lm":
-        raise TopologyError(f"{node.where()}: a critic's train_step runs on one process; the plan gives it "
-                            f"{node.strategy}")
     return []
