@@ -110,7 +110,8 @@ class CostModel:
         m = task.model
         shape = dict(n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, n_experts=m.n_experts)
         return NodeFacts.from_attrs(task.node, task.role, s, self.workload.node_attrs.get(task.node, {}), shape=shape,
-                                    critic=task.role == TRAINING and m.head == "scalar", rows=self.workload.n_sequences)
+                                    critic=task.role == TRAINING and m.head == "scalar",
+                                    rows=self.workload.step_rows or self.workload.n_sequences)
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
         """The search space of ``task`` on ``size`` devices: every valid strategy with

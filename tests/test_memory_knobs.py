@@ -109,3 +109,10 @@ def test_the_search_never_recommends_what_the_predicate_refuses(graph, cluster):
 def test_a_user_allocation_breaking_a_rule_is_refused_at_compile():
     with pytest.raises(AllocationError, match=r"node 'generate' strategy d1t2: rule 'engine-parallel'"):
         _plan("cluster.n_gpus_per_node=4", "compile.allocation=gen:d1t2 + train:d2")
+
+
+def test_the_rows_checked_are_the_runs_not_the_time_models():
+    # compile.samples_per_prompt=3 changes only the time model's step (16 x 3 = 48 rows, which d3 divides);
+    # the run trains 16 x 8 = 128 rows a step, which it does not
+    with pytest.raises(AllocationError, match=r"rule 'rows-divide-dp': a step of 128 sequences"):
+        _plan("cluster.n_gpus_per_node=8", "compile.samples_per_prompt=3", "compile.allocation=gen:d1 + train:d3")
