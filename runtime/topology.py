@@ -1,7 +1,8 @@
 """From a plan to worker groups: which process runs which node, and how groups connect.
 
-Owns the partition of the plan's nodes into worker groups and the checks of what the
-runtime can run, made before any process starts (each error names the node). A worker
+Owns the partition of the plan's nodes into worker groups and the checks of its shape,
+made before any process starts (each error names the node); which strategies the runtime
+can run is the compiler's one predicate (``compiler.executable``, asked by ``runtime.run_setup``). A worker
 group is one device node's mesh with the CPU-light nodes placed with it (``placed_with``):
 
 * the ``generation`` group of the generate node: ``dp`` replicas behind the router
@@ -27,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_flow.ops.registry import BATCH, GENERATION, SOURCE, STREAM
-from compiler.executable import ExecutableError, check_executable
 from compiler.plan import NodePlan, Plan
 from compiler.strategy import ParallelStrategy, StrategyError
 
@@ -110,11 +110,10 @@ def build_topology(plan: Plan) -> Topology:
     """Partition ``plan`` into worker groups and check it (module doc).
 
     Raises:
-        TopologyError: not exactly one dataset and one generate node; a node breaking a rule
-            of ``compiler.executable.check_executable`` (its shape-free rules: the generation
-            engine's degrees, the trainer's products, rows per DP rank, a critic's degrees; the
-            message names the node and the rule); a trainer without exactly one data input; a
-            group node whose input comes from a later group; no trainer.
+        TopologyError: not exactly one dataset and one generate node; a trainer without
+            exactly one data input; a group node whose input comes from a later group; no
+            trainer. (Which strategies the runtime can run is ``compiler.executable``'s
+            predicate, which ``runtime.run_setup`` asks before any process starts.)
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -125,10 +124,6 @@ def build_topology(plan: Plan) -> Topology:
         raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node, found "
                             f"{len(sources)} and {len(gens)} ({names})")
     gen, source = gens[0], sources[0]
-    try:  # the one executability predicate; run_setup asks it again with the models' shapes
-        check_executable(plan, rows=plan.batch_groups * gen.attrs.get("n_samples", 1))
-    except ExecutableError as err:
-        raise TopologyError(str(err)) from None
     groups: dict[str, WorkerGroup] = {}
     meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
     notes: list[str] = []

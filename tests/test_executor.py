@@ -165,7 +165,9 @@ def test_a_critic_train_step_on_several_processes_is_refused():
 
     from areal_flow.cli import load_flow
     from compiler import AllocationError
+    from compiler.executable import ExecutableError
     from compiler.program import compile_program
+    from runtime.run_setup import check_runnable
 
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
@@ -177,8 +179,8 @@ def test_a_critic_train_step_on_several_processes_is_refused():
     plan = compile_program(fl(cfg), cfg)
     edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="d2") if n.name == "critic_step"
                                                    else n for n in plan.nodes))
-    with pytest.raises(TopologyError, match="critic_step.*rule 'critic-parallel'"):
-        build_topology(edited)
+    with pytest.raises(ExecutableError, match="critic_step.*rule 'critic-parallel'"):
+        check_runnable(edited, build_topology(edited))  # what a run checks before any process starts
 
 
 def _kill_replica_when(out: Path, n_records: int, died: list) -> None:
