@@ -78,9 +78,9 @@ def test_cli_prints_sync_and_plan_k(tmp_path, capsys):
 # 1.5B on 16 x 8 H800, 7B on 24 x 8 (ASSUMED for 7B); AReaL's 3:1 generation:training split
 # (d96 + d32, d144 + d48); staleness k = 4 (AReaL's default max_head_offpolicyness); the default long-tail
 # lengths (lognormal, mean 0.35 of the budget, sigma 1) and 2 ms per decode step; sync = the same plan, k = 0.
-# For 7B, 513 prompts: the trainer's 48 DP ranks need a step's sequences to divide by 48 (compiler.executable).
+# For 7B, 516 prompts: the trainer's 48 DP ranks need a step's sequences to divide by 48 (compiler.executable).
 AREAL = [("Qwen2.5-1.5B", 16, "gen:d96 + train:d32", 512, 41.0 / 14.8),
-         ("Qwen2.5-7B", 24, "gen:d144 + train:d48", 513, 57.7 / 25.4)]
+         ("Qwen2.5-7B", 24, "gen:d144 + train:d48", 516, 57.7 / 25.4)]
 
 
 @pytest.mark.slow
