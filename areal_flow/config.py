@@ -176,9 +176,10 @@ class TrainConfig:
     """Sequences per forward/backward micro-batch; gradients of a step's micro-batches are summed
     before the one optimizer step."""
     gradient_accumulation_steps: int = 0
-    """Micro-batches per optimizer step, as HF/AReaL users give it; 0 = use micro_batch_size.
-    N > 0 sets micro_batch_size = ceil(batch_size * gen.n_samples / N), the rows of one step
-    split into N micro-batches (the last may be smaller)."""
+    """Micro-batches per DP rank of each train_step's optimizer step, as HF users give it (training.*); 0 = from
+    micro_batch_size. N > 0 is what the plan records (compile.micro_batches) and the trainer runs: the rows of one
+    step (batch_size x gen.n_samples) over the DP ranks must divide by N (the compiler keeps only such dp, and
+    refuses an allocation whose dp does not); it cannot be combined with max_tokens_per_micro_batch."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward micro-batch (dynamic micro-batches, as AReaL's max_tokens_per_mb);
     0 = micro_batch_size sequences. Sequences are grouped longest first into micro-batches whose computed
@@ -409,9 +410,10 @@ class ExperimentConfig:
         if self.train.max_tokens_per_micro_batch < 0:
             raise ConfigError(f"train.max_tokens_per_micro_batch={self.train.max_tokens_per_micro_batch}: must be "
                               ">= 0 (0 = micro_batch_size sequences per micro-batch)")
-        if self.train.gradient_accumulation_steps:
-            rows = self.train.batch_size * self.gen.n_samples
-            self.train.micro_batch_size = math.ceil(rows / self.train.gradient_accumulation_steps)
+        if self.train.gradient_accumulation_steps and self.train.max_tokens_per_micro_batch:
+            raise ConfigError(f"train.gradient_accumulation_steps={self.train.gradient_accumulation_steps} with "
+                              f"train.max_tokens_per_micro_batch={self.train.max_tokens_per_micro_batch}: a token "
+                              "budget decides the micro-batches itself; set one of them to 0")
         if self.resume not in ("", "auto") and not os.path.isdir(self.resume):
             boolean = " (YAML reads yes/no/true/false as a boolean)" if self.resume in ("True", "False") else ""
             raise ConfigError(f"resume={self.resume!r}{boolean}: expected '' (a new run), 'auto' (resume <out_dir>/<name> if it "

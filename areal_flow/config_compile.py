@@ -63,13 +63,18 @@ class CompileConfig:
     """ASSUMED fixed seconds per decode step of an engine besides its memory/compute time (scheduling,
     sampling, kernel launches; compiler.decode)."""
     micro_batches: int | None = None
-    """Micro-batches per DP rank per training step; None = the power of two that fits memory and gives the
-    shortest predicted step (pipeline bubble vs per-micro-batch FSDP traffic and collective latencies)."""
+    """Micro-batches per DP rank per training step; None = from train.gradient_accumulation_steps when set,
+    else from train.micro_batch_size (compiler.program); without a config, the power of two that fits memory
+    and gives the shortest predicted step (pipeline bubble vs per-micro-batch FSDP traffic and collective
+    latencies)."""
     fsdp_overlap: float = 1.0
     """ASSUMED fraction of the data-parallel traffic (FSDP gathers/reduce-scatters, DDP all-reduce) hidden behind
     compute, up to the compute available to hide it (1.0: ideal prefetching; 0: none; compiler.timing)."""
-    activation_checkpointing: bool = True
-    """Recompute each layer in the backward pass instead of storing its activations."""
+    activation_checkpointing: bool | None = None
+    """Recompute each layer in the backward pass instead of storing its activations, for the train_steps:
+    true = on for every train_step; false = never (the search keeps only plans that fit without it);
+    null (auto, model.activation_checkpointing=auto) = the compiler turns it on for a train_step only when
+    its memory would not fit without it. The plan records the choice per node (compile --plan shows 'ac')."""
     dtype: str = "bf16"
     """Parameter/activation dtype: bf16, fp16 (mixed-precision Adam) or fp32."""
     optimizer_sharding: bool = True

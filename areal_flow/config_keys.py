@@ -37,6 +37,18 @@ def _precision(dtype: str) -> Callable[[Any], str | None]:
     return convert
 
 
+def _tristate(value: Any) -> bool | None:
+    """``true``/``false`` -> that boolean; ``auto`` (or ``null``) -> no change (None): the default, auto."""
+    text = str(value).lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    if text in ("auto", "null", "none"):
+        return None
+    raise ValueError(f"expected true, false or auto, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Alias:
     """``name`` (theirs) sets ``target`` (ours), through ``convert`` when given (None = drop)."""
@@ -54,9 +66,11 @@ ALIASES: tuple[Alias, ...] = (
     Alias("training.bf16", "model.dtype", "HF TrainingArguments", _precision("bfloat16"), "true -> bfloat16"),
     Alias("training.fp16", "model.dtype", "HF TrainingArguments", _precision("float16"), "true -> float16"),
     Alias("training.gradient_accumulation_steps", "train.gradient_accumulation_steps", "HF TrainingArguments",
-          note="micro_batch_size = ceil(batch_size * n_samples / steps)"),
-    Alias("model.activation_checkpointing", "compile.activation_checkpointing", "torchtitan"),
-    Alias("actor.gradient_checkpointing", "compile.activation_checkpointing", "AReaL"),
+          note="micro-batches per DP rank of each train_step, as the plan records"),
+    Alias("model.activation_checkpointing", "compile.activation_checkpointing", "torchtitan", _tristate,
+          "true = on, false = off, auto = the compiler decides"),
+    Alias("actor.gradient_checkpointing", "compile.activation_checkpointing", "AReaL", _tristate,
+          "true = on, false = off, auto = the compiler decides"),
     Alias("experiment_name", "name", "AReaL"),
     Alias("allocation_mode", "compile.allocation", "AReaL"),
     Alias("cluster.fileroot", "out_dir", "AReaL"),

@@ -21,7 +21,7 @@ def grpo(spec: str) -> Graph:
     g = Graph("grpo", {})
     g.add_model(ModelRef("policy", spec))
     for node in [Node("dataset", "dataset"),
-                 Node("generate", "generate", "policy", {"n_samples": 16, "max_new_tokens": 4096}),
+                 Node("generate", "generate", "policy", {"n_samples": 16, "max_new_tokens": 4096, "engine": "vllm"}),
                  Node("reward", "reward"), Node("advantage", "advantage"),
                  Node("train_step", "train_step", "policy")]:
         g.add_node(node)

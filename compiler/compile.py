@@ -114,11 +114,11 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
 
 
 def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:
-    """Activation checkpointing for a training node: on only when the config allows it and
-    the node's memory without it would not fit the device (recomputation costs ~1/3 more
-    compute, Chen et al. 2016)."""
-    if a.task.role != TRAINING or not cfg.activation_checkpointing:
-        return False
+    """Activation checkpointing for a training node: ``compile.activation_checkpointing`` true
+    turns it on, false off; null (auto) turns it on only when the node's memory without it
+    would not fit the device (recomputation costs ~1/3 more compute, Chen et al. 2016)."""
+    if a.task.role != TRAINING or cfg.activation_checkpointing is not None:
+        return a.task.role == TRAINING and bool(cfg.activation_checkpointing)
     w = model.workload
     plain = training_memory(a.task.model, a.cost.strategy, tokens_per_step=w.n_sequences * w.seq_len,
                             micro_batches=a.cost.micro_batches, dtype=cfg.dtype, sharded=cfg.optimizer_sharding,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from areal_flow.config_compile import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
 from compiler.decode import DecodeCost
+from compiler.executable import NodeFacts, check_node, failed_rule
 from compiler.lengths import LengthDist
 from compiler.memory import (
     DTYPE_BYTES,
@@ -79,6 +80,7 @@ class CostModel:
         self.per_node = cluster.n_gpus_per_node
         self.total_devices = cluster.n_nodes * cluster.n_gpus_per_node
         self.usable = device.memory_bytes * cfg.memory_fraction
+        self.checkpointing = cfg.activation_checkpointing is not False  # on or auto: train_steps may recompute
         self.links = Links(device, cluster.n_gpus_per_node, cfg.bandwidth_efficiency)
         self.lengths = LengthDist(cfg.length_dist, workload.new_tokens)
         self._costs: dict = {}
@@ -87,7 +89,8 @@ class CostModel:
 
     # -- strategies -----------------------------------------------------------------
     def check(self, task: DeviceTask, s: ParallelStrategy, size: int) -> None:
-        """Raise StrategyError (naming the node) if ``s`` cannot run ``task`` on ``size`` devices."""
+        """Raise StrategyError (naming the node) if ``s`` cannot run ``task`` on ``size`` devices, or
+        ``compiler.executable.ExecutableError`` (naming the node and the rule) if the runtime cannot run it."""
         m = task.model
         try:
             if s.world_size != size:
@@ -100,6 +103,15 @@ class CostModel:
                 raise StrategyError("cp > 1 is not supported for generation (decode is one token at a time)")
         except StrategyError as err:
             raise StrategyError(f"node '{task.node}' ({task.model.name}), strategy {s.short()}: {err}") from None
+        check_node(self.facts(task, s))
+
+    def facts(self, task: DeviceTask, s: ParallelStrategy) -> NodeFacts:
+        """What ``compiler.executable``'s rules read of ``task`` under ``s``."""
+        m = task.model
+        shape = dict(n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, n_experts=m.n_experts)
+        return NodeFacts.from_attrs(task.node, task.role, s, self.workload.node_attrs.get(task.node, {}), shape=shape,
+                                    critic=task.role == TRAINING and m.head == "scalar",
+                                    rows=self.workload.step_rows or self.workload.n_sequences)
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
         """The search space of ``task`` on ``size`` devices: every valid strategy with
@@ -110,7 +122,8 @@ class CostModel:
           tp-cp-dp-pp), training side only (decode is one token at a time);
         - ``ep`` a divisor of the experts and of ``dp * cp`` up to the machine size (the
           all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
-          Qwen3-30B-A3B do), training side of a MoE model only.
+          Qwen3-30B-A3B do), training side of a MoE model only;
+        - and that the runtime can run (``compiler.executable``'s rules).
         """
         key = (task.node, size)
         if key not in self._strategies:
@@ -131,7 +144,9 @@ class CostModel:
                             eps = [e for e in range(1, min(m.n_experts, self.per_node) + 1)
                                    if m.n_experts % e == 0 and dp * cp % e == 0]
                             for ep in eps if train_side and m.is_moe else [1]:
-                                found.append(ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
+                                s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                                if failed_rule(self.facts(task, s)) is None:  # what the runtime can run
+                                    found.append(s)
                         cp *= 2
             self._strategies[key] = found
         return self._strategies[key]
@@ -146,7 +161,7 @@ class CostModel:
             w, cfg = self.workload, self.cfg
             times = training_time(
                 task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=1,
-                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
                 forward_only=task.role != TRAINING, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,
             )
@@ -189,7 +204,7 @@ class CostModel:
             m = cfg.micro_batches or self._most_micro_batches(s)
             kw = dict(tokens_per_step=w.n_sequences * w.seq_len, micro_batches=m, dtype=cfg.dtype,
                       sharded=cfg.optimizer_sharding)
-            mem = (training_memory(task.model, s, checkpointing=cfg.activation_checkpointing, **kw)
+            mem = (training_memory(task.model, s, checkpointing=self.checkpointing, **kw)
                    if task.role == TRAINING else inference_memory(task.model, s, **kw))
             self._costs[key] = mem.total <= self.usable
         return self._costs[key]
@@ -199,7 +214,7 @@ class CostModel:
         strategy: its FLOPs at the assumed MFU (``compiler.timing.compute_s``)."""
         w, cfg = self.workload, self.cfg
         return compute_s(task.model, size, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean,
-                         checkpointing=cfg.activation_checkpointing, forward_only=task.role != TRAINING,
+                         checkpointing=self.checkpointing, forward_only=task.role != TRAINING,
                          mfu=cfg.mfu, peak_flops=self.device.peak_flops)
 
     def _most_micro_batches(self, s: ParallelStrategy) -> int:
@@ -240,13 +255,13 @@ class CostModel:
                 )
             return training_memory(
                 task.model, s, tokens_per_step=tokens, micro_batches=m, dtype=cfg.dtype,
-                sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+                sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
             )
 
         def time(m: int) -> dict:
             return training_time(
                 task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=m,
-                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=cfg.activation_checkpointing,
+                dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
                 forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,
             )

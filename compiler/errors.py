@@ -73,7 +73,7 @@ def knob_for(task: DeviceTask, cost: NodeCost, cfg: CompileConfig) -> str:
         if not cfg.optimizer_sharding and cost.strategy.dp > 1:
             return "set compile.optimizer_sharding=true (ZeRO-3/FSDP shards the 16 bytes/param over DP)"
         return "more devices (cluster.n_nodes) to shard over, or a device with more memory (cluster.gpu)"
-    if not cfg.activation_checkpointing:
+    if cfg.activation_checkpointing is False:
         return "set compile.activation_checkpointing=true (keeps 2 of 34 bytes/token/hidden per layer)"
     if cfg.micro_batches is not None:
         return "raise compile.micro_batches (or null to choose) to shrink each micro-batch"

@@ -19,9 +19,12 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
   ``estimator="multi_turn"`` in ``mode="turn"`` over an ``ops.rollout``'s episodes gets that
   rollout's ``gamma`` (a discount per turn, as the episode return's) unless it was given one;
   ``mode="token"`` discounts per policy token, another unit, so it keeps its own (1.0 unless given);
-* ``compile.micro_batches`` (when null) from ``train.micro_batch_size``: the step's
-  ``train.batch_size x n_samples`` sequences in micro-batches of that many; the compiler
-  writes the count per DP rank into the plan and the trainer follows the plan;
+* ``compile.micro_batches`` from ``train.gradient_accumulation_steps`` when set (exactly that
+  many per DP rank; each train_step's ``gradient_accumulation_steps`` attribute makes the
+  compiler keep only the ``dp`` whose rows divide by it, ``compiler.executable``), else (when
+  null) from ``train.micro_batch_size``: the step's ``train.batch_size x n_samples`` sequences
+  in micro-batches of that many; the compiler writes the count per DP rank into the plan and
+  the trainer follows the plan;
 * ``plan.run``: :class:`RunSpec` (name, folders, seed, steps, warm start, evaluation,
   scheduler, dtype);
 * ``plan.algorithms`` / ``plan.estimators``: the user-registered algorithms and estimators
@@ -64,7 +67,8 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
                               checkpoint_every=t.checkpoint_every,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
-                              max_nonfinite_steps=t.max_nonfinite_steps)
+                              max_nonfinite_steps=t.max_nonfinite_steps,
+                              gradient_accumulation_steps=t.gradient_accumulation_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:
             r = cfg.reward
             node.attrs.update(timeout_s=r.timeout_s, workers=r.workers, max_failure_fraction=r.max_failure_fraction,
@@ -77,10 +81,28 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:
-    """Micro-batches per step from ``train.micro_batch_size`` (at least 1)."""
+    """Micro-batches per DP rank of the train_steps: ``train.gradient_accumulation_steps`` when set,
+    else per step from ``train.micro_batch_size`` (at least 1).
+
+    Raises:
+        CompileConfigError: ``train.gradient_accumulation_steps`` that divides no step's rows, or
+            that ``compile.micro_batches`` contradicts (naming both keys).
+    """
+    from areal_flow.config_compile import CompileConfigError
+
     gens = graph.generators()
     samples = gens[0].attrs.get("n_samples", 1) if gens else 1
-    return max(1, math.ceil(cfg.train.batch_size * samples / cfg.train.micro_batch_size))
+    rows, steps = cfg.train.batch_size * samples, cfg.train.gradient_accumulation_steps
+    if not steps:
+        return max(1, math.ceil(rows / cfg.train.micro_batch_size))
+    if cfg.compile.micro_batches not in (None, steps):
+        raise CompileConfigError(f"train.gradient_accumulation_steps={steps} and compile.micro_batches="
+                                 f"{cfg.compile.micro_batches} both set the micro-batches per DP rank; keep one")
+    if rows % steps:
+        raise CompileConfigError(f"train.gradient_accumulation_steps={steps} does not divide the {rows} sequences of "
+                                 f"a step (train.batch_size x gen.n_samples = {cfg.train.batch_size} x {samples}): "
+                                 "every micro-batch holds the same number of sequences")
+    return steps
 
 
 def compile_program(graph: Graph, cfg: ExperimentConfig):
@@ -109,7 +131,7 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
     lower_attrs(graph, cfg)
     notes = lower_losses(graph, cfg.train.loss) + group_notes(graph)
     compile_cfg = dataclasses.replace(cfg.compile)
-    if compile_cfg.micro_batches is None:
+    if compile_cfg.micro_batches is None or cfg.train.gradient_accumulation_steps:
         compile_cfg.micro_batches = micro_batches(cfg, graph)
     plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size)
     run = dataclasses.asdict(RunSpec.from_config(cfg))

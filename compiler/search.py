@@ -1,9 +1,11 @@
 """Search over allocations and per-node strategies for the fastest steady-state step.
 
-Owns the enumeration. Layouts: *colocated* (all device nodes time-share one aligned mesh,
-of every aligned size) and *disaggregated* (generation nodes on one mesh, training and
-inference nodes on a disjoint one, every pair of aligned sizes that packs onto the
-cluster). For each layout, strategies are chosen per node, exactly:
+Owns the enumeration, over the strategies the runtime can run only (``CostModel.strategies``
+drops those ``compiler.executable`` refuses, so no candidate the runtime would refuse is
+ranked). Layouts: *colocated* (all device nodes time-share one aligned mesh, of every
+aligned size) and *disaggregated* (generation nodes on one mesh, training and inference
+nodes on a disjoint one, every pair of aligned sizes that packs onto the cluster). For each
+layout, strategies are chosen per node, exactly:
 
 - the objective (``compiler.step``) and its tie-breaker (the serial time) grow with every
   training-side node's seconds and do not otherwise depend on its strategy, so each

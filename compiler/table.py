@@ -59,6 +59,7 @@ def format_table(plan: Plan) -> str:
             where = n.mesh.label()
             strategy = n.strategy + (f" m{n.micro_batches}" if n.micro_batches else "")
             strategy += f" c{n.concurrent}" if n.concurrent else ""
+            strategy += " ac" if n.activation_checkpointing else ""
         rows.append((n.name, n.op, n.role, where, strategy, _memory(n), headroom(plan, n), _time(n)))
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
     for row in [header] + rows:
@@ -87,5 +88,6 @@ def format_table(plan: Plan) -> str:
     lines.extend(f"WARNING: {w}" for w in plan.warnings)
     lines.append(memory_line(plan))
     lines.extend(f"assumed: {a}" for a in assumptions(plan))
-    lines.append("m = micro-batches per DP rank, c = sequences decoded at once per replica; cpu nodes run on their host's machine")
+    lines.append("m = micro-batches per DP rank, c = sequences decoded at once per replica, ac = activation "
+                 "checkpointing on; cpu nodes run on their host's machine")
     return "\n".join(lines)

@@ -69,6 +69,10 @@ class Workload:
         data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
         ops: node -> op, for every graph node.
         checkpointing: the trainers that write checkpoints (``checkpoint_every > 0``).
+        node_attrs: device node -> its attributes (what ``compiler.executable`` reads of it).
+        step_rows: the sequences a train_step takes per step when the plan runs, B x the generate
+            node's ``n_samples`` (``compile.samples_per_prompt`` changes only the time model's);
+            0 = ``n_sequences``.
     """
 
     graph_name: str
@@ -82,6 +86,8 @@ class Workload:
     data_edges: tuple[tuple[str, str, str, int | None], ...]
     ops: dict[str, str]
     checkpointing: tuple[str, ...] = ()
+    node_attrs: dict[str, dict] = dataclasses.field(default_factory=dict)
+    step_rows: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -174,6 +180,8 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
         checkpointing=tuple(n.name for n in trainers(graph) if (n.attrs or {}).get("checkpoint_every")),
+        node_attrs={t.node: dict(graph.nodes[t.node].attrs) for t in tasks},
+        step_rows=batch_groups * int(gen_attrs.get("n_samples") or 1),
     )
 
 

@@ -37,8 +37,8 @@ of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runt
 saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
 ``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
-the metrics come from the last stage. A critic's train_step and the other products are refused
-by :func:`check_parallel_training` before any process starts.
+the metrics come from the last stage. What it cannot run is refused before any process starts by
+the compiler's one predicate, ``compiler.executable`` (which the compiler's search obeys too).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
-from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.strategy import ParallelStrategy
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
@@ -78,48 +78,6 @@ from runtime.weights import DEFAULT_BUCKET_BYTES
 
 _SUMMED = ("loss", "policy_loss", "n_tokens", "n_seqs")  # totals of the rank's share of the global loss
 _MAXED = ("importance_weight_max", "step_skipped", "grad_norm")  # grad_norm: already global, equal on every rank
-
-
-def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path, *, rows: int,
-                            critic: bool, max_tokens_per_micro_batch: int = 0) -> None:
-    """Refuse, before any process starts, a strategy the RL trainer cannot run.
-
-    Args:
-        strategy: the plan's ``train_step`` strategy.
-        model_folder: the version-0 policy (its ``config.json`` gives heads, layers, ties).
-        rows: sequences per optimizer step (``train.batch_size * gen.n_samples``).
-        critic: the graph trains a critic with the policy (PPO).
-        max_tokens_per_micro_batch: ``train.max_tokens_per_micro_batch`` (0 = off).
-
-    Raises:
-        StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
-            with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
-            least ``pp`` sequences per DP rank; no critic; no token budget with ``pp > 1`` (the
-            stages exchange micro-batches of one shape). Under ``dp > 1`` a token budget is fine:
-            every DP rank runs the most micro-batches any has (``rl_runner.ShardedRunner.same_count``).
-    """
-    validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
-    if strategy.ep > 1 and (strategy.pp > 1 or strategy.cp > 1 or strategy.tp > 1):
-        raise StrategyError(f"train_step strategy {strategy.short()}: ep={strategy.ep} with pp, cp or tp: the RL "
-                            "trainer's expert parallelism runs over dp ranks only (e.g. train:d2e2)")
-    if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
-        raise StrategyError(f"train_step strategy {strategy.short()}: cp={strategy.cp} with pp or tp: the RL trainer's "
-                            "context parallelism (sequence chunks, whole-row loss) runs with dp only")
-    if rows % strategy.dp:
-        raise StrategyError(f"train_step strategy {strategy.short()}: a step of {rows} sequences (train.batch_size "
-                            f"x gen.n_samples) must divide by dp={strategy.dp}: every DP rank runs as many "
-                            "micro-batches (FSDP collectives) as the others")
-    if rows // strategy.dp < strategy.pp:
-        raise StrategyError(f"train_step strategy {strategy.short()}: {rows // strategy.dp} sequences per DP rank "
-                            f"cannot fill pp={strategy.pp} pipeline micro-batches (the 1F1B schedule runs at least "
-                            "one micro-batch of at least one sequence per stage); raise train.batch_size")
-    if max_tokens_per_micro_batch and strategy.pp > 1:
-        raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
-                            f"{max_tokens_per_micro_batch} with pp={strategy.pp}: pipeline stages exchange "
-                            "micro-batches of one shape; set it to 0 and size micro-batches with train.micro_batch_size")
-    if critic:
-        raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
-                            "run its graph with a world size of 1 (e.g. train:d1)")
 
 
 def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
@@ -166,7 +124,8 @@ class RankTrainer:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             model = model.cuda()
         mesh = build_device_mesh(strategy, device_type)
-        config = ParallelConfig(n_microbatches=None)  # the runner drives a pipeline stage itself
+        # the runner drives a pipeline stage itself; activation checkpointing as the plan says
+        config = ParallelConfig(n_microbatches=None, activation_checkpointing=spec.activation_checkpointing)
         parallel = parallelize(model.train(), strategy, mesh, config)
         if strategy.tp_enabled and strategy.dp * strategy.cp == 1:  # FSDP would make them DTensors otherwise
             replicate_unsharded(parallel.module, mesh["tp"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_flow.ops.registry import TRAINING
+from compiler.executable import check_executable
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
@@ -62,12 +63,14 @@ class RunSetup:
         Raises:
             ResumeError: ``resume`` names another folder, one without a complete checkpoint, a
                 folder whose ``plan.json`` is another program.
+            compiler.executable.ExecutableError: a strategy the runtime cannot run (:func:`check_runnable`).
         """
         from compiler import format_table
 
         topo = build_topology(plan)
         check_kill_at(plan, topo)
         task = preflight(plan, topo)
+        check_runnable(plan, topo)  # the shape-free rules now; prepare() adds the models' shapes
         out_dir = Path(plan.run["out_dir"]).resolve() / plan.run["name"]
         checkpointing = any(n.attrs.get("checkpoint_every") for n in topo.train_steps)
         if resume == "auto" and not checkpointing:
@@ -135,14 +138,7 @@ class RunSetup:
         self._say(f"preparing the start models ({', '.join(sorted({m['spec'] for m in self.plan.models.values()}))})")
         self.folders = prepare_models(self.plan, self.task, progress=self.show_progress)
         policy = self.topo.generate.model
-        from runtime.parallel_trainer import check_parallel_training
-
-        for node in self.topo.train_steps:  # before any worker starts, naming the broken rule
-            if node.parallel.world_size > 1:
-                rows = self.topo.batch_groups * self.topo.generate.attrs["n_samples"]
-                check_parallel_training(node.parallel, self.folders[node.model], rows=rows,
-                                        critic=self.plan.models[node.model]["head"] != "lm",
-                                        max_tokens_per_micro_batch=node.attrs.get("max_tokens_per_micro_batch", 0))
+        check_runnable(self.plan, self.topo, self.folders)
         self._check_token_budget()
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
@@ -411,3 +407,22 @@ def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float,
         return accuracy, None
     kinds = Counter(task.answer_kind(p, text) for text, p in zip(answers, problems))
     return accuracy, {kind: kinds[kind] for kind in task.ANSWER_KINDS}
+
+
+def check_runnable(plan: Plan, topo: Topology, folders: dict[str, str] | None = None) -> None:
+    """The compiler's one predicate (``compiler.executable``) on ``plan``, before any worker starts,
+    with the run's rows per step; given the prepared models' ``folders``, with the shapes of their
+    ``config.json`` (heads, layers, experts) for the models on several devices.
+
+    Raises:
+        compiler.executable.ExecutableError: naming the node and the broken rule.
+    """
+    shapes = {}
+    if folders is not None:
+        from transformers import AutoConfig
+
+        from runtime.parallel.validate import model_shape
+
+        multi = {n.model for n in plan.nodes if n.strategy is not None and n.parallel.world_size > 1}
+        shapes = {m: model_shape(AutoConfig.from_pretrained(folders[m])) for m in sorted(multi)}
+    check_executable(plan, shapes, rows=topo.batch_groups * topo.generate.attrs.get("n_samples", 1))

@@ -1,7 +1,8 @@
 """From a plan to worker groups: which process runs which node, and how groups connect.
 
-Owns the partition of the plan's nodes into worker groups and the checks of what the
-runtime can run, made before any process starts (each error names the node). A worker
+Owns the partition of the plan's nodes into worker groups and the checks of its shape,
+made before any process starts (each error names the node); which strategies the runtime
+can run is the compiler's one predicate (``compiler.executable``, asked by ``runtime.run_setup``). A worker
 group is one device node's mesh with the CPU-light nodes placed with it (``placed_with``):
 
 * the ``generation`` group of the generate node: ``dp`` replicas behind the router
@@ -124,10 +125,11 @@ def build_topology(plan: Plan) -> Topology:
     """Partition ``plan`` into worker groups and check it (module doc).
 
     Raises:
-        TopologyError: not exactly one dataset and one generate node; a generation
-            strategy other than ``dN``; a forward-only node or a critic on several
-            processes; a trainer without exactly one data input; a placement the runtime
-            cannot run (``compiler.hosting``: the node and the rule); no trainer.
+        TopologyError: not exactly one dataset and one generate node; a trainer without
+            exactly one data input; a placement the runtime cannot run
+            (``compiler.hosting``: the node and the rule); no trainer. (Which strategies the
+            runtime can run is ``compiler.executable``'s predicate, which
+            ``runtime.run_setup`` asks before any process starts.)
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
@@ -138,11 +140,6 @@ def build_topology(plan: Plan) -> Topology:
         raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node, found "
                             f"{len(sources)} and {len(gens)} ({names})")
     gen, source = gens[0], sources[0]
-    s = gen.parallel
-    if s.tp > 1 or s.pp > 1 or s.cp > 1 or s.ep > 1:
-        if gen.attrs.get("engine") != "vllm" or s.pp > 1 or s.cp > 1 or s.ep > 1:
-            raise TopologyError(f"{gen.where()}: generation strategy {s.short()}: the embedded engine runs dN "
-                                "replicas (one process each); tensor parallel generation needs engine='vllm'")
     groups: dict[str, WorkerGroup] = {}
     meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
     notes: list[str] = []
@@ -180,7 +177,7 @@ def build_topology(plan: Plan) -> Topology:
                 elif group_of[src] not in chain:  # a later step group gets it with the batch from the first
                     _connect(groups, group_of[src], chain[0])
             if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
-                notes.extend(_check_multi_rank(plan, node))
+                notes.extend(_multi_rank_notes(node))
     for before, after in zip(chain, chain[1:]):  # the step's batch passes down the chain (compiler.hosting)
         _connect(groups, before, after)
     steps = [n for n in plan.nodes if n.trains]
@@ -239,12 +236,9 @@ def trainer_input(node: NodePlan) -> str:
     return next(iter(node.inputs))
 
 
-def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
-    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic."""
+def _multi_rank_notes(node: NodePlan) -> list[str]:
+    """Notes for nodes on a multi-rank mesh (what a trainer may run: ``compiler.executable``)."""
     if not node.trains:
         return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
                 "the plan)"]
-    if plan.models[node.model]["head"] != "lm":
-        raise TopologyError(f"{node.where()}: a critic's train_step runs on one process; the plan gives it "
-                            f"{node.strategy}")
     return []

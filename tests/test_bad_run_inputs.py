@@ -112,6 +112,9 @@ EDITS = {  # a hand edit -> what the one line names
                              ["plan node 'generate': ", "n_samples=-4: must be >= 1"]),
     "run.scheduler.type": (lambda p: p["run"]["scheduler"].update(type="slurm"),
                            ["plan.run: scheduler.type='slurm': expected 'local' or 'ray'"]),
+    # what the runtime cannot run: the compiler's one predicate (compiler.executable), before any process
+    "generate.strategy": (lambda p: _node(p, "generate").update(strategy="d1t2"),
+                          ["node 'generate' strategy d1t2: rule 'engine-parallel'"]),
 }
 
 

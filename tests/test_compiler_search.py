@@ -12,6 +12,7 @@ from compiler import AllocationError, ClusterConfig, CompileConfig, InfeasiblePl
 from compiler.allocation import parse
 from areal_flow.config_compile import CompileConfigError
 from compiler.cost import CostModel
+from compiler.executable import failed_rule
 from compiler.hardware import device_spec
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
 from compiler.search import _Search
@@ -22,10 +23,12 @@ from compiler.workload import GENERATION, build_workload
 
 def grpo_graph(spec: str, critic: bool = False) -> Graph:
     """dataset -> generate -> reward -> advantage -> train_step (+ weights back to generate);
-    with ``critic``, the advantage reads a critic model that has its own train_step (PPO)."""
+    with ``critic``, the advantage reads a critic model that has its own train_step (PPO).
+    Generation uses vLLM, the engine that runs tensor parallelism (compiler.executable)."""
     g = Graph("ppo" if critic else "grpo", {})
     g.add_model(ModelRef("policy", spec))
-    nodes = [Node("dataset", "dataset"), Node("generate", "generate", "policy", {"n_samples": 4, "max_new_tokens": 512}),
+    gen = {"n_samples": 4, "max_new_tokens": 512, "engine": "vllm"}
+    nodes = [Node("dataset", "dataset"), Node("generate", "generate", "policy", gen),
              Node("reward", "reward"), Node("advantage", "advantage", "critic" if critic else None),
              Node("train_step", "train_step", "policy", {"max_staleness": 1}), Node("sync_weights", "sync_weights", "policy")]
     edges = [("dataset", "generate"), ("generate", "reward"), ("reward", "advantage"), ("advantage", "train_step")]
@@ -50,11 +53,12 @@ def _aligned_meshes(n_nodes, per_node):
     return meshes
 
 
-def _all_strategies(task, size, per_node, n_sequences):
+def _all_strategies(task, size, per_node, n_sequences, model):
     """The search space, enumerated independently of compiler.cost: dp at most the step's
     sequences; generation may replicate KV heads and uses neither CP nor EP; on the training
     side CP is a power of two with tp * cp within a machine, and EP (MoE only) divides the
-    experts and dp * cp and stays within a machine."""
+    experts and dp * cp and stays within a machine; and the runtime can run it (the one
+    predicate, compiler.executable)."""
     found = []
     train_side = task.role != GENERATION
     for dp, tp, pp, cp, ep in itertools.product(range(1, size + 1), repeat=5):
@@ -71,7 +75,8 @@ def _all_strategies(task, size, per_node, n_sequences):
                            gpus_per_node=per_node, replicate_kv=task.role == GENERATION)
         except StrategyError:
             continue
-        found.append(s)
+        if failed_rule(model.facts(task, s)) is None:
+            found.append(s)
     return found
 
 
@@ -94,7 +99,7 @@ def brute_force(graph, cluster, cfg, batch_groups):
             continue
         for groups_tasks, group_meshes in options:
             per_task = [[(t, s) for s in _all_strategies(t, m.size, cluster.n_gpus_per_node,
-                                                          model.workload.n_sequences)]
+                                                          model.workload.n_sequences, model)]
                         for tasks, m in zip(groups_tasks, group_meshes) for t in tasks]
             for combo in itertools.product(*per_task):
                 it = iter(combo)

@@ -33,14 +33,14 @@ def test_aliases_in_yaml_with_line_numbers(tmp_path):
         load_config(path)
 
 
-def test_gradient_accumulation_maps_onto_micro_batches():
-    # 8 prompts x 8 samples = 64 rows; 4 accumulation steps -> micro-batches of 64 / 4 = 16
+def test_gradient_accumulation_is_kept_for_the_plan_and_auto_checkpointing_is_the_default():
+    # the HF name sets train.gradient_accumulation_steps; micro_batch_size is left as given (the
+    # plan's micro-batches come from the count: tests/test_memory_knobs.py)
     cfg = load_config(None, ["train.batch_size=8", "gen.n_samples=8", "training.gradient_accumulation_steps=4"])
-    assert cfg.train.micro_batch_size == 16
-    # 3 prompts x 5 samples = 15 rows in 4 micro-batches -> ceil(15 / 4) = 4 rows (4 + 4 + 4 + 3)
-    cfg = load_config(None, ["train.batch_size=3", "gen.n_samples=5", "train.gradient_accumulation_steps=4"])
-    assert cfg.train.micro_batch_size == 4
-    assert load_config(None, ["train.micro_batch_size=7"]).train.micro_batch_size == 7  # 0 = off
+    assert (cfg.train.gradient_accumulation_steps, cfg.train.micro_batch_size) == (4, 32)
+    assert load_config(None, []).compile.activation_checkpointing is None  # auto
+    assert load_config(None, ["model.activation_checkpointing=auto"]).compile.activation_checkpointing is None
+    assert load_config(None, ["actor.gradient_checkpointing=true"]).compile.activation_checkpointing is True
 
 
 @pytest.mark.parametrize("typed, meant", [

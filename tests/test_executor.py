@@ -158,15 +158,29 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
     assert all(v > -1e9 for v in _scalars(tmp_path / "two", "train/kl_ref_in_reward"))
 
 
-def test_a_critic_train_step_on_several_processes_is_refused(tmp_path):
+def test_a_critic_train_step_on_several_processes_is_refused():
+    """At compile (the user's allocation) and, for a hand-edited plan, by the runtime: the one
+    predicate's rule ``critic-parallel`` (compiler.executable) both times."""
+    import dataclasses
+
     from areal_flow.cli import load_flow
+    from compiler import AllocationError
+    from compiler.executable import ExecutableError
     from compiler.program import compile_program
+    from runtime.run_setup import check_runnable
 
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
-    with pytest.raises(TopologyError, match="critic_step.*a critic's train_step runs on one process"):
-        build_topology(compile_program(fl(cfg), cfg))
+    with pytest.raises(AllocationError, match="critic_step.*rule 'critic-parallel'"):
+        compile_program(fl(cfg), cfg)
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
+                      [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d1 | critic_step:d1 + gen:d1"])
+    plan = compile_program(fl(cfg), cfg)
+    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="d2") if n.name == "critic_step"
+                                                   else n for n in plan.nodes))
+    with pytest.raises(ExecutableError, match="critic_step.*rule 'critic-parallel'"):
+        check_runnable(edited, build_topology(edited))  # what a run checks before any process starts
 
 
 def _kill_replica_when(out: Path, n_records: int, died: list) -> None:

@@ -117,23 +117,21 @@ def test_packed_and_token_budget_updates_equal_padded(mode, variant):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
-def test_config_keys_reach_the_trainer_and_bad_values_are_named(tmp_path):
+def test_config_keys_reach_the_trainer_and_bad_values_are_named():
     from areal_flow.config import ConfigError
     from areal_flow.config_load import load_config
-    from areal_flow.models.tiny import build_model
-    from compiler.strategy import ParallelStrategy, StrategyError
-    from runtime.parallel_trainer import check_parallel_training
+    from compiler.executable import ExecutableError, NodeFacts, check_node
+    from compiler.strategy import ParallelStrategy
 
     cfg = load_config(overrides=["train.max_tokens_per_micro_batch=512", "train.pack_sequences=true"])
     assert cfg.train.max_tokens_per_micro_batch == 512 and cfg.train.pack_sequences is True
     with pytest.raises(ConfigError, match="train.max_tokens_per_micro_batch=-3"):
         load_config(overrides=["train.max_tokens_per_micro_batch=-3"])
-    build_model("tiny-s", 50).save_pretrained(tmp_path)
-    with pytest.raises(StrategyError, match="max_tokens_per_micro_batch=512 with pp=2"):  # one micro-batch shape
-        check_parallel_training(ParallelStrategy.parse("p2"), tmp_path, rows=8, critic=False,
-                                max_tokens_per_micro_batch=512)
+    facts = dict(rows=8, token_budget=512)
+    with pytest.raises(ExecutableError, match="max_tokens_per_micro_batch=512 with pp=2"):  # one micro-batch shape
+        check_node(NodeFacts("train_step", "training", ParallelStrategy.parse("p2"), **facts))
     # dp ranks even out their micro-batch counts (split_to_count): accepted
-    check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=False, max_tokens_per_micro_batch=512)
+    check_node(NodeFacts("train_step", "training", ParallelStrategy.parse("d2"), **facts))
 
 
 def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cache):

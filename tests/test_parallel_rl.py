@@ -24,7 +24,7 @@ import torch
 from areal_flow.config_load import load_config
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
-from compiler.strategy import ParallelStrategy, StrategyError
+from compiler.strategy import ParallelStrategy
 from rl_step_cases import assert_step_matches, rl_batch, settings, single_process_step
 from runtime.model_source import load_pretrained
 from runtime.parallel.launch import spawn_workers
@@ -37,18 +37,21 @@ TINY_RUN = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_star
             "async.max_staleness=1", "cluster.n_gpus_per_node=3", "train.weight_decay=0.1"]
 
 
-CASES = {  # case -> (algorithm, strategy, packed rows); Dr.GRPO normalises by the step's sequences x longest
-    # response; the packed cases must match the padded single-process reference too
+CASES = {  # case -> (algorithm, strategy, packed rows[, settings changed]); Dr.GRPO normalises by the step's
+    # sequences x longest response; the packed cases and activation checkpointing (the plan's, recomputing each
+    # layer in backward) must match the padded single-process reference too
     "grpo-dp2": ("grpo", "d2", False), "grpo-tp2": ("grpo", "t2", False), "dr_grpo-dp2": ("dr_grpo", "d2", False),
     "grpo-dp2-packed": ("grpo", "d2", True), "grpo-tp2-packed": ("grpo", "t2", True),
+    "grpo-dp2-ac": ("grpo", "d2", False, {"activation_checkpointing": True}),
 }
 
 
 def _one_step_on_ranks(rank: int, world_size: int, folder: Path, batch: dict) -> dict | None:
     """Worker: one RL step per case, each on a fresh model; rank 0 returns them."""
     out = {}
-    for case, (algorithm, text, packed) in CASES.items():
-        trainer = RankTrainer.build(settings(folder, algorithm, packed), ParallelStrategy.parse(text))
+    for case, (algorithm, text, packed, *fields) in CASES.items():
+        trainer = RankTrainer.build(settings(folder, algorithm, packed, **(fields[0] if fields else {})),
+                                    ParallelStrategy.parse(text))
         stats = trainer.step(batch)
         grads = dict(full_named_tensors(trainer.parallel.module, grads=True))
         out[case] = {"stats": stats, "grads": grads, "state": trainer.gather_weights()}
@@ -113,15 +116,16 @@ def test_arith_grpo_trains_on_two_processes_with_generation_in_a_third(tmp_path,
 @pytest.mark.parametrize(("overrides", "rule"), [
     # 1 group x 3 samples = 3 sequences per step cannot be split over dp=2
     (["train.batch_size=1", "gen.n_samples=3", "compile.allocation=train:d2 + gen:d1"],
-     r"a step of 3 sequences .* must divide by dp=2"),
+     r"rule 'rows-divide-dp': a step of 3 sequences .* must divide by dp=2"),
     # pipeline stages exchange micro-batches of one shape: no token budget
     (["compile.allocation=train:d1p2 + gen:d1", "train.max_tokens_per_micro_batch=64"],
-     r"max_tokens_per_micro_batch=64 with pp=2: pipeline stages exchange micro-batches of one shape"),
+     r"rule 'token-budget-no-pp': .*max_tokens_per_micro_batch=64 with pp=2: pipeline stages exchange"),
 ])
 def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, warm_cache, monkeypatch, overrides,
                                                                      rule):
     from areal_flow.cli import default_config_path, load_flow
     from areal_flow.cli.run import run_experiment
+    from compiler import AllocationError
     from runtime import launch
 
     def refuse(*args, **kwargs):
@@ -130,5 +134,5 @@ def test_strategy_the_rl_trainer_cannot_run_fails_before_any_process(tmp_path, w
     monkeypatch.setattr(launch.LocalScheduler, "start", refuse)
     flow = load_flow(REPO / "graphs/arith_grpo.py")
     cfg = load_config(default_config_path(flow, None), [*TINY_RUN, *overrides, f"out_dir={tmp_path}"])
-    with pytest.raises(StrategyError, match=rule):
+    with pytest.raises(AllocationError, match=rule):  # the user's allocation, refused at compile
         run_experiment(flow(cfg), cfg, show_progress=False)

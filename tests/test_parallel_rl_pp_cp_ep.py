@@ -175,22 +175,23 @@ def test_arith_grpo_moe_trains_with_its_experts_on_two_ranks(tmp_path, warm_cach
 
 
 @pytest.mark.parametrize(("preset", "strategy", "rows", "budget", "rule"), [
-    ("tiny-s", "d1p2c2", 8, 0, r"cp=2 with pp or tp: .* runs with dp only"),
-    ("tiny-moe", "d2p2e2", 8, 0, r"ep=2 with pp, cp or tp: .* over dp ranks only \(e.g. train:d2e2\)"),
-    ("tiny-s", "d2p2", 2, 0, r"1 sequences per DP rank cannot fill pp=2 pipeline micro-batches"),
-    ("tiny-s", "d1p2", 8, 64, r"max_tokens_per_micro_batch=64 with pp=2"),
+    ("tiny-s", "d1p2c2", 8, 0, r"rule 'cp-with-dp-only': cp=2 with pp or tp: .* runs with dp only"),
+    ("tiny-moe", "d2p2e2", 8, 0, r"rule 'ep-over-dp-only': ep=2 with pp, cp or tp: .* over dp ranks only \(e.g. train:d2e2\)"),
+    ("tiny-s", "d2p2", 2, 0, r"rule 'rows-fill-pp': 1 sequences per DP rank cannot fill pp=2 pipeline micro-batches"),
+    ("tiny-s", "d1p2", 8, 64, r"rule 'token-budget-no-pp': train.max_tokens_per_micro_batch=64 with pp=2"),
     ("tiny-s", "d2", 8, 0, None), ("tiny-s", "d1p2", 8, 0, None), ("tiny-s", "d2c2", 8, 0, None),
     ("tiny-moe", "d2e2", 8, 0, None), ("tiny-s", "d1t2p2", 8, 0, None), ("tiny-s", "d2", 8, 64, None),
 ])
-def test_the_rl_trainer_refuses_only_what_it_cannot_run(tmp_path, preset, strategy, rows, budget, rule):
-    from compiler.strategy import StrategyError
-    from runtime.parallel_trainer import check_parallel_training
+def test_the_rl_trainer_refuses_only_what_it_cannot_run(preset, strategy, rows, budget, rule):
+    """The one predicate (compiler.executable), on the shape of the model's own config."""
+    from compiler.executable import ExecutableError, NodeFacts, check_node
+    from runtime.parallel.validate import model_shape
 
-    build_model(preset, 50).save_pretrained(tmp_path)
-    check = lambda: check_parallel_training(ParallelStrategy.parse(strategy), tmp_path, rows=rows,  # noqa: E731
-                                            critic=False, max_tokens_per_micro_batch=budget)
+    shape = model_shape(build_model(preset, 50).config)
+    check = lambda: check_node(NodeFacts("train_step", "training", ParallelStrategy.parse(strategy),  # noqa: E731
+                                         shape=shape, rows=rows, token_budget=budget))
     if rule is None:
         check()
     else:
-        with pytest.raises(StrategyError, match=rule):
+        with pytest.raises(ExecutableError, match=rule):
             check()

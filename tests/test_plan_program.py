@@ -141,7 +141,7 @@ def test_executors_read_the_loss_config_and_the_algorithm_from_the_plan():
     loss = _loss(clip_eps_high=0.25, use_decoupled_loss=True, kl_coef=0.5, kl_in_reward=True)
     step = NS(name="train_step", op="train_step", trains=True, model="policy", inputs={"advantages": ["advantage", "advantages"]},
               attrs={"algorithm": "test_never_registered", "loss": loss, "lr": 0.1, "weight_decay": 0.0,
-                     "max_grad_norm": 1.0})
+                     "max_grad_norm": 1.0}, micro_batches=1, activation_checkpointing=False)
     plan = NS(nodes=[step], models={"policy": {"head": "lm"}}, algorithms={"test_never_registered":
                                                                            encode_value(NeverRegistered)})
     ctx = NS(plan=plan, folders={"policy": "unused"}, seed=0, pad_id=0,

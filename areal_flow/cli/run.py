@@ -26,6 +26,7 @@ def run_command(args: argparse.Namespace) -> int:
     """
     if args.plan:
         from compiler.plan import Plan
+        from compiler.strategy import StrategyError
         from runtime.launch import run
 
         if args.file or args.overrides or args.config or args.flow:
@@ -39,8 +40,8 @@ def run_command(args: argparse.Namespace) -> int:
         plan = Plan.from_json(path.read_text(), source=str(path))
         try:
             run(plan, resume=args.resume or "")
-        except ConfigError as exc:  # a value of the plan the config's checks refuse (runtime.preflight)
-            raise CLIError(f"{path}: {exc}") from None
+        except (ConfigError, StrategyError) as exc:  # a value the config's checks (runtime.preflight) or a
+            raise CLIError(f"{path}: {exc}") from None  # strategy the runtime's rules (compiler.executable) refuse
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")

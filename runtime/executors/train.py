@@ -43,8 +43,12 @@ class TrainSettings:
     Attributes:
         model_folder: version-0 weights. algorithm: registered name. loss: the plan's whole
         ``LossConfig`` (field -> value). lr / weight_decay / max_grad_norm: AdamW and clipping.
-        micro_batch_size: sequences per forward/backward (recomputed each step from the
-        plan's micro-batches). temperature: of the sampler. seed: initialisation seed.
+        micro_batch_size: sequences per forward/backward (recomputed each step from
+        ``micro_batches``). micro_batches: the plan's micro-batches per DP rank
+        (``NodePlan.micro_batches``: ``train.gradient_accumulation_steps`` when set).
+        activation_checkpointing: the plan's choice for the node (``compile.activation_checkpointing``:
+        on, off or the compiler's when auto); every rank recomputes its layers in the backward pass.
+        temperature: of the sampler. seed: initialisation seed.
         max_tokens_per_micro_batch / pack_sequences: ``train.*`` of the same names (the
         policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
         user_algorithm: the plan's encoded class of a user-registered algorithm (None: built in),
@@ -63,6 +67,8 @@ class TrainSettings:
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False
     user_algorithm: dict | None = None
+    micro_batches: int = 1
+    activation_checkpointing: bool = False
 
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
@@ -73,7 +79,8 @@ class TrainSettings:
                    temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
                    max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
                    pack_sequences=a.get("pack_sequences", False),
-                   user_algorithm=ctx.plan.algorithms.get(a["algorithm"]))
+                   user_algorithm=ctx.plan.algorithms.get(a["algorithm"]), micro_batches=node.micro_batches or 1,
+                   activation_checkpointing=node.activation_checkpointing)
 
     def loss_config(self) -> LossConfig:
         """The plan's loss config of this node."""
@@ -107,7 +114,7 @@ class TrainStepExecutor:
         self.node, self.ctx = node, ctx
         self.port = trainer_input(node)
         self.settings = TrainSettings.from_node(node, ctx)
-        self.micro_batches = node.micro_batches or 1
+        self.micro_batches = self.settings.micro_batches
         self.critic = ctx.plan.models[node.model]["head"] == "value"
         self.ranks = ctx.rank_trainer if not self.critic else None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
@@ -118,7 +125,7 @@ class TrainStepExecutor:
             self.algorithm = self.ranks.algorithm
             return
         self.model = ctx.model(node.model).to(self.device).train()
-        if node.activation_checkpointing:  # transformers >= 5.24 names it activation_checkpointing_enable
+        if self.settings.activation_checkpointing:  # transformers >= 5.24 names it activation_checkpointing_enable
             enable = (getattr(self.model, "activation_checkpointing_enable", None)
                       or getattr(self.model, "gradient_checkpointing_enable", None))
             if enable is not None:

@@ -5,7 +5,8 @@ applies :meth:`ParallelStrategy.validate_for`, plus the rules that only the
 runtime's own choices impose:
 
 - context parallelism is Ulysses all-to-all (see ``context_parallel``), so
-  ``cp`` must divide the heads and the KV heads left on each TP rank.
+  ``cp`` must divide the heads and the KV heads left on each TP rank (the rule
+  ``ulysses-heads`` of ``compiler.executable``, the one predicate).
 
 Tied word embeddings are fine under ``pp > 1``: the first and last stages each keep a copy and
 sum its gradients (``pipeline.sync_tied_embedding_grads``).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from compiler.executable import NodeFacts, ulysses_heads
 from compiler.strategy import ParallelStrategy, StrategyError
 
 
@@ -42,9 +44,6 @@ def validate_strategy_for_model(strategy: ParallelStrategy, config: Any, gpus_pe
     """
     shape = model_shape(config)
     strategy.validate_for(**shape, gpus_per_node=gpus_per_node)
-    heads_per_tp, kv_per_tp = shape["n_heads"] // strategy.tp, shape["n_kv_heads"] // strategy.tp
-    if heads_per_tp % strategy.cp or kv_per_tp % strategy.cp:
-        raise StrategyError(
-            f"cp={strategy.cp} must divide the heads ({heads_per_tp}) and KV heads ({kv_per_tp}) per TP rank: "
-            "Ulysses context parallelism scatters heads across the cp ranks"
-        )
+    why = ulysses_heads(NodeFacts("", "training", strategy, shape=shape))
+    if why is not None:
+        raise StrategyError(why)
