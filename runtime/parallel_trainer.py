@@ -37,8 +37,12 @@ of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runt
 saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
 ``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
-the metrics come from the last stage. A critic's train_step and the other products are refused
-by :func:`check_parallel_training` before any process starts.
+the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
+``dN`` on the same ranks (``runtime.parallel.rl_critic``): its commands carry ``critic`` set,
+its batch is split and normalised as above, and after each of its steps its full weights are
+gathered into rank 0's whole copy (the one the advantage node reads). A critic under ``tp``,
+``pp``, ``cp`` or ``ep`` and the other products are refused by :func:`check_parallel_training`
+before any process starts.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from runtime.parallel.launch import spawn_workers
 from runtime.parallel import signed_objects
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_context import ContextRunner
+from runtime.parallel.rl_critic import RankCritic
 from runtime.parallel.rl_pipeline import PipelineRunner
 from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
@@ -88,17 +93,20 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         strategy: the plan's ``train_step`` strategy.
         model_folder: the version-0 policy (its ``config.json`` gives heads, layers, ties).
         rows: sequences per optimizer step (``train.batch_size * gen.n_samples``).
-        critic: the graph trains a critic with the policy (PPO).
+        critic: ``strategy`` is that of a critic's train_step (PPO's value model).
         max_tokens_per_micro_batch: ``train.max_tokens_per_micro_batch`` (0 = off).
 
     Raises:
         StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
             with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
-            least ``pp`` sequences per DP rank; no critic; no token budget with ``pp > 1`` (the
+            least ``pp`` sequences per DP rank; a critic only data parallel (``dN``); no token budget with ``pp > 1`` (the
             stages exchange micro-batches of one shape). Under ``dp > 1`` a token budget is fine:
             every DP rank runs the most micro-batches any has (``rl_runner.ShardedRunner.same_count``).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
+    if critic and strategy.world_size != strategy.dp:
+        raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs data parallel only "
+                            f"(FSDP over dp ranks, e.g. d{strategy.world_size}); tp, pp, cp and ep are for the policy")
     if strategy.ep > 1 and (strategy.pp > 1 or strategy.cp > 1 or strategy.tp > 1):
         raise StrategyError(f"train_step strategy {strategy.short()}: ep={strategy.ep} with pp, cp or tp: the RL "
                             "trainer's expert parallelism runs over dp ranks only (e.g. train:d2e2)")
@@ -117,9 +125,6 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
         raise StrategyError(f"train_step strategy {strategy.short()}: train.max_tokens_per_micro_batch="
                             f"{max_tokens_per_micro_batch} with pp={strategy.pp}: pipeline stages exchange "
                             "micro-batches of one shape; set it to 0 and size micro-batches with train.micro_batch_size")
-    if critic:
-        raise StrategyError(f"train_step strategy {strategy.short()}: a critic's train_step runs on one process; "
-                            "run its graph with a world size of 1 (e.g. train:d1)")
 
 
 def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
@@ -146,19 +151,24 @@ def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[
 
 @dataclass
 class RankTrainer:
-    """One rank's share of the policy: its parallelized module and the algorithm around it."""
+    """One rank's share of the policy: its parallelized module and the algorithm around it,
+    and its share of a critic trained on the same ranks (``None``: no critic here)."""
 
     rank: int
     strategy: ParallelStrategy
     parallel: ParallelModel
     algorithm: BaseAlgorithm
+    critic: RankCritic | None = None
 
     @classmethod
-    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu") -> "RankTrainer":
+    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu",
+              critic: TrainSettings | None = None) -> "RankTrainer":
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
         rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
-        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``). Every rank calls
-        this (collectives). A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
+        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``); with ``critic``
+        (its train_step's settings; ``strategy`` is then ``dN``) the critic sharded over the
+        ``dp`` ranks too (``RankCritic.build``). Every rank calls this (collectives). A reference
+        policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
@@ -174,7 +184,8 @@ class RankTrainer:
         algorithm = spec.build_algorithm(parallel.module, optimizer)
         runner = PipelineRunner if strategy.pp_enabled else ContextRunner if strategy.cp_enabled else ShardedRunner
         algorithm.runner = runner(parallel)
-        return cls(rank, strategy, parallel, algorithm)
+        value = RankCritic.build(critic, mesh["dp"], device_type) if critic is not None else None
+        return cls(rank, strategy, parallel, algorithm, value)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors,
@@ -280,6 +291,9 @@ def _die_with_parent() -> None:
 def _follow(trainer: RankTrainer) -> None:
     """A rank other than 0: step on every broadcast batch until the ``None`` command."""
     while (command := broadcast_command(None)) is not None:
+        if command.get("critic"):
+            _follow_critic(trainer.critic, command)
+            continue
         batch = command["batch"]
         if batch is None:  # between steps: a checkpoint's sharded state, or the weights only (a resync)
             checkpoint = command.get("checkpoint")
@@ -301,10 +315,28 @@ def _follow(trainer: RankTrainer) -> None:
     trainer.gather_weights()
 
 
+def _follow_critic(critic: RankCritic, command: dict) -> None:
+    """A rank other than 0: the critic's part of ``command`` (a step, then the gather of its
+    weights into rank 0's copy; or a checkpoint's save or load of its shards)."""
+    checkpoint = command.get("checkpoint")
+    if checkpoint is not None:
+        if checkpoint[0] == "save":
+            critic.save_state(checkpoint[1])
+        else:  # then rank 0's whole copy gets the loaded weights
+            critic.load_state(checkpoint[1])
+            critic.gather_into(None)
+        return
+    dtype = command.get("dtype", torch.float32)
+    device = next(critic.module.parameters()).device.type
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        critic.step(command["batch"], command["micro_batches"])
+    critic.gather_into(None)
+
+
 def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, device_type: str,
-               lead, args) -> object:
+               lead, args, critic: TrainSettings | None) -> object:
     _die_with_parent()
-    trainer = RankTrainer.build(settings, strategy, device_type)
+    trainer = RankTrainer.build(settings, strategy, device_type, critic)
     if rank == 0:
         return lead(trainer, *args)
     _follow(trainer)
@@ -312,20 +344,22 @@ def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: Pa
 
 
 def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
-              device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None) -> object:
+              device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None,
+              critic: TrainSettings | None = None) -> object:
     """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
     its result is returned, the others follow its broadcasts (:func:`_follow`).
 
     Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
     rank 0 waits for experience). ``device_type``/``backend``: the plan's (``cpu``/``gloo``
     or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``). ``secret``: the run's
-    channel secret, the key of every object the ranks exchange (``spawn_workers``).
+    channel secret, the key of every object the ranks exchange (``spawn_workers``). ``critic``:
+    the settings of a critic's train_step trained on the same ranks (``RankTrainer.build``).
 
     Raises:
         StrategyError: ``strategy`` breaks a model rule (checked before spawning).
         runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
-    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args),
+    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args, critic),
                             backend=backend, timeout_s=timeout_s, secret=secret)
     return results[0]

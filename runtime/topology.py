@@ -206,11 +206,16 @@ def trainer_input(node: NodePlan) -> str:
 
 
 def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
-    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic."""
+    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic that
+    does not share the policy train_step's mesh and strategy (it runs on that train_step's ranks)."""
     if not node.trains:
         return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
                 "the plan)"]
-    if plan.models[node.model]["head"] != "lm":
-        raise TopologyError(f"{node.where()}: a critic's train_step runs on one process; the plan gives it "
-                            f"{node.strategy}")
+    generated = next(n.model for n in plan.nodes if n.grain == STREAM)
+    policy = next((n for n in plan.nodes if n.trains and n.model == generated), None)
+    if plan.models[node.model]["head"] != "lm" and (policy is None or (policy.mesh, policy.parallel) !=
+                                                     (node.mesh, node.parallel)):
+        raise TopologyError(f"{node.where()}: a critic's train_step on several processes ({node.strategy}) runs on "
+                            "the ranks of the policy's train_step: give it the policy's mesh and strategy "
+                            "(e.g. train:d2 | critic_step:d2), or one process (critic_step:d1)")
     return []
