@@ -158,14 +158,20 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
     assert all(v > -1e9 for v in _scalars(tmp_path / "two", "train/kl_ref_in_reward"))
 
 
-def test_a_critic_train_step_on_several_processes_is_refused(tmp_path):
+def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only():
+    """A dN critic on the policy train_step's mesh joins its worker group (its ranks:
+    ``test_parallel_critic``); on a multi-rank mesh of its own it is refused, naming the node."""
     from areal_flow.cli import load_flow
     from compiler.program import compile_program
 
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
-    with pytest.raises(TopologyError, match="critic_step.*a critic's train_step runs on one process"):
+    group = build_topology(compile_program(fl(cfg), cfg)).groups["train_step"]
+    assert {"train_step", "critic_step"} <= set(group.nodes) and group.strategy.short() == "d2"
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
+                      [*TINY, "cluster.n_gpus_per_node=8", "compile.allocation=critic_step:d2 + train:d2 + gen:d1"])
+    with pytest.raises(TopologyError, match=r"critic_step.*\(d2\) runs on the ranks of the policy's train_step"):
         build_topology(compile_program(fl(cfg), cfg))
 
 

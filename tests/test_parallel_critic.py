@@ -8,16 +8,20 @@ single-process critic step (``critic_update`` as ``runtime.executors.train`` run
    FSDP's reduce-scatter sums two half-batch gradients; observed: value loss 2e-8 relative,
    gradients 3e-8 absolute, weights 5e-7 after AdamW's first step); the whole copy rank 0
    gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit.
-2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end with its policy and critic
-   train_steps on the same 2 ranks (``train:d2 | critic_step:d2``) and a checkpoint, saved and
-   resumed: every sample trained once, the critic's value loss reported, its sharded state
-   in the critic's checkpoint folder.
-3. A critic under tp (or on its own multi-rank mesh) is refused before any process starts.
+2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
+   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``): every sample
+   trained once, the critic's value loss reported, its shards in the critic's checkpoint folder;
+   resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
+3. A critic under tp is refused before any process starts (on its own multi-rank mesh:
+   ``test_executor``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,8 +40,8 @@ from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_critic import RankCritic
 from runtime.parallel.weight_sync import full_named_tensors
+from runtime.checkpoint import read_state
 from runtime.parallel_trainer import check_parallel_training
-from runtime.topology import TopologyError, build_topology
 from runs import records as trained_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,43 +145,57 @@ def test_critic_strategy_other_than_dp_is_refused(tmp_path):
     check_parallel_training(ParallelStrategy.parse("d2"), tmp_path, rows=8, critic=True)  # dp runs
 
 
-def test_critic_on_its_own_multi_rank_mesh_is_refused():
-    from areal_flow.cli import load_flow
-    from compiler.program import compile_program
+PPO_RUN = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2",
+           "compile.allocation=train:d2 | critic_step:d2 + gen:d1"]
 
-    fl = load_flow(REPO / "graphs/arith_ppo.py")
-    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
-                      ["train.batch_size=2", "gen.n_samples=4", "cluster.n_gpus_per_node=8",
-                       "compile.allocation=critic_step:d2 + train:d2 + gen:d1"])
-    with pytest.raises(TopologyError, match="critic_step.*runs on the ranks of the policy's train_step"):
-        build_topology(compile_program(fl(cfg), cfg))
-    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
-                      ["train.batch_size=2", "gen.n_samples=4", "cluster.n_gpus_per_node=4",
-                       "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
-    groups = build_topology(compile_program(fl(cfg), cfg)).groups
-    assert set(groups["train_step"].nodes) >= {"train_step", "critic_step"}
+
+def _ppo(out: Path, name: str, steps: int, *extra: str) -> str:
+    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`); its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(REPO / "graphs/arith_ppo.py"),
+                           *PPO_RUN, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
-def test_arith_ppo_trains_policy_and_critic_on_two_ranks(tmp_path, warm_cache):
-    from areal_flow.cli import load_flow
-    from areal_flow.cli.run import run_experiment
+def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache):
+    """Three CLI runs (~40 s each on 2 cores): 2 steps with a checkpoint at version 2, resumed for
+    a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    flow = load_flow(REPO / "graphs/arith_ppo.py")
-    run = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
-           "async.max_staleness=1", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2",
-           "compile.allocation=train:d2 | critic_step:d2 + gen:d1", f"out_dir={tmp_path}"]
-    summary = run_experiment(flow(load_config(REPO / "graphs/arith_ppo.yaml", ["train.steps=2", *run])),
-                             load_config(REPO / "graphs/arith_ppo.yaml", ["train.steps=2", *run]),
-                             show_progress=False)
-    out = tmp_path / flow.name
-    plan = {n["name"]: n["strategy"] for n in json.loads((out / "plan.json").read_text())["nodes"]}
+    _ppo(tmp_path, "cut", 2)
+    cut = tmp_path / "cut"
+    plan = {n["name"]: n["strategy"] for n in json.loads((cut / "plan.json").read_text())["nodes"]}
     assert plan["train_step"] == plan["critic_step"] == "d2"
-    trainer = summary["workers"]["train_step/0"]
+    trainer = json.loads((cut / "summary.json").read_text())["workers"]["train_step/0"]
     assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (2, 2 * 2 * 4, 2)
-    assert len(trained_records(out)) == 2 * 2 * 4
-    checkpoint = out / "checkpoints" / "version_2"
-    assert (checkpoint / "critic" / "trainer_dcp" / ".metadata").is_file()  # the critic's shards, its own folder
-    assert (checkpoint / "trainer_dcp" / ".metadata").is_file()  # the policy's
-    assert ValueModel.load(out.parent / "critic").value_head.weight.shape == (1, ValueModel.load(
-        out.parent / "critic").value_head.in_features)
+    assert len(trained_records(cut)) == 2 * 2 * 4
+    version_2 = cut / "checkpoints" / "version_2"
+    assert read_state(version_2)["world_sizes"] == {"train_step": 2, "critic_step": 2}
+    files = json.loads((version_2 / "manifest.json").read_text())["files"]
+    shards = {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert {f"critic/trainer_dcp/{f}" for f in shards} | {f"trainer_dcp/{f}" for f in shards} <= files.keys()
+    events = EventAccumulator(str(cut))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/value_loss")] == [0, 1]
+    assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars("train/value_loss"))
+    critic_v2 = _weights(cut / "critic")
+    assert _same(critic_v2, _weights(version_2 / "critic"))  # the gathered whole copy, saved
+    err = _ppo(tmp_path, "cut", 3, "--resume", str(cut))
+    assert f"resuming {cut} from version_2 (step 2 of 3)" in err
+    _ppo(tmp_path, "whole", 3)
+    assert not _same(_weights(cut / "critic"), critic_v2)  # step 2 trained the critic after the resume
+    for sub in ("critic", "model"):  # the critic's shards and AdamW state came back bit for bit
+        assert _same(_weights(cut / sub), _weights(tmp_path / "whole" / sub)), sub
