@@ -99,9 +99,10 @@ def check_parallel_training(strategy: ParallelStrategy, model_folder: str | Path
     Raises:
         StrategyError: naming the rule: those of ``validate_strategy_for_model``; ``cp`` only
             with ``dp``, ``ep`` only over ``dp``; ``rows`` divisible by ``dp``; at
-            least ``pp`` sequences per DP rank; a critic only data parallel (``dN``); no token budget with ``pp > 1`` (the
-            stages exchange micro-batches of one shape). Under ``dp > 1`` a token budget is fine:
-            every DP rank runs the most micro-batches any has (``rl_runner.ShardedRunner.same_count``).
+            least ``pp`` sequences per DP rank; a critic only data parallel (``dN``); no token
+            budget with ``pp > 1`` (the stages exchange micro-batches of one shape). Under
+            ``dp > 1`` a token budget is fine: every DP rank runs the most micro-batches any has
+            (``rl_runner.ShardedRunner.same_count``).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(model_folder))
     if critic and strategy.world_size != strategy.dp:

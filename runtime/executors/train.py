@@ -7,9 +7,10 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
 value model, on one process or on the policy's ranks (``dN``: ``runtime.parallel.rl_critic``;
-rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``),
-activation checkpointing and the whole loss config the compiler merged (``attrs.loss``:
-``compiler.algorithms``; nothing here merges defaults), with the algorithm's class from the
+rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the
+plan: the micro-batches per DP rank (``NodePlan.micro_batches``), activation checkpointing
+and the whole loss config the compiler merged (``attrs.loss``: ``compiler.algorithms``;
+nothing here merges defaults), with the algorithm's class from the
 registry or, for a user-registered one, from the plan (``plan.algorithms``). It must not
 receive experience or publish weights: the worker does, with the ``weights`` this executor
 returns.
@@ -127,7 +128,7 @@ class TrainStepExecutor:
             if enable is not None:
                 enable()
         s = self.settings
-        if self.rank_critic is not None:  # self.model: rank 0's whole copy; the optimizer: rank 0's shards'
+        if self.rank_critic is not None:  # self.model: rank 0's whole copy; the optimizer: rank 0's shards
             self.optimizer = self.rank_critic.optimizer
             return
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
