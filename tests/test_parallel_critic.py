@@ -29,7 +29,6 @@ import torch
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
-from areal_flow.config_load import load_config
 from areal_flow.models.critic import ValueModel
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
@@ -120,6 +119,7 @@ def critic_steps(tmp_path_factory):
     return parallel, single_process_critic(folder, batch)
 
 
+@pytest.mark.slow  # the fixture spawns two ranks: ~30 s on 2 shared cores
 def test_critic_dp2_matches_single_process(critic_steps):
     parallel, reference = critic_steps
     first, ref = parallel[0], reference[0]
