@@ -38,7 +38,7 @@ saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
 ``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
 the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
-``dN`` on the same ranks (``runtime.parallel.rl_critic``): its commands carry ``critic`` set,
+``dN`` on the same ranks (``runtime.parallel_critic``): its commands carry ``critic`` set,
 its batch is split and normalised as above, and after each of its steps its full weights are
 gathered into rank 0's whole copy (the one the advantage node reads). A critic under ``tp``,
 ``pp``, ``cp`` or ``ep`` and the other products are refused by :func:`check_parallel_training`
@@ -70,7 +70,7 @@ from runtime.parallel.launch import spawn_workers
 from runtime.parallel import signed_objects
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_context import ContextRunner
-from runtime.parallel.rl_critic import RankCritic
+from runtime.parallel_critic import RankCritic
 from runtime.parallel.rl_pipeline import PipelineRunner
 from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded

@@ -1,4 +1,4 @@
-"""A critic's train_step on two data-parallel ranks (``runtime.parallel.rl_critic``) equals the
+"""A critic's train_step on two data-parallel ranks (``runtime.parallel_critic``) equals the
 single-process critic step (``critic_update`` as ``runtime.executors.train`` runs it).
 
 1. Two optimizer steps of the tiny critic with dp2 (FSDP2, 2 micro-batches per rank) and on one
@@ -37,7 +37,7 @@ from rl_step_cases import GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, assert_update_matches
 from runtime.executors.train import micro_batch_size
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
-from runtime.parallel.rl_critic import RankCritic
+from runtime.parallel_critic import RankCritic
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.checkpoint import read_state
 from runtime.parallel_trainer import check_parallel_training

@@ -6,7 +6,7 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
-value model, on one process or on the policy's ranks (``dN``: ``runtime.parallel.rl_critic``;
+value model, on one process or on the policy's ranks (``dN``: ``runtime.parallel_critic``;
 rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the
 plan: the micro-batches per DP rank (``NodePlan.micro_batches``), activation checkpointing
 and the whole loss config the compiler merged (``attrs.loss``: ``compiler.algorithms``;
@@ -113,7 +113,7 @@ class TrainStepExecutor:
         self.critic = ctx.plan.models[node.model]["head"] == "value"
         self.ranks = ctx.rank_trainer if not self.critic else None
         on_ranks = self.critic and ctx.rank_trainer is not None and node.parallel.world_size > 1
-        self.rank_critic = ctx.rank_trainer.critic if on_ranks else None  # runtime.parallel.rl_critic
+        self.rank_critic = ctx.rank_trainer.critic if on_ranks else None  # runtime.parallel_critic
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
