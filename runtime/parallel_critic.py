@@ -1,8 +1,8 @@
 """A critic's train_step on the data-parallel ranks of the RL trainer (PPO's value model).
 
 Owns one rank's share of the critic: the value model (``areal_flow.models.critic``) sharded
-with FSDP2 over the trainer's ``dp`` ranks (ZeRO-3, gradients summed: ``runtime.parallel.fsdp``) and its AdamW
-state, and the step that makes the gradient that of the single-process critic's loss
+with FSDP2 over the trainer's ``dp`` ranks (ZeRO-3, gradients summed:
+``runtime.parallel.fsdp``) and its AdamW state, and the step that makes the gradient that of the single-process critic's loss
 (``areal_flow.algorithms.critic_update``): every rank takes the ``B / dp`` contiguous rows of
 its DP coordinate, the step's normalisers (valid tokens and sequences summed, longest response
 maxed) are all-reduced over the ``dp`` ranks first, so each rank's clipped value loss is its
