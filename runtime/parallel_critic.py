@@ -35,7 +35,7 @@ from areal_flow.models.critic import ValueModel
 from runtime.executors.train import TrainSettings, micro_batch_size
 from runtime.parallel.fsdp import apply_fsdp
 from runtime.parallel.weight_sync import full_named_tensors
-from runtime.reshard import FLAT, load_sharded
+from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "loss_mask", "values", "returns")
 """The batch tensors a critic step reads (``[B, T]`` each)."""
@@ -129,6 +129,16 @@ class RankCritic:
         ``model`` and ``optimizer``, the optimizer state flattened). Every rank calls it."""
         model_state, optim_state = get_state_dict(self.module, self.optimizer, options=FLAT)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def load_whole(self, folder: str | Path, optimizer_state: dict) -> None:
+        """Load a critic one process wrote (``folder``: its ``ValueModel.save`` folder;
+        ``optimizer_state``: its AdamW ``state_dict``) into this rank's shards (every rank calls
+        it; ``runtime.reshard.load_whole_into_ranks``).
+
+        Raises:
+            FileNotFoundError: ``folder`` holds no saved critic; those of ``load_whole_into_ranks``.
+        """
+        load_whole_into_ranks(self.module, self.optimizer, folder, optimizer_state, load=ValueModel.load)
 
     def load_state(self, folder: str | Path) -> None:
         """Load the shards :meth:`save_state` wrote to ``folder`` (by any number of ranks) into

@@ -323,9 +323,12 @@ def _follow_critic(critic: RankCritic, command: dict) -> None:
     if checkpoint is not None:
         if checkpoint[0] == "save":
             critic.save_state(checkpoint[1])
-        else:  # then rank 0's whole copy gets the loaded weights
+            return
+        if checkpoint[0] == "load":  # shards of several ranks
             critic.load_state(checkpoint[1])
-            critic.gather_into(None)
+        else:  # ("whole", critic folder, node): one process's critic, its optimizer in the version's state
+            critic.load_whole(checkpoint[1], read_state(Path(checkpoint[1]).parent)["optimizers"][checkpoint[2]])
+        critic.gather_into(None)  # rank 0's whole copy gets the loaded weights
         return
     dtype = command.get("dtype", torch.float32)
     device = next(critic.module.parameters()).device.type

@@ -7,7 +7,8 @@ single-process critic step (``critic_update`` as ``runtime.executors.train`` run
    the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of additions only:
    FSDP's reduce-scatter sums two half-batch gradients; observed: value loss 2e-8 relative,
    gradients 3e-8 absolute, weights 5e-7 after AdamW's first step); the whole copy rank 0
-   gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit.
+   gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit;
+   the one-process critic and its AdamW state load into the two ranks' shards bit for bit.
 2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
    and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``): every sample
    trained once, the critic's value loss reported, its shards in the critic's checkpoint folder;
@@ -38,6 +39,7 @@ from runtime.executors.train import micro_batch_size
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel_critic import RankCritic
+from runtime.reshard import whole_state
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.checkpoint import read_state
 from runtime.parallel_trainer import check_parallel_training
@@ -68,9 +70,11 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def single_process_critic(folder: Path, batch: dict) -> list[dict]:
+def single_process_critic(folder: Path, batch: dict, saved: Path) -> tuple[list[dict], dict]:
     """The reference: the single-process critic step (``TrainStepExecutor._critic_step``) ``STEPS``
-    times; per step its stats, gradients, weights before and after."""
+    times; per step its stats, gradients, weights before and after. The critic after the last
+    step is saved to ``saved`` (``ValueModel.save``, as a checkpoint holds it); its AdamW
+    ``state_dict`` is returned too."""
     spec = settings(folder, "ppo")
     model = ValueModel.from_policy(folder, seed=spec.seed).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
@@ -86,12 +90,16 @@ def single_process_critic(folder: Path, batch: dict) -> list[dict]:
         stats = critic_update(model, optimizer, batch, mask, norm, spec.loss_config(), slices, spec.max_grad_norm)
         out.append({"stats": stats, "grads": dict(full_named_tensors(model, grads=True)), "state": _state(model),
                     "initial": initial})
-    return out
+    model.save(saved)
+    return out, optimizer.state_dict()
 
 
-def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict) -> list[dict] | None:
-    """Worker: ``STEPS`` steps of ``RankCritic`` on dp2; rank 0 returns stats, full gradients,
-    gathered weights and its whole copy after each."""
+def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, saved: Path,
+                     optimizer_state: dict) -> dict | None:
+    """Worker: ``STEPS`` steps of ``RankCritic`` on dp2 (rank 0 keeps stats, full gradients,
+    gathered weights and its whole copy after each); then a fresh ``RankCritic`` loads the
+    one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole weights and
+    AdamW state, ``reshard.whole_state``)."""
     spec = settings(folder, "ppo")
     mesh = build_device_mesh(ParallelStrategy.parse(f"d{world_size}"), "cpu")
     critic = RankCritic.build(spec, mesh["dp"])
@@ -104,7 +112,10 @@ def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict) -> l
         critic.gather_into(whole)
         out.append({"stats": stats, "grads": grads, "state": state,
                     "whole": _state(whole) if whole is not None else None})
-    return out if rank == 0 else None
+    loaded = RankCritic.build(spec, mesh["dp"])
+    loaded.load_whole(saved, optimizer_state)
+    state = whole_state(loaded.module, loaded.optimizer)  # a collective: every rank joins
+    return {"steps": out, "loaded": state} if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +126,15 @@ def critic_steps(tmp_path_factory):
     build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     batch = critic_batch(folder)
-    parallel = spawn_workers(_critic_on_ranks, 2, (folder, batch), backend="gloo")[0]
-    return parallel, single_process_critic(folder, batch)
+    saved = tmp_path_factory.mktemp("critic")
+    reference, optimizer_state = single_process_critic(folder, batch, saved)
+    parallel = spawn_workers(_critic_on_ranks, 2, (folder, batch, saved, optimizer_state), backend="gloo")[0]
+    return parallel, reference, ValueModel.load(saved), optimizer_state
 
 
 @pytest.mark.slow  # the fixture spawns two ranks: ~30 s on 2 shared cores
 def test_critic_dp2_matches_single_process(critic_steps):
-    parallel, reference = critic_steps
+    parallel, reference = critic_steps[0]["steps"], critic_steps[1]
     first, ref = parallel[0], reference[0]
     assert 0 < ref["stats"]["value_clip_frac"] < 1  # both branches of the clipped value loss run
     for step, (got, expected) in enumerate(zip(parallel, reference)):
@@ -135,6 +148,19 @@ def test_critic_dp2_matches_single_process(critic_steps):
     for got in parallel:  # rank 0's whole copy (GAE's values, the saved critic) is the ranks' weights
         assert got["whole"].keys() == got["state"].keys()
         assert all(torch.equal(got["whole"][k], got["state"][k]) for k in got["state"])
+
+
+@pytest.mark.slow
+def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_steps):
+    """A checkpoint's one-process critic (weights and AdamW state) resumes on dp2 ranks."""
+    loaded_model, loaded_optim = critic_steps[0]["loaded"]
+    saved, optimizer_state = critic_steps[2], critic_steps[3]
+    weights = dict(saved.named_parameters())
+    assert loaded_model.keys() == weights.keys()
+    assert all(torch.equal(loaded_model[k], weights[k].detach()) for k in weights)
+    for index, name in enumerate(weights):  # the positional state_dict, by name
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
 
 
 def test_critic_strategy_other_than_dp_is_refused(tmp_path):

@@ -249,17 +249,17 @@ class TrainStepExecutor:
 
         Raises:
             RuntimeError: weights that do not fit the model (torch names the keys), or a
-                ``trainer_dcp/`` of other tensors (DCP names them); a critic on several ranks
-                given a checkpoint one process wrote (not supported: resume it on one process).
+                ``trainer_dcp/`` of other tensors (DCP names them).
         """
         from runtime.checkpoint import SHARDED_DIR
 
-        if self.rank_critic is not None:
-            if world_size == 1:
-                raise RuntimeError(f"{self.node.name}: a critic checkpoint written by one process resumes on one "
-                                   f"process only, not on {self.world_size} ranks")
-            broadcast_command({"batch": None, "critic": True, "checkpoint": ("load", str(folder / SHARDED_DIR))})
-            self.rank_critic.load_state(folder / SHARDED_DIR)
+        if self.rank_critic is not None:  # the checkpoint's critic into the ranks' shards, then rank 0's copy
+            command = ("load", str(folder / SHARDED_DIR)) if world_size > 1 else ("whole", str(folder), self.node.name)
+            broadcast_command({"batch": None, "critic": True, "checkpoint": command})
+            if world_size > 1:
+                self.rank_critic.load_state(folder / SHARDED_DIR)
+            else:
+                self.rank_critic.load_whole(folder, optimizer_state)
             self.rank_critic.gather_into(self.model)
             return
         if self.ranks is not None:
