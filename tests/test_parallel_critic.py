@@ -197,8 +197,9 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.slow
 def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache):
-    """Three CLI runs (~40 s each on 2 cores): 2 steps with a checkpoint at version 2, resumed for
-    a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks)."""
+    """Three CLI runs (40-100 s each on 2 shared cores): 2 steps with a checkpoint at version 2,
+    resumed for a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks; the
+    resumed step's GAE values come from rank 0's copy of the loaded critic)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _ppo(tmp_path, "cut", 2)
