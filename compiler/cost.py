@@ -123,7 +123,9 @@ class CostModel:
         - ``ep`` a divisor of the experts and of ``dp * cp`` up to the machine size (the
           all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
           Qwen3-30B-A3B do), training side of a MoE model only;
-        - and that the runtime can run (``compiler.executable``'s rules).
+        - and that the runtime can run (``compiler.executable``'s rules); a critic's train_step
+          one process only (the runtime runs a ``dN`` critic only on the policy train_step's
+          ranks, a placement a user gives with ``train:d2 | critic_step:d2``).
         """
         key = (task.node, size)
         if key not in self._strategies:
@@ -145,7 +147,8 @@ class CostModel:
                                    if m.n_experts % e == 0 and dp * cp % e == 0]
                             for ep in eps if train_side and m.is_moe else [1]:
                                 s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-                                if failed_rule(self.facts(task, s)) is None:  # what the runtime can run
+                                critic = task.role == TRAINING and m.head == "scalar"
+                                if failed_rule(self.facts(task, s)) is None and not (critic and s.world_size > 1):
                                     found.append(s)
                         cp *= 2
             self._strategies[key] = found

@@ -37,8 +37,12 @@ of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runt
 saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
 ``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
-the metrics come from the last stage. What it cannot run is refused before any process starts by
-the compiler's one predicate, ``compiler.executable`` (which the compiler's search obeys too).
+the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
+``dN`` on the same ranks (``runtime.parallel_critic``): its commands carry ``critic`` set,
+its batch is split and normalised as above, and after each of its steps its full weights are
+gathered into rank 0's whole copy (the one the advantage node reads). What it cannot run is
+refused before any process starts by the compiler's one predicate, ``compiler.executable``
+(which the compiler's search obeys too).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from runtime.parallel.launch import spawn_workers
 from runtime.parallel import signed_objects
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_context import ContextRunner
+from runtime.parallel_critic import RankCritic
 from runtime.parallel.rl_pipeline import PipelineRunner
 from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
@@ -104,19 +109,24 @@ def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[
 
 @dataclass
 class RankTrainer:
-    """One rank's share of the policy: its parallelized module and the algorithm around it."""
+    """One rank's share of the policy: its parallelized module and the algorithm around it,
+    and its share of a critic trained on the same ranks (``None``: no critic here)."""
 
     rank: int
     strategy: ParallelStrategy
     parallel: ParallelModel
     algorithm: BaseAlgorithm
+    critic: RankCritic | None = None
 
     @classmethod
-    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu") -> "RankTrainer":
+    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu",
+              critic: TrainSettings | None = None) -> "RankTrainer":
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
         rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
-        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``). Every rank calls
-        this (collectives). A reference policy's log-probs travel in the batch (``ref_logprobs``)."""
+        run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``); with ``critic``
+        (its train_step's settings; ``strategy`` is then ``dN``) the critic sharded over the
+        ``dp`` ranks too (``RankCritic.build``). Every rank calls this (collectives). A reference
+        policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
@@ -133,7 +143,8 @@ class RankTrainer:
         algorithm = spec.build_algorithm(parallel.module, optimizer)
         runner = PipelineRunner if strategy.pp_enabled else ContextRunner if strategy.cp_enabled else ShardedRunner
         algorithm.runner = runner(parallel)
-        return cls(rank, strategy, parallel, algorithm)
+        value = RankCritic.build(critic, mesh["dp"], device_type) if critic is not None else None
+        return cls(rank, strategy, parallel, algorithm, value)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors,
@@ -239,6 +250,9 @@ def _die_with_parent() -> None:
 def _follow(trainer: RankTrainer) -> None:
     """A rank other than 0: step on every broadcast batch until the ``None`` command."""
     while (command := broadcast_command(None)) is not None:
+        if command.get("critic"):
+            _follow_critic(trainer.critic, command)
+            continue
         batch = command["batch"]
         if batch is None:  # between steps: a checkpoint's sharded state, or the weights only (a resync)
             checkpoint = command.get("checkpoint")
@@ -260,10 +274,31 @@ def _follow(trainer: RankTrainer) -> None:
     trainer.gather_weights()
 
 
+def _follow_critic(critic: RankCritic, command: dict) -> None:
+    """A rank other than 0: the critic's part of ``command`` (a step, then the gather of its
+    weights into rank 0's copy; or a checkpoint's save or load of its shards)."""
+    checkpoint = command.get("checkpoint")
+    if checkpoint is not None:
+        if checkpoint[0] == "save":
+            critic.save_state(checkpoint[1])
+            return
+        if checkpoint[0] == "load":  # shards of several ranks
+            critic.load_state(checkpoint[1])
+        else:  # ("whole", critic folder, node): one process's critic, its optimizer in the version's state
+            critic.load_whole(checkpoint[1], read_state(Path(checkpoint[1]).parent)["optimizers"][checkpoint[2]])
+        critic.gather_into(None)  # rank 0's whole copy gets the loaded weights
+        return
+    dtype = command.get("dtype", torch.float32)
+    device = next(critic.module.parameters()).device.type
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        critic.step(command["batch"], command["micro_batches"])
+    critic.gather_into(None)
+
+
 def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, device_type: str,
-               lead, args) -> object:
+               lead, args, critic: TrainSettings | None) -> object:
     _die_with_parent()
-    trainer = RankTrainer.build(settings, strategy, device_type)
+    trainer = RankTrainer.build(settings, strategy, device_type, critic)
     if rank == 0:
         return lead(trainer, *args)
     _follow(trainer)
@@ -271,20 +306,22 @@ def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: Pa
 
 
 def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
-              device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None) -> object:
+              device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None,
+              critic: TrainSettings | None = None) -> object:
     """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
     its result is returned, the others follow its broadcasts (:func:`_follow`).
 
     Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
     rank 0 waits for experience). ``device_type``/``backend``: the plan's (``cpu``/``gloo``
     or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``). ``secret``: the run's
-    channel secret, the key of every object the ranks exchange (``spawn_workers``).
+    channel secret, the key of every object the ranks exchange (``spawn_workers``). ``critic``:
+    the settings of a critic's train_step trained on the same ranks (``RankTrainer.build``).
 
     Raises:
         StrategyError: ``strategy`` breaks a model rule (checked before spawning).
         runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside).
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
-    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args),
+    results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args, critic),
                             backend=backend, timeout_s=timeout_s, secret=secret)
     return results[0]

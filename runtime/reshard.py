@@ -31,6 +31,7 @@ recomputed, so the loaded tensors equal the checkpoint's bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,7 +100,8 @@ def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
 
 
 def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_folder: str | Path,
-                          optimizer_state: dict, names: dict[str, str] | None = None) -> None:
+                          optimizer_state: dict, names: dict[str, str] | None = None,
+                          load: Callable[[Path], torch.nn.Module] | None = None) -> None:
     """Load a one-process checkpoint into this rank's shards (every rank calls it: the
     distribution is a collective; rank 0's copy is scattered).
 
@@ -108,8 +110,10 @@ def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimi
     ``get_state_dict`` names the moments by FQN as the sharded module does; ``set_state_dict``
     with ``full_state_dict=True`` then cuts every tensor to this rank's placement
     (``distribute_tensor``), for the parameters ``module`` holds (a pipeline stage: its own;
-    ``names`` as :func:`load_sharded`'s). Peak memory: one whole model and its AdamW state per
-    rank, for the duration of the call.
+    ``names`` as :func:`load_sharded`'s). ``load``: how the whole model is read from
+    ``model_folder`` (default: the causal LM, ``model_source.load_pretrained``; a critic passes
+    ``ValueModel.load``). Peak memory: one whole model and its AdamW state per rank, for the
+    duration of the call.
 
     Raises:
         ValueError: ``optimizer_state`` does not fit the model (torch's message: parameter
@@ -119,7 +123,7 @@ def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimi
     """
     from runtime.model_source import load_pretrained
 
-    plain, _ = load_pretrained(model_folder)
+    plain = load(Path(model_folder)) if load is not None else load_pretrained(model_folder)[0]
     plain_optimizer = torch.optim.AdamW(plain.parameters())
     plain_optimizer.load_state_dict(optimizer_state)  # lr, betas, weight decay come from the state
     model_state, optim_state = get_state_dict(plain, plain_optimizer)

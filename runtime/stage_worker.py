@@ -71,10 +71,13 @@ def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
         from runtime.parallel_trainer import run_ranks
 
         settings = TrainSettings.from_node(ctx.node(policy), ctx)
+        critic = next((TrainSettings.from_node(ctx.node(n), ctx) for n in group.nodes if ctx.node(n).trains
+                       and ctx.plan.models[ctx.node(n).model]["head"] == "value"
+                       and ctx.node(n).parallel.world_size > 1), None)  # dN on the same ranks
         try:
             return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
                              spec.recv_timeout_s + 120.0, device_type=spec.plan.device_type, backend=spec.plan.backend,
-                             secret=spec.secret)
+                             secret=spec.secret, critic=critic)
         except RankKilled as exc:  # die as the rank did: the scheduler restarts the trainer from its checkpoint
             print(f"areal-flow: {spec.group}/{spec.rank}: {exc}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), exc.signal)
@@ -360,7 +363,7 @@ class _Stage:
                 executor = self.executors[node.name]
                 executor.save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
                 if executor.world_size > 1:  # a sharded optimizer: every rank writes its shards
-                    executor.save_sharded(folder / SHARDED_DIR)
+                    executor.save_sharded(model_folder(folder, node.model, policy) / SHARDED_DIR)
 
         state = {"version": version, "rng": capture_rng(),
                  "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},

@@ -102,6 +102,13 @@ def assert_step_matches(got: dict, ref: dict, metrics: tuple[str, ...] = METRICS
     assert got["stats"]["n_seqs"] == 8
     for key in metrics:
         assert got["stats"][key] == pytest.approx(ref["stats"][key], rel=LOSS_RTOL), key
+    assert_update_matches(got, ref)
+
+
+def assert_update_matches(got: dict, ref: dict) -> None:
+    """``got``'s gradients (``grads``) equal ``ref``'s within the gradient tolerances, its
+    weights after the AdamW step (``state``) ``ref``'s within the Adam error bound, and the
+    reference step moved its weights (``initial``: before it)."""
     assert list(got["grads"]) == list(ref["grads"])  # tied lm_head.weight included, as in the state dict
     worst = {}
     for name, expected in ref["grads"].items():

@@ -158,9 +158,11 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
     assert all(v > -1e9 for v in _scalars(tmp_path / "two", "train/kl_ref_in_reward"))
 
 
-def test_a_critic_train_step_on_several_processes_is_refused():
-    """At compile (the user's allocation) and, for a hand-edited plan, by the runtime: the one
-    predicate's rule ``critic-parallel`` (compiler.executable) both times."""
+def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only():
+    """A dN critic on the policy train_step's mesh joins its worker group (its ranks:
+    ``test_parallel_critic``); on a multi-rank mesh of its own it is refused, naming the node;
+    under tp the one predicate's rule ``critic-parallel`` (compiler.executable) refuses it at
+    compile and, for a hand-edited plan, before a run starts."""
     import dataclasses
 
     from areal_flow.cli import load_flow
@@ -172,12 +174,20 @@ def test_a_critic_train_step_on_several_processes_is_refused():
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d2 | critic_step:d2 + gen:d1"])
+    group = build_topology(compile_program(fl(cfg), cfg)).groups["train_step"]
+    assert {"train_step", "critic_step"} <= set(group.nodes) and group.strategy.short() == "d2"
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
+                      [*TINY, "cluster.n_gpus_per_node=8", "compile.allocation=critic_step:d2 + train:d2 + gen:d1"])
+    with pytest.raises(TopologyError, match=r"critic_step.*\(d2\) runs on the ranks of the policy's train_step"):
+        build_topology(compile_program(fl(cfg), cfg))
+    cfg = load_config(REPO / "graphs/arith_ppo.yaml",
+                      [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:t2 | critic_step:t2 + gen:d1"])
     with pytest.raises(AllocationError, match="critic_step.*rule 'critic-parallel'"):
         compile_program(fl(cfg), cfg)
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d1 | critic_step:d1 + gen:d1"])
     plan = compile_program(fl(cfg), cfg)
-    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="d2") if n.name == "critic_step"
+    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="t2") if n.name == "critic_step"
                                                    else n for n in plan.nodes))
     with pytest.raises(ExecutableError, match="critic_step.*rule 'critic-parallel'"):
         check_runnable(edited, build_topology(edited))  # what a run checks before any process starts

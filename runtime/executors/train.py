@@ -6,9 +6,11 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
-value model. It follows the plan: the micro-batches per DP rank (``NodePlan.micro_batches``),
-activation checkpointing and the whole loss config the compiler merged (``attrs.loss``:
-``compiler.algorithms``; nothing here merges defaults), with the algorithm's class from the
+value model, on one process or on the policy's ranks (``dN``: ``runtime.parallel_critic``;
+rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the
+plan: the micro-batches per DP rank (``NodePlan.micro_batches``), activation checkpointing
+and the whole loss config the compiler merged (``attrs.loss``: ``compiler.algorithms``;
+nothing here merges defaults), with the algorithm's class from the
 registry or, for a user-registered one, from the plan (``plan.algorithms``). It must not
 receive experience or publish weights: the worker does, with the ``weights`` this executor
 returns.
@@ -117,6 +119,8 @@ class TrainStepExecutor:
         self.micro_batches = self.settings.micro_batches
         self.critic = ctx.plan.models[node.model]["head"] == "value"
         self.ranks = ctx.rank_trainer if not self.critic else None
+        on_ranks = self.critic and ctx.rank_trainer is not None and node.parallel.world_size > 1
+        self.rank_critic = ctx.rank_trainer.critic if on_ranks else None  # runtime.parallel_critic
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
@@ -131,6 +135,9 @@ class TrainStepExecutor:
             if enable is not None:
                 enable()
         s = self.settings
+        if self.rank_critic is not None:  # self.model: rank 0's whole copy; the optimizer: rank 0's shards
+            self.optimizer = self.rank_critic.optimizer
+            return
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         if self.critic:
             self.loss_cfg = s.loss_config()
@@ -141,7 +148,7 @@ class TrainStepExecutor:
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
         batch = adv.batch
-        if self.ranks is None and self.device != "cpu":
+        if self.ranks is None and self.rank_critic is None and self.device != "cpu":
             batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
         dtype = self.ctx.dtype  # model.dtype: bf16/fp16 autocast over fp32 master weights and optimizer state
@@ -167,6 +174,12 @@ class TrainStepExecutor:
         return stats
 
     def _critic_step(self, batch: dict, rows: int) -> dict:
+        if self.rank_critic is not None:  # every rank steps on its rows, then rank 0's copy gets the weights
+            broadcast_command({"batch": batch, "critic": True, "micro_batches": self.micro_batches,
+                               "dtype": self.ctx.dtype})
+            stats = self.rank_critic.step(batch, self.micro_batches)
+            self.rank_critic.gather_into(self.model)
+            return stats
         mask = batch["loss_mask"].bool()
         n_tokens, n_seqs, longest = step_normalisers(mask)
         norm = dict(n_tokens=n_tokens, n_seqs=n_seqs, norm_length=self.loss_cfg.loss_agg_norm_length or max(longest, 1))
@@ -208,20 +221,27 @@ class TrainStepExecutor:
     def optimizer_state(self) -> dict | None:
         """The optimizer's ``state_dict`` (AdamW moments and step counts) for a checkpoint
         (``runtime.checkpoint``); None on several ranks (their state is sharded: :meth:`save_sharded`)."""
-        return None if self.ranks is not None else self.optimizer.state_dict()
+        return None if self.world_size > 1 else self.optimizer.state_dict()
 
     @property
     def world_size(self) -> int:
         """Ranks this train_step runs on (1: this process alone)."""
+        if self.rank_critic is not None:
+            return self.rank_critic.dp_mesh.size()
         return self.ranks.strategy.world_size if self.ranks is not None else 1
 
     def save_sharded(self, folder: Path) -> None:
         """A multi-rank train_step: every rank saves its shards of model and optimizer state
-        to ``folder`` (``torch.distributed.checkpoint``; ``RankTrainer.save_state``).
+        to ``folder`` (``torch.distributed.checkpoint``; ``RankTrainer.save_state``,
+        ``RankCritic.save_state``).
 
         Raises:
             RuntimeError: a single-rank train_step (its state is whole: :meth:`optimizer_state`).
         """
+        if self.rank_critic is not None:
+            broadcast_command({"batch": None, "critic": True, "checkpoint": ("save", str(folder))})
+            self.rank_critic.save_state(folder)
+            return
         if self.ranks is None:
             raise RuntimeError(f"{self.node.name}: runs on one rank; its optimizer state is saved whole")
         broadcast_command({"batch": None, "checkpoint": ("save", str(folder))})
@@ -240,6 +260,15 @@ class TrainStepExecutor:
         """
         from runtime.checkpoint import SHARDED_DIR
 
+        if self.rank_critic is not None:  # the checkpoint's critic into the ranks' shards, then rank 0's copy
+            command = ("load", str(folder / SHARDED_DIR)) if world_size > 1 else ("whole", str(folder), self.node.name)
+            broadcast_command({"batch": None, "critic": True, "checkpoint": command})
+            if world_size > 1:
+                self.rank_critic.load_state(folder / SHARDED_DIR)
+            else:
+                self.rank_critic.load_whole(folder, optimizer_state)
+            self.rank_critic.gather_into(self.model)
+            return
         if self.ranks is not None:
             command = ("load", str(folder), world_size, self.node.name)
             broadcast_command({"batch": None, "checkpoint": command})

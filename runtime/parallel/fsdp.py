@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from runtime.parallel.model_parts import held_layers
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, ignored_params: set[nn.Parameter] | None = None) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, ignored_params: set[nn.Parameter] | None = None,
+               layers: list[nn.Module] | None = None) -> None:
     """Shard ``model`` over the 1-D ``dp_mesh`` (the flattened ``dp_cp`` mesh), in place.
 
     Apply after tensor parallelism (parameters may already be TP ``DTensor``s
@@ -33,9 +34,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, ignored_params: set[nn.Par
         model: a ``*ForCausalLM`` or a pipeline stage of one.
         dp_mesh: the ranks that hold different tokens.
         ignored_params: parameters FSDP must leave alone (experts sharded by EP).
+        layers: the units sharded one by one (default ``held_layers(model)``, the decoder
+            layers of a causal LM; a value model passes its backbone's).
     """
     ignored = ignored_params or set()
-    for layer in held_layers(model):
+    for layer in held_layers(model) if layers is None else layers:
         fully_shard(layer, mesh=dp_mesh, ignored_params=ignored)
     fully_shard(model, mesh=dp_mesh, ignored_params=ignored)
     for module in model.modules():

@@ -1,0 +1,151 @@
+"""A critic's train_step on the data-parallel ranks of the RL trainer (PPO's value model).
+
+Owns one rank's share of the critic: the value model (``areal_flow.models.critic``) sharded
+with FSDP2 over the trainer's ``dp`` ranks (ZeRO-3, gradients summed:
+``runtime.parallel.fsdp``) and its AdamW state, and the step that makes the gradient that of the single-process critic's loss
+(``areal_flow.algorithms.critic_update``): every rank takes the ``B / dp`` contiguous rows of
+its DP coordinate, the step's normalisers (valid tokens and sequences summed, longest response
+maxed) are all-reduced over the ``dp`` ranks first, so each rank's clipped value loss is its
+share of the global loss and FSDP's sum of the ranks' gradients is the global gradient.
+
+Rank 0 of the trainer keeps a whole copy of the critic besides its shard (the one the
+``advantage`` node reads for GAE's values, and the one saved): after every step the ranks'
+shards are gathered into it (:meth:`RankCritic.gather_into`), so the values of the next step
+are those one process with these weights gives, bit for bit.
+
+Only ``dN`` runs here: tensor, pipeline, context and expert parallelism of a critic are
+refused by ``compiler.executable`` before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from areal_flow.algorithms.aggregation import step_normalisers
+from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.critic_update import critic_update
+from areal_flow.models.critic import ValueModel
+from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.parallel.fsdp import apply_fsdp
+from runtime.parallel.weight_sync import full_named_tensors
+from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks
+
+CRITIC_KEYS = ("input_ids", "attention_mask", "loss_mask", "values", "returns")
+"""The batch tensors a critic step reads (``[B, T]`` each)."""
+
+
+@dataclass
+class RankCritic:
+    """One rank's shard of the critic and its optimizer.
+
+    Attributes:
+        module: the FSDP2-sharded ``ValueModel``. optimizer: AdamW over its shards.
+        loss_cfg: the plan's loss config of the critic's train_step (``value_clip_eps``,
+            ``loss_agg_mode``, ``loss_agg_norm_length``). max_grad_norm: clipping norm.
+        dp_mesh: the trainer's 1-D ``dp`` mesh (every rank of the trainer: the critic runs ``dN``).
+    """
+
+    module: ValueModel
+    optimizer: torch.optim.Optimizer
+    loss_cfg: LossConfig
+    max_grad_norm: float
+    dp_mesh: DeviceMesh
+
+    @classmethod
+    def build(cls, spec: TrainSettings, dp_mesh: DeviceMesh, device_type: str = "cpu") -> "RankCritic":
+        """The critic of ``spec`` (its backbone from ``spec.model_folder``, its head seeded with
+        ``spec.seed``, as ``WorkerContext.model`` builds it on one process), sharded over
+        ``dp_mesh``. Every rank calls it (collectives); under CUDA the rank's device is set already."""
+        model = ValueModel.from_policy(spec.model_folder, seed=spec.seed)
+        if device_type == "cuda":
+            model = model.cuda()
+        model.train()
+        apply_fsdp(model, dp_mesh, layers=list(model.backbone.layers))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+        return cls(model, optimizer, spec.loss_config(), spec.max_grad_norm, dp_mesh)
+
+    def step(self, batch: dict[str, torch.Tensor], micro_batches: int) -> dict[str, float]:
+        """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors
+        ``CRITIC_KEYS``, the same on every rank), in ``micro_batches`` micro-batches per rank.
+
+        Returns:
+            ``value_loss`` (the global loss: the ranks' shares summed), ``value_clip_frac``
+            (over the step's valid tokens) and ``critic_grad_norm`` (global, before clipping);
+            the same on every rank.
+
+        Raises:
+            ValueError: ``B`` not divisible by ``dp``.
+        """
+        rows, dp = batch["input_ids"].shape[0], self.dp_mesh.size()
+        if rows % dp:
+            raise ValueError(f"a critic step of {rows} sequences does not divide by dp={dp}")
+        share = rows // dp
+        start = self.dp_mesh.get_local_rank() * share
+        device = next(self.module.parameters()).device
+        local = {k: batch[k][start:start + share].to(device) for k in CRITIC_KEYS}
+        mask = local["loss_mask"].bool()
+        n_tokens, n_seqs, longest = step_normalisers(mask)
+        group = self.dp_mesh.get_group()
+        counts = torch.tensor([n_tokens, n_seqs], dtype=torch.int64, device=device)
+        dist.all_reduce(counts, group=group)
+        longest_t = torch.tensor([longest], dtype=torch.int64, device=device)
+        dist.all_reduce(longest_t, op=dist.ReduceOp.MAX, group=group)
+        norm = dict(n_tokens=int(counts[0]), n_seqs=int(counts[1]),
+                    norm_length=self.loss_cfg.loss_agg_norm_length or max(int(longest_t), 1))
+        size = micro_batch_size(rows, dp, micro_batches)  # every rank runs as many micro-batches (equal shares)
+        slices = [slice(i, min(i + size, share)) for i in range(0, share, size)]
+        stats = critic_update(self.module, self.optimizer, local, mask, norm, self.loss_cfg, slices,
+                              self.max_grad_norm)
+        totals = torch.tensor([stats["value_loss"], stats["value_clip_frac"] * n_tokens, n_tokens],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(totals, group=group)
+        return {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1] / totals[2].clamp(min=1.0)),
+                "critic_grad_norm": stats["critic_grad_norm"]}
+
+    def gather_into(self, whole: torch.nn.Module | None) -> None:
+        """Copy the full parameters into ``whole`` (rank 0's unsharded critic; ``None`` on the
+        other ranks), one parameter at a time. Every rank must call it (an all-gather per
+        parameter).
+
+        Raises:
+            KeyError: ``whole`` lacks a parameter of the critic (not a ``ValueModel`` of this backbone).
+        """
+        params = dict(whole.named_parameters()) if whole is not None else None
+        with torch.no_grad():
+            for name, tensor in full_named_tensors(self.module):
+                if params is not None:
+                    params[name].copy_(tensor)
+
+    def save_state(self, folder: str | Path) -> None:
+        """Save this rank's shards of the critic and its AdamW state to ``folder`` with
+        ``torch.distributed.checkpoint`` (the layout of ``RankTrainer.save_state``: keys
+        ``model`` and ``optimizer``, the optimizer state flattened). Every rank calls it."""
+        model_state, optim_state = get_state_dict(self.module, self.optimizer, options=FLAT)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def load_whole(self, folder: str | Path, optimizer_state: dict) -> None:
+        """Load a critic one process wrote (``folder``: its ``ValueModel.save`` folder;
+        ``optimizer_state``: its AdamW ``state_dict``) into this rank's shards (every rank calls
+        it; ``runtime.reshard.load_whole_into_ranks``).
+
+        Raises:
+            FileNotFoundError: ``folder`` holds no saved critic; those of ``load_whole_into_ranks``.
+        """
+        load_whole_into_ranks(self.module, self.optimizer, folder, optimizer_state, load=ValueModel.load)
+
+    def load_state(self, folder: str | Path) -> None:
+        """Load the shards :meth:`save_state` wrote to ``folder`` (by any number of ranks) into
+        this rank's (every rank calls it; ``runtime.reshard.load_sharded``).
+
+        Raises:
+            FileNotFoundError / RuntimeError (from DCP): no DCP checkpoint in ``folder``, or one
+                of other tensors.
+        """
+        load_sharded(self.module, self.optimizer, folder)

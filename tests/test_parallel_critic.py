@@ -1,0 +1,228 @@
+"""A critic's train_step on two data-parallel ranks (``runtime.parallel_critic``) equals the
+single-process critic step (``critic_update`` as ``runtime.executors.train`` runs it).
+
+1. Two optimizer steps of the tiny critic with dp2 (FSDP2, 2 micro-batches per rank) and on one
+   process (2 micro-batches of 4 rows) on the same batch: the value loss, clip fraction and
+   gradient norm and the gradients of each step, and the weights after the first, agree within
+   the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of additions only:
+   FSDP's reduce-scatter sums two half-batch gradients; observed: value loss 2e-8 relative,
+   gradients 3e-8 absolute, weights 5e-7 after AdamW's first step); the whole copy rank 0
+   gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit;
+   the one-process critic and its AdamW state load into the two ranks' shards bit for bit.
+2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
+   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``): every sample
+   trained once, the critic's value loss reported, its shards in the critic's checkpoint folder;
+   resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
+3. A critic under tp is refused before any process starts (on its own multi-rank mesh:
+   ``test_executor``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_flow.algorithms.aggregation import step_normalisers
+from areal_flow.algorithms.critic_update import critic_update
+from areal_flow.models.critic import ValueModel
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
+from compiler.strategy import ParallelStrategy
+from rl_step_cases import GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, assert_update_matches, rl_batch, settings
+from runtime.executors.train import micro_batch_size
+from runtime.parallel.launch import spawn_workers
+from runtime.parallel.mesh import build_device_mesh
+from runtime.parallel_critic import RankCritic
+from runtime.reshard import whole_state
+from runtime.parallel.weight_sync import full_named_tensors
+from runtime.checkpoint import read_state
+from compiler.executable import NodeFacts, failed_rule
+from runs import records as trained_records
+
+REPO = Path(__file__).resolve().parents[1]
+MICRO_BATCHES = 2
+STEPS = 2
+STATS = ("value_loss", "value_clip_frac", "critic_grad_norm")
+
+
+def critic_batch(folder: Path) -> dict[str, torch.Tensor]:
+    """``rl_batch`` (responses of 1-6 tokens, split unevenly over the two halves) with ``values``
+    = the critic's own values + 0.3 noise (so some new values leave V_old +- 0.2: the clipped
+    branch) and ``returns`` = standard normal targets, both on the response tokens."""
+    batch = rl_batch(folder)
+    generator = torch.Generator().manual_seed(5)
+    mask = batch["loss_mask"]
+    with torch.no_grad():
+        own = ValueModel.from_policy(folder, seed=0)(input_ids=batch["input_ids"],
+                                                      attention_mask=batch["attention_mask"])
+    batch["values"] = (own + 0.3 * torch.randn(own.shape, generator=generator)) * mask
+    batch["returns"] = torch.randn(own.shape, generator=generator) * mask
+    return batch
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def single_process_critic(folder: Path, batch: dict, saved: Path) -> tuple[list[dict], dict]:
+    """The reference: the single-process critic step (``TrainStepExecutor._critic_step``) ``STEPS``
+    times; per step its stats, gradients, weights before and after. The critic after the last
+    step is saved to ``saved`` (``ValueModel.save``, as a checkpoint holds it); its AdamW
+    ``state_dict`` is returned too."""
+    spec = settings(folder, "ppo")
+    model = ValueModel.from_policy(folder, seed=spec.seed).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    mask = batch["loss_mask"].bool()
+    n_tokens, n_seqs, longest = step_normalisers(mask)
+    norm = dict(n_tokens=n_tokens, n_seqs=n_seqs, norm_length=max(longest, 1))
+    rows = mask.shape[0]
+    size = micro_batch_size(rows, 1, MICRO_BATCHES)
+    slices = [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+    out = []
+    for _ in range(STEPS):
+        initial = _state(model)
+        stats = critic_update(model, optimizer, batch, mask, norm, spec.loss_config(), slices, spec.max_grad_norm)
+        out.append({"stats": stats, "grads": dict(full_named_tensors(model, grads=True)), "state": _state(model),
+                    "initial": initial})
+    model.save(saved)
+    return out, optimizer.state_dict()
+
+
+def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, saved: Path,
+                     optimizer_state: dict) -> dict | None:
+    """Worker: ``STEPS`` steps of ``RankCritic`` on dp2 (rank 0 keeps stats, full gradients,
+    gathered weights and its whole copy after each); then a fresh ``RankCritic`` loads the
+    one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole weights and
+    AdamW state, ``reshard.whole_state``)."""
+    spec = settings(folder, "ppo")
+    mesh = build_device_mesh(ParallelStrategy.parse(f"d{world_size}"), "cpu")
+    critic = RankCritic.build(spec, mesh["dp"])
+    whole = ValueModel.from_policy(folder, seed=spec.seed) if rank == 0 else None
+    out = []
+    for _ in range(STEPS):
+        stats = critic.step(batch, MICRO_BATCHES)
+        grads = dict(full_named_tensors(critic.module, grads=True))
+        state = dict(full_named_tensors(critic.module))
+        critic.gather_into(whole)
+        out.append({"stats": stats, "grads": grads, "state": state,
+                    "whole": _state(whole) if whole is not None else None})
+    loaded = RankCritic.build(spec, mesh["dp"])
+    loaded.load_whole(saved, optimizer_state)
+    state = whole_state(loaded.module, loaded.optimizer)  # a collective: every rank joins
+    return {"steps": out, "loaded": state} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def critic_steps(tmp_path_factory):
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("policy")
+    tokenizer = build_char_tokenizer()
+    build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    batch = critic_batch(folder)
+    saved = tmp_path_factory.mktemp("critic")
+    reference, optimizer_state = single_process_critic(folder, batch, saved)
+    parallel = spawn_workers(_critic_on_ranks, 2, (folder, batch, saved, optimizer_state), backend="gloo")[0]
+    return parallel, reference, ValueModel.load(saved), optimizer_state
+
+
+@pytest.mark.slow  # the fixture spawns two ranks: ~30 s on 2 shared cores
+def test_critic_dp2_matches_single_process(critic_steps):
+    parallel, reference = critic_steps[0]["steps"], critic_steps[1]
+    first, ref = parallel[0], reference[0]
+    assert 0 < ref["stats"]["value_clip_frac"] < 1  # both branches of the clipped value loss run
+    for step, (got, expected) in enumerate(zip(parallel, reference)):
+        for key in STATS:
+            assert got["stats"][key] == pytest.approx(expected["stats"][key], rel=LOSS_RTOL), (step, key)
+    assert_update_matches(first, ref)  # gradients, then the weights within the Adam error bound
+    # the second step starts from weights within that bound (observed <= 6e-7): its gradients
+    # still within the gradient tolerances (observed <= 3e-8)
+    for name, expected in reference[1]["grads"].items():
+        torch.testing.assert_close(parallel[1]["grads"][name], expected, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    for got in parallel:  # rank 0's whole copy (GAE's values, the saved critic) is the ranks' weights
+        assert got["whole"].keys() == got["state"].keys()
+        assert all(torch.equal(got["whole"][k], got["state"][k]) for k in got["state"])
+
+
+@pytest.mark.slow
+def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_steps):
+    """A checkpoint's one-process critic (weights and AdamW state) resumes on dp2 ranks."""
+    loaded_model, loaded_optim = critic_steps[0]["loaded"]
+    saved, optimizer_state = critic_steps[2], critic_steps[3]
+    weights = dict(saved.named_parameters())
+    assert loaded_model.keys() == weights.keys()
+    assert all(torch.equal(loaded_model[k], weights[k].detach()) for k in weights)
+    for index, name in enumerate(weights):  # the positional state_dict, by name
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
+
+
+def test_critic_strategy_other_than_dp_is_refused():
+    def facts(strategy):
+        return NodeFacts.from_attrs("critic_step", "training", ParallelStrategy.parse(strategy), {}, critic=True,
+                                    rows=8)
+    assert failed_rule(facts("t2"))[0] == "critic-parallel" and "tp" in failed_rule(facts("t2"))[1]
+    assert failed_rule(facts("d2")) is None  # dp runs
+
+
+PPO_RUN = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2",
+           "compile.allocation=train:d2 | critic_step:d2 + gen:d1"]
+
+
+def _ppo(out: Path, name: str, steps: int, *extra: str) -> str:
+    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`); its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(REPO / "graphs/arith_ppo.py"),
+                           *PPO_RUN, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache):
+    """Three CLI runs (40-100 s each on 2 shared cores): 2 steps with a checkpoint at version 2,
+    resumed for a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks; the
+    resumed step's GAE values come from rank 0's copy of the loaded critic)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _ppo(tmp_path, "cut", 2)
+    cut = tmp_path / "cut"
+    plan = {n["name"]: n["strategy"] for n in json.loads((cut / "plan.json").read_text())["nodes"]}
+    assert plan["train_step"] == plan["critic_step"] == "d2"
+    trainer = json.loads((cut / "summary.json").read_text())["workers"]["train_step/0"]
+    assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (2, 2 * 2 * 4, 2)
+    assert len(trained_records(cut)) == 2 * 2 * 4
+    version_2 = cut / "checkpoints" / "version_2"
+    assert read_state(version_2)["world_sizes"] == {"train_step": 2, "critic_step": 2}
+    files = json.loads((version_2 / "manifest.json").read_text())["files"]
+    shards = {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert {f"critic/trainer_dcp/{f}" for f in shards} | {f"trainer_dcp/{f}" for f in shards} <= files.keys()
+    events = EventAccumulator(str(cut))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/value_loss")] == [0, 1]
+    assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars("train/value_loss"))
+    critic_v2 = _weights(cut / "critic")
+    assert _same(critic_v2, _weights(version_2 / "critic"))  # the gathered whole copy, saved
+    err = _ppo(tmp_path, "cut", 3, "--resume", str(cut))
+    assert f"resuming {cut} from version_2 (step 2 of 3)" in err
+    _ppo(tmp_path, "whole", 3)
+    assert not _same(_weights(cut / "critic"), critic_v2)  # step 2 trained the critic after the resume
+    for sub in ("critic", "model"):  # the critic's shards and AdamW state came back bit for bit
+        assert _same(_weights(cut / sub), _weights(tmp_path / "whole" / sub)), sub
