@@ -190,7 +190,7 @@ def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only(
     edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="t2") if n.name == "critic_step"
                                                    else n for n in plan.nodes))
     with pytest.raises(ExecutableError, match="critic_step.*rule 'critic-parallel'"):
-        check_runnable(edited, build_topology(edited))  # what a run checks before any process starts
+        check_runnable(edited, build_topology(plan))  # what a run checks before any process starts
 
 
 def _kill_replica_when(out: Path, n_records: int, died: list) -> None:
