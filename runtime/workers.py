@@ -104,9 +104,10 @@ def make_executor(node, ctx: WorkerContext) -> Executor | StreamExecutor:
     op's executor class built as ``cls(node, ctx)``, or a user op's function wrapped; a
     generate node fed by a per-group node (``runtime.topology.judge_nodes``) run per group
     (``runtime.executors.fed_generate``)."""
-    impl = lookup(node.op).load_executor()
+    op = lookup(node.op)
+    impl = op.load_executor()
     executor = impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
-    if node.name in judge_nodes(ctx.plan):
+    if op.grain == STREAM and node.name in judge_nodes(ctx.plan):
         from runtime.executors.fed_generate import FedGenerateExecutor
 
         return FedGenerateExecutor(executor)
