@@ -75,15 +75,38 @@ def test_the_search_places_the_judge_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_judge_graph_runs_end_to_end_and_trains_every_sample_once(tmp_path):
+@pytest.mark.parametrize("scheduler", ["local", "ray"])
+def test_a_judge_graph_runs_end_to_end_and_trains_every_sample_once(tmp_path, scheduler):
     cli_run(GRAPH, *TINY, f"out_dir={tmp_path}", "name=judge", "scheduler.threads_per_worker=1",
-            timeout_s=400)  # a hang fails, by timeout
+            f"scheduler.type={scheduler}", timeout_s=400)  # a hang fails, by timeout
     trained = records(tmp_path / "judge")
     assert len(trained) == 3 * 2 * 4  # steps x B groups x n samples, by hand
     assert len({t["sample_id"] for t in trained}) == 24  # each sample once
     assert [t["step"] for t in trained] == [s for s in range(3) for _ in range(8)]
     assert max(t["staleness"] for t in trained) <= 1  # k
     assert all(t["reward"] in (0.0, 1.0) for t in trained)  # the judge's verdicts, parsed
+
+
+VERDICT_LENGTH = '''
+
+def verdict_length(output_text, answer):  # the judge's text, whatever it says, as the reward
+    return 10.0 + len(output_text)
+'''
+
+
+@pytest.mark.slow
+def test_in_a_real_run_the_trained_rewards_are_the_judges_text(tmp_path):
+    graph = tmp_path / "judge_length.py"  # the shipped graph, its reward the length of the judge's verdict
+    text = GRAPH.read_text().replace('fn="arithmetic"', "fn=verdict_length")
+    text = text.replace("\n\n@flow", VERDICT_LENGTH + "\n\n@flow")
+    graph.write_text(text)
+    (tmp_path / "judge_length.yaml").write_text(f"base: {REPO / 'graphs/arith_grpo_judge.yaml'}\n")
+    cli_run(graph, *TINY, f"out_dir={tmp_path}", "name=judge", "scheduler.threads_per_worker=1", timeout_s=400)
+    rewards = [t["reward"] for t in records(tmp_path / "judge")]
+    assert len(rewards) == 24
+    # 10 + the 0 to max_new_tokens = 5 characters of the judge's greedy answer: only the judge's reward
+    # node computes these (a rule reward of the policy's own text is 0 or 1), and the policy's trainer took them
+    assert all(r == int(r) and 10 <= r <= 15 for r in rewards)
 
 
 def _trajectory(i: int, prompt: str, text: str, answer: str = "", index: int = 0) -> Trajectory:
