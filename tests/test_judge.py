@@ -18,7 +18,7 @@ import pytest
 from areal_flow.config_load import load_config
 from areal_flow.ops.registry import GROUP, SOURCE, STREAM
 from areal_flow.types import Trajectory
-from areal_flow.values import Rollouts
+from areal_flow.values import PortValueError, Rollouts, port_value
 from compiler.allocation import AllocationError
 from compiler.hosting import Hosted, hosting_problem
 from runs import REPO, cli_run, records
@@ -171,6 +171,19 @@ def test_the_judges_text_parsed_into_a_reward_reaches_the_advantages(tmp_path):
     # mean 0.25, sample std sqrt((3 x 0.0625 + 0.5625) / 3) = 0.5: A = (r - 0.25) / 0.5
     assert adv == pytest.approx([-0.5, 1.5, -0.5, -0.5], abs=1e-4)
     assert _judged_advantages(tmp_path, ["7", "7", "7", "7"], lose=2) is None  # a lost verdict drops the group
+
+
+def test_a_judge_given_other_than_one_prompt_per_sample_stops_naming_the_node(tmp_path):
+    from runtime.executors.fed_generate import FedGenerateExecutor
+
+    node = _plan(tmp_path).node("judge")
+    judge = FedGenerateExecutor(_Judge(node, ["7"] * 3))
+    prompts = [{"id": 1, "prompt": "3+4=", "answer": "7"}] * 3
+    with pytest.raises(PortValueError, match=r"node 'judge'.*3 prompts for a group of 4 samples"):
+        judge.run({"prompts": prompts}, {"index": 0, "attempt": 1, "samples": 4})
+    assert len(judge.run({"prompts": prompts}, {"index": 0, "attempt": 1, "samples": 3})["rollouts"]) == 3
+    with pytest.raises(PortValueError, match="3 prompts for its 4 samples"):
+        port_value("prompts", prompts, 4)  # a per-group prompts value: one per sample
 
 
 def _n(name, grain, group, *inputs, model=None, trains=False):

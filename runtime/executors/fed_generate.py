@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from areal_flow.values import Rollouts
+from areal_flow.values import PortValueError, Rollouts
 
 
 class FedGenerateExecutor:
@@ -40,16 +40,24 @@ class FedGenerateExecutor:
 
         Args:
             inputs: ``prompts``: a list of prompts (``areal_flow.values.Prompt``), one per
-                sample of the group, or one prompt.
-            info: ``index`` (the group's admission index) and ``attempt``.
+                sample of the group (one prompt: a list of one).
+            info: ``index`` (the group's admission index), ``attempt`` and ``samples`` (the
+                group's trajectories; not checked when absent).
 
         Returns:
             ``{"rollouts": Rollouts}`` of ``len(prompts)`` trajectories (``group_id`` the
             group's index, ``sample_id`` ``"<index>:<j>"``), or None to drop the group when a
             response failed or was empty (module doc).
+
+        Raises:
+            PortValueError: not one prompt per sample of the group (naming the node).
         """
         prompts = inputs["prompts"]
         prompts = [prompts] if isinstance(prompts, dict) else list(prompts)
+        samples = info.get("samples")
+        if samples is not None and len(prompts) != samples:
+            raise PortValueError(f"{self.node.where()}: {len(prompts)} prompts for a group of {samples} samples; the "
+                                 "per-group node feeding it builds one prompt per sample, in the group's order")
         for j, prompt in enumerate(prompts):
             self.stream.submit(j, 1, prompt)
         finished: dict[int, Rollouts] = {}
