@@ -80,8 +80,8 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
     run (module doc; ``reason`` starts with the rule's name), or None when every node's is.
 
     Args:
-        nodes: every node of the graph, in data order; ``source`` and ``route`` nodes (the
-            dataset, weight syncs) are ignored.
+        nodes: every node of the graph, in data order; ``source`` nodes (the dataset) count
+            only for ``one-dataset``, ``route`` nodes (weight syncs) are ignored.
     """
     sources = [n.name for n in nodes if n.grain == SOURCE]
     dataset_fed = [n.name for n in nodes if n.grain == STREAM and set(n.inputs) & set(sources)]
