@@ -13,9 +13,10 @@
    (``compile.allocation="gen:d1 + judge:d1 + train:d1"``) or time-sharing one.
 4. ``reward(judge rollouts)``: the judge's text parsed into a score: 1 when the judge's
    integer equals the policy's answer, else 0 (``fn="arithmetic"`` with the policy's
-   answer as the reference). The judge need not be good: it is the warm start, about as
-   right as the policy at step 0; the graph shows a second generating model scoring the
-   first, its scores reaching the loss.
+   answer as the reference). The judge need not be good: it is the policy's warm start
+   (``warm_start.teacher_bug_rate`` carry bug included), so agreeing with it rewards the
+   start's greedy answers, right or wrong; the graph shows a second generating model
+   scoring the first, its scores reaching the loss, not a better reward than the rule's.
 5. ``advantage`` (GRPO: ``(r - mean) / (std + eps)`` per group) and ``train_step`` on the
    policy's rollouts with the judge's rewards; ``sync_weights`` reaches the policy's
    generator only.
