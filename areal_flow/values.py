@@ -8,7 +8,8 @@ checked against its declared ports with :func:`port_value` (``areal_flow.ops.fun
 ============== ================ ==========================================================
 port type      class            one value
 ============== ================ ==========================================================
-``prompts``    :class:`Prompt`  one dataset row: the prompt of one admission slot
+``prompts``    :class:`Prompt`  one dataset row: the prompt of one admission slot (from a
+                                group op: a list, one per sample, e.g. a judge's questions)
 ``rollouts``   :class:`Rollouts` one prompt group's trajectories, ``[n]``
 ``rewards``    :class:`Rewards` one scalar reward per trajectory of a group, ``[n]``
 ``logprobs``   :class:`Logprobs` per trajectory of a group, one log-prob per response token
@@ -266,9 +267,13 @@ def _weights(value: Any, samples: int | None) -> Weights:
     return value
 
 
-def _prompt(value: Any, samples: int | None) -> Prompt:
+def _prompt(value: Any, samples: int | None) -> Prompt | list[Prompt]:
+    if isinstance(value, (list, tuple)):  # a group op's: one prompt per sample (a judge's questions)
+        _count("prompts", len(value), samples)
+        return [_prompt(v, None) for v in value]
     if not isinstance(value, Mapping) or not isinstance(value.get("prompt"), str):
-        raise PortValueError(f"got {describe(value)}; expected a Prompt (a dict with a str 'prompt')")
+        raise PortValueError(f"got {describe(value)}; expected a Prompt (a dict with a str 'prompt'), or from a "
+                             "per-group op a list of them, one per sample")
     return value
 
 

@@ -22,7 +22,15 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   (step groups send only to the next step group);
 * ``stale-weights``: a forward-only node of a model that a node in another group trains (it
   would read the initial weights for ever; place it with the trainer, e.g. ``critic_step:d1
-  | advantage:d1``); the generate node is exempt (its weights travel on the plan's routes);
+  | advantage:d1``); the dataset's generate node is exempt (its weights travel on the plan's
+  routes);
+* ``frozen-judge``: a generate node fed by a per-group node (next rule) of a model a node
+  trains: its engine holds the model's initial weights and no route reaches it;
+* ``one-dataset``: a second ``source`` node (dataset), or a second ``stream`` node (generate)
+  fed by the dataset: the router admits the prompts of one dataset to one generator. Another
+  generate node whose prompts a per-group node builds (an LLM judge, a teacher) is a
+  per-group node: it runs one engine of its model in the worker group hosting it, on each
+  prompt group as it arrives (``runtime.executors.fed_generate``);
 * ``checkpoint-chain``: checkpoints (``train.checkpoint_every``) with several step groups
   (the checkpoint format holds one group's models and cursor).
 
@@ -72,9 +80,17 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
     run (module doc; ``reason`` starts with the rule's name), or None when every node's is.
 
     Args:
-        nodes: every node of the graph, in data order; ``source`` and ``route`` nodes (the
-            dataset, weight syncs) are ignored.
+        nodes: every node of the graph, in data order; ``source`` nodes (the dataset) count
+            only for ``one-dataset``, ``route`` nodes (weight syncs) are ignored.
     """
+    sources = [n.name for n in nodes if n.grain == SOURCE]
+    dataset_fed = [n.name for n in nodes if n.grain == STREAM and set(n.inputs) & set(sources)]
+    for extra, first, what in ((sources[1:], sources[:1], "dataset"),
+                               (dataset_fed[1:], dataset_fed[:1], "generate node fed by it")):
+        if extra:
+            return extra[0], (f"one-dataset: the runtime admits prompts from one dataset to one generate node; "
+                              f"'{first[0]}' is the {what} already (a generate node fed by a per-group node, "
+                              "a judge, is run per group)")
     nodes = [n for n in nodes if n.grain not in (SOURCE, ROUTE)]
     group_of = {n.name: n.group for n in nodes}
     order = _group_order(nodes)
@@ -98,6 +114,9 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
             return n.name, (f"batch-to-group: its input from '{fed}' comes from a step group, which passes whole "
                             "batches only to the next step group")
         owner = trainer.get(n.model)
+        if n.grain == STREAM and n.name not in dataset_fed and owner is not None:
+            return n.name, (f"frozen-judge: a generate node fed by a per-group node runs a frozen model; "
+                            f"'{owner.name}' trains '{n.model}' (use a model of its own, trainable=False)")
         if n.model is not None and not n.trains and n.grain != STREAM and owner is not None \
                 and owner.group != n.group:
             return n.name, (f"stale-weights: it runs model '{n.model}', which '{owner.name}' trains in another worker "

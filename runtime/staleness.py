@@ -49,6 +49,15 @@ only lags it. Exactly-once: each step group puts every index in its buffer once 
 batch reaches the next group as one message) and its buffer refuses a second. A forward-only
 node of a trained model sits with that model's trainer (rule ``stale-weights``), so at step
 ``s`` it reads the model after ``s`` updates, as when everything ran in one process.
+
+A second generate node fed by a per-group node (an LLM judge, ``runtime.executors.fed_generate``)
+runs a frozen model (rule ``frozen-judge``; no weight route reaches it): a frozen model has
+no versions, its engine holds version 0 for the whole run, so its tokens are never stale and
+the bound is over the policy's tokens only (``start_version`` is read from the policy's
+rollouts, ``runtime.groups.GroupItem.rollouts``). It runs inside a group's trip from the
+policy's replica to the step groups, so it only delays a group, which the liveness argument
+allows (a group's step waits for it, never the reverse); a lost verdict drops the group,
+whose slot is resampled under the same index, as after a filter.
 """
 
 from __future__ import annotations

@@ -5,9 +5,13 @@ made before any process starts (each error names the node); which strategies the
 can run is the compiler's one predicate (``compiler.executable``, asked by ``runtime.run_setup``). A worker
 group is one device node's mesh with the CPU-light nodes placed with it (``placed_with``):
 
-* the ``generation`` group of the generate node: ``dp`` replicas behind the router
-  (``runtime.router``); its ``group``-grain nodes (rule reward, filter, ...) run on each
-  replica as groups finish;
+* the ``generation`` group of the generate node the dataset feeds: ``dp`` replicas behind
+  the router (``runtime.router``); its ``group``-grain nodes (rule reward, filter, ...) run
+  on each replica as groups finish;
+* a generate node whose prompts a per-group node builds (:func:`judge_nodes`: an LLM judge,
+  a teacher) is a per-group node of a frozen model: its own ``stage`` group (one process, one
+  engine, ``runtime.executors.fed_generate``), even when it time-shares a mesh, as the
+  compiler sees it (``compiler.hosting``);
 * one group per other mesh (the trainer's, a critic's, a reference or reward model's own):
   it joins the groups that feed it by admission index, runs its ``group`` nodes per group
   and, if it hosts ``batch`` nodes (a *step group*), batches ``B`` groups per step in
@@ -125,21 +129,25 @@ def build_topology(plan: Plan) -> Topology:
     """Partition ``plan`` into worker groups and check it (module doc).
 
     Raises:
-        TopologyError: not exactly one dataset and one generate node; a trainer without
-            exactly one data input; a placement the runtime cannot run
+        TopologyError: not exactly one dataset and one generate node it feeds; a judge
+            (:func:`judge_nodes`) a weight route reaches or with ``n_samples != 1``; a trainer
+            without exactly one data input; a placement the runtime cannot run
             (``compiler.hosting``: the node and the rule); no trainer. (Which strategies the
             runtime can run is ``compiler.executable``'s predicate, which
             ``runtime.run_setup`` asks before any process starts.)
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]
-    gens = [n for n in plan.nodes if n.grain == STREAM]
+    judges = judge_nodes(plan)
+    gens = [n for n in plan.nodes if n.grain == STREAM and n.name not in judges]
     sources = [n for n in plan.nodes if n.grain == SOURCE]
     if len(gens) != 1 or len(sources) != 1:
         names = ", ".join(n.name for n in gens + sources)
-        raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node, found "
-                            f"{len(sources)} and {len(gens)} ({names})")
+        raise TopologyError(f"plan {plan.id}: the runtime runs one dataset and one generate node fed by it (other "
+                            f"generate nodes take prompts from a per-group node), found {len(sources)} and "
+                            f"{len(gens)} ({names})")
     gen, source = gens[0], sources[0]
+    _check_judges(plan, judges)
     groups: dict[str, WorkerGroup] = {}
     meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
     notes: list[str] = []
@@ -147,8 +155,8 @@ def build_topology(plan: Plan) -> Topology:
         if node.grain in (SOURCE, "route"):
             continue
         host = plan.node(_host(plan, node))
-        kind = GENERATION if host.grain == STREAM else "stage"
-        key = host.name if kind == GENERATION else meshes.setdefault(host.mesh, host.name)
+        kind = GENERATION if host.name == gen.name else "stage"
+        key = host.name if kind == GENERATION or host.name in judges else meshes.setdefault(host.mesh, host.name)
         group = groups.setdefault(key, WorkerGroup(key, kind, [], host.parallel, host.mesh))
         if node.trains and node.model == gen.model:
             group.strategy = node.parallel  # the policy trainer's ranks decide the group's processes
@@ -189,6 +197,30 @@ def build_topology(plan: Plan) -> Topology:
     return Topology(dict(sorted(groups.items(), key=lambda kv: rank[kv[0]])), gen, source, steps, routes,
                     batch_groups=plan.batch_groups, max_staleness=plan.staleness_bound,
                     steps=int(plan.run["steps"]), notes=notes)
+
+
+def judge_nodes(plan: Plan) -> list[str]:
+    """The generate (``stream``) nodes whose prompts come from a node other than the dataset
+    (a per-group node building them from the policy's rollouts: an LLM judge, a teacher), in
+    data order. Each runs per prompt group (``runtime.executors.fed_generate``)."""
+    sources = {n.name for n in plan.nodes if n.grain == SOURCE}
+    return [n.name for n in plan.nodes if n.grain == STREAM and n.inputs
+            and not {src for src, _ in n.inputs.values()} & sources]
+
+
+def _check_judges(plan: Plan, judges: list[str]) -> None:
+    """Raises TopologyError naming the judge node: a weight route reaches it (its model is
+    frozen: it has no versions), or it samples ``n_samples != 1`` (its rollouts pair one to
+    one with the samples of the group its prompts were built from)."""
+    for name in judges:
+        node = plan.node(name)
+        if any(r.dst == name for r in plan.routes):
+            raise TopologyError(f"{node.where()}: a generate node fed by a per-group node runs a frozen model; "
+                                "no weight route (sync_weights) may reach it")
+        if node.attrs.get("n_samples", 1) != 1:
+            raise TopologyError(f"{node.where()}: a generate node fed by a per-group node answers each prompt "
+                                f"once (n_samples=1, one response per sample of the group); got "
+                                f"n_samples={node.attrs['n_samples']}")
 
 
 def _connect(groups: dict[str, WorkerGroup], src: str, dst: str) -> None:

@@ -42,6 +42,7 @@ from runtime.context import WorkerContext
 from runtime.engines.precision import MIN_SPEEDUP
 from runtime.faults import kill_point
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
+from runtime.topology import judge_nodes
 from runtime.trace import TraceRecorder, now_us
 from runtime.weights import WeightSubscriber
 
@@ -100,9 +101,17 @@ def worker_context(spec: WorkerSpec) -> WorkerContext:
 
 def make_executor(node, ctx: WorkerContext) -> Executor | StreamExecutor:
     """The executor of plan node ``node`` in this worker (``areal_flow.ops.interfaces``): its
-    op's executor class built as ``cls(node, ctx)``, or a user op's function wrapped."""
-    impl = lookup(node.op).load_executor()
-    return impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
+    op's executor class built as ``cls(node, ctx)``, or a user op's function wrapped; a
+    generate node fed by a per-group node (``runtime.topology.judge_nodes``) run per group
+    (``runtime.executors.fed_generate``)."""
+    op = lookup(node.op)
+    impl = op.load_executor()
+    executor = impl(node, ctx) if isinstance(impl, type) else FunctionExecutor(impl, node, ctx)
+    if op.grain == STREAM and node.name in judge_nodes(ctx.plan):
+        from runtime.executors.fed_generate import FedGenerateExecutor
+
+        return FedGenerateExecutor(executor)
+    return executor
 
 
 def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:

@@ -12,7 +12,9 @@ Grains (how a worker drives a node):
 
 * ``source`` (``dataset``): yields one prompt per admitted batch slot; runs on the router.
 * ``stream`` (``generate``): an engine that takes prompt groups and returns finished ones
-  at its own pace (continuous batching), on a generation replica.
+  at its own pace (continuous batching), on a generation replica; one fed by a ``group``
+  node instead of the dataset (a frozen LLM judge) runs per group in the worker that hosts
+  it (``runtime.executors.fed_generate``).
 * ``group``: a function of one prompt group's values (reward, filter, logprobs, user ops),
   run as each group arrives on the worker that hosts it.
 * ``batch``: a function of the ``B`` groups of one train step, in admission order
