@@ -80,6 +80,15 @@ def test_rows_are_seeded_and_the_test_set_is_fixed():
     assert task.spec() == {"name": "reasoning_gym:basic_arithmetic", "seed": 1, "options": SMALL}
 
 
+def test_the_chat_style_asks_for_the_answer_tag():
+    plain = ReasoningGymTask("leg_counting", seed=1).test_set(1)[0]
+    chat = build_task({"name": "reasoning_gym:leg_counting", "prompt_style": "chat"}, 1).test_set(1)[0]
+    assert chat["prompt"] == reasoning_gym.utils.SYSTEM_PROMPTS["default"] + "\n" + plain["prompt"]
+    assert chat["answer"] == plain["answer"] and "<answer>answer here</answer>" in chat["prompt"]
+    with pytest.raises(ConfigError, match="prompt_style"):
+        DatasetConfig(name="reasoning_gym:leg_counting", prompt_style="fancy")
+
+
 def test_an_unknown_name_lists_close_matches():
     with pytest.raises(ValueError, match="did you mean reasoning_gym:leg_counting"):
         build_task({"name": "reasoning_gym:leg_countin"}, 0)

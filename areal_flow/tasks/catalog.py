@@ -26,7 +26,8 @@ def build_task(attrs: dict, seed: int) -> Any:
     if kind.startswith("reasoning_gym:"):
         from areal_flow.tasks.rgym import ReasoningGymTask, parse_name
 
-        return ReasoningGymTask(parse_name(kind), seed=seed, options=attrs.get("options") or {})
+        return ReasoningGymTask(parse_name(kind), seed=seed, options=attrs.get("options") or {},
+                                prompt_style=attrs.get("prompt_style", "plain"))
     if kind == "arithmetic":
         from areal_flow.tasks.arithmetic import ArithmeticTask
 

@@ -23,7 +23,10 @@ entry equal those of the original.
 Answers are extracted as reasoning-gym's own evaluation extracts them
 (``reasoning_gym.utils.extract_answer``: the last ``<answer>...</answer>``, stripped);
 a reply without the tag is scored whole (cut at ``<eos>``, stripped), which suits a
-model prompted or warm-started to answer with just the answer.
+model prompted or warm-started to answer with just the answer. ``dataset.prompt_style:
+chat`` puts reasoning-gym's default system prompt (``SYSTEM_PROMPTS["default"]``: think
+step by step, then ``<answer>answer here</answer>``) before the question, for a chat model
+(``ops.generate`` renders the prompt as one user turn).
 """
 
 from __future__ import annotations
@@ -179,16 +182,21 @@ class ReasoningGymTask:
         seed: the run's seed; every draw's reasoning-gym seed derives from it.
         options: keyword arguments of the dataset's config (``dataset.options``).
         max_answer_tokens: greedy-evaluation budget, tokens.
+        prompt_style: ``"plain"`` (the question) or ``"chat"`` (module doc).
 
     Raises:
-        ValueError / ModuleNotFoundError: as :func:`check_task`.
+        ValueError / ModuleNotFoundError: as :func:`check_task`; an unknown ``prompt_style``.
 
     Training and test draws come from different reasoning-gym seeds; a dataset with a small
     problem space may repeat a test question in training (no rejection, unlike arithmetic).
     """
 
-    def __init__(self, name: str, seed: int = 0, options: dict | None = None, max_answer_tokens: int = 32) -> None:
+    def __init__(self, name: str, seed: int = 0, options: dict | None = None, max_answer_tokens: int = 32,
+                 prompt_style: str = "plain") -> None:
         check_task(name, options)
+        if prompt_style not in ("plain", "chat"):
+            raise ValueError(f"dataset.prompt_style={prompt_style!r}: expected 'plain' or 'chat'")
+        self.prompt_style = prompt_style
         self.task, self.seed, self.options = name, seed, dict(options or {})
         self.name = PREFIX + name
         self.max_answer_tokens = max_answer_tokens
@@ -196,7 +204,8 @@ class ReasoningGymTask:
 
     def spec(self) -> dict:
         """The parameters that define the task's data (cache keys of the warm start)."""
-        return {"name": self.name, "seed": self.seed, "options": self.options}
+        spec = {"name": self.name, "seed": self.seed, "options": self.options}
+        return spec if self.prompt_style == "plain" else {**spec, "prompt_style": self.prompt_style}
 
     def _rows(self, n: int, rg_seed: int, first_id: int) -> list[dict]:
         if n < 0:
@@ -204,10 +213,12 @@ class ReasoningGymTask:
         if not n:
             return []
         dataset = _dataset(self.task, self._options_json, rg_seed, n)
+        system = _rg().utils.SYSTEM_PROMPTS["default"] + "\n" if self.prompt_style == "chat" else ""
         rows = []
         for i in range(n):
             entry = dataset[i]
-            rows.append({"prompt": entry["question"], "answer": encode_reference(self.task, self.options, entry), "target": str(entry["answer"]),
+            rows.append({"prompt": system + entry["question"],
+                         "answer": encode_reference(self.task, self.options, entry), "target": str(entry["answer"]),
                          "id": first_id + i})
         return rows
 
