@@ -3,6 +3,7 @@ output, the limits against hostile code, and episodes that go on after a tool er
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from areal_flow.envs import EnvError, make_env
 from areal_flow.envs.sandbox import run_python
 from areal_flow.envs.tools import ToolCall
+from runs import REPO, cli_run
 
 
 def test_output_is_returned_and_the_folder_deleted():
@@ -109,3 +111,15 @@ def test_bad_env_config_is_refused():
         make_env("python_math", {"prompt": "q"})
     with pytest.raises(EnvError, match="python_timeout_s"):
         _env(python_timeout_s=0)
+
+
+@pytest.mark.slow
+def test_python_math_plays_in_a_run(tmp_path):
+    # The support-desk graph with the python_math env on arithmetic rows: the env plays in the
+    # rollout loop (the tiny model's turns are plain text, so each is a final answer).
+    cli_run(REPO / "graphs" / "agent_support.py", "dataset.name=arithmetic", "dataset.max_digits=2",
+            "env.name=python_math", "env.max_turns=2", "warm_start.teacher_bug_rate=0", "warm_start.steps=10",
+            "train.steps=2", "train.batch_size=2", "gen.n_samples=2", "eval.n_test=4", f"out_dir={tmp_path}")
+    summary = json.loads((tmp_path / "agent_support" / "summary.json").read_text())
+    assert summary["episodes"]["played"] >= 8 and summary["episodes"]["failed"] == 0
+    assert "env/python_calls" in summary["episodes_after"]
