@@ -35,7 +35,10 @@ arithmetic): the file system (the code can read whatever its user can read, and,
 dropped to ``nobody``, write it: anywhere its user may write, each file at most
 ``max_file_bytes``); the network, unless ``isolate_network`` and ``unshare -n`` (``-rn``
 when not root) work on this machine, which puts the child in an empty network namespace
-(``SandboxResult.network_isolated`` says whether it did); a process that calls ``setsid``
+(``SandboxResult.network_isolated`` says whether it did); signals: the code may signal
+any process of its uid (not root: the trainer's own processes; as ``nobody``: the other
+calls running at the same time, whose folders it may also read, all being ``nobody``'s);
+a process that calls ``setsid``
 leaves the group that is killed (``RLIMIT_NPROC`` bounds how many can); the rate of disk
 and CPU use within the limits; kernel exploits.
 """
