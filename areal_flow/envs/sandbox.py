@@ -21,9 +21,9 @@ supplementary groups: the kernel does not apply ``RLIMIT_NPROC`` to root (not in
 namespace either, measured here), and ``nobody`` cannot write where only root can. It
 imports the ``preload`` modules first (default :data:`PRELOAD`): as ``nobody`` it can import
 only what ``nobody`` may read (here the interpreter lives under ``/root``, mode 700, so
-an import of anything else fails with an ImportError: numpy and sympy do). Not root, ``RLIMIT_NPROC`` counts every process and
-thread of the user (the trainer's too), so the limit is set to the user's count at start
-plus ``max_processes``.
+an import of anything else fails with an ImportError: numpy and sympy do). Not root,
+``RLIMIT_NPROC`` counts every process and thread of the user (the trainer's too), so the
+limit is set to the user's count at start plus ``max_processes``.
 
 The parent waits ``timeout_s`` wall-clock seconds, then kills the child's process group
 (``start_new_session``: the child leads its own group) with SIGKILL; it kills the group
