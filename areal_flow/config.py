@@ -65,10 +65,21 @@ def check_dataset(cfg: "DatasetConfig") -> None:
     Raises:
         ConfigError: one line naming the ``dataset.<key>``, its value and what it takes.
     """
-    if cfg.name not in TASKS:
+    from areal_flow.tasks.rgym import check_task, parse_name
+
+    rg_name = parse_name(cfg.name)
+    if rg_name is not None:
+        try:
+            check_task(rg_name, cfg.options)
+        except (ValueError, ModuleNotFoundError) as exc:
+            raise ConfigError(str(exc)) from None
+    elif cfg.options:
+        raise ConfigError(f"dataset.options={cfg.options!r}: only reasoning_gym:<dataset> tasks take options")
+    if cfg.name not in TASKS and rg_name is None:
         near = difflib.get_close_matches(str(cfg.name), TASKS, n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
-        raise ConfigError(f"dataset.name={cfg.name!r}: unknown task; known: {', '.join(TASKS)}{hint}")
+        raise ConfigError(f"dataset.name={cfg.name!r}: unknown task; known: {', '.join(TASKS)} "
+                          f"or reasoning_gym:<dataset>{hint}")
     if not isinstance(cfg.path, str) or (cfg.path and cfg.name != "gsm8k"):
         raise ConfigError(f"dataset.path={cfg.path!r}: the {cfg.name} task reads no data file (only gsm8k does); "
                           "remove dataset.path")
@@ -79,9 +90,9 @@ def check_dataset(cfg: "DatasetConfig") -> None:
     if low is not None and not in_range:
         span = f"in {low}..{high}" if high is not None else f">= {low}"
         raise ConfigError(f"dataset.max_digits={n!r}: the {cfg.name} task takes an int {span}")
-    if cfg.name == "arithmetic":
-        if not isinstance(cfg.ops, str) or not cfg.ops or set(cfg.ops) - set("+-"):
-            raise ConfigError(f"dataset.ops={cfg.ops!r}: expected the operators to draw from: '+', '-' or '+-'")
+    if cfg.name == "arithmetic" and (not isinstance(cfg.ops, str) or not cfg.ops or set(cfg.ops) - set("+-")):
+        raise ConfigError(f"dataset.ops={cfg.ops!r}: expected the operators to draw from: '+', '-' or '+-'")
+    if cfg.name == "arithmetic" or rg_name is not None:
         if cfg.prompt_style not in ("plain", "chat"):
             raise ConfigError(f"dataset.prompt_style={cfg.prompt_style!r}: expected 'plain' or 'chat'")
 
@@ -90,7 +101,8 @@ def check_dataset(cfg: "DatasetConfig") -> None:
 class DatasetConfig:
     name: str = "arithmetic"
     """Task: arithmetic (synthetic, seeded), longtail (counting with Zipf-distributed answer lengths,
-    areal_flow.tasks.longtail), gsm8k, or the env tasks support_desk and guess_number."""
+    areal_flow.tasks.longtail), gsm8k, the env tasks support_desk and guess_number, or reasoning_gym:<dataset>,
+    any dataset of the reasoning-gym package (areal_flow.tasks.rgym; reward fn reasoning_gym)."""
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
@@ -98,7 +110,12 @@ class DatasetConfig:
     ops: str = "+-"
     """Arithmetic: operators drawn from ('+', '-' or '+-')."""
     prompt_style: str = "plain"
-    """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number.")."""
+    """Arithmetic: 'plain' ("37+58=") or 'chat' ("What is 37 + 58? Answer with just the number."); reasoning_gym:
+    'plain' (the question) or 'chat' (reasoning-gym's default system prompt, asking for <answer>...</answer>, then
+    the question)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym:<dataset>: keyword arguments of the dataset's config class (e.g. min_terms: 2), seed and size
+    excepted (the run sets them)."""
 
     def __post_init__(self) -> None:
         """Raises ConfigError for a value no task takes (:func:`check_dataset`)."""

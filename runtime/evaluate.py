@@ -70,7 +70,13 @@ def answer_accuracy(task, answers: list[str], problems: list[dict]) -> float:
 
 
 EVAL_TASKS = ("arithmetic", "gsm8k", "longtail")
-"""The ``dataset.name`` tasks whose answers a rule judges: ``areal-flow eval --task``."""
+"""The ``dataset.name`` tasks whose answers a rule judges: ``areal-flow eval --task``; and
+every ``reasoning_gym:<dataset>`` (:func:`judged`)."""
+
+
+def judged(name: str) -> bool:
+    """Whether a rule judges the answers of task ``name`` (:data:`EVAL_TASKS` or reasoning-gym's)."""
+    return name in EVAL_TASKS or str(name).startswith("reasoning_gym:")
 
 ENV_TASKS = ("support_desk", "guess_number")
 """The ``dataset.name`` tasks whose episodes an env scores (no single answer to judge)."""
@@ -132,11 +138,11 @@ def eval_task(cfg):
 
     from areal_flow.tasks.catalog import build_task
 
-    name, known = cfg.dataset.name, ", ".join(EVAL_TASKS)
+    name, known = cfg.dataset.name, ", ".join(EVAL_TASKS) + " or reasoning_gym:<dataset>"
     if name in ENV_TASKS:
         raise ValueError(f"task {name!r} is an env task: a run scores its episodes (held-out episode success rate); "
                          f"areal-flow eval scores the answers of {known}")
-    if name not in EVAL_TASKS:
+    if not judged(name):
         hint = {"arith": "; arith is 'arithmetic'", "arith-chat": "; arith-chat is 'arithmetic' with "
                 "dataset.prompt_style=chat"}.get(name, "")
         raise ValueError(f"task {name!r}: the task names are dataset.name's: {known}{hint}")
@@ -157,9 +163,9 @@ def start_of_run(plan, progress: bool = True) -> tuple[Path, object]:
 
     source = next(n for n in plan.nodes if n.grain == "source")
     name = source.attrs.get("name", "arithmetic")
-    if name not in EVAL_TASKS:
+    if not judged(name):
         raise ValueError(f"task {name!r} is an env task: a run scores its episodes (held-out episode success rate); "
-                         f"areal-flow eval scores the answers of {', '.join(EVAL_TASKS)}")
+                         f"areal-flow eval scores the answers of {', '.join(EVAL_TASKS)} or reasoning_gym:<dataset>")
     task = build_task(source.attrs, plan.run["seed"])
     policy = next(n for n in plan.nodes if n.grain == "stream").model
     return Path(prepare_models(plan, task, progress=progress, names=[policy])[policy]), task

@@ -50,7 +50,7 @@ def test_eval_tasks_are_the_runs_dataset_tasks():
     assert a[0]["prompt"].endswith("=") and b[0]["prompt"].startswith("What is")
     assert a == ArithmeticTask(seed=1, max_digits=2).test_set(3)  # a run's held-out set (seed 1, 2 digits)
     with pytest.raises(ValueError, match="task 'arith': the task names are dataset.name's: arithmetic, gsm8k, "
-                                         "longtail; arith is 'arithmetic'"):
+                                         "longtail or reasoning_gym:<dataset>; arith is 'arithmetic'"):
         eval_task(_cfg(name="arith"))
     with pytest.raises(ValueError, match="task 'guess_number' is an env task"):
         eval_task(_cfg(name="guess_number"))

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "starts from, or of a model under a config", description=EVAL_DOC)
     p.add_argument("model", help="a graph file (graphs/*.py: the model its run starts from, on its dataset), or a "
                    "preset (tiny-arith, smollm2-135m), a transformers folder (runs/<name>/model) or a .gguf")
-    p.add_argument("--task", help="test set and rule by dataset.name: arithmetic, gsm8k or longtail (default: the "
+    p.add_argument("--task", help="test set and rule by dataset.name: arithmetic, gsm8k, longtail or reasoning_gym:<dataset> (default: the "
                    "config's dataset.name; a graph's is its own)")
     p.add_argument("--flow", help="which @flow, when the graph file holds several")
     p.add_argument("--n", type=_at_least(1), help="test problems (default: the config's eval.n_test, 500)")

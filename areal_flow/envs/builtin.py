@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 
-from areal_flow.envs import guess_number, support_desk  # noqa: F401  (@register_env on import)
+from areal_flow.envs import guess_number, python_math, support_desk  # noqa: F401  (@register_env on import)
 from areal_flow.envs.base import _ENVS, BaseEnv, EnvError
 
 

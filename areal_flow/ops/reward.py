@@ -53,8 +53,14 @@ def _math(output_text: str, answer: str) -> float:
     return math_reward(output_text, answer)
 
 
+def _reasoning_gym(output_text: str, answer: str) -> float:
+    from areal_flow.tasks.rgym import reward
+
+    return reward(output_text, answer)
+
+
 REWARD_FNS: dict[str, Callable[[str, str], float]] = {"arithmetic": _arithmetic, "gsm8k": _math, "math": _math,
-                                                      "longtail": _longtail}
+                                                      "longtail": _longtail, "reasoning_gym": _reasoning_gym}
 
 
 @op_function

@@ -11,15 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
+"""The shipped tasks; besides them, ``reasoning_gym:<dataset>`` names any reasoning-gym
+dataset (``areal_flow.tasks.rgym``)."""
 
 
 def build_task(attrs: dict, seed: int) -> Any:
     """The task object of a dataset node (what the generation worker samples prompts from).
 
     Raises:
-        ValueError: unknown task name, listing the known ones.
+        ValueError: unknown task name, listing the known ones; a reasoning-gym name or
+            ``options`` it refuses (``areal_flow.tasks.rgym.check_task``).
     """
     kind = attrs.get("name", "arithmetic")
+    if kind.startswith("reasoning_gym:"):
+        from areal_flow.tasks.rgym import ReasoningGymTask, parse_name
+
+        return ReasoningGymTask(parse_name(kind), seed=seed, options=attrs.get("options") or {},
+                                prompt_style=attrs.get("prompt_style", "plain"))
     if kind == "arithmetic":
         from areal_flow.tasks.arithmetic import ArithmeticTask
 

@@ -91,7 +91,8 @@ def warm_start_key(task, preset: str, cfg: SFTConfig) -> str:
 
 
 def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``<bos> prompt answer <eos>`` batch; a row with ``"segments"``
+    """Right-padded ``<bos> prompt answer <eos>`` batch (``answer``: the row's ``target`` when it
+    has one, e.g. a reasoning-gym row whose ``answer`` is a reference); a row with ``"segments"``
     (``[(text, is_policy[, is_target]), ...]``) is a dialogue, encoded by
     ``encode_dialogue`` (its target policy turns and their EOS are the targets).
 
@@ -107,7 +108,7 @@ def encode_examples(tokenizer, problems: list[dict]) -> tuple[torch.Tensor, torc
             masks.append(mask)
             continue
         prompt = tokenizer.encode(p["prompt"])
-        answer = tokenizer.encode(p["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        answer = tokenizer.encode(p.get("target", p["answer"]), add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     width = max(len(r) for r in rows)

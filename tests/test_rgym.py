@@ -1,0 +1,127 @@
+"""reasoning-gym tasks (``areal_flow.tasks.rgym``): rows, the reward against the datasets'
+own ``score_answer``, the errors, and a few RL steps through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_flow.config import ConfigError, DatasetConfig
+from areal_flow.ops.reward import REWARD_FNS
+from areal_flow.tasks.catalog import build_task
+from areal_flow.tasks.rgym import PREFIX, ReasoningGymTask, encode_reference, reward, task_names
+from runs import REPO, cli_run, records
+
+reasoning_gym = pytest.importorskip("reasoning_gym")
+
+SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+         "allow_parentheses": False, "allow_negation": False}
+
+
+def _entry(question: str, answer: str, metadata: dict | None = None) -> dict:
+    return {"question": question, "answer": answer, "metadata": metadata or {}}
+
+
+def test_reward_is_the_datasets_own_score_on_hand_picked_answers():
+    # leg_counting: 13 cows and 5 cats have 13*4 + 5*4 = 72 legs. Its score_answer is
+    # ProceduralDataset's: 1.0 for the oracle string, len(oracle)/len(answer) when the
+    # answer contains it, else 0.0.
+    entry = _entry("how many legs: 13 cows, 5 cats?", "72", {"animals": {"cow": 13, "cat": 5}})
+    ref = encode_reference("leg_counting", {}, entry)
+    cases = {"72": 1.0, "<answer>72</answer>": 1.0, "i think <answer> 72 </answer>": 1.0, "72<eos>9": 1.0,
+             "<answer>70</answer> then <answer>72</answer>": 1.0,  # the last tag counts (extract_answer)
+             "73": 0.0, "": 0.0, "<answer>7</answer>": 0.0, "172": pytest.approx(2 / 3),
+             "<answer>72 legs</answer>": pytest.approx(2 / 7)}
+    dataset = reasoning_gym.create_dataset("leg_counting", size=1, seed=0)
+    for text, expected in cases.items():
+        assert reward(text, ref) == expected, text
+        assert REWARD_FNS["reasoning_gym"](text, ref) == expected
+        tagged = reasoning_gym.utils.extract_answer(text.split("<eos>")[0])
+        own = tagged if tagged is not None else text.split("<eos>")[0].strip()
+        assert reward(text, ref) == dataset.score_answer(answer=own, entry=entry)
+
+
+def test_a_dataset_with_its_own_scorer_keeps_it():
+    # basic_arithmetic via the adapter: right answer 1.0, wrong 0.0 (rows made by the task).
+    task = build_task({"name": PREFIX + "basic_arithmetic", "options": SMALL}, seed=3)
+    row = task.train_problems(1, seed=0)[0]
+    oracle = json.loads(row["answer"])["entry"]["answer"]
+    assert row["target"] == oracle and row["prompt"].startswith("Calculate")
+    assert task.reward(oracle, row["answer"]) == 1.0 and task.correct(oracle, row["answer"])
+    assert task.reward(str(int(oracle) + 1), row["answer"]) == 0.0
+
+
+@pytest.mark.slow
+def test_every_dataset_scores_the_same_after_the_json_round_trip():
+    for name in task_names():
+        try:
+            dataset = reasoning_gym.create_dataset(name, size=2, seed=5)
+            entries = [dataset[i] for i in range(2)]
+        except Exception:  # noqa: BLE001 - e.g. composite needs options; not the adapter's concern
+            continue
+        for entry in entries:
+            ref = encode_reference(name, {}, entry)
+            for answer in (str(entry["answer"]), "0"):
+                try:
+                    expected = float(dataset.score_answer(answer=answer, entry=entry))
+                except Exception:  # noqa: BLE001 - the adapter scores a raising scorer 0.0
+                    expected = 0.0
+                assert reward(answer, ref) == expected, (name, answer)
+
+
+def test_rows_are_seeded_and_the_test_set_is_fixed():
+    task = ReasoningGymTask("basic_arithmetic", seed=1, options=SMALL)
+    assert task.train_problems(5, seed=2) == task.train_problems(5, seed=2)
+    assert task.train_problems(5, seed=2) != task.train_problems(5, seed=3)
+    assert task.test_set(3) == task.test_set(6)[:3]
+    assert [r["id"] for r in task.train_problems(3, 0)] == [0, 1, 2]
+    assert task.test_set(1)[0]["id"] >= 1_000_000_000
+    assert task.spec() == {"name": "reasoning_gym:basic_arithmetic", "seed": 1, "options": SMALL}
+
+
+def test_the_chat_style_asks_for_the_answer_tag():
+    plain = ReasoningGymTask("leg_counting", seed=1).test_set(1)[0]
+    chat = build_task({"name": "reasoning_gym:leg_counting", "prompt_style": "chat"}, 1).test_set(1)[0]
+    assert chat["prompt"] == reasoning_gym.utils.SYSTEM_PROMPTS["default"] + "\n" + plain["prompt"]
+    assert chat["answer"] == plain["answer"] and "<answer>answer here</answer>" in chat["prompt"]
+    with pytest.raises(ConfigError, match="prompt_style"):
+        DatasetConfig(name="reasoning_gym:leg_counting", prompt_style="fancy")
+
+
+def test_an_unknown_name_lists_close_matches():
+    with pytest.raises(ValueError, match="did you mean reasoning_gym:leg_counting"):
+        build_task({"name": "reasoning_gym:leg_countin"}, 0)
+    with pytest.raises(ConfigError, match="no dataset 'zzqqxx'.*known"):
+        DatasetConfig(name="reasoning_gym:zzqqxx")
+
+
+@pytest.mark.parametrize("options, match", [({"min_term": 2}, "no config key 'min_term'.*its keys: min_terms"),
+                                            ({"seed": 2}, "the run sets seed and size"),
+                                            ({"min_terms": 5, "max_terms": 2}, "refuses them")])
+def test_bad_options_are_refused_with_the_key(options, match):
+    with pytest.raises(ConfigError, match=match):
+        DatasetConfig(name="reasoning_gym:basic_arithmetic", options=options)
+
+
+def test_options_belong_to_reasoning_gym_tasks_only():
+    with pytest.raises(ConfigError, match="only reasoning_gym"):
+        DatasetConfig(name="arithmetic", options={"a": 1})
+
+
+def test_a_row_not_made_by_the_task_is_an_error():
+    with pytest.raises(ValueError, match="not a reasoning-gym reference"):
+        reward("3", "3")
+
+
+@pytest.mark.slow
+def test_rg_graph_runs_a_few_steps_through_the_cli(tmp_path):
+    cli_run(REPO / "graphs" / "rg_grpo.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=4",
+            "warm_start.steps=10", "eval.n_test=8", f"out_dir={tmp_path}")
+    rows = records(tmp_path / "rg_grpo")
+    assert len(rows) == 2 * 2 * 4
+    for row in rows:
+        assert row["prompt_text"].startswith("Calculate")
+        assert row["reward"] == reward(row["output_text"], row["meta"]["answer"])
+    summary = json.loads((tmp_path / "rg_grpo" / "summary.json").read_text())
+    assert 0.0 <= summary["accuracy_before"] <= 1.0
