@@ -185,7 +185,7 @@ def build_topology(plan: Plan) -> Topology:
                 elif group_of[src] not in chain:  # a later step group gets it with the batch from the first
                     _connect(groups, group_of[src], chain[0])
             if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
-                notes.extend(_check_multi_rank(plan, node))
+                notes.extend(_check_multi_rank(plan, node, gen.model))
     for before, after in zip(chain, chain[1:]):  # the step's batch passes down the chain (compiler.hosting)
         _connect(groups, before, after)
     steps = [n for n in plan.nodes if n.trains]
@@ -268,13 +268,13 @@ def trainer_input(node: NodePlan) -> str:
     return next(iter(node.inputs))
 
 
-def _check_multi_rank(plan: Plan, node: NodePlan) -> list[str]:
+def _check_multi_rank(plan: Plan, node: NodePlan, generated: str) -> list[str]:
     """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic that
-    does not share the policy train_step's mesh and strategy (it runs on that train_step's ranks)."""
+    does not share the policy train_step's mesh and strategy (it runs on that train_step's ranks).
+    ``generated``: the policy's model (the one the dataset-fed generate node runs)."""
     if not node.trains:
         return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
                 "the plan)"]
-    generated = next(n.model for n in plan.nodes if n.grain == STREAM)
     policy = next((n for n in plan.nodes if n.trains and n.model == generated), None)
     if plan.models[node.model]["head"] != "lm" and (policy is None or (policy.mesh, policy.parallel) !=
                                                      (node.mesh, node.parallel)):
