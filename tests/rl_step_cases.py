@@ -30,6 +30,8 @@ from areal_flow.algorithms.advantages import compute_advantages
 from areal_flow.algorithms.catalog import ALGORITHMS
 from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.models.logprobs import token_logprobs
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
 from runtime.executors.train import TrainSettings
 from runtime.model_source import load_pretrained
 from runtime.parallel.weight_sync import full_named_tensors
@@ -42,6 +44,14 @@ METRICS = ("loss", "policy_loss", "grad_norm", "entropy", "importance_weight_mea
 # decoupled PPO: behavior importance weights above 1.2 are masked, so with 0.3 nats of behavior
 # noise some tokens are (AReaL eq. 5's cap, exercised); the proximal policy is recomputed
 OVERRIDES = {"decoupled_ppo": {"behavior_imp_weight_cap": 1.2}}
+
+
+def policy_folder(folder: Path, preset: str = "tiny-s") -> Path:
+    """``folder`` holding a version-0 policy: tiny model ``preset`` (seed 0) and the character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    build_model(preset, len(tokenizer), seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def settings(folder: Path, algorithm: str, packed: bool = False, **fields) -> TrainSettings:

@@ -31,10 +31,9 @@ import torch
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.models.critic import ValueModel
-from areal_flow.models.tiny import build_model
-from areal_flow.models.tokenizer import build_char_tokenizer
 from compiler.strategy import ParallelStrategy
-from rl_step_cases import GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, assert_update_matches, rl_batch, settings
+from rl_step_cases import (GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, assert_update_matches, policy_folder, rl_batch,
+                           settings)
 from runtime.executors.train import micro_batch_size
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
@@ -121,10 +120,7 @@ def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, save
 @pytest.fixture(scope="module")
 def critic_steps(tmp_path_factory):
     torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer()
-    build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = policy_folder(tmp_path_factory.mktemp("policy"))
     batch = critic_batch(folder)
     saved = tmp_path_factory.mktemp("critic")
     reference, optimizer_state = single_process_critic(folder, batch, saved)

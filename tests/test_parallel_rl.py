@@ -22,10 +22,8 @@ import pytest
 import torch
 
 from areal_flow.config_load import load_config
-from areal_flow.models.tiny import build_model
-from areal_flow.models.tokenizer import build_char_tokenizer
 from compiler.strategy import ParallelStrategy
-from rl_step_cases import assert_step_matches, rl_batch, settings, single_process_step
+from rl_step_cases import assert_step_matches, policy_folder, rl_batch, settings, single_process_step
 from runtime.model_source import load_pretrained
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.weight_sync import full_named_tensors
@@ -61,10 +59,7 @@ def _one_step_on_ranks(rank: int, world_size: int, folder: Path, batch: dict) ->
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory):
     torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer()
-    build_model("tiny-s", len(tokenizer), seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = policy_folder(tmp_path_factory.mktemp("policy"))
     batch = rl_batch(folder)
     parallel = spawn_workers(_one_step_on_ranks, 2, (folder, batch), backend="gloo")[0]
     return parallel, {algorithm: single_process_step(folder, batch, algorithm) for algorithm in ("grpo", "dr_grpo")}

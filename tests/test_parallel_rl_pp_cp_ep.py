@@ -27,9 +27,8 @@ import torch
 
 from areal_flow.config_load import load_config
 from areal_flow.models.tiny import build_model
-from areal_flow.models.tokenizer import build_char_tokenizer
 from compiler.strategy import ParallelStrategy
-from rl_step_cases import METRICS, assert_step_matches, rl_batch, settings, single_process_step
+from rl_step_cases import METRICS, assert_step_matches, policy_folder, rl_batch, settings, single_process_step
 from runtime.model_source import load_pretrained
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.weight_sync import full_named_tensors
@@ -84,12 +83,9 @@ def _merged(per_rank: list[dict], case: str) -> dict:
 def policies(tmp_path_factory):
     """kind -> (folder, batch, {algorithm: single-process step})."""
     torch.set_num_threads(1)
-    tokenizer = build_char_tokenizer()
     out = {}
     for kind, preset in PRESETS.items():
-        folder = tmp_path_factory.mktemp(kind)
-        build_model(preset, len(tokenizer), seed=0).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        folder = policy_folder(tmp_path_factory.mktemp(kind), preset)
         batch = rl_batch(folder)
         out[kind] = folder, batch, {algorithm: single_process_step(folder, batch, algorithm) for algorithm in ALGORITHMS}
     return out
