@@ -9,7 +9,7 @@ the embedded generation engine) can run, beyond the model-shape rules of
 * a user's allocation or pin (``CostModel.check``, from ``compiler.allocation.resolve``):
   refused with the rule's name;
 * the runtime, on the finished plan, before any process starts (:func:`check_executable`,
-  from ``runtime.run_setup.check_runnable``: once without shapes as the run is set up, again
+  from ``runtime.preflight.check_runnable``: once without shapes as the run is set up, again
   with the shapes of the prepared models' ``config.json``).
 
 Each rule is a small function of one node's :class:`NodeFacts` returning why it fails (or

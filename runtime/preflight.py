@@ -6,12 +6,15 @@ YAML and overrides, a hand-edited ``plan.json``, either scheduler): the plan's c
 with the config's own checks, the generators' sampling attributes, the dataset's task with its
 models need of that task. A bad input is refused with one line and nothing written; the
 plan's structure and JSON types were checked when it was read (``compiler.plan_check``).
+It also owns :func:`check_runnable`, the compiler's one executability predicate asked by the
+runtime before any worker starts (``RunSetup`` calls it twice: without, then with the models' shapes).
 """
 
 from __future__ import annotations
 
 from areal_flow.config import ConfigError
 from areal_flow.tasks.catalog import build_task
+from compiler.executable import check_executable
 from compiler.plan import Plan
 from runtime.topology import Topology
 
@@ -83,3 +86,22 @@ def _task(plan: Plan, topo: Topology):
         raise ConfigError(f"{node.where()}: {str(exc).splitlines()[0]}") from None
     check_models(plan, task)
     return task
+
+
+def check_runnable(plan: Plan, topo: Topology, folders: dict[str, str] | None = None) -> None:
+    """The compiler's one predicate (``compiler.executable``) on ``plan``, before any worker starts,
+    with the run's rows per step; given the prepared models' ``folders``, with the shapes of their
+    ``config.json`` (heads, layers, experts) for the models on several devices.
+
+    Raises:
+        compiler.executable.ExecutableError: naming the node and the broken rule.
+    """
+    shapes = {}
+    if folders is not None:
+        from transformers import AutoConfig
+
+        from runtime.parallel.validate import model_shape
+
+        multi = {n.model for n in plan.nodes if n.strategy is not None and n.parallel.world_size > 1}
+        shapes = {m: model_shape(AutoConfig.from_pretrained(folders[m])) for m in sorted(multi)}
+    check_executable(plan, shapes, rows=topo.batch_groups * topo.generate.attrs.get("n_samples", 1))

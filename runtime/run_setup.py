@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_flow.ops.registry import TRAINING
-from compiler.executable import check_executable
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, ResumeError, resume_point
 from runtime.faults import check_kill_at
 from runtime.executors.episode_failures import LOG_NAME
 from runtime.metrics import RunLogger, episode_summary, format_summary
-from runtime.preflight import preflight
+from runtime.preflight import check_runnable, preflight
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
@@ -408,21 +407,3 @@ def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float,
     kinds = Counter(task.answer_kind(p, text) for text, p in zip(answers, problems))
     return accuracy, {kind: kinds[kind] for kind in task.ANSWER_KINDS}
 
-
-def check_runnable(plan: Plan, topo: Topology, folders: dict[str, str] | None = None) -> None:
-    """The compiler's one predicate (``compiler.executable``) on ``plan``, before any worker starts,
-    with the run's rows per step; given the prepared models' ``folders``, with the shapes of their
-    ``config.json`` (heads, layers, experts) for the models on several devices.
-
-    Raises:
-        compiler.executable.ExecutableError: naming the node and the broken rule.
-    """
-    shapes = {}
-    if folders is not None:
-        from transformers import AutoConfig
-
-        from runtime.parallel.validate import model_shape
-
-        multi = {n.model for n in plan.nodes if n.strategy is not None and n.parallel.world_size > 1}
-        shapes = {m: model_shape(AutoConfig.from_pretrained(folders[m])) for m in sorted(multi)}
-    check_executable(plan, shapes, rows=topo.batch_groups * topo.generate.attrs.get("n_samples", 1))

@@ -134,7 +134,7 @@ def build_topology(plan: Plan) -> Topology:
             without exactly one data input; a placement the runtime cannot run
             (``compiler.hosting``: the node and the rule); no trainer. (Which strategies the
             runtime can run is ``compiler.executable``'s predicate, which
-            ``runtime.run_setup`` asks before any process starts.)
+            ``runtime.preflight.check_runnable`` asks before any process starts.)
     """
     _check_ops(plan)
     order = [n.name for n in plan.nodes]

@@ -169,7 +169,7 @@ def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only(
     from compiler import AllocationError
     from compiler.executable import ExecutableError
     from compiler.program import compile_program
-    from runtime.run_setup import check_runnable
+    from runtime.preflight import check_runnable
 
     fl = load_flow(REPO / "graphs/arith_ppo.py")
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
