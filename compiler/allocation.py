@@ -137,7 +137,8 @@ def _place_inference(groups: list, seen: dict, workload) -> None:
 def _check_hosting(text: str, groups: list, seen: dict, workload) -> None:
     """Raise AllocationError when the runtime cannot run this placement (``compiler.hosting``)."""
     label = {task.node: i for i, group in enumerate(groups) for task, _ in group}
-    problem = hosting_problem(workload_hosting(workload, label))
+    chosen = {task.node: s for group in groups for task, s in group}
+    problem = hosting_problem(workload_hosting(workload, label, chosen))
     if problem is not None:
         node, reason = problem
         item = seen.get(node)

@@ -29,8 +29,8 @@ from compiler.strategy import ParallelStrategy, StrategyError
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 CRITIC_PARALLEL: tuple[str, ...] = ("dp",)
 """Degrees a critic's (value model's) train_step may use above 1: ``dp``, on the ranks of the
-policy's train_step (``runtime.parallel_critic``; a multi-rank critic on a mesh of its own is
-refused by ``runtime.topology`` before any process starts, and the search never proposes one)."""
+policy's train_step (``runtime.parallel_critic``; a multi-rank critic elsewhere breaks
+``compiler.hosting``'s rule ``critic-ranks``, and the search never proposes one)."""
 ENGINE_PARALLEL: dict[str, tuple[str, ...]] = {"embedded": ("dp",), "vllm": ("dp", "tp")}
 """Degrees each generation engine may use above 1: the embedded engine runs dN replicas of one
 process each; vLLM adds tensor parallelism inside a replica."""

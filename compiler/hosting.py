@@ -32,7 +32,16 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   per-group node: it runs one engine of its model in the worker group hosting it, on each
   prompt group as it arrives (``runtime.executors.fed_generate``);
 * ``checkpoint-chain``: checkpoints (``train.checkpoint_every``) with several step groups
-  (the checkpoint format holds one group's models and cursor).
+  (the checkpoint format holds one group's models and cursor);
+* ``judge-no-route``: a weight route (``sync_weights``) reaches a generate node fed by a
+  per-group node (its engine loads no weights: it runs a frozen model, without versions);
+* ``judge-one-sample``: such a node samples ``n_samples != 1`` (its rollouts pair one to one
+  with the samples of the group its prompts were built from);
+* ``critic-ranks``: a critic's (scalar-head model's) trainer on several processes that does
+  not share the policy trainer's worker group and strategy (``runtime.parallel_critic`` runs
+  it on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2``). Read only when
+  the strategies are known (a user's allocation, a plan); the search keeps a critic on one
+  process (``compiler.cost.CostModel.strategies``).
 
 ``compiler.allocation.resolve`` raises it for a user's allocation, ``compiler.search`` never
 emits a candidate it refuses, and ``runtime.topology.build_topology`` raises it before any
@@ -43,7 +52,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_flow.graph import WEIGHTS
 from areal_flow.ops.registry import BATCH, GROUP, ROUTE, SOURCE, STREAM, lookup
+from compiler.strategy import ParallelStrategy
 from compiler.workload import GENERATION, TRAINING, Workload
 
 
@@ -57,6 +68,9 @@ class Hosted:
         inputs: the nodes its data inputs come from.
         model: the model it runs (None for a CPU node). trains: it trains ``model``.
         checkpoints: it trains and writes checkpoints (``checkpoint_every > 0``).
+        strategy: its parallel strategy (None: a CPU node, or not chosen yet).
+        critic: it trains a scalar-head (value) model. samples: a generate node's ``n_samples``.
+        routed: a weight route (``sync_weights``) reaches it.
     """
 
     name: str
@@ -66,6 +80,10 @@ class Hosted:
     model: str | None = None
     trains: bool = False
     checkpoints: bool = False
+    strategy: ParallelStrategy | None = None
+    critic: bool = False
+    samples: int = 1
+    routed: bool = False
 
 
 def step_groups(nodes: list[Hosted]) -> list:
@@ -97,6 +115,7 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
     steps = step_groups(nodes)
     generation = {n.group for n in nodes if n.grain == STREAM}
     trainer = {n.model: n for n in nodes if n.trains}
+    policy = trainer.get(next((n.model for n in nodes if n.name in dataset_fed[:1]), None))
     for n in nodes:
         here = [src for src in n.inputs if src in group_of]
         late = next((src for src in here if order[group_of[src]] > order[n.group]), None)
@@ -113,6 +132,9 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
         if n.group not in steps and fed is not None:
             return n.name, (f"batch-to-group: its input from '{fed}' comes from a step group, which passes whole "
                             "batches only to the next step group")
+        why = _judge_or_critic(n, n.grain == STREAM and n.name not in dataset_fed, policy)
+        if why is not None:
+            return n.name, why
         owner = trainer.get(n.model)
         if n.grain == STREAM and n.name not in dataset_fed and owner is not None:
             return n.name, (f"frozen-judge: a generate node fed by a per-group node runs a frozen model; "
@@ -129,11 +151,29 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
     return None
 
 
-def workload_hosting(workload: Workload, group_of: dict[str, object]) -> list[Hosted]:
+def _judge_or_critic(n: Hosted, judge: bool, policy: Hosted | None) -> str | None:
+    """Why ``n`` breaks ``judge-no-route``, ``judge-one-sample`` (``judge``: it is a generate node
+    fed by a per-group node) or ``critic-ranks`` (``policy``: the policy's trainer), or None."""
+    if judge and n.routed:
+        return ("judge-no-route: a generate node fed by a per-group node runs a frozen model; no weight route "
+                "(sync_weights) may reach it")
+    if judge and n.samples != 1:
+        return (f"judge-one-sample: a generate node fed by a per-group node answers each prompt once (n_samples=1, "
+                f"one response per sample of the group); got n_samples={n.samples}")
+    if n.critic and n.strategy is not None and n.strategy.world_size > 1 and (
+            policy is None or (policy.group, policy.strategy) != (n.group, n.strategy)):
+        return (f"critic-ranks: a critic's train_step on several processes ({n.strategy.short()}) runs on the ranks "
+                f"of the policy's train_step: give it the policy's mesh and strategy (e.g. train:d2 | "
+                "critic_step:d2), or one process (critic_step:d1)")
+    return None
+
+
+def workload_hosting(workload: Workload, group_of: dict[str, object],
+                     strategies: dict[str, ParallelStrategy] | None = None) -> list[Hosted]:
     """The nodes of ``workload`` as :func:`hosting_problem` sees them, its device nodes in the
     groups ``group_of`` gives (device node -> label; the generate node's label is its own, as
     its replicas are a group of their own even when they time-share a mesh) and every CPU
-    node in its host's.
+    node in its host's; ``strategies`` (device node -> strategy) when they are chosen.
 
     Raises:
         KeyError: a device node ``group_of`` lacks.
@@ -143,14 +183,18 @@ def workload_hosting(workload: Workload, group_of: dict[str, object]) -> list[Ho
     for src, dst, kind, _ in workload.data_edges:
         if kind == "data":
             inputs.setdefault(dst, []).append(src)
+    routed = {dst for src, dst, kind, _ in workload.data_edges if kind == WEIGHTS and lookup(workload.ops[src]).grain == ROUTE}
+    strategies = strategies or {}
     out = []
     for name, op in workload.ops.items():
         task = tasks.get(name)
         host = name if task is not None else workload.cpu_hosts[name]
         group = ("generation", host) if tasks[host].role == GENERATION else group_of[host]
+        trains = bool(task and task.role == TRAINING)
         out.append(Hosted(name, lookup(op).grain, group, tuple(inputs.get(name, ())),
-                          task.model_name if task else None, bool(task and task.role == TRAINING),
-                          name in workload.checkpointing))
+                          task.model_name if task else None, trains, name in workload.checkpointing,
+                          strategies.get(name), trains and task.model.head == "scalar",
+                          int(workload.node_attrs.get(name, {}).get("n_samples") or 1), name in routed))
     return out
 
 

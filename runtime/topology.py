@@ -129,10 +129,10 @@ def build_topology(plan: Plan) -> Topology:
     """Partition ``plan`` into worker groups and check it (module doc).
 
     Raises:
-        TopologyError: not exactly one dataset and one generate node it feeds; a judge
-            (:func:`judge_nodes`) a weight route reaches or with ``n_samples != 1``; a trainer
+        TopologyError: not exactly one dataset and one generate node it feeds; a trainer
             without exactly one data input; a placement the runtime cannot run
-            (``compiler.hosting``: the node and the rule); no trainer. (Which strategies the
+            (``compiler.hosting``: the node and the rule, a judge's and a multi-rank
+            critic's included); no trainer. (Which strategies the
             runtime can run is ``compiler.executable``'s predicate, which
             ``runtime.preflight.check_runnable`` asks before any process starts.)
     """
@@ -147,7 +147,6 @@ def build_topology(plan: Plan) -> Topology:
                             f"generate nodes take prompts from a per-group node), found {len(sources)} and "
                             f"{len(gens)} ({names})")
     gen, source = gens[0], sources[0]
-    _check_judges(plan, judges)
     groups: dict[str, WorkerGroup] = {}
     meshes: dict = {}  # non-generation device nodes on one mesh share a worker group (time-share its devices)
     notes: list[str] = []
@@ -184,8 +183,10 @@ def build_topology(plan: Plan) -> Topology:
                     _connect(groups, group_of[src], g.name)
                 elif group_of[src] not in chain:  # a later step group gets it with the batch from the first
                     _connect(groups, group_of[src], chain[0])
-            if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1:
-                notes.extend(_check_multi_rank(plan, node, gen.model))
+            if g.kind != GENERATION and node.strategy is not None and node.parallel.world_size > 1 \
+                    and not node.trains:
+                notes.append(f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh "
+                             f"({node.strategy} in the plan)")
     for before, after in zip(chain, chain[1:]):  # the step's batch passes down the chain (compiler.hosting)
         _connect(groups, before, after)
     steps = [n for n in plan.nodes if n.trains]
@@ -208,21 +209,6 @@ def judge_nodes(plan: Plan) -> list[str]:
             and not {src for src, _ in n.inputs.values()} & sources]
 
 
-def _check_judges(plan: Plan, judges: list[str]) -> None:
-    """Raises TopologyError naming the judge node: a weight route reaches it (its model is
-    frozen: it has no versions), or it samples ``n_samples != 1`` (its rollouts pair one to
-    one with the samples of the group its prompts were built from)."""
-    for name in judges:
-        node = plan.node(name)
-        if any(r.dst == name for r in plan.routes):
-            raise TopologyError(f"{node.where()}: a generate node fed by a per-group node runs a frozen model; "
-                                "no weight route (sync_weights) may reach it")
-        if node.attrs.get("n_samples", 1) != 1:
-            raise TopologyError(f"{node.where()}: a generate node fed by a per-group node answers each prompt "
-                                f"once (n_samples=1, one response per sample of the group); got "
-                                f"n_samples={node.attrs['n_samples']}")
-
-
 def _connect(groups: dict[str, WorkerGroup], src: str, dst: str) -> None:
     """A channel from group ``src`` to group ``dst`` (once)."""
     if src != dst and src not in groups[dst].upstream:
@@ -232,9 +218,12 @@ def _connect(groups: dict[str, WorkerGroup], src: str, dst: str) -> None:
 
 def _hosted(plan: Plan, group_of: dict[str, str]) -> list[Hosted]:
     """The plan's nodes as ``compiler.hosting`` sees them (the dataset and routes have no group)."""
+    routed = {r.dst for r in plan.routes}
     return [Hosted(n.name, n.grain, group_of.get(n.name), tuple(src for src, _ in n.inputs.values()),
                    n.model if n.strategy is not None else None, n.trains,
-                   n.trains and bool(n.attrs.get("checkpoint_every"))) for n in plan.nodes]
+                   n.trains and bool(n.attrs.get("checkpoint_every")), n.parallel,
+                   n.trains and plan.models.get(n.model, {}).get("head", "lm") != "lm",
+                   int(n.attrs.get("n_samples") or 1), n.name in routed) for n in plan.nodes]
 
 
 def _check_ops(plan: Plan) -> None:
@@ -266,19 +255,3 @@ def trainer_input(node: NodePlan) -> str:
         raise TopologyError(f"{node.where()}: a node that trains its model takes its step's batch on one data input; "
                             f"it has {len(node.inputs)} ({', '.join(node.inputs) or 'none'})")
     return next(iter(node.inputs))
-
-
-def _check_multi_rank(plan: Plan, node: NodePlan, generated: str) -> list[str]:
-    """Notes for nodes on a multi-rank mesh; raises TopologyError for a multi-rank critic that
-    does not share the policy train_step's mesh and strategy (it runs on that train_step's ranks).
-    ``generated``: the policy's model (the one the dataset-fed generate node runs)."""
-    if not node.trains:
-        return [f"{node.where()}: forward-only, per prompt group: runs on rank 0 of its mesh ({node.strategy} in "
-                "the plan)"]
-    policy = next((n for n in plan.nodes if n.trains and n.model == generated), None)
-    if plan.models[node.model]["head"] != "lm" and (policy is None or (policy.mesh, policy.parallel) !=
-                                                     (node.mesh, node.parallel)):
-        raise TopologyError(f"{node.where()}: a critic's train_step on several processes ({node.strategy}) runs on "
-                            "the ranks of the policy's train_step: give it the policy's mesh and strategy "
-                            "(e.g. train:d2 | critic_step:d2), or one process (critic_step:d1)")
-    return []

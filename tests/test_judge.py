@@ -186,8 +186,8 @@ def test_a_judge_given_other_than_one_prompt_per_sample_stops_naming_the_node(tm
         port_value("prompts", prompts, 4)  # a per-group prompts value: one per sample
 
 
-def _n(name, grain, group, *inputs, model=None, trains=False):
-    return Hosted(name, grain, group, inputs, model, trains, False)
+def _n(name, grain, group, *inputs, model=None, trains=False, samples=1, routed=False):
+    return Hosted(name, grain, group, inputs, model, trains, False, samples=samples, routed=routed)
 
 
 JUDGED = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), _n("ask", GROUP, "G", "gen"),
@@ -203,6 +203,29 @@ JUDGED = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), 
 def test_each_judge_rule_names_its_node(extra, node, rule):
     problem = hosting_problem([*JUDGED, *extra])
     assert (problem and (problem[0], problem[1].split(":")[0])) == ((node, rule) if node else None)
+
+
+@pytest.mark.parametrize("judge, rule", [(_n("judge", STREAM, "J", "ask", model="j", samples=2), "judge-one-sample"),
+                                         (_n("judge", STREAM, "J", "ask", model="j", routed=True), "judge-no-route")])
+def test_a_judge_sampling_twice_or_reached_by_weights_is_refused_by_rule(judge, rule):
+    problem = hosting_problem([judge if n.name == "judge" else n for n in JUDGED])
+    assert (problem[0], problem[1].split(":")[0]) == ("judge", rule)
+
+
+@pytest.mark.parametrize("old, new, rule", [
+    ("verdict = ops.generate(judge, asked, n_samples=1", "verdict = ops.generate(judge, asked, n_samples=2",
+     "judge-one-sample"),
+    ("verdict = ops.generate(judge, asked", "verdict = ops.generate(policy, asked", "judge-no-route"),
+])
+def test_compile_refuses_a_judge_the_runtime_cannot_run_naming_node_and_rule(tmp_path, old, new, rule):
+    text = GRAPH.read_text().replace(old, new)
+    if rule == "judge-no-route":  # the judge runs the policy and a second sync_weights reaches it
+        text = text.replace("    ops.sync_weights(policy, to=rollout)\n",
+                            "    ops.sync_weights(policy, to=rollout)\n    ops.sync_weights(policy, to=verdict)\n")
+    graph = tmp_path / "bad_judge.py"
+    graph.write_text(text)
+    with pytest.raises(AllocationError, match=rf"node 'judge': {rule}: "):
+        _plan(tmp_path, graph=graph)  # the YAML's allocation, gen:d1 + judge:d1 + train:d1
 
 
 TWO_POLICIES = '''
@@ -236,6 +259,6 @@ def test_compile_and_run_refuse_what_the_runtime_cannot_run_naming_the_node(tmp_
         build_topology(dataclasses.replace(plan, nodes=rewired))
     greedy = tuple(dataclasses.replace(n, attrs={**n.attrs, "n_samples": 2}) if n.name == "judge" else n
                    for n in plan.nodes)
-    with pytest.raises(TopologyError, match=r"node 'judge'.*n_samples=1"):
+    with pytest.raises(TopologyError, match=r"node 'judge'.*judge-one-sample: .*n_samples=1"):
         run(dataclasses.replace(plan, nodes=greedy), show_progress=False)
     assert not (tmp_path / "judge").exists()  # no run folder, no worker

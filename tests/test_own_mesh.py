@@ -212,6 +212,28 @@ def test_each_rule_names_its_node(change, node, rule):
     assert (problem and (problem[0], problem[1].split(":")[0])) == ((node, rule) if node else None)
 
 
+def test_a_multi_rank_critic_away_from_the_policys_ranks_is_refused_by_rule(tmp_path):
+    from compiler.strategy import ParallelStrategy
+
+    d1, d2 = ParallelStrategy(dp=1), ParallelStrategy(dp=2)
+
+    def critic_at(group, s, train_s=d2):
+        nodes = [dataclasses.replace(n, strategy=train_s) if n.name == "train" else n for n in PPO]
+        return [dataclasses.replace(n, group=group, strategy=s, critic=True) if n.name == "critic" else n
+                for n in nodes]
+
+    assert hosting_problem(critic_at("C", d1)) is None  # one process on its own mesh
+    problem = hosting_problem(critic_at("C", d2))  # two processes on its own mesh
+    assert (problem[0], problem[1].split(":")[0]) == ("critic", "critic-ranks")
+    with pytest.raises(AllocationError, match=r"node 'critic_step': critic-ranks: .*\(d2\)"):
+        _plan(tmp_path, "cluster.n_gpus_per_node=5", "compile.allocation=gen:d1 + train:d2 + critic_step:d2")
+    plan = _plan(tmp_path, *OWN)  # a hand-edited plan: the runtime asks the same predicate
+    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="d2") if n.name == "critic_step"
+                                                   else n for n in plan.nodes))
+    with pytest.raises(TopologyError, match=r"node 'critic_step'.*critic-ranks: "):
+        build_topology(edited)
+
+
 def test_a_group_node_after_the_first_step_group_or_fed_by_one_is_refused_and_the_chain_is_in_data_order():
     fed = hosting_problem([*PPO, _n("judge", GROUP, "J", "critic", model="j")])
     assert fed[0] == "judge" and fed[1].startswith("batch-to-group")
