@@ -255,6 +255,22 @@ class AdvantageKnobs:
 
 
 @dataclass
+class ReplayKnobs:
+    """Knobs that graphs pass to ``ops.replay`` (experience replay, ``graphs/arith_grpo_replay.py``)."""
+
+    ratio: float = 0.25
+    """Share of each train step's rows drawn from earlier steps' (rows older than k versions are evicted), in [0, 1); the seed's range is 0.2-0.5."""
+    capacity: int = 256
+    """Rows the replay buffer keeps (the oldest leave first), >= 1."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ratio < 1:
+            raise ConfigError(f"replay.ratio={self.ratio}: must be in [0, 1) (the replayed share of a step's rows)")
+        if self.capacity < 1:
+            raise ConfigError(f"replay.capacity={self.capacity}: must be >= 1 (rows the buffer keeps)")
+
+
+@dataclass
 class RewardKnobs:
     """Knobs of the reward node's data-side shaping and filtering (DAPO, Yu et al. 2025)."""
 
@@ -413,6 +429,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     advantage: AdvantageKnobs = field(default_factory=AdvantageKnobs)
     reward: RewardKnobs = field(default_factory=RewardKnobs)
+    replay: ReplayKnobs = field(default_factory=ReplayKnobs)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -18,6 +18,8 @@ structural ones (ports, producers, cycles), so every node and edge here is known
   - an estimator that reads critic values (GAE) needs ``critic=``;
   - a critic is trained on value targets, so with ``critic=`` the estimator must give
     returns (GAE, REINFORCE++, multi-turn);
+  - a replay node (``ops.replay``) needs its train_step's ``max_staleness`` k >= 1 (with k = 0
+    every buffered row is evicted before it could be replayed);
   - algorithm and estimator are one choice: an estimator that is another algorithm's
     default (``grpo`` under ``train.algorithm=rloo``) means the graph was written for that
     algorithm, and is refused naming both nodes and values. An estimator that is no
@@ -81,6 +83,13 @@ def training_defects(graph: Graph) -> Iterator[str]:
             yield (f"{adv.where()}: critic '{adv.model}' is trained on value targets, but estimator "
                    f"'{estimator.name}' gives no returns; use one of {_estimators_that('gives_returns')}, or "
                    "drop critic=")
+    for step in graph.trainers():
+        replay = graph.source_of(step.name, "advantages", "replay")
+        k = next((e.max_staleness for e in graph.in_edges(step.name) if e.kind == "data"), None)
+        if replay is not None and not k:
+            yield (f"{replay.where()}: it replays earlier steps' rows into {step.where()}, whose max_staleness=0 "
+                   "evicts every one of them (a row trained at step s is >= 1 version old at s + 1); give the "
+                   "train_step max_staleness >= 1 or drop the replay node")
     for step, algorithm, adv in pairs:
         given, default = adv.attrs.get("estimator"), algorithm.default_estimator
         owners = algorithms_defaulting_to(given) if given else []

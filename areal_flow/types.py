@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REPLAYED = "replayed_from_step"
+"""``Trajectory.meta`` key of a sample trained again by a replay node (``ops.replay``): the
+step that first trained it. A trajectory log line without it is a fresh sample (each trained
+exactly once)."""
+
 
 @dataclass
 class Trajectory:

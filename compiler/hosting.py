@@ -183,7 +183,8 @@ def workload_hosting(workload: Workload, group_of: dict[str, object],
     for src, dst, kind, _ in workload.data_edges:
         if kind == "data":
             inputs.setdefault(dst, []).append(src)
-    routed = {dst for src, dst, kind, _ in workload.data_edges if kind == WEIGHTS and lookup(workload.ops[src]).grain == ROUTE}
+    routed = {dst for src, dst, kind, _ in workload.data_edges
+              if kind == WEIGHTS and lookup(workload.ops[src]).grain == ROUTE}
     strategies = strategies or {}
     out = []
     for name, op in workload.ops.items():

@@ -96,6 +96,7 @@ class RunLogger:
         self.start = time.perf_counter()
         self.earlier_s = _earlier_wall_s(out_dir) if first_step is not None else 0.0
         self.samples = self.earlier_samples = 0
+        self.replayed = 0  # rows a replay node trained again (not in samples)
         self.staleness = Counter()
         self.last_step: int | None = None  # the last step logged (Ctrl-C says how many were done)
 
@@ -119,6 +120,7 @@ class RunLogger:
         step = metrics["step"]
         self.last_step = step
         self.samples += metrics["samples"]
+        self.replayed += metrics.get("samples_replayed", 0)
         self.staleness.update(metrics["staleness"])
         elapsed = time.perf_counter() - self.start
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
@@ -145,6 +147,7 @@ class RunLogger:
             "wall_s": round(self.earlier_s + elapsed, 2),
             **({"attempt_wall_s": round(elapsed, 2)} if self.earlier_s else {}),
             "samples_trained": self.samples,
+            **({"samples_replayed": self.replayed} if self.replayed else {}),
             "staleness_histogram": {int(k): v for k, v in sorted(self.staleness.items())},
             **extra,
         }
@@ -185,7 +188,8 @@ def format_summary(summary: dict) -> str:
         lines.append("held-out greedy answers by kind, before -> after RL: "
                      + ", ".join(f"{kind} {before[kind]} -> {after[kind]}" for kind in before))
     attempt = f" (this attempt {summary['attempt_wall_s']:.1f} s)" if "attempt_wall_s" in summary else ""
-    lines.append(f"RL wall time: {summary['wall_s']:.1f} s{attempt}   samples trained: {summary['samples_trained']}")
+    lines.append(f"RL wall time: {summary['wall_s']:.1f} s{attempt}   samples trained: {summary['samples_trained']}"
+                 + (f" (+{summary['samples_replayed']} replayed)" if summary.get("samples_replayed") else ""))
     episodes = summary.get("episodes")
     if episodes:
         played, failed = episodes["played"], episodes["failed"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from areal_flow.types import Trajectory
+from areal_flow.types import REPLAYED, Trajectory
 
 
 def memory_profile(step: int, path: Path, executors: list, cuda: bool = False) -> None:
@@ -43,15 +43,18 @@ def step_metrics(step: int, stats: dict, batch: dict, trajectories: list[Traject
     (versions), response length (tokens), throughput (tokens/s), times (seconds);
     ``reward/failures``: samples of the step's groups whose reward failed (left out of
     training, ``runtime.groups.drop_failed_samples``; a group with none left was resampled
-    and is counted only in the worker's ``<reward node>/failures``)."""
-    staleness = [t.staleness(step) for t in trajectories]
+    and is counted only in the worker's ``<reward node>/failures``); ``samples`` and staleness
+    count the step's fresh samples, ``samples_replayed`` the rows a replay node drew again
+    (``areal_flow.types.REPLAYED``; their staleness is the node's ``replay/staleness_max``)."""
+    fresh = [t for t in trajectories if REPLAYED not in t.meta]
+    staleness = [t.staleness(step) for t in fresh]
     n_tokens = int(batch["attention_mask"].sum())
     judged = [t.correct for t in trajectories if t.correct is not None]
     return {**_episode_metrics(trajectories), **({"accuracy": sum(judged) / len(judged)} if judged else {}),
         "step": step, "version": step + 1, **{k if "/" in k else f"train/{k}": float(v) for k, v in stats.items()},
         "reward": float(batch["rewards"].mean()),
         "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-        "staleness": staleness, "samples": len(trajectories),
+        "staleness": staleness, "samples": len(fresh), "samples_replayed": len(trajectories) - len(fresh),
         "response_len": float(batch["loss_mask"].sum(1).mean()),
         "tokens_per_s": n_tokens / max(train_s, 1e-9), "train_s": train_s, "wait_s": wait_s,
         "reward/failures": float(sum({t.group_id: t.meta.get("reward_failures", 0) for t in trajectories}.values())),

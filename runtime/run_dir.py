@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from areal_flow.types import REPLAYED
 from runtime.record import rewind_records
 from runtime.trace import mark_attempt
 
@@ -140,8 +141,9 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
                 raise ValueError(f"{path}:{n}: not a trajectory record ({e})") from None
             if record["step"] < version:
                 kept.append(line)
-                samples += 1
-                staleness[record["staleness"]] += 1
+                if REPLAYED not in record.get("meta", {}):  # a replayed row is no sample of its own
+                    samples += 1
+                    staleness[record["staleness"]] += 1
         path.write_text("".join(f"{line}\n" for line in kept))
     for tmp in (folder / "checkpoints").glob("*.tmp"):
         shutil.rmtree(tmp)

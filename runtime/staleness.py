@@ -58,6 +58,15 @@ rollouts, ``runtime.groups.GroupItem.rollouts``). It runs inside a group's trip 
 policy's replica to the step groups, so it only delays a group, which the liveness argument
 allows (a group's step waits for it, never the reverse); a lost verdict drops the group,
 whose slot is resampled under the same index, as after a filter.
+
+Experience replay (``ops.replay``, a ``batch`` node before the trainer) adds to step ``s``'s
+batch rows already trained at an earlier step ``s0 < s``. They do not pass admission nor
+this module's buffers: the fresh samples, and the argument above for them (claim, liveness,
+exactly-once), are unchanged. The claim for a replayed row holds by construction: the replay
+node keeps a row only while ``s - start_version <= k`` (it evicts it for good at the first
+step where that fails; ``s`` only grows) and reads ``start_version`` from the row's own
+per-token versions, kept from generation. Replay never waits for anything, so liveness is
+untouched, and a replayed row is marked (``areal_flow.types.REPLAYED``) and counted apart.
 """
 
 from __future__ import annotations

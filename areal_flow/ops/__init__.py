@@ -18,6 +18,7 @@ from areal_flow.ops.filter import filter  # noqa: A004
 from areal_flow.ops.generate import generate
 from areal_flow.ops.logprobs import logprobs
 from areal_flow.ops.registry import OPS, register_op
+from areal_flow.ops.replay import replay
 from areal_flow.ops.reward import reward
 from areal_flow.ops.rollout import rollout
 from areal_flow.ops.sync_weights import sync_weights
@@ -38,5 +39,6 @@ def __getattr__(name: str):
     raise UnknownOpError(f"ops.{name} ({user_source()}): no such op; {hint}ops: {', '.join(sorted(OPS))}")
 
 
-__all__ = ["OPS", "UnknownOpError", "advantage", "dataset", "filter", "generate", "logprobs", "register_op", "reward", "rollout",
+__all__ = ["OPS", "UnknownOpError", "advantage", "dataset", "filter", "generate", "logprobs", "register_op", "replay",
+           "reward", "rollout",
            "sync_weights", "train_step"]
