@@ -220,7 +220,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
         pins: node -> strategy fixed in advance (its mesh size follows).
 
     Raises:
-        InfeasiblePlanError: no layout fits; lists every node's smallest reachable memory.
+        InfeasiblePlanError: no layout fits; lists every node's smallest reachable memory (or, when
+            every layout tried breaks a rule of ``compiler.hosting``, names a node and its rule).
     """
     s = _Search(model, pins)
     c, per, total = model.cluster, model.per_node, model.total_devices
@@ -230,14 +231,14 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     steps: list[float] = []  # step times found, ascending: the top_k-th is the threshold
     tried: set = set()
 
-    refused: dict[tuple, bool] = {}  # by grouping: a layout's runtime shape does not depend on sizes
+    refused: dict[tuple, tuple | None] = {}  # by grouping (node, rule) or None: its shape does not depend on sizes
 
     def add(kind: str, groups_tasks, meshes) -> None:
         key = tuple(tuple(t.node for t in tasks) for tasks in groups_tasks)
         if key not in refused:
             label = {t.node: i for i, tasks in enumerate(groups_tasks) for t in tasks}
-            refused[key] = hosting_problem(workload_hosting(model.workload, label)) is not None
-        if refused[key]:
+            refused[key] = hosting_problem(workload_hosting(model.workload, label))
+        if refused[key] is not None:
             return
         result = s.layout(groups_tasks, meshes)
         if result is not None:
@@ -363,6 +364,10 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
                 colocated(size)
     ranked = sorted(found["disaggregated"] + found["colocated"], key=lambda r: r[0])
     if not ranked:
+        problems = [p for p in refused.values() if p is not None]
+        if refused and len(problems) == len(refused):  # no layout's shape runs, whatever the sizes
+            raise InfeasiblePlanError(f"no placement of graph '{model.workload.graph_name}' runs: every layout breaks "
+                                      f"a rule of compiler.hosting, e.g. node '{problems[0][0]}': {problems[0][1]}", [])
         raise _infeasible(model, pins)
     cut = min(top_k, len(ranked))
     while cut < len(ranked) and ranked[cut][0] == ranked[cut - 1][0]:

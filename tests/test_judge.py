@@ -20,6 +20,7 @@ from areal_flow.ops.registry import GROUP, SOURCE, STREAM
 from areal_flow.types import Trajectory
 from areal_flow.values import PortValueError, Rollouts, port_value
 from compiler.allocation import AllocationError
+from compiler.errors import InfeasiblePlanError
 from compiler.hosting import Hosted, hosting_problem
 from runs import REPO, cli_run, records
 from runtime.topology import TopologyError, build_topology, judge_nodes
@@ -226,6 +227,8 @@ def test_compile_refuses_a_judge_the_runtime_cannot_run_naming_node_and_rule(tmp
     graph.write_text(text)
     with pytest.raises(AllocationError, match=rf"node 'judge': {rule}: "):
         _plan(tmp_path, graph=graph)  # the YAML's allocation, gen:d1 + judge:d1 + train:d1
+    with pytest.raises(InfeasiblePlanError, match=rf"no placement .* runs: .*node 'judge': {rule}: "):
+        _plan(tmp_path, "compile.allocation=", graph=graph)  # the search: no layout of it runs
 
 
 TWO_POLICIES = '''
