@@ -1,6 +1,7 @@
 """Property: every plan ``compile`` emits for a shipped graph, on a random small cluster and
-with or without a random allocation, passes the one executability predicate
-(``compiler.executable``) and the runtime's ``build_topology`` (issue 24)."""
+with or without a random allocation (a critic's or a judge's mesh its own or shared), passes
+the one executability predicate (``compiler.executable``) and the runtime's ``build_topology``
+(issue 24)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from compiler.program import compile_program
 from runtime.topology import build_topology
 
 REPO = Path(__file__).resolve().parents[1]
-GRAPHS = ("arith_grpo", "arith_ppo", "arith_grpo_moe", "arith_grpo_ref_rm")
+GRAPHS = ("arith_grpo", "arith_ppo", "arith_grpo_moe", "arith_grpo_ref_rm", "arith_grpo_judge", "arith_grpo_replay")
 
 
 @functools.cache
@@ -39,7 +40,11 @@ def _cases(draw):
                  f"cluster.gpu={draw(st.sampled_from(('cpu', 'H100')))}",
                  f"train.batch_size={draw(st.integers(1, 6))}", f"gen.n_samples={draw(st.integers(1, 4))}"]
     if draw(st.booleans()):
-        overrides.append(f"compile.allocation=gen:{_strategy(draw)} + train:{_strategy(draw)}")
+        allocation = f"gen:{_strategy(draw)} + train:{_strategy(draw)}"
+        extra = {"arith_ppo": "critic_step", "arith_grpo_judge": "judge"}.get(graph)
+        if extra is not None:  # its own mesh or time-sharing the trainer's (compiler.hosting's rules decide)
+            allocation += f" {draw(st.sampled_from(('+', '|')))} {extra}:{_strategy(draw)}"
+        overrides.append(f"compile.allocation={allocation}")
     return graph, overrides
 
 
