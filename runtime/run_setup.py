@@ -26,6 +26,7 @@ from runtime.faults import check_kill_at
 from runtime.executors.episode_failures import LOG_NAME
 from runtime.metrics import RunLogger, episode_summary, format_summary
 from runtime.preflight import check_runnable, preflight
+from runtime.restarts import say
 from runtime.router import Router
 from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
@@ -75,7 +76,7 @@ class RunSetup:
         if resume == "auto" and not checkpointing:
             print("areal-flow: warning: resume=auto without train.checkpoint_every: this run writes no checkpoint, "
                   "so it can never be resumed", file=sys.stderr)
-        checkpoint = resume_point(resume, out_dir)
+        checkpoint = resume_point(resume, out_dir, say=say)
         if checkpoint is not None:
             reshards = _check_resumable(plan, out_dir, checkpoint)
             if checkpoint.version >= topo.steps:  # complete: runtime.launch says so alone; nothing is written
@@ -275,7 +276,7 @@ class RunSetup:
         return summary
 
 
-RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs")
+RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs", "keep_checkpoints")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
 RUN_FOLDER = ("name", "out_dir")
