@@ -10,11 +10,9 @@ summary. The schedulers that start the workers are ``runtime.launch`` (local) an
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from runtime.metrics import RunLogger, episode_summary, format_summary
 from runtime.preflight import check_runnable, preflight
 from runtime.restarts import say
 from runtime.router import Router
+from runtime.spares import SparePrompts
 from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
@@ -220,16 +219,16 @@ class RunSetup:
             self.extra[f"answer_kinds_{when}"] = kinds
 
     def router(self, replicas: list[str], control: str) -> Router:
-        """The router over the dataset's prompts (a separate seeded stream for resampled slots),
+        """The router over the dataset's prompts (a resampled slot's prompt by its index and attempt, ``runtime.spares``),
         admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
         prompt ``i`` is ``problems[i]``, so every epoch and order is the uninterrupted run's)."""
         n = self.topo.steps * self.topo.batch_groups
         seed = self.plan.run["seed"]
         problems = self.task.train_problems(n, seed=seed + 1)
         filters = [n_.max_attempts for n_ in self.plan.nodes if n_.max_attempts is not None]  # nodes that drop groups
-        chunk = n * max(max(filters, default=2) - 1, 1)
+        spares = SparePrompts(self.task, n, max(filters, default=2) - 1, seed)
         trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
-        return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
+        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups,
                       replicas, control, trace, admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}",
                       secret=self.secret, first_index=self.checkpoint.manifest()["next_index"] if self.checkpoint else 0)
 
@@ -385,13 +384,6 @@ def _differences(before, now, key: str = "") -> list[tuple[str, str, str]]:
     shown = [("(absent)" if not isinstance(v, (dict, list, str, int, float, bool, type(None))) else json.dumps(v))
              for v in (before, now)]
     return [(key, *(v if len(v) <= 40 else f"{v[:37]}..." for v in shown))]
-
-
-def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
-    """Endless prompts for resampled slots (a filter's drop, a group whose every sample failed):
-    ``chunk`` problems from seed ``seed + 2``, then further chunks from further seeds."""
-    for round_ in itertools.count():
-        yield from task.train_problems(chunk, seed=seed + 2 + 10_000 * round_)
 
 
 def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:
