@@ -212,8 +212,11 @@ def torn(folder: Path, checksums: bool = True) -> str | None:
             return f"{name} is missing"
         if size != entry["bytes"]:
             return f"{name} is {size} bytes, the manifest says {entry['bytes']}"
-        if checksums and _xxh64(path) != entry["xxh64"]:
-            return f"{name} fails its xxh64 checksum"
+        try:
+            if checksums and _xxh64(path) != entry["xxh64"]:
+                return f"{name} fails its xxh64 checksum"
+        except OSError as e:  # deleted meanwhile (a rotation), or a disk error
+            return f"{name} unreadable ({e.strerror or e})"
     return None
 
 

@@ -1,7 +1,8 @@
 """Exact resume with resampled slots (issue 26): DAPO's dynamic sampling drops groups and
 gives their slots new prompts (``runtime.spares``, ``runtime.router``); a ``k = 0`` run
 resumed from a checkpoint trains the same prompts, samples and weights as the uninterrupted
-one. The run helpers are test_resume's."""
+one, even when the checkpoints after its resume point are torn (skipped, said in one line).
+The run helpers are test_resume's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from test_resume import B, N, _cli, _finish, _same, _weights
 
 STEPS, CUT = 4, 2
 # seed 3: slot 3 is resampled 5 times at step 1 (before the checkpoint), slot 6 twice at step 3 (after it)
-DAPO = ("async.max_staleness=0", f"train.steps={STEPS}", "train.checkpoint_every=1", "reward.max_attempts=40", "seed=3")
+DAPO = ("async.max_staleness=0", f"train.steps={STEPS}", "train.checkpoint_every=1", "reward.max_attempts=40", "seed=3",
+        "train.keep_checkpoints=3")
 
 
 @pytest.mark.slow
@@ -27,17 +29,30 @@ def test_a_dapo_run_resumed_after_resampling_trains_what_the_uninterrupted_one_t
     attempts = {r["group_id"]: r["meta"]["attempt"] for r in trained}
     assert max(attempts[i] for i in range(CUT * B)) > 1  # slots resampled before the checkpoint ...
     assert max(attempts[i] for i in range(CUT * B, STEPS * B)) > 1  # ... and after it
-    # interrupted after step CUT: its folder as a kill would leave it (later steps' trajectories and
-    # events written, no later checkpoint, no final model), then resumed
+    checkpoints = whole / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["version_2", "version_3", "version_4"]  # keep 3
+    # a copy whose checkpoints after step CUT are torn (a truncated file, a flipped byte) and whose final
+    # model is gone: the run continues from version_CUT, the folders it skips said one line each
     cut = tmp_path / "cut"
     shutil.copytree(whole, cut)
-    for v in range(CUT + 1, STEPS + 1):
-        shutil.rmtree(cut / f"checkpoints/version_{v}")
     shutil.rmtree(cut / "model")
+    weights = cut / "checkpoints/version_4/model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:-1])
+    state = cut / "checkpoints/version_3/trainer_state.pt"
+    data = state.read_bytes()
+    state.write_bytes(data[:100] + bytes([data[100] ^ 0x10]) + data[101:])
     err = _finish(_cli(tmp_path, "cut", *DAPO, "--resume", str(cut), graph="graphs/arith_dapo.py"))
+    assert [line for line in err.splitlines() if "skipping checkpoint" in line] == [
+        f"areal-flow: skipping checkpoint {cut}/checkpoints/version_4: model.safetensors is {size - 1} bytes, the "
+        f"manifest says {size}; falling back to the one before",
+        f"areal-flow: skipping checkpoint {cut}/checkpoints/version_3: trainer_state.pt fails its xxh64 checksum; "
+        "falling back to the one before"]
     assert f"resuming {cut} from version_{CUT} (step {CUT} of {STEPS})" in err
     assert records(cut) == trained  # every slot's prompt (problem_id, attempt), sample and log-prob, in order
     assert _same(_weights(cut / "model"), _weights(whole / "model"))  # bit-identical weights
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["version_2", "version_3", "version_4"]
+    assert all(_same(_weights(cut / f"checkpoints/version_{v}"), _weights(checkpoints / f"version_{v}")) for v in (3, 4))
     router = json.loads((cut / "summary.json").read_text())["workers"]["router"]
     # the resumed attempt's drops, one per retry of its slots
     assert router["resampled"] == sum(attempts[i] - 1 for i in range(CUT * B, STEPS * B))
