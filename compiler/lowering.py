@@ -77,7 +77,8 @@ node's attributes are ``dataset.*``): what a plan's attribute is checked against
 
 RUN_CONFIG_KEYS: dict[str, str] = {
     "name": "name", "out_dir": "out_dir", "seed": "seed", "steps": "train.steps", "dtype": "model.dtype",
-    "keep_old_runs": "keep_old_runs", "keep_checkpoints": "train.keep_checkpoints", "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
+    "keep_old_runs": "keep_old_runs", "keep_checkpoints": "train.keep_checkpoints",
+    "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
     **{f"{section}.{f.name}": f"{section}.{f.name}" for section, cls in
        (("warm_start", WarmStartConfig), ("eval", EvalConfig), ("scheduler", SchedulerConfig),
         ("logging", LoggingConfig), ("debug", DebugConfig)) for f in dataclasses.fields(cls)},

@@ -29,9 +29,12 @@ The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, t
 folder is renamed to ``version_<v>`` (``os.replace``: atomic on one file system) and the
 parent fsync'ed. A write that fails (a full disk: ``ENOSPC``) removes the ``.tmp`` folder and
 raises :class:`CheckpointWriteError`, leaving every complete checkpoint as it was; only after
-a new one is complete are old ones rotated (:func:`rotate`, ``train.keep_checkpoints``). The generation replicas keep no state a checkpoint needs: their sampling
-generator is re-seeded from ``(seed, replica, version)`` whenever they load a version
-(:func:`sampling_seed`), and the dataset cursor is the admission index.
+a new one is complete are old ones rotated (:func:`rotate`, ``train.keep_checkpoints``).
+
+The generation replicas keep no state a checkpoint needs: their sampling generator is
+re-seeded from ``(seed, replica, version)`` whenever they load a version
+(:func:`sampling_seed`), the dataset cursor is the admission index, and a resampled slot's
+prompt is a function of the slot (``runtime.spares``).
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ holds unchanged (its ``v_a`` is the minimum). Liveness: the trainer publishes ve
 A group a filter drops (``dropped`` from a replica, ``resample`` from a later worker group)
 gets a new prompt under the same index (DAPO dynamic sampling): attempt ``a`` of index ``i``
 gets ``spares(i, a)``, a function of the slot alone (``runtime.spares``), so neither the order
-of the drops nor a restart changes which prompt a slot trains. Messages (tuples, ``runtime.channels.MessageSender``): from workers
-``("ready"|"version", replica, v)``, ``("sent"|"dropped", replica, index, attempt)``,
-``("resample", index, attempt)``, from the trainer ``("received", index, attempt)`` (a group
-is re-sent after a replica's death until the trainer confirms it); to a replica ``("groups", [(index, attempt,
-problem), ...])`` or ``("stop",)``.
+of the drops nor a restart changes which prompt a slot trains. Messages (tuples,
+``runtime.channels.MessageSender``): from workers ``("ready"|"version", replica, v)``,
+``("sent"|"dropped", replica, index, attempt)``, ``("resample", index, attempt)``, from the
+trainer ``("received", index, attempt)`` (a group is re-sent after a replica's death until the
+trainer confirms it); to a replica ``("groups", [(index, attempt, problem), ...])`` or ``("stop",)``.
 
 Determinism. The groups admitted in one pass of the loop go to each replica as one
 message, so a replica submits them to its engine together, before its next engine step.

@@ -219,8 +219,8 @@ class RunSetup:
             self.extra[f"answer_kinds_{when}"] = kinds
 
     def router(self, replicas: list[str], control: str) -> Router:
-        """The router over the dataset's prompts (a resampled slot's prompt by its index and attempt, ``runtime.spares``),
-        admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
+        """The router over the dataset's prompts (a resampled slot's prompt by its index and
+        attempt, ``runtime.spares``), admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
         prompt ``i`` is ``problems[i]``, so every epoch and order is the uninterrupted run's)."""
         n = self.topo.steps * self.topo.batch_groups
         seed = self.plan.run["seed"]

@@ -7,8 +7,8 @@ resumed run (``runtime.checkpoint``: nothing of the router is saved) and the uni
 one give slot ``(index, attempt)`` the same prompt, and a checkpoint needs no stream state.
 
 Layout: the dataset task draws spare prompts in rounds of ``n_slots * per_slot`` problems,
-round ``r`` from seed ``seed + 2 + 10_000 * r``; attempt ``a >= 2`` of index ``i`` is number ``(a - 2) mod per_slot`` of the
-``per_slot`` prompts reserved for ``i`` in round ``(a - 2) div per_slot``. So a slot's
+round ``r`` from seed ``seed + 2 + 10_000 * r``; attempt ``a >= 2`` of index ``i`` is number
+``(a - 2) mod per_slot`` of the ``per_slot`` prompts reserved for ``i`` in round ``(a - 2) div per_slot``. So a slot's
 attempts up to ``per_slot + 1`` (a filter's ``max_attempts``) are distinct prompts of one
 round, and two slots never share a draw.
 """

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checkpoint import MANIFEST, ResumeError, latest_checkpoint, read_state, resume_point, torn, write_checkpoint
+from runtime.checkpoint import (MANIFEST, ResumeError, latest_checkpoint, read_state, resume_point, torn,
+                                write_checkpoint)
 from runtime.run_dir import rewind_run_dir
 from test_resume import _models, _plan
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.checkpoint import (MANIFEST, STATE_FILE, CheckpointWriteError, ResumeError, latest_checkpoint, resume_point,
-                                rotate, save_checkpoint, torn, write_checkpoint)
+from runtime.checkpoint import (MANIFEST, STATE_FILE, CheckpointWriteError, ResumeError, latest_checkpoint,
+                                resume_point, rotate, save_checkpoint, torn, write_checkpoint)
 
 FILES = {  # one of each kind a checkpoint holds (module doc of runtime.checkpoint), a few hundred bytes each
     "model.safetensors": bytes(range(256)) * 3,
@@ -79,8 +79,8 @@ def test_a_checkpoint_torn_at_any_byte_is_skipped_for_the_one_before(pristine, t
     assert found.version == 2 and found.folder == run / "checkpoints" / "version_2"
     assert len(lines) == 1 and lines[0].startswith(f"skipping checkpoint {v4}: {kind} ")
     if kind != MANIFEST:  # the manifest lists every other file: its size, then its checksum, tell
-        assert lines[0].endswith(f"{kind} is {at} bytes, the manifest says {len(data)}; falling back to the one before"
-                                 if how == "truncate" else f"{kind} fails its xxh64 checksum; falling back to the one before")
+        why = f"is {at} bytes, the manifest says {len(data)}" if how == "truncate" else "fails its xxh64 checksum"
+        assert lines[0].endswith(f"{kind} {why}; falling back to the one before")
 
 
 def test_a_missing_manifest_or_file_and_a_foreign_manifest_are_named(tmp_path):

@@ -52,7 +52,8 @@ def test_a_dapo_run_resumed_after_resampling_trains_what_the_uninterrupted_one_t
     assert records(cut) == trained  # every slot's prompt (problem_id, attempt), sample and log-prob, in order
     assert _same(_weights(cut / "model"), _weights(whole / "model"))  # bit-identical weights
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["version_2", "version_3", "version_4"]
-    assert all(_same(_weights(cut / f"checkpoints/version_{v}"), _weights(checkpoints / f"version_{v}")) for v in (3, 4))
+    for v in (3, 4):  # written again over the torn ones, as the uninterrupted run wrote them
+        assert _same(_weights(cut / f"checkpoints/version_{v}"), _weights(checkpoints / f"version_{v}"))
     router = json.loads((cut / "summary.json").read_text())["workers"]["router"]
     # the resumed attempt's drops, one per retry of its slots
     assert router["resampled"] == sum(attempts[i] - 1 for i in range(CUT * B, STEPS * B))
