@@ -256,18 +256,35 @@ def rotate(root: Path, version: int, keep: int) -> list[Path]:
     return doomed
 
 
+def _size(folder: Path | None) -> int:
+    """Bytes the checkpoint ``folder`` holds, by its manifest; 0 when unknown (None, or no
+    readable manifest)."""
+    try:
+        return sum(entry["bytes"] for entry in json.loads((folder / MANIFEST).read_text())["files"].values())
+    except (TypeError, OSError, ValueError, KeyError):
+        return 0
+
+
 def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict, *, next_index: int,
                     strategies: dict[str, str], keep: int, last: Path | None,
                     say: Callable[[str], None]) -> Path | None:
     """:func:`write_checkpoint`, then :func:`rotate` by ``keep`` (``train.keep_checkpoints``).
 
-    A write that fails with an ``OSError`` (:class:`CheckpointWriteError`: a full disk, a
-    quota) does not stop training: it is said in one line to ``say``, naming the folder, the
-    cause and ``last`` (the newest complete checkpoint, None: none yet), which stays as it
-    was, and None is returned; a run on a disk that stays full stops when it writes its
-    final model. Returns the written folder otherwise.
+    A checkpoint that cannot be written does not stop training: it is said in one line to
+    ``say``, naming the folder, the cause and ``last`` (the newest complete checkpoint, None:
+    none yet), which stays as it was, and None is returned; a run on a disk that stays full
+    stops when it writes its final model. Two causes: the file system has fewer bytes free
+    than ``last`` holds (its manifest's sizes; the write is not tried, so it cannot fill the
+    disk under the run's other files), or the write fails with an ``OSError``
+    (:class:`CheckpointWriteError`: a full disk, a quota). Returns the written folder otherwise.
     """
     try:
+        need = _size(last)
+        free = shutil.disk_usage(root).free if need else 0
+        if need > free:
+            raise CheckpointWriteError(errno.ENOSPC, f"checkpoint {root / f'{PREFIX}{version}'} not written (ENOSPC: "
+                                       f"{need / 2**20:.1f} MiB needed, as {last.name} holds, {free / 2**20:.1f} "
+                                       "MiB free)")
         final = write_checkpoint(root, version, fill, state, next_index, strategies)
     except CheckpointWriteError as e:
         kept = f"{last} stays the last complete checkpoint" if last else "no complete checkpoint yet"

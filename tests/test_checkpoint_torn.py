@@ -133,6 +133,27 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_training_goes_on(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["version_6"] and len(lines) == 1
 
 
+def test_a_checkpoint_is_not_tried_on_a_disk_with_less_room_than_the_last_one(tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from types import SimpleNamespace
+
+    root = tmp_path / "checkpoints"
+    v2, _ = _two_checkpoints(tmp_path)
+    need = sum(len(data) for data in FILES.values()) + (v2 / STATE_FILE).stat().st_size  # what version_2 holds
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: SimpleNamespace(free=need - 1))
+    lines: list[str] = []
+
+    def fill(folder: Path) -> None:
+        raise AssertionError("the write was tried")
+
+    assert save_checkpoint(root, 6, fill, {"version": 6}, next_index=12, strategies={}, keep=1, last=v2,
+                           say=lines.append) is None
+    assert lines == [f"checkpoint {root / 'version_6'} not written (ENOSPC: {need / 2**20:.1f} MiB needed, as "
+                     f"version_2 holds, {(need - 1) / 2**20:.1f} MiB free); {v2} stays the last complete checkpoint; "
+                     "training goes on"]
+    assert sorted(p.name for p in root.iterdir()) == ["version_2", "version_4"]  # nothing written, nothing rotated
+
+
 def test_keep_checkpoints_rotates_old_ones_after_the_new_one_is_complete(tmp_path):
     root = tmp_path / "checkpoints"
     for v in (1, 2, 3):
