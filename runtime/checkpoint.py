@@ -62,7 +62,10 @@ PREFIX = "version_"
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a quota, an I/O error); its ``.tmp``
     folder was removed and the complete checkpoints are untouched. The message names the
-    folder and the cause; ``errno`` is the cause's."""
+    folder and the cause (its ``errno`` name); ``errno`` is the cause's."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class ResumeError(ValueError):
