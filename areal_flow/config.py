@@ -216,6 +216,9 @@ class TrainConfig:
     compiler merges them with the algorithm's defaults into each train_step's loss in the plan (attrs.loss)."""
     checkpoint_every: int = 0
     """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from); 0 = only the final model."""
+    keep_checkpoints: int = 0
+    """Complete checkpoints kept: after a new one is complete, older ones beyond the newest this many are deleted
+    (a torn one is never counted); 0 = keep all. May change on a resume."""
     max_nonfinite_steps: int = 3
     """Train steps in a row with a NaN/inf loss or gradient norm (each skipped, counted, its batch kept
     under <run>/nonfinite/) before the run stops; >= 1."""
@@ -457,6 +460,7 @@ class ExperimentConfig:
         if self.scheduler.type not in ("local", "ray"):
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("keep_old_runs", self.keep_old_runs), ("train.checkpoint_every", self.train.checkpoint_every),
+                           ("train.keep_checkpoints", self.train.keep_checkpoints),
                            ("scheduler.max_restarts", self.scheduler.max_restarts),
                            ("scheduler.threads_per_worker", self.scheduler.threads_per_worker),
                            ("async.max_staleness", self.async_.max_staleness),

@@ -31,6 +31,8 @@ class RunSpec:
         logging / debug: ``logging.*`` (W&B beside TensorBoard, the timeline), ``debug.*`` (memory
             profile, recorded edges).
         keep_old_runs: moved-aside earlier runs of the name kept (``runtime.run_dir``).
+        keep_checkpoints: complete checkpoints kept (``train.keep_checkpoints``, 0 = all;
+            ``runtime.checkpoint.rotate``).
     """
 
     name: str
@@ -45,6 +47,7 @@ class RunSpec:
     logging: dict = field(default_factory=dict)
     debug: dict = field(default_factory=dict)
     keep_old_runs: int = 3
+    keep_checkpoints: int = 0
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> "RunSpec":
@@ -52,7 +55,8 @@ class RunSpec:
         return cls(name=cfg.name, out_dir=cfg.out_dir, seed=cfg.seed, steps=cfg.train.steps,
                    warm_start=asdict(cfg.warm_start), eval=asdict(cfg.eval), scheduler=asdict(cfg.scheduler),
                    dtype=cfg.model.dtype, reward_model={"steps": cfg.reward.model_steps, "lr": cfg.reward.model_lr},
-                   logging=asdict(cfg.logging), debug=asdict(cfg.debug), keep_old_runs=cfg.keep_old_runs)
+                   logging=asdict(cfg.logging), debug=asdict(cfg.debug), keep_old_runs=cfg.keep_old_runs,
+                   keep_checkpoints=cfg.train.keep_checkpoints)
 
 
 _TRAIN = ("lr", "weight_decay", "max_grad_norm", "loss", "checkpoint_every", "max_tokens_per_micro_batch",
@@ -73,7 +77,8 @@ node's attributes are ``dataset.*``): what a plan's attribute is checked against
 
 RUN_CONFIG_KEYS: dict[str, str] = {
     "name": "name", "out_dir": "out_dir", "seed": "seed", "steps": "train.steps", "dtype": "model.dtype",
-    "keep_old_runs": "keep_old_runs", "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
+    "keep_old_runs": "keep_old_runs", "keep_checkpoints": "train.keep_checkpoints",
+    "reward_model.steps": "reward.model_steps", "reward_model.lr": "reward.model_lr",
     **{f"{section}.{f.name}": f"{section}.{f.name}" for section, cls in
        (("warm_start", WarmStartConfig), ("eval", EvalConfig), ("scheduler", SchedulerConfig),
         ("logging", LoggingConfig), ("debug", DebugConfig)) for f in dataclasses.fields(cls)},

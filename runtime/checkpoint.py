@@ -16,19 +16,31 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
   not yet trained, ``v * B``: every group below it was trained exactly once, every group at
   or above it is admitted again under its index after a resume; the driver reads it here
   without loading the optimizer state), ``strategies`` (each train_step's plan strategy,
-  e.g. ``d2``: a resume on another one reshards, ``runtime.reshard``) and every file's size in
-  bytes. A folder counts as
-  complete only when its manifest is there and every size matches.
+  e.g. ``d2``: a resume on another one reshards, ``runtime.reshard``), every file's size in
+  bytes and xxHash64 (``files``: ``{path: {"bytes", "xxh64"}}``), and ``manifest_xxh64``, the
+  xxHash64 of the rest (its JSON with sorted keys), so a changed manifest is caught too.
+
+A folder counts as complete only when its manifest parses, its own checksum holds, its
+``version`` is the folder's, and every file it lists is there at its size and checksum
+(:func:`torn` says why not). A resume takes the newest complete one and names each newer
+folder it skips and why (:func:`latest_checkpoint`).
 
 The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, then the
 folder is renamed to ``version_<v>`` (``os.replace``: atomic on one file system) and the
-parent fsync'ed. The generation replicas keep no state a checkpoint needs: their sampling
-generator is re-seeded from ``(seed, replica, version)`` whenever they load a version
-(:func:`sampling_seed`), and the dataset cursor is the admission index.
+parent fsync'ed. A write that fails (a full disk: ``ENOSPC``) removes the ``.tmp`` folder and
+raises :class:`CheckpointWriteError`, leaving every complete checkpoint as it was; only after
+a new one is complete are old ones rotated (:func:`rotate`, ``train.keep_checkpoints``).
+
+The generation replicas keep no state a checkpoint needs: their sampling generator is
+re-seeded from ``(seed, replica, version)`` whenever they load a version
+(:func:`sampling_seed`), the dataset cursor is the admission index, and a resampled slot's
+prompt is a function of the slot (``runtime.spares``).
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import random
@@ -39,11 +51,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_dcp"
 MANIFEST = "manifest.json"
 PREFIX = "version_"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error); its ``.tmp``
+    folder was removed and the complete checkpoints are untouched. The message names the
+    folder and the cause (its ``errno`` name); ``errno`` is the cause's."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class ResumeError(ValueError):
@@ -59,7 +81,7 @@ class Checkpoint:
     version: int
 
     def manifest(self) -> dict:
-        """``manifest.json`` (module doc): ``version``, ``next_index``, ``files``."""
+        """``manifest.json`` (module doc): ``version``, ``next_index``, ``strategies``, ``files``."""
         return json.loads((self.folder / MANIFEST).read_text())
 
 
@@ -110,6 +132,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _xxh64(path: Path) -> str:
+    """Hex xxHash64 of the file at ``path`` (read in 4 MiB chunks)."""
+    h = xxhash.xxh64()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest_digest(body: dict) -> str:
+    """Hex xxHash64 of a manifest without its ``manifest_xxh64`` (JSON, sorted keys)."""
+    return xxhash.xxh64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict,
                      next_index: int, strategies: dict[str, str] | None = None) -> Path:
     """Write ``root/version_<version>`` atomically (module doc) and return it.
@@ -122,22 +158,34 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
             manifest's, read by a resume on another allocation, ``runtime.run_setup``).
 
     Raises:
-        OSError: the folder cannot be written (names the path); nothing complete is left then.
+        CheckpointWriteError: an ``OSError`` while writing (e.g. ``ENOSPC``); the ``.tmp``
+            folder is removed and nothing else changed. Any other exception ``fill`` raises
+            propagates after the same removal.
     """
     final, tmp = root / f"{PREFIX}{version}", root / f"{PREFIX}{version}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    fill(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    sizes = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync(path)
-        sizes[str(path.relative_to(tmp))] = path.stat().st_size
-    (tmp / MANIFEST).write_text(json.dumps({"version": version, "next_index": next_index, "strategies": strategies or {},
-                                                "files": sizes}, indent=1))
-    _fsync(tmp / MANIFEST)
-    _fsync(tmp)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        buffer = io.BytesIO()  # written with a plain write: a full disk raises OSError (torch's writer: RuntimeError)
+        torch.save(state, buffer)
+        (tmp / STATE_FILE).write_bytes(buffer.getbuffer())
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(path)
+            files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh64": _xxh64(path)}
+        body = {"version": version, "next_index": next_index, "strategies": strategies or {}, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps({**body, "manifest_xxh64": _manifest_digest(body)}, indent=1))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}" if e.errno else str(e)
+        raise CheckpointWriteError(e.errno, f"checkpoint {final} not written ({cause}); removed {tmp.name}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # left by an attempt that died after this version (never the one resumed from)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -145,31 +193,129 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
     return final
 
 
-def is_complete(folder: Path) -> bool:
-    """True when ``folder`` holds its manifest and every file it lists, at its size."""
+def torn(folder: Path, checksums: bool = True) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (module doc), in a few words naming the
+    file; None when it is. ``checksums=False`` checks the manifest and the sizes only
+    (cheap: no file is read)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        return all((folder / name).stat().st_size == size for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"{MANIFEST} is not a checkpoint manifest"
+    body = {k: v for k, v in manifest.items() if k != "manifest_xxh64"}
+    if manifest.get("manifest_xxh64") != _manifest_digest(body):
+        return f"{MANIFEST} fails its checksum"
+    if folder.name != f"{PREFIX}{manifest.get('version')}":
+        return f"{MANIFEST} is version {manifest.get('version')}'s"
+    for name, entry in manifest["files"].items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != entry["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {entry['bytes']}"
+        try:
+            if checksums and _xxh64(path) != entry["xxh64"]:
+                return f"{name} fails its xxh64 checksum"
+        except OSError as e:  # deleted meanwhile (a rotation), or a disk error
+            return f"{name} unreadable ({e.strerror or e})"
+    return None
 
 
-def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+def _versions(root: Path) -> list[tuple[int, Path]]:
+    """``(v, folder)`` of every ``version_<v>`` folder of ``root`` (no ``.tmp``), newest first."""
+    found = [(int(f.name[len(PREFIX):]), f) for f in root.glob(f"{PREFIX}*")
+             if f.name[len(PREFIX):].isdigit() and f.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def rotate(root: Path, version: int, keep: int) -> list[Path]:
+    """After ``version_<version>`` is complete, delete the ``version_<v>`` folders of ``root``
+    with ``v < version`` beyond the ``keep - 1`` newest complete ones (by manifest and sizes),
+    so ``keep`` complete checkpoints remain; ``keep = 0`` keeps all. Newer folders (left by an
+    attempt that died after its resume point) are not touched. Returns the deleted folders.
+
+    Raises:
+        OSError: a folder cannot be deleted (names it).
+    """
+    if keep <= 0:
+        return []
+    kept, doomed = 1, []
+    for v, folder in _versions(root):
+        if v >= version:
+            continue
+        if kept < keep and torn(folder, checksums=False) is None:
+            kept += 1
+            continue
+        try:
+            shutil.rmtree(folder)
+        except OSError as e:
+            raise OSError(f"cannot delete the old checkpoint {folder} (train.keep_checkpoints={keep}): {e}") from e
+        doomed.append(folder)
+    return doomed
+
+
+def _size(folder: Path | None) -> int:
+    """Bytes the checkpoint ``folder`` holds, by its manifest; 0 when unknown (None, or no
+    readable manifest)."""
+    try:
+        return sum(entry["bytes"] for entry in json.loads((folder / MANIFEST).read_text())["files"].values())
+    except (TypeError, OSError, ValueError, KeyError):
+        return 0
+
+
+def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict, *, next_index: int,
+                    strategies: dict[str, str], keep: int, last: Path | None,
+                    say: Callable[[str], None]) -> Path | None:
+    """:func:`write_checkpoint`, then :func:`rotate` by ``keep`` (``train.keep_checkpoints``).
+
+    A checkpoint that cannot be written does not stop training: it is said in one line to
+    ``say``, naming the folder, the cause and ``last`` (the newest complete checkpoint, None:
+    none yet), which stays as it was, and None is returned; a run on a disk that stays full
+    stops when it writes its final model. Two causes: the file system has fewer bytes free
+    than ``last`` holds (its manifest's sizes; the write is not tried, so it cannot fill the
+    disk under the run's other files), or the write fails with an ``OSError``
+    (:class:`CheckpointWriteError`: a full disk, a quota). Returns the written folder otherwise.
+    """
+    try:
+        need = _size(last)
+        free = shutil.disk_usage(root).free if need else 0
+        if need > free:
+            raise CheckpointWriteError(errno.ENOSPC, f"checkpoint {root / f'{PREFIX}{version}'} not written (ENOSPC: "
+                                       f"{need / 2**20:.1f} MiB needed, as {last.name} holds, {free / 2**20:.1f} "
+                                       "MiB free)")
+        final = write_checkpoint(root, version, fill, state, next_index, strategies)
+    except CheckpointWriteError as e:
+        kept = f"{last} stays the last complete checkpoint" if last else "no complete checkpoint yet"
+        say(f"{e.strerror}; {kept}; training goes on")
+        return None
+    rotate(root, version, keep)
+    return final
+
+
+def latest_checkpoint(run_dir: Path, say: Callable[[str], None] | None = None) -> Checkpoint | None:
     """The complete checkpoint of ``run_dir`` with the highest version (None when there is
-    none); ``version_<v>.tmp`` folders and folders without a valid manifest are skipped."""
-    found = []
-    for folder in (run_dir / "checkpoints").glob(f"{PREFIX}*"):
-        suffix = folder.name[len(PREFIX):]
-        if suffix.isdigit() and folder.is_dir() and is_complete(folder):
-            found.append(Checkpoint(folder, int(suffix)))
-    return max(found, key=lambda c: c.version, default=None)
+    none); ``version_<v>.tmp`` folders are ignored and torn ones (:func:`torn`) skipped, each
+    named with its reason in one line to ``say`` (e.g. ``print`` to stderr)."""
+    for version, folder in _versions(run_dir / "checkpoints"):
+        why = torn(folder)
+        if why is None:
+            return Checkpoint(folder, version)
+        if say is not None:
+            say(f"skipping checkpoint {folder}: {why}; falling back to the one before")
+    return None
 
 
-def resume_point(resume: str, run_dir: Path) -> Checkpoint | None:
+def resume_point(resume: str, run_dir: Path, say: Callable[[str], None] | None = None) -> Checkpoint | None:
     """The checkpoint a run in ``run_dir`` continues from, by the ``resume`` setting.
 
     ``""``: none (a new run). ``"auto"``: the latest complete checkpoint of ``run_dir``, or
-    none. A folder: it must be ``run_dir`` and hold a complete checkpoint.
+    none. A folder: it must be ``run_dir`` and hold a complete checkpoint. Torn checkpoints
+    skipped on the way are named to ``say`` (:func:`latest_checkpoint`).
 
     Raises:
         ResumeError: the folder is not this run's (names both), or holds no complete checkpoint.
@@ -177,12 +323,12 @@ def resume_point(resume: str, run_dir: Path) -> Checkpoint | None:
     if not resume:
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return latest_checkpoint(run_dir, say)
     folder = Path(resume).resolve()
     if folder != run_dir.resolve():
         raise ResumeError(f"--resume {resume}: this plan writes to {run_dir} (out_dir and name); resume the run of "
                           f"that folder, or set out_dir/name to {folder.parent} / {folder.name}")
-    found = latest_checkpoint(folder)
+    found = latest_checkpoint(folder, say)
     if found is None:
         raise ResumeError(f"--resume {resume}: no complete checkpoint under {folder / 'checkpoints'} "
                           "(train.checkpoint_every > 0 writes them; resume=auto starts fresh instead)")

@@ -92,7 +92,7 @@ class Restarts:
         """
         self._spend(str(died))
         self.trainer += 1
-        setup.checkpoint = latest_checkpoint(setup.out_dir)
+        setup.checkpoint = latest_checkpoint(setup.out_dir, say)
         version = setup.checkpoint.version if setup.checkpoint else 0
         first = version * setup.topo.batch_groups
         self.replayed += max(0, died.admitted - first)
@@ -136,6 +136,12 @@ def run_attempts(setup, restarts: Restarts, attempt: Callable[[RunLogger], dict]
         except BaseException:
             logger.close()
             raise
+
+
+def say(line: str) -> None:
+    """One ``areal-flow: <line>`` on stderr (e.g. a torn checkpoint skipped on the way to the
+    one a resume or a restart continues from, ``runtime.checkpoint.latest_checkpoint``)."""
+    print(f"areal-flow: {line}", file=sys.stderr)
 
 
 def say_interrupted(setup, steps_logged: int) -> None:

@@ -13,26 +13,30 @@ holds unchanged (its ``v_a`` is the minimum). Liveness: the trainer publishes ve
 ``s`` to every replica, after which the minimum is ``s`` and capacity ``(k + s + 1) * B``.
 
 A group a filter drops (``dropped`` from a replica, ``resample`` from a later worker group)
-gets a new prompt under the same index (DAPO dynamic sampling), drawn from a separate
-seeded stream. Messages (tuples, ``runtime.channels.MessageSender``): from workers
-``("ready"|"version", replica, v)``, ``("sent"|"dropped", replica, index, attempt)``,
-``("resample", index, attempt)``, from the trainer ``("received", index, attempt)`` (a group
-is re-sent after a replica's death until the trainer confirms it); to a replica ``("groups", [(index, attempt,
-problem), ...])`` or ``("stop",)``.
+gets a new prompt under the same index (DAPO dynamic sampling): attempt ``a`` of index ``i``
+gets ``spares(i, a)``, a function of the slot alone (``runtime.spares``), so neither the order
+of the drops nor a restart changes which prompt a slot trains. Messages (tuples,
+``runtime.channels.MessageSender``): from workers ``("ready"|"version", replica, v)``,
+``("sent"|"dropped", replica, index, attempt)``, ``("resample", index, attempt)``, from the
+trainer ``("received", index, attempt)`` (a group is re-sent after a replica's death until the
+trainer confirms it); to a replica ``("groups", [(index, attempt, problem), ...])`` or ``("stop",)``.
 
 Determinism. The groups admitted in one pass of the loop go to each replica as one
 message, so a replica submits them to its engine together, before its next engine step.
 With ``k = 0`` a pass admits the whole batch of a version (after every replica has loaded
 it), so what each engine batches together — and hence the samples its seeded generator
 draws — does not depend on message timing: a ``k = 0`` run is bit-reproducible on one
-machine (the same threads), and ``compile.mode=sync`` runs the same plan. A filter that
-drops a group breaks this: its replacement is admitted while other groups are decoding.
+machine (the same threads), and ``compile.mode=sync`` runs the same plan. With ``k = 0``
+resampled slots keep this: their new prompts are dispatched in rounds, as DAPO's reference
+generates a further batch, all of a round's replacements in one message (index order) once
+no group of the round before is pending (every one dispatched is at the trainer or dropped),
+so each round starts on idle engines. With ``k >= 1`` a replacement goes out at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.staleness import AdmissionController
@@ -44,7 +48,7 @@ class Router:
 
     Args:
         problems: the dataset's prompts, one per admission index (``[n_groups]``).
-        spares: further prompts for resampled slots.
+        spares: ``spares(index, attempt)``, the prompt of a resampled slot (``runtime.spares``).
         max_staleness / batch_groups: k and B of the edge into the policy's train_step.
         replicas: each replica's prompt address.
         control_address: where workers send their messages (bound here).
@@ -60,7 +64,7 @@ class Router:
         replica was replaced. rejected: control messages dropped unread (MAC failed).
     """
 
-    def __init__(self, problems: list[dict], spares: Iterator[dict], max_staleness: int, batch_groups: int,
+    def __init__(self, problems: list[dict], spares: Callable[[int, int], dict], max_staleness: int, batch_groups: int,
                  replicas: list[str], control_address: str, trace: TraceRecorder | None = None,
                  admission_edge: str = "dataset->generate", *, secret: bytes, first_index: int = 0) -> None:
         self.problems, self.spares, self.secret = problems, spares, secret
@@ -76,6 +80,7 @@ class Router:
         self._lock = threading.Lock()
         self.trace, self.admission_edge = trace or TraceRecorder(None, "driver"), admission_edge
         self._blocked_since: int | None = None  # microseconds (runtime.trace.now_us)
+        self._next_round: list[tuple[int, int]] | None = [] if max_staleness == 0 else None  # k = 0: (index, attempt)
 
     @property
     def rejected(self) -> int:
@@ -124,7 +129,18 @@ class Router:
 
     def _resample(self, index: int, attempt: int) -> None:
         self.resampled += 1
-        self._dispatch(index, attempt + 1, next(self.spares))
+        if self._next_round is None:
+            self._dispatch(index, attempt + 1, self.spares(index, attempt + 1))
+        else:
+            self._next_round.append((index, attempt + 1))
+
+    def _start_round(self) -> None:
+        """``k = 0``: dispatch the replacements waiting for their round (module doc) once no
+        dispatched group is pending anywhere."""
+        if self._next_round and not any(self.unconfirmed):
+            for index, attempt in sorted(self._next_round):
+                self._dispatch(index, attempt, self.spares(index, attempt))
+            self._next_round = []
 
     def replace_replica(self, replica: int, address: str) -> None:
         """A replica was restarted at ``address``: send it again every group it was given that
@@ -169,6 +185,7 @@ class Router:
                             and self.admission.can_admit(v):
                         index = self.admission.admit(v)
                         self._dispatch(index, 1, self.problems[index])
+                    self._start_round()
                     self._flush()
                     self._trace_admission(v)  # opens one when the admitted groups filled the capacity
         finally:

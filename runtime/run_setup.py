@@ -10,11 +10,9 @@ summary. The schedulers that start the workers are ``runtime.launch`` (local) an
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +24,9 @@ from runtime.faults import check_kill_at
 from runtime.executors.episode_failures import LOG_NAME
 from runtime.metrics import RunLogger, episode_summary, format_summary
 from runtime.preflight import check_runnable, preflight
+from runtime.restarts import say
 from runtime.router import Router
+from runtime.spares import SparePrompts
 from runtime.run_dir import fresh_run_dir, prune_old_runs, record_start, rewind_run_dir
 from runtime.topology import Topology, build_topology
 from runtime.trace import TraceRecorder, merge_trace
@@ -75,7 +75,7 @@ class RunSetup:
         if resume == "auto" and not checkpointing:
             print("areal-flow: warning: resume=auto without train.checkpoint_every: this run writes no checkpoint, "
                   "so it can never be resumed", file=sys.stderr)
-        checkpoint = resume_point(resume, out_dir)
+        checkpoint = resume_point(resume, out_dir, say=say)
         if checkpoint is not None:
             reshards = _check_resumable(plan, out_dir, checkpoint)
             if checkpoint.version >= topo.steps:  # complete: runtime.launch says so alone; nothing is written
@@ -219,16 +219,16 @@ class RunSetup:
             self.extra[f"answer_kinds_{when}"] = kinds
 
     def router(self, replicas: list[str], control: str) -> Router:
-        """The router over the dataset's prompts (a separate seeded stream for resampled slots),
-        admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
+        """The router over the dataset's prompts (a resampled slot's prompt by its index and
+        attempt, ``runtime.spares``), admitting from the checkpoint's ``next_index`` when resuming (the dataset's cursor:
         prompt ``i`` is ``problems[i]``, so every epoch and order is the uninterrupted run's)."""
         n = self.topo.steps * self.topo.batch_groups
         seed = self.plan.run["seed"]
         problems = self.task.train_problems(n, seed=seed + 1)
         filters = [n_.max_attempts for n_ in self.plan.nodes if n_.max_attempts is not None]  # nodes that drop groups
-        chunk = n * max(max(filters, default=2) - 1, 1)
+        spares = SparePrompts(self.task, n, max(filters, default=2) - 1, seed)
         trace = TraceRecorder.for_plan(self.plan, self.out_dir, "driver")
-        return Router(problems, _spares(self.task, chunk, seed), self.topo.max_staleness, self.topo.batch_groups,
+        return Router(problems, spares, self.topo.max_staleness, self.topo.batch_groups,
                       replicas, control, trace, admission_edge=f"{self.topo.dataset.name}->{self.topo.generate.name}",
                       secret=self.secret, first_index=self.checkpoint.manifest()["next_index"] if self.checkpoint else 0)
 
@@ -275,7 +275,7 @@ class RunSetup:
         return summary
 
 
-RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs")
+RUNTIME_ONLY = ("scheduler", "logging", "eval", "debug", "keep_old_runs", "keep_checkpoints")
 """Keys of ``plan.run`` a resumed run may change: they do not touch what is trained."""
 
 RUN_FOLDER = ("name", "out_dir")
@@ -384,13 +384,6 @@ def _differences(before, now, key: str = "") -> list[tuple[str, str, str]]:
     shown = [("(absent)" if not isinstance(v, (dict, list, str, int, float, bool, type(None))) else json.dumps(v))
              for v in (before, now)]
     return [(key, *(v if len(v) <= 40 else f"{v[:37]}..." for v in shown))]
-
-
-def _spares(task, chunk: int, seed: int) -> Iterator[dict]:
-    """Endless prompts for resampled slots (a filter's drop, a group whose every sample failed):
-    ``chunk`` problems from seed ``seed + 2``, then further chunks from further seeds."""
-    for round_ in itertools.count():
-        yield from task.train_problems(chunk, seed=seed + 2 + 10_000 * round_)
 
 
 def _evaluate(folder, task, problems: list[dict], chat_template) -> tuple[float, dict | None]:

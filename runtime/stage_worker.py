@@ -42,7 +42,7 @@ from pathlib import Path
 
 from areal_flow.values import Advantages
 from runtime.channels import MessageReceiver, MessageSender
-from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, write_checkpoint
+from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, save_checkpoint
 from runtime.context import WorkerContext
 from runtime.faults import kill_point
 from runtime.groups import failure_counts, file_group
@@ -110,6 +110,7 @@ class _Stage:
         self._to_save: dict = {}  # train_step name -> its weights after a checkpointed step
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
+        self.last_checkpoint: Path | None = Path(spec.resume) if spec.resume else None  # the newest complete one
         self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
         chain = [g.name for g in self.topo.step_groups]
         at = chain.index(group.name) if group.name in chain else 0
@@ -222,7 +223,7 @@ class _Stage:
                         passed = {k: v for k, v in values.items() if k in self.passed_on}
                         sender.send(("batch", step, batch_items, passed, stats, now_us()))
                     if checkpoint:
-                        self._write_checkpoint(step + 1, out / "checkpoints")
+                        checkpoint = self._write_checkpoint(step + 1, out / "checkpoints")
                     if log is None:  # not the trainer: it neither logs nor reports the step
                         self.trace.flush()
                         continue
@@ -352,9 +353,13 @@ class _Stage:
                 record.digest(step, node.name, weights if weights is not None else
                               self.executors[node.name].current_state())
 
-    def _write_checkpoint(self, version: int, root: Path) -> None:
+    def _write_checkpoint(self, version: int, root: Path) -> bool:
         """``root/version_<version>``: every trained model, its optimizer, the RNGs, the
-        admission cursor (``runtime.checkpoint``), written atomically."""
+        admission cursor (``runtime.checkpoint``), written atomically; then the checkpoints
+        beyond ``train.keep_checkpoints`` are deleted. A write that fails with an ``OSError``
+        (a full disk) leaves the complete checkpoints as they were, says so in one line on
+        stderr, is counted (``checkpoint_failures``) and training goes on; returns whether the
+        checkpoint was written."""
         nodes = [n for n in self.batch_nodes if n.trains]
         policy = self.ctx.policy_name()
 
@@ -368,8 +373,16 @@ class _Stage:
         state = {"version": version, "rng": capture_rng(),
                  "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
                  "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes}}
-        write_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups,
-                         strategies={n.name: n.strategy for n in nodes if n.strategy})
+        written = save_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups,
+                                  strategies={n.name: n.strategy for n in nodes if n.strategy},
+                                  keep=int(self.ctx.plan.run.get("keep_checkpoints", 0)), last=self.last_checkpoint,
+                                  say=lambda line: print(f"areal-flow: {self.spec.group}: {line}", file=sys.stderr,
+                                                         flush=True))
+        if written is None:
+            self.counts["checkpoint_failures"] = self.counts.get("checkpoint_failures", 0) + 1
+            return False
+        self.last_checkpoint = written
+        return True
 
     def _restore(self) -> int:
         """Load the checkpoint ``spec.resume`` into the train_step executors and this

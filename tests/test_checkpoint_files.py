@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checkpoint import (MANIFEST, ResumeError, is_complete, latest_checkpoint, read_state, resume_point,
+from runtime.checkpoint import (MANIFEST, ResumeError, latest_checkpoint, read_state, resume_point, torn,
                                 write_checkpoint)
 from runtime.run_dir import rewind_run_dir
 from test_resume import _models, _plan
@@ -30,7 +30,8 @@ def test_a_checkpoint_is_complete_only_once_renamed_with_its_manifest(tmp_path):
     (root / "version_8").mkdir()  # a folder without a manifest (not written by write_checkpoint)
     assert latest_checkpoint(tmp_path).version == 4
     (root / "version_4" / "model.safetensors").write_bytes(b"x" * 9)  # truncated after the fact: 9 != 10 bytes
-    assert not is_complete(root / "version_4") and latest_checkpoint(tmp_path).version == 2
+    assert torn(root / "version_4") == "model.safetensors is 9 bytes, the manifest says 10"
+    assert latest_checkpoint(tmp_path).version == 2
     assert latest_checkpoint(tmp_path / "elsewhere") is None
 
 

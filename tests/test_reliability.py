@@ -3,7 +3,6 @@ responses, run folders. Hand-computed expectations; loopback only; seconds each.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import subprocess
@@ -173,12 +172,21 @@ def test_a_group_with_no_sample_left_is_dropped_for_resampling():
     assert executor.monitor.kinds == {"non-finite": 3}
 
 
-def test_resampled_slots_never_run_out_of_prompts():
+def test_a_resampled_slots_prompt_is_its_slots_alone_and_never_runs_out():
+    """Issue 26: runtime.spares' layout, slot (i, a) -> round (a - 2) div 3, position 3 i + (a - 2) mod 3."""
     from areal_flow.tasks.arithmetic import ArithmeticTask
-    from runtime.run_setup import _spares
+    from runtime.spares import SparePrompts
 
-    drawn = list(itertools.islice(_spares(ArithmeticTask(seed=1), chunk=3, seed=1), 7))  # 3 + 3 + 1: three chunks
-    assert len(drawn) == 7 and drawn[:3] == ArithmeticTask(seed=1).train_problems(3, seed=3)
+    task = ArithmeticTask(seed=1)
+    spares = SparePrompts(task, n_slots=4, per_slot=3, seed=1)
+    round0, round1 = task.train_problems(12, seed=1 + 2), task.train_problems(12, seed=1 + 2 + 10_000)
+    assert [spares(2, a) for a in (2, 3, 4, 5)] == [round0[6], round0[7], round0[8], round1[6]]
+    assert spares(3, 2) == round0[9]
+    assert spares(0, 9) == task.train_problems(12, seed=1 + 2 + 20_000)[1]  # 9 - 2 = 7 = 2 * 3 + 1: round 2, position 1
+    resumed = SparePrompts(task, n_slots=4, per_slot=3, seed=1)  # a restarted router, asked in another order
+    assert resumed(3, 2) == spares(3, 2) and resumed(2, 4) == spares(2, 4)
+    with pytest.raises(ValueError, match=r"index 0, attempt 1: needs attempt >= 2 and 0 <= index < 4"):
+        spares(0, 1)
 
 
 def test_an_empty_response_is_left_out_and_counted():
