@@ -16,7 +16,7 @@ import pytest
 
 from areal_flow.config_load import load_config
 from runtime.driver import DIED, ERROR, OK, Driver, Scheduler, WorkerEnd
-from runtime.restarts import WorkerFailed
+from runtime.restarts import HostLost, WorkerFailed
 from runtime.run_setup import RunSetup
 from runtime.topology import build_topology
 
@@ -179,3 +179,24 @@ def test_both_schedulers_are_schedulers_of_the_one_driver(tmp_path):
     for scheduler in (LocalScheduler(setup), RayScheduler(setup, _settings(setup.plan))):
         assert isinstance(scheduler, Scheduler)
         _check(type(scheduler), Scheduler)  # same methods, same parameters
+
+
+class _HostGone(_Scripted):
+    """A scheduler whose dead replica's host is gone (a lost node): it cannot be revived."""
+
+    def revive(self, name, cause):
+        super().revive(name, cause)
+        raise HostLost("its node 5fe56b49@10.0.0.2 (plan machine n1) was lost")
+
+
+def test_a_replica_whose_host_is_lost_restarts_every_worker_from_the_checkpoint(tmp_path, capsys):
+    setup = _setup(tmp_path)
+    scheduler = _HostGone([[WorkerEnd("generate/1", DIED, "unreachable: IOError")],  # attempt 1
+                           [WorkerEnd("critic_step/0", OK, {"steps": 3})], [WorkerEnd("train_step/0", OK, {"steps": 3})],
+                           [WorkerEnd("generate/0", OK, {})], [WorkerEnd("generate/1", OK, {})]])  # attempt 2
+    summary = Driver(setup, scheduler).execute()
+    assert scheduler.attempts == 2 and scheduler.stops == [True, False, False]
+    assert [s.resume_version for s in scheduler.started[4:]] == [0] * 4  # every worker, from version 0
+    assert summary["restarts"]["trainer_restarts"] == 1 and summary["restarts"]["replica_restarts"] == 0
+    assert ("areal-flow: generate/1 died (unreachable: IOError; its node 5fe56b49@10.0.0.2 (plan machine n1) was "
+            "lost); restarting every worker from version 0") in capsys.readouterr().err

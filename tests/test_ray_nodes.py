@@ -60,6 +60,10 @@ def test_a_lost_node_moves_its_devices_to_a_spare_or_stops_naming_them(tmp_path,
     assert removed, "the node was not removed"
     err = capsys.readouterr().err
     assert summary["restarts"]["trainer_restarts"] == 1, (summary["restarts"], err)  # every worker from a checkpoint
+    died = next(line for line in err.splitlines() if "restarting every worker" in line)
+    assert died.startswith("areal-flow: generate/0 died (") and (
+        f"; its node {machine1.node_id[:8]}@127.0.0.1 (plan machine n1) was lost); restarting every worker from "
+        "version_") in died, died
     assert (f"Ray node {machine1.node_id[:8]}@127.0.0.1 (plan machine n1) was lost; the plan's devices n1:g0 move to "
             f"a spare node (n1 -> {spare.node_id[:8]})") in err
     placement = summary["ray"]["placement"]
