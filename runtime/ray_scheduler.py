@@ -142,7 +142,9 @@ class RayScheduler:
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan, plan machine ``i`` on Ray
-        node ``nodes[i]`` (fails when taken)."""
+        node ``nodes[i]`` (fails when taken, or when a mesh's workers cannot share its
+        machines: :meth:`layout`)."""
+        self.layout()
         self.nodes = list(nodes)
         for node in self.setup.plan.nodes:
             if node.strategy is not None and node.mesh not in self.pgs:
@@ -195,11 +197,36 @@ class RayScheduler:
             if lost:
                 raise HostLost(f"node {', '.join(lost.values())} was lost")
 
-    def _actor(self, name: str, mesh, share: int, restarts: int = 0):
+    def layout(self) -> dict[str, tuple]:
+        """Each worker's ``(mesh, bundle, workers sharing that bundle)``: a mesh's workers (its
+        groups' workers in topology order, one actor each) are spread evenly over the bundles of
+        the machines it spans, the ``k``-th on bundle ``k // (workers / machines)``, so generation
+        replica ``r`` runs on the machine that holds its devices.
+
+        Raises:
+            ClusterMismatchError: a mesh's workers do not divide evenly over its machines (e.g. a
+                multi-rank trainer spanning machines: its ranks are processes of its one actor).
+        """
+        workers: dict = {}
+        for g in self.setup.topo.groups.values():
+            workers.setdefault(g.mesh, []).extend(f"{g.name}/{r}" for r in range(g.replicas))
+        layout = {}
+        for mesh, names in workers.items():
+            if len(names) % mesh.n_nodes:
+                raise ClusterMismatchError(
+                    f"mesh {mesh.label()} spans {mesh.n_nodes} machines but runs as {len(names)} process(es) on Ray "
+                    f"({', '.join(names)}); a trainer's ranks are processes of its one actor, so it cannot span "
+                    "machines: give it devices of one machine (compile.allocation), or use scheduler.type=local")
+            per = len(names) // mesh.n_nodes
+            layout.update((name, (mesh, k // per, per)) for k, name in enumerate(names))
+        return layout
+
+    def _actor(self, name: str, restarts: int = 0):
+        mesh, bundle, share = self.layout()[name]
         amount = mesh.n_devices / share
         opts: dict = dict(name=f"{self.cfg.name}/{name}", namespace=NAMESPACE, max_concurrency=4, max_restarts=restarts,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[mesh],
-                                                                               placement_group_bundle_index=0))
+                                                                               placement_group_bundle_index=bundle))
         if self.resource == "CPU":
             opts["num_cpus"] = amount
         else:
@@ -209,16 +236,13 @@ class RayScheduler:
         return ray.remote(WorkerActor).options(**opts).remote()
 
     def _start_actors(self) -> None:
-        """One actor per worker of the topology in its mesh's placement group (generation
-        replicas restartable by Ray); the mesh's devices are split evenly among its actors."""
-        topo, sharing = self.setup.topo, {}
+        """One actor per worker of the topology in its mesh's placement group, on its bundle
+        (:meth:`layout`; generation replicas restartable by Ray); a bundle's devices are split
+        evenly among its actors."""
         limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
-        for g in topo.groups.values():
-            sharing[g.mesh] = sharing.get(g.mesh, 0) + g.replicas
-        for g in topo.groups.values():
+        for g in self.setup.topo.groups.values():
             for r in range(g.replicas):
-                restarts = limit if g.kind == "generation" else 0
-                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
+                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", limit if g.kind == "generation" else 0)
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         """Start the attempt's actors (and, once, the metrics queue) on the plan machines' nodes,
