@@ -4,7 +4,8 @@ stay on loopback) and a two-machine plan, ``train:d1 + gen:d1``: the trainer on 
 0 (the head), generation on machine 1. Removing machine 1's node moves its devices to the
 third node and the run ends with every sample trained once; removing that one too, with no
 node left to stand in, stops the run with one line naming the node and the plan's devices.
-Every wait is bounded.
+Before that, the three machines run `gen:d2 + train:d1`: one generation replica on each of
+machines 0 and 1 (the mesh `n0-1:g0`), the trainer on machine 2. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def test_a_lost_node_moves_its_devices_to_a_spare_or_stops_naming_them(tmp_path,
 
     head = three_nodes.head_node.node_id
     machine1, spare = sorted(three_nodes.worker_nodes, key=lambda n: n.node_id)  # plan order: by node id
+    # 0. three machines, `gen:d2 + train:d1`: replica r on machine r (n0-1:g0), the trainer on n2
+    graph, cfg = _config(ARITH, tmp_path, *TWO_MACHINES, "cluster.n_nodes=3", "compile.allocation=gen:d2 + train:d1",
+                         "train.steps=2", "name=spread", f"scheduler.address={three_nodes.address}")
+    placement = run_experiment(graph, cfg, show_progress=False)["ray"]["placement"]
+    assert {name: p["node_id"] for name, p in placement.items()} == {
+        "generate/0": head, "generate/1": machine1.node_id, "train_step/0": spare.node_id}
+    _assert_each_sample_trained_once(tmp_path / "spread", steps=2, batch=2, n=4)
     # 1. machine 1's node lost after the first checkpoint: generation moves to the spare node
     graph, cfg = _config(ARITH, tmp_path, *TWO_MACHINES, "train.steps=4", "name=moved",
                          f"scheduler.address={three_nodes.address}")
