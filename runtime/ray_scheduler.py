@@ -139,6 +139,7 @@ class RayScheduler:
         self.pending: dict = {}  # object ref of a worker's run -> its name
         self.placement: dict = {}
         self.sink: Queue | None = None
+        self.held: list = []  # sockets holding the ports of the router's control addresses
 
     def place(self, nodes: list[str]) -> None:
         """One placement group per distinct device mesh of the plan, plan machine ``i`` on Ray
@@ -271,7 +272,7 @@ class RayScheduler:
             except HostLost:
                 self.stop(wait=True)
         threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
-        return addresses, free_tcp_endpoint(host), threads
+        return addresses, free_tcp_endpoint(host, self.held), threads
 
     def _bind_host(self) -> str:
         """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
@@ -370,6 +371,9 @@ class RayScheduler:
             self.sink = None
         for pg in self.pgs.values():
             remove_placement_group(pg)  # removing a removed group is a no-op (Ray 2.60)
+        for sock in self.held:
+            sock.close()
+        self.held = []
         self.pgs = {}
         last = latest_checkpoint(self.setup.out_dir)
         return {"ray": {"address": self.address, "placement": self.placement,
