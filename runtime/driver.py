@@ -12,7 +12,8 @@ Owns :class:`Driver`, which runs a plan's workers through a :class:`Scheduler` (
   (:class:`~runtime.restarts.WorkerFailed` with its traceback); a dead generation replica is
   started again at the router's version for it, waiting for the trainer's republished weights
   (``resync``) and getting its groups again under their indices; a dead stage worker
-  (:class:`~runtime.restarts.StageDied`) restarts every worker from the last checkpoint;
+  (:class:`~runtime.restarts.StageDied`), or a replica whose host is gone
+  (:class:`~runtime.restarts.HostLost`), restarts every worker from the last checkpoint;
 * the step metrics (logged as they arrive, and before any exception leaves an attempt), the
   stop (every worker of the attempt ended, on success and on failure; after a stage's death
   or Ctrl-C before the metrics are logged, so no checkpoint follows the one a resume uses)
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from areal_flow.ops.registry import GENERATION
 from runtime.metrics import RunLogger
-from runtime.restarts import Restarts, StageDied, WorkerFailed, run_attempts
+from runtime.restarts import HostLost, Restarts, StageDied, WorkerFailed, run_attempts
 from runtime.run_setup import RunSetup
 from runtime.topology import Topology, WorkerGroup
 from runtime.workers import WorkerSpec
@@ -84,6 +85,8 @@ class Scheduler(Protocol):
         """Make dead replica ``name``'s host ready for :meth:`start`.
 
         Raises:
+            HostLost: its host is gone (a lost node): every worker restarts from the last
+                checkpoint, on the hosts that remain.
             WorkerFailed: it cannot be (named, with ``cause``).
         """
 
@@ -193,18 +196,22 @@ class Driver:
         trainer for that version (resync) and the router sends it its groups again.
 
         Raises:
-            StageDied: a stage worker died (``run_attempts`` restarts every worker from the
-                last checkpoint).
+            StageDied: a stage worker died, or the replica's host is gone (``run_attempts``
+                restarts every worker from the last checkpoint).
             WorkerFailed: the restarts are used up, or the scheduler cannot bring it back.
         """
         spec = by_name[end.name]
         group = self.setup.topo.groups[spec.group]
+        admission = self.router.admission
         if group.kind != GENERATION:
-            admission = self.router.admission
             raise StageDied(end.name, end.payload, admission.accepted + admission.running)
+        self.restarts.check(f"{end.name} died ({end.payload})")  # before waiting for a host to come back
+        try:
+            self.scheduler.revive(end.name, end.payload)
+        except HostLost as lost:
+            raise StageDied(end.name, f"{end.payload}; {lost}", admission.accepted + admission.running) from None
         version = self.router.versions.get(spec.rank, 0)
         self.restarts.replica(end.name, end.payload, version, how=self.scheduler.restart_how)
-        self.scheduler.revive(end.name, end.payload)
         self.router.replace_replica(spec.rank, spec.inbox)
         by_name[end.name] = spec = replace(spec, resume_version=version, resync=trainer_inbox)
         self.scheduler.start(spec, group)

@@ -14,6 +14,8 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from runtime.run_dir import STEPS_FILE
+
 
 EXTRA_TAGS = {"eval/accuracy": "eval/accuracy", "lr": "train/lr", "train/lr": "train/lr",
               "weights/sync_s": "weights/sync_s", "weights/bytes": "weights/bytes", "reward/failures": "reward/failures"}
@@ -22,6 +24,13 @@ EXTRA_TAGS = {"eval/accuracy": "eval/accuracy", "lr": "train/lr", "train/lr": "t
 WALL_FILE = "rl_wall.json"
 """``{"step", "wall_s"}``: the RL wall time of the run so far (seconds, every attempt up to its
 last logged step), rewritten after each step; a resumed or restarted run adds it to its own."""
+
+
+def _tagged(metrics: dict) -> dict[str, float]:
+    """A step's numeric metrics by TensorBoard tag: ``rl/<key>`` unless the key holds a ``/``,
+    the tag of :data:`EXTRA_TAGS` for its keys."""
+    return {EXTRA_TAGS.get(k, k if "/" in k else f"rl/{k}"): v for k, v in metrics.items()
+            if isinstance(v, (int, float)) and k != "step"}
 
 
 def _earlier_wall_s(out_dir: Path) -> float:
@@ -78,7 +87,9 @@ class RunLogger:
             steps ``>= first_step`` an earlier attempt wrote (``SummaryWriter(purge_step=...)``),
             the bar starts there, and the RL wall time continues the earlier attempts'
             (:data:`WALL_FILE`); samples/s stays this attempt's (``earlier_samples``, the
-            samples kept from earlier attempts, do not count).
+            samples kept from earlier attempts, do not count). The scalars of steps
+            ``< first_step`` that no event file holds are logged from the trainer's
+            ``runtime.run_dir.STEPS_FILE`` (:meth:`_log_lost_steps`).
 
     Raises:
         ModuleNotFoundError: W&B asked for but not installed (see ``WandbWriter``).
@@ -99,6 +110,28 @@ class RunLogger:
         self.replayed = 0  # rows a replay node trained again (not in samples)
         self.staleness = Counter()
         self.last_step: int | None = None  # the last step logged (Ctrl-C says how many were done)
+        if first_step:
+            self._log_lost_steps(first_step)
+
+    def _log_lost_steps(self, first_step: int) -> None:
+        """Log to TensorBoard each scalar of a step ``< first_step`` that the trainer recorded
+        (``runtime.run_dir.STEPS_FILE``) and no event file of the run holds: an earlier driver was
+        killed before its writer flushed it, or before the trainer's report of the step reached
+        it. (W&B is not completed: its offline run of the killed driver is its own.)"""
+        path = self.out_dir / STEPS_FILE
+        if not path.is_file():
+            return
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(self.out_dir), size_guidance={"scalars": 0})  # 0: keep every event
+        events.Reload()
+        held = {(tag, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+        for line in path.read_text().splitlines():
+            metrics = json.loads(line)
+            step = metrics["step"]
+            for tag, value in _tagged(metrics).items():
+                if step < first_step and (tag, step) not in held:
+                    self.writer.add_scalar(tag, value, step)
 
     def note(self, text: str) -> None:
         """Show ``text`` on the bar until the next step's figures replace it (e.g. start-up)."""
@@ -123,14 +156,13 @@ class RunLogger:
         self.replayed += metrics.get("samples_replayed", 0)
         self.staleness.update(metrics["staleness"])
         elapsed = time.perf_counter() - self.start
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-        scalars["samples_per_s"] = (self.samples - self.earlier_samples) / max(elapsed, 1e-9)
+        samples_per_s = (self.samples - self.earlier_samples) / max(elapsed, 1e-9)
         (self.out_dir / WALL_FILE).write_text(json.dumps({"step": step, "wall_s": round(self.earlier_s + elapsed, 3)}))
-        for key, value in scalars.items():
-            self.log_scalar(EXTRA_TAGS.get(key, key if "/" in key else f"rl/{key}"), value, step)
+        for tag, value in _tagged({**metrics, "samples_per_s": samples_per_s}).items():
+            self.log_scalar(tag, value, step)
         acc = {"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}  # absent: nothing judged
         self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", **acc, stale=f"{metrics['staleness_mean']:.2f}",
-                             sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
+                             sps=f"{samples_per_s:.0f}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

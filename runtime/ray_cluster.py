@@ -11,7 +11,8 @@ Devices: one plan device is one unit of a Ray resource, ``scheduler.device_resou
 (default ``GPU``, or ``CPU`` for ``cluster.gpu=cpu``). Plan machine ``i`` is the ``i``-th
 alive Ray node offering ``cluster.n_gpus_per_node`` of it (the head node first, then by
 node id). A mesh becomes a placement group with one bundle per machine it spans, holding
-its devices on that machine (plus one CPU when devices are not CPUs).
+its devices on that machine (plus one CPU when devices are not CPUs). A machine whose node
+dies mid-run is stood for by a spare alive node (:func:`lost_machines`, :func:`spare_nodes`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class RayClusterUnreachable(ConfigError):
 
 class ClusterMismatchError(ConfigError):
     """The Ray cluster offers fewer nodes or devices than the plan's ``cluster.*`` keys say."""
+
+
+class NodeLost(ClusterMismatchError):
+    """A Ray node standing for a plan machine died mid-run and no other alive node can take
+    its devices (the message names the node and the plan's devices)."""
 
 
 @dataclass
@@ -107,6 +113,15 @@ def connect(cfg: ExperimentConfig) -> Connection:
     return Connection(address="", started=True, owns=True)
 
 
+def _by_plan_order(cfg: ExperimentConfig) -> tuple[list[dict], list[str]]:
+    """The alive Ray nodes (the head first, then by node id) and the ids of those offering
+    ``cluster.n_gpus_per_node`` units of the device resource, in that order."""
+    resource, need = device_resource(cfg), cfg.cluster.n_gpus_per_node
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    alive.sort(key=lambda n: (HEAD_RESOURCE not in n["Resources"], n["NodeID"]))
+    return alive, [n["NodeID"] for n in alive if n["Resources"].get(resource, 0.0) >= need]
+
+
 def plan_nodes(cfg: ExperimentConfig) -> list[str]:
     """Ray node ids standing for the plan's machines ``0 .. cluster.n_nodes - 1``.
 
@@ -115,9 +130,7 @@ def plan_nodes(cfg: ExperimentConfig) -> list[str]:
             ``cluster.n_gpus_per_node`` units of the device resource (lists what each offers).
     """
     resource, need = device_resource(cfg), cfg.cluster.n_gpus_per_node
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    alive.sort(key=lambda n: (HEAD_RESOURCE not in n["Resources"], n["NodeID"]))
-    fits = [n["NodeID"] for n in alive if n["Resources"].get(resource, 0.0) >= need]
+    alive, fits = _by_plan_order(cfg)
     if len(fits) < cfg.cluster.n_nodes:
         offered = ", ".join(f"{n['NodeID'][:8]}@{n['NodeManagerAddress']} "
                             f"{resource}={n['Resources'].get(resource, 0.0):g}" for n in alive)
@@ -127,6 +140,20 @@ def plan_nodes(cfg: ExperimentConfig) -> list[str]:
             "to what the cluster has, add nodes, or pick the resource with scheduler.device_resource"
         )
     return fits[: cfg.cluster.n_nodes]
+
+
+def lost_machines(nodes: list[str]) -> dict[int, str]:
+    """The plan machines (indices into ``nodes``, the Ray node ids standing for them) whose
+    node is no longer alive, each with ``"<node id prefix>@<IP>"``; empty when all are."""
+    known = {n["NodeID"]: n for n in ray.nodes()}
+    return {i: f"{node[:8]}@{known.get(node, {}).get('NodeManagerAddress', '?')}"
+            for i, node in enumerate(nodes) if not known.get(node, {}).get("Alive")}
+
+
+def spare_nodes(cfg: ExperimentConfig, nodes: list[str]) -> list[str]:
+    """Alive nodes offering ``cluster.n_gpus_per_node`` devices that stand for no plan
+    machine yet (not in ``nodes``), in plan order (:func:`plan_nodes`)."""
+    return [n for n in _by_plan_order(cfg)[1] if n not in nodes]
 
 
 def mesh_bundles(mesh: MeshSpec, resource: str, share_cpu: bool) -> list[dict[str, float]]:

@@ -28,8 +28,12 @@ held, under the same indices; a group delivered twice is dropped by the trainer.
 trainer's actor (or another stage worker's) dies, the driver kills every actor of the
 attempt and starts them all again, in the same placement groups, from the run's last
 complete checkpoint, as the local scheduler does; a resumed run (``--resume``) starts from
-it the same way. The trainer reports each step's metrics into a queue actor the driver
-reads (``ray.util.queue.Queue``), which outlives a dead trainer.
+it the same way. A lost node (its actors dead with it) does the same: the plan machine it
+stood for moves to a spare alive node (its meshes' placement groups made again there) before
+the actors start again, or, with no spare node, the run stops naming the node and the plan's
+devices it held (:class:`runtime.ray_cluster.NodeLost`). The trainer reports each step's
+metrics into a queue actor the driver reads (``ray.util.queue.Queue``), which outlives a
+dead trainer.
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ import ray.cloudpickle
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd, reports
-from runtime.restarts import WorkerFailed
+from runtime.restarts import HostLost, WorkerFailed
 from runtime.run_setup import RunSetup
-from runtime.ray_cluster import ClusterMismatchError, connect, create_placement_group, device_resource, plan_nodes
+from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
+                                 lost_machines, plan_nodes, spare_nodes)
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 from runtime.topology import WorkerGroup
 from runtime.workers import WorkerSpec
@@ -59,6 +64,7 @@ from runtime.workers import WorkerSpec
 NAMESPACE = "areal_flow"
 POLL_S = 0.5
 RESTART_TIMEOUT_S = 300.0  # seconds for Ray to bring a dead replica back
+NODE_CHECK_S = 2.0  # seconds between checks that the plan machines' nodes live, while waiting on actors
 
 
 def share_pickle_by_value() -> None:
@@ -128,24 +134,100 @@ class RayScheduler:
         self.setup, self.cfg, self.address = setup, cfg, address
         self.resource = device_resource(cfg)
         self.pgs: dict = {}
+        self.nodes: list[str] = []  # the Ray node id standing for each plan machine
         self.actors: dict[str, object] = {}
         self.pending: dict = {}  # object ref of a worker's run -> its name
         self.placement: dict = {}
         self.sink: Queue | None = None
+        self.held: list = []  # sockets holding the ports of the router's control addresses
 
     def place(self, nodes: list[str]) -> None:
-        """One placement group per distinct device mesh of the plan (fails when taken)."""
+        """One placement group per distinct device mesh of the plan, plan machine ``i`` on Ray
+        node ``nodes[i]`` (fails when taken, or when a mesh's workers cannot share its
+        machines: :meth:`layout`)."""
+        self.layout()
+        self.nodes = list(nodes)
         for node in self.setup.plan.nodes:
             if node.strategy is not None and node.mesh not in self.pgs:
-                self.pgs[node.mesh] = create_placement_group(
-                    node.mesh, nodes, self.resource, f"{NAMESPACE}/{self.cfg.name}/{node.mesh.label()}",
-                    self.cfg.scheduler.placement_timeout_s)
+                self.pgs[node.mesh] = self._group(node.mesh)
 
-    def _actor(self, name: str, mesh, share: int, restarts: int = 0):
+    def _group(self, mesh):
+        return create_placement_group(mesh, self.nodes, self.resource, f"{NAMESPACE}/{self.cfg.name}/{mesh.label()}",
+                                      self.cfg.scheduler.placement_timeout_s)
+
+    def _replace_lost_nodes(self) -> None:
+        """Stand a spare alive node in for each plan machine whose node died, and make the
+        placement groups of the meshes on those machines again there (no actor may be running).
+
+        Raises:
+            NodeLost: fewer spare nodes than lost ones; names the lost nodes and the plan's
+                devices (meshes) that can no longer be placed.
+        """
+        lost = lost_machines(self.nodes)
+        if not lost:
+            return
+        meshes = [m for m in self.pgs if any(m.first_node <= i < m.first_node + m.n_nodes for i in lost)]
+        devices = ", ".join(m.label() for m in meshes)
+        gone = ", ".join(f"{where} (plan machine n{i})" for i, where in lost.items())
+        spares = spare_nodes(self.cfg, self.nodes)
+        if len(spares) < len(lost):
+            raise NodeLost(
+                f"Ray node {gone} was lost and no other alive node offers cluster.n_gpus_per_node="
+                f"{self.cfg.cluster.n_gpus_per_node} '{self.resource}': the plan's devices {devices} can no longer be "
+                f"placed; `--resume {self.setup.out_dir}` continues from the last checkpoint once the cluster has them")
+        for i, node in zip(lost, spares):
+            self.nodes[i] = node
+        for mesh in meshes:
+            remove_placement_group(self.pgs.pop(mesh))
+            self.pgs[mesh] = self._group(mesh)
+        moved = ", ".join(f"n{i} -> {self.nodes[i][:8]}" for i in lost)
+        print(f"areal-flow: Ray node {gone} was lost; the plan's devices {devices} move to a spare node ({moved})",
+              file=sys.stderr)
+
+    def _get(self, refs: list) -> list:
+        """``ray.get(refs)``, checking while it waits that every plan machine's node is alive.
+
+        Raises:
+            HostLost: a node died meanwhile (an actor placed there would never start).
+        """
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=NODE_CHECK_S)
+            if len(ready) == len(refs):
+                return ray.get(refs)
+            lost = lost_machines(self.nodes)
+            if lost:
+                raise HostLost(f"node {', '.join(lost.values())} was lost")
+
+    def layout(self) -> dict[str, tuple]:
+        """Each worker's ``(mesh, bundle, workers sharing that bundle)``: a mesh's workers (its
+        groups' workers in topology order, one actor each) are spread evenly over the bundles of
+        the machines it spans, the ``k``-th on bundle ``k // (workers / machines)``, so generation
+        replica ``r`` runs on the machine that holds its devices.
+
+        Raises:
+            ClusterMismatchError: a mesh's workers do not divide evenly over its machines (e.g. a
+                multi-rank trainer spanning machines: its ranks are processes of its one actor).
+        """
+        workers: dict = {}
+        for g in self.setup.topo.groups.values():
+            workers.setdefault(g.mesh, []).extend(f"{g.name}/{r}" for r in range(g.replicas))
+        layout = {}
+        for mesh, names in workers.items():
+            if len(names) % mesh.n_nodes:
+                raise ClusterMismatchError(
+                    f"mesh {mesh.label()} spans {mesh.n_nodes} machines but runs as {len(names)} process(es) on Ray "
+                    f"({', '.join(names)}); a trainer's ranks are processes of its one actor, so it cannot span "
+                    "machines: give it devices of one machine (compile.allocation), or use scheduler.type=local")
+            per = len(names) // mesh.n_nodes
+            layout.update((name, (mesh, k // per, per)) for k, name in enumerate(names))
+        return layout
+
+    def _actor(self, name: str, restarts: int = 0):
+        mesh, bundle, share = self.layout()[name]
         amount = mesh.n_devices / share
         opts: dict = dict(name=f"{self.cfg.name}/{name}", namespace=NAMESPACE, max_concurrency=4, max_restarts=restarts,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[mesh],
-                                                                               placement_group_bundle_index=0))
+                                                                               placement_group_bundle_index=bundle))
         if self.resource == "CPU":
             opts["num_cpus"] = amount
         else:
@@ -155,31 +237,42 @@ class RayScheduler:
         return ray.remote(WorkerActor).options(**opts).remote()
 
     def _start_actors(self) -> None:
-        """One actor per worker of the topology in its mesh's placement group (generation
-        replicas restartable by Ray); the mesh's devices are split evenly among its actors."""
-        topo, sharing = self.setup.topo, {}
+        """One actor per worker of the topology in its mesh's placement group, on its bundle
+        (:meth:`layout`; generation replicas restartable by Ray); a bundle's devices are split
+        evenly among its actors."""
         limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
-        for g in topo.groups.values():
-            sharing[g.mesh] = sharing.get(g.mesh, 0) + g.replicas
-        for g in topo.groups.values():
+        for g in self.setup.topo.groups.values():
             for r in range(g.replicas):
-                restarts = limit if g.kind == "generation" else 0
-                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", g.mesh, sharing[g.mesh], restarts)
+                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", limit if g.kind == "generation" else 0)
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
-        """Start the attempt's actors (and, once, the metrics queue); their channel endpoints."""
-        topo = self.setup.topo
+        """Start the attempt's actors (and, once, the metrics queue) on the plan machines' nodes,
+        replacing lost ones first (:meth:`_replace_lost_nodes`; again when one dies while the
+        actors start); their channel endpoints.
+
+        Raises:
+            NodeLost: a plan machine's node is gone and no spare node can stand in.
+            ClusterMismatchError: actors on other machines with channels bound to loopback.
+        """
+        topo, gen = self.setup.topo, self.setup.topo.generation
         if self.sink is None:
-            self.sink = Queue(actor_options={"num_cpus": 0})  # outside the placement groups: it holds no device
-        self._start_actors()
-        host = self._bind_host()
-        addresses = {g.name: [ray.get(self.actors[f"{g.name}/{r}"].endpoint.remote(host)) for r in range(g.replicas)]
-                     for g in topo.groups.values()}
-        gen = topo.generation
-        addresses["weights"] = [ray.get(self.actors[f"{gen.name}/{r}"].endpoint.remote(host))
-                                for r in range(gen.replicas)]
+            # Outside the placement groups (it holds no device), on the driver's node: lost only with the driver.
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.sink = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        while True:
+            self._replace_lost_nodes()
+            self._start_actors()
+            try:
+                host = self._bind_host()
+                addresses = {g.name: self._get([self.actors[f"{g.name}/{r}"].endpoint.remote(host)
+                                                for r in range(g.replicas)]) for g in topo.groups.values()}
+                addresses["weights"] = self._get([self.actors[f"{gen.name}/{r}"].endpoint.remote(host)
+                                                  for r in range(gen.replicas)])
+                break
+            except HostLost:
+                self.stop(wait=True)
         threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
-        return addresses, free_tcp_endpoint(host), threads
+        return addresses, free_tcp_endpoint(host, self.held), threads
 
     def _bind_host(self) -> str:
         """``scheduler.bind_host``; loopback (empty) only when every actor is on this machine
@@ -191,7 +284,7 @@ class RayScheduler:
         """
         host = getattr(self.cfg.scheduler, "bind_host", "")
         here = ray.util.get_node_ip_address()
-        where = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors.values()])))
+        where = dict(zip(self.actors, self._get([a.where.remote() for a in self.actors.values()])))
         self.placement = {name: {**w, "mesh": self.setup.topo.groups[name.rsplit("/", 1)[0]].mesh.label()}
                           for name, w in where.items()}
         away = sorted({w["ip"] for w in where.values() if w["ip"] != here})
@@ -226,16 +319,21 @@ class RayScheduler:
         return self.sink.get_nowait_batch(waiting) if waiting else []
 
     def revive(self, name: str, cause: str) -> None:
-        """Wait for Ray to bring replica ``name`` back (its calls fail until Ray marks the actor
-        restarting; then they wait for it).
+        """Wait for Ray to bring replica ``name`` back in its bundle (its calls fail until Ray
+        marks the actor restarting; then they wait for it), checking that its node lives.
 
         Raises:
+            HostLost: its node died (its bundle is pinned there: Ray cannot bring it back).
             WorkerFailed: the actor is not back within ``RESTART_TIMEOUT_S`` seconds.
         """
+        machine = self.nodes.index(self.placement[name]["node_id"])
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
+            lost = lost_machines(self.nodes)
+            if machine in lost:
+                raise HostLost(f"its node {lost[machine]} (plan machine n{machine}) was lost")
             try:
-                ray.get(self.actors[name].where.remote(), timeout=RESTART_TIMEOUT_S)
+                ray.get(self.actors[name].where.remote(), timeout=NODE_CHECK_S)
                 return
             except (RayActorError, GetTimeoutError):
                 if time.monotonic() > deadline:
@@ -250,10 +348,7 @@ class RayScheduler:
             WorkerFailed: one still holds its name after ``RESTART_TIMEOUT_S`` seconds.
         """
         for actor in self.actors.values():
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
-                pass
+            ray.kill(actor, no_restart=True)  # a dead actor's kill is a no-op (Ray 2.60)
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         for name in self.actors if wait else ():
             while True:
@@ -275,10 +370,10 @@ class RayScheduler:
             self.sink.shutdown(force=True)
             self.sink = None
         for pg in self.pgs.values():
-            try:
-                remove_placement_group(pg)
-            except Exception:  # already removed
-                pass
+            remove_placement_group(pg)  # removing a removed group is a no-op (Ray 2.60)
+        for sock in self.held:
+            sock.close()
+        self.held = []
         self.pgs = {}
         last = latest_checkpoint(self.setup.out_dir)
         return {"ray": {"address": self.address, "placement": self.placement,

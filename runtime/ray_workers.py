@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import socket
+import sys
 import threading
 
 import ray
@@ -36,18 +37,26 @@ def bind_ip(bind_host: str) -> str:
     return ray.util.get_node_ip_address() if bind_host == "node" else bind_host
 
 
-def free_tcp_endpoint(bind_host: str = "") -> str:
-    """``tcp://<IP>:<port>`` (IP from :func:`bind_ip`) with a port the OS reported free just now.
+def free_tcp_endpoint(bind_host: str = "", hold: list | None = None) -> str:
+    """``tcp://<IP>:<port>`` (IP from :func:`bind_ip`) with a port the OS handed out just now.
 
-    The port is bound again by the worker a moment later; another process taking it in
-    between makes the worker fail with ``ValueError`` naming the address (not seen in
-    practice: the OS hands out ephemeral ports round-robin).
+    With ``hold`` (on Linux), the socket that took the port stays bound (appended to ``hold``;
+    with ``SO_REUSEADDR``, not listening) until it is closed: the OS gives the port to no one
+    else, and the worker's zmq socket (which sets ``SO_REUSEADDR`` as well) can still bind and
+    listen there, as Linux allows while no other socket listens on it. Without it, another process may take the port before the worker binds it
+    (the worker then fails with ``ValueError`` naming the address; seen once in the tests, on
+    a machine shared with other test runs).
     """
     ip = bind_ip(bind_host)
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        port = s.getsockname()[1]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((ip, 0))
+    port = s.getsockname()[1]
+    if hold is None or not sys.platform.startswith("linux"):
+        s.close()
+    else:
+        hold.append(s)
     return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
 
 
@@ -60,13 +69,17 @@ class WorkerActor:
     worker (the trainer); Ray restarts a replica (same placement) when it dies. Calls other
     than ``run`` (``where``, ``endpoint``) are served concurrently (``max_concurrency > 1``)."""
 
+    def __init__(self) -> None:
+        self.held: list[socket.socket] = []  # the ports of this actor's endpoints, held for its life
+
     def where(self) -> dict:
         """``{"node_id", "ip"}`` of the node it runs on."""
         return _where()
 
     def endpoint(self, bind_host: str = "") -> str:
-        """A fresh channel address on this node (see :func:`free_tcp_endpoint`)."""
-        return free_tcp_endpoint(bind_host)
+        """A fresh channel address on this node, its port held by this actor until it ends
+        (see :func:`free_tcp_endpoint`)."""
+        return free_tcp_endpoint(bind_host, self.held)
 
     def run(self, spec: WorkerSpec, generation: bool, sink=None) -> dict:
         """Run the worker ``spec`` describes to its end and return its report. A trainer puts

@@ -24,6 +24,12 @@ class WorkerFailed(RuntimeError):
     ``scheduler.max_restarts``."""
 
 
+class HostLost(Exception):
+    """A dead worker's host is gone (a lost cluster node), so it cannot come back where it ran:
+    every worker restarts from the last checkpoint, on hosts that remain (the message says which
+    host was lost)."""
+
+
 class StageDied(Exception):
     """A non-generation worker (the trainer, or another stage worker) died without reporting
     (killed, out of memory, a crash in native code).
@@ -65,8 +71,8 @@ class Restarts:
     def used(self) -> int:
         return self.replicas + self.trainer
 
-    def _spend(self, what: str) -> None:
-        """Raises WorkerFailed (naming ``what``) when the budget is used up."""
+    def check(self, what: str) -> None:
+        """Raises WorkerFailed (naming ``what``, the death) when the budget is used up."""
         if self.used >= self.limit:
             raise WorkerFailed(f"worker {what}; restarts so far {self.used}, scheduler.max_restarts={self.limit}")
 
@@ -77,7 +83,7 @@ class Restarts:
         Raises:
             WorkerFailed: the restarts are used up.
         """
-        self._spend(f"{name} died ({cause})")
+        self.check(f"{name} died ({cause})")
         self.replicas += 1
         print(f"areal-flow: {name} died ({cause}); {how} at policy version {version} ({self.used}/{self.limit})",
               file=sys.stderr)
@@ -90,7 +96,7 @@ class Restarts:
         Raises:
             WorkerFailed: the restarts are used up.
         """
-        self._spend(str(died))
+        self.check(str(died))
         self.trainer += 1
         setup.checkpoint = latest_checkpoint(setup.out_dir, say)
         version = setup.checkpoint.version if setup.checkpoint else 0

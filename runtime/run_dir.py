@@ -115,38 +115,57 @@ def _git_state(where: Path) -> tuple[str | None, bool | None]:
     return commit.strip(), None if status is None else bool(status.strip())
 
 
+STEPS_FILE = "steps.jsonl"
+"""In a run folder: the trainer's metrics of each step (``runtime.observe.step_metrics``), one
+JSON line each, written before the step's checkpoint; a resumed run logs from it the steps
+whose TensorBoard events a killed driver never wrote (``runtime.metrics.RunLogger``)."""
+
+
+def _keep_before(path: Path, version: int, what: str) -> list[dict]:
+    """Keep the lines of JSONL file ``path`` (if any) whose ``step`` is ``< version``; the kept
+    records. A last line without its newline, torn by a kill while it was written, is dropped:
+    it is of a step after the checkpoint (the trainer writes a step's lines before its checkpoint).
+
+    Raises:
+        ValueError: a whole line is not JSON (names the file, the line and ``what`` it should be).
+    """
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    whole = path.read_text().rpartition("\n")[0]  # up to the last newline
+    for n, line in enumerate(whole.splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not {what} ({e})") from None
+        if record["step"] < version:
+            kept.append(record)
+            lines.append(line)
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return kept
+
+
 def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
     """Make run ``folder`` continue from the checkpoint of policy ``version``: keep the
     trajectories of steps ``< version`` in ``trajectories/trajectories.jsonl`` (later lines
     were trained by the attempt that did not reach the next checkpoint; they are trained
-    again), likewise the ``debug.record`` records of those steps (``runtime.record.rewind_records``),
-    remove unfinished checkpoint folders (``checkpoints/*.tmp``), and mark the new
-    attempt in the timeline (``runtime.trace.mark_attempt``; the earlier spans are kept).
+    again), likewise the step metrics of :data:`STEPS_FILE` and the ``debug.record`` records
+    of those steps (``runtime.record.rewind_records``), remove unfinished checkpoint folders
+    (``checkpoints/*.tmp``), and mark the new attempt in the timeline
+    (``runtime.trace.mark_attempt``; the earlier spans are kept).
 
     Returns:
         the samples kept and their staleness histogram (versions -> samples), so the run's
         summary counts the whole run.
 
     Raises:
-        ValueError: a line of the trajectories file is not JSON (names the file and line).
+        ValueError: a line of the trajectories or steps file is not JSON (names the file and line).
     """
-    samples, staleness = 0, Counter()
-    path = folder / "trajectories" / "trajectories.jsonl"
-    if path.is_file():
-        kept = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not a trajectory record ({e})") from None
-            if record["step"] < version:
-                kept.append(line)
-                if REPLAYED not in record.get("meta", {}):  # a replayed row is no sample of its own
-                    samples += 1
-                    staleness[record["staleness"]] += 1
-        path.write_text("".join(f"{line}\n" for line in kept))
+    kept = [r for r in _keep_before(folder / "trajectories" / "trajectories.jsonl", version, "a trajectory record")
+            if REPLAYED not in r.get("meta", {})]  # a replayed row is no sample of its own
+    _keep_before(folder / STEPS_FILE, version, "a step's metrics")
     for tmp in (folder / "checkpoints").glob("*.tmp"):
         shutil.rmtree(tmp)
     rewind_records(folder, version)
     mark_attempt(folder, version)
-    return samples, staleness
+    return len(kept), Counter(r["staleness"] for r in kept)

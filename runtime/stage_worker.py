@@ -9,8 +9,8 @@ takes the ``B`` groups of step ``s`` in admission order
 each trained policy on its weight routes, writes trajectories, checkpoints and the records
 of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
 step's metrics. A checkpoint (``train.checkpoint_every``; layout and atomic write in
-``runtime.checkpoint``) is written after the step's trajectories, and a trainer given one
-(``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One
+``runtime.checkpoint``) is written after the step's trajectories and metrics
+(``run_dir.STEPS_FILE``), and a trainer given one (``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One
 loop for every world size: a multi-rank train_step runs it on rank 0
 (``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
 (``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
@@ -48,6 +48,7 @@ from runtime.faults import kill_point
 from runtime.groups import failure_counts, file_group
 from runtime.observe import memory_profile, step_metrics
 from runtime.record import EdgeRecorder, check_edges
+from runtime.run_dir import STEPS_FILE
 from runtime.staleness import OrderedExperienceBuffer
 from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
@@ -222,25 +223,11 @@ class _Stage:
                     for sender in self.outs:  # the next step group of the chain (runtime.topology)
                         passed = {k: v for k, v in values.items() if k in self.passed_on}
                         sender.send(("batch", step, batch_items, passed, stats, now_us()))
-                    if checkpoint:
-                        checkpoint = self._write_checkpoint(step + 1, out / "checkpoints")
-                    if log is None:  # not the trainer: it neither logs nor reports the step
-                        self.trace.flush()
-                        continue
-                    for t in advantage.trajectories:
-                        log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
-                    log.flush()
-                    metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, train_s, wait_s)
-                    if checkpoint:
-                        metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
-                    every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
-                    if every and (step + 1) % every == 0 and step + 1 < topo.steps:
-                        metrics["eval/accuracy"] = self._held_out_accuracy()
-                    if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
-                        memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes
-                                                                    if n.trains],
-                                       cuda=self.ctx.plan.device_type == "cuda")
-                    if self.report is not None:
+                    metrics = None if log is None else self._record_step(step, log, out, advantage, stats,
+                                                                          (train_s, wait_s), checkpoint)
+                    if checkpoint and not self._write_checkpoint(step + 1, out / "checkpoints") and metrics:
+                        metrics.pop("checkpoint", None)  # written after the step's records; a full disk kept none
+                    if metrics is not None and self.report is not None:  # only the trainer reports the step
                         self.report(metrics)
                     self.trace.flush()
             self._save_final(out / "model")
@@ -252,12 +239,34 @@ class _Stage:
                 "world_size": self.group.strategy.world_size, "rejected_messages": self.inbox.rejected,
                 **failure_counts(self.executors)}
 
+    def _record_step(self, step: int, log, out: Path, advantage, stats: dict, times: tuple[float, float],
+                     checkpoint: bool) -> dict:
+        """Write the trainer's records of ``step`` (its trajectories to ``log``, its metrics to
+        ``run_dir.STEPS_FILE``); the metrics (``times``: train and wait seconds)."""
+        for t in advantage.trajectories:
+            log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
+        log.flush()
+        metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, *times)
+        if checkpoint:
+            metrics["checkpoint"] = str(out / "checkpoints" / f"version_{step + 1}")
+        every = int(self.ctx.plan.run.get("eval", {}).get("every", 0) or 0)
+        if every and (step + 1) % every == 0 and step + 1 < self.topo.steps:
+            metrics["eval/accuracy"] = self._held_out_accuracy()
+        if self.ctx.plan.run.get("debug", {}).get("memory_profiler"):
+            memory_profile(step, out / "memory.jsonl", [self.executors[n.name] for n in self.batch_nodes if n.trains],
+                           cuda=self.ctx.plan.device_type == "cuda")
+        with (out / STEPS_FILE).open("a") as fh:
+            fh.write(json.dumps(metrics) + "\n")
+        return metrics
+
     def _trajectory_log(self, out: Path, start: int):
         """The trainer's ``trajectories/trajectories.jsonl`` (appended to from a resumed
         ``start``); another step group writes none (a null context giving None)."""
         if not self.is_trainer:
             return contextlib.nullcontext()
         (out / "trajectories").mkdir(parents=True, exist_ok=True)
+        if not start:
+            (out / STEPS_FILE).write_text("")
         return (out / "trajectories" / "trajectories.jsonl").open("a" if start else "w")
 
     def _held_out_accuracy(self) -> float:

@@ -16,7 +16,7 @@ import pytest
 
 from areal_flow.config_load import load_config
 from runtime.driver import DIED, ERROR, OK, Driver, Scheduler, WorkerEnd
-from runtime.restarts import WorkerFailed
+from runtime.restarts import HostLost, WorkerFailed
 from runtime.run_setup import RunSetup
 from runtime.topology import build_topology
 
@@ -179,3 +179,48 @@ def test_both_schedulers_are_schedulers_of_the_one_driver(tmp_path):
     for scheduler in (LocalScheduler(setup), RayScheduler(setup, _settings(setup.plan))):
         assert isinstance(scheduler, Scheduler)
         _check(type(scheduler), Scheduler)  # same methods, same parameters
+
+
+class _HostGone(_Scripted):
+    """A scheduler whose dead replica's host is gone (a lost node): it cannot be revived."""
+
+    def revive(self, name, cause):
+        super().revive(name, cause)
+        raise HostLost("its node 5fe56b49@10.0.0.2 (plan machine n1) was lost")
+
+
+def test_a_replica_whose_host_is_lost_restarts_every_worker_from_the_checkpoint(tmp_path, capsys):
+    setup = _setup(tmp_path)
+    scheduler = _HostGone([[WorkerEnd("generate/1", DIED, "unreachable: IOError")],  # attempt 1
+                           [WorkerEnd("critic_step/0", OK, {"steps": 3})], [WorkerEnd("train_step/0", OK, {"steps": 3})],
+                           [WorkerEnd("generate/0", OK, {})], [WorkerEnd("generate/1", OK, {})]])  # attempt 2
+    summary = Driver(setup, scheduler).execute()
+    assert scheduler.attempts == 2 and scheduler.stops == [True, False, False]
+    assert [s.resume_version for s in scheduler.started[4:]] == [0] * 4  # every worker, from version 0
+    assert summary["restarts"]["trainer_restarts"] == 1 and summary["restarts"]["replica_restarts"] == 0
+    assert ("areal-flow: generate/1 died (unreachable: IOError; its node 5fe56b49@10.0.0.2 (plan machine n1) was "
+            "lost); restarting every worker from version 0") in capsys.readouterr().err
+
+
+def test_on_ray_replicas_of_a_mesh_over_machines_run_on_their_machines_and_a_trainer_may_not_span(tmp_path):
+    """Issue 26: `gen:d2` on two one-device machines is one replica per machine (bundle 0 on
+    n0, bundle 1 on n1), each holding its device; a one-process trainer on `n1-2` is refused
+    before any actor starts (its ranks are processes of one actor)."""
+    from areal_flow.cli import load_flow
+    from compiler.program import compile_program
+    from runtime.ray_cluster import ClusterMismatchError
+    from runtime.ray_scheduler import RayScheduler, _settings
+
+    def scheduler(allocation):
+        cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, "cluster.n_nodes=3", "cluster.n_gpus_per_node=1",
+                                                             f"compile.allocation={allocation}", f"out_dir={tmp_path}"])
+        plan = compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
+        return RayScheduler(_Setup(plan, build_topology(plan), tmp_path / "x", show_progress=False), _settings(plan))
+
+    layout = {name: (mesh.label(), bundle, share) for name, (mesh, bundle, share) in
+              scheduler("gen:d2 + train:d1").layout().items()}
+    assert layout == {"generate/0": ("n0-1", 0, 1), "generate/1": ("n0-1", 1, 1),
+                      "train_step/0": ("n2:g0", 0, 1)}
+    with pytest.raises(ClusterMismatchError, match=r"^mesh n1-2 spans 2 machines but runs as 1 process\(es\) on "
+                                                   r"Ray \(train_step/0\); a trainer's ranks"):
+        scheduler("gen:d1 + train:d2").layout()

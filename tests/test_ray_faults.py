@@ -110,14 +110,14 @@ def two_slots(loopback_ray):  # noqa: F811 (the imported fixture)
     cluster.shutdown()
 
 
-def _run(tmp_path: Path, cluster, name: str, *overrides: str, kill=None) -> dict:
-    """The parity graph on ``cluster``; ``kill(out_dir)`` runs in a thread beside it."""
+def _run(tmp_path: Path, cluster, name: str, *overrides: str, kill=None, graph: str = PARITY_GRAPH) -> dict:
+    """The parity graph (or ``graph``) on ``cluster``; ``kill(out_dir)`` runs in a thread beside it."""
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
     from areal_flow.cli.run import run_experiment
 
-    (tmp_path / "parity.py").write_text(PARITY_GRAPH)
-    fl = load_flow(tmp_path / "parity.py")
+    (tmp_path / "graph.py").write_text(graph)
+    fl = load_flow(tmp_path / "graph.py")
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [
         f"train.steps={STEPS}", f"train.batch_size={B}", f"gen.n_samples={N}", "warm_start.steps=10",
         "eval.enabled=false", "train.checkpoint_every=2", "train.lr=1e-2", "scheduler.type=ray",
@@ -284,3 +284,31 @@ def test_a_dp2_trainer_killed_on_ray_is_restarted_from_its_sharded_checkpoint(tm
     assert _same(_weights(tmp_path / "dies/model"), _weights(tmp_path / "whole/model"))
     _exactly_once(tmp_path / "dies", k=0)
     assert summary["restarts"]["trainer_restarts"] == 1 and summary["workers"]["train_step/0"]["world_size"] == 2
+
+
+BUGGY_ESTIMATOR_GRAPH = PARITY_GRAPH.replace("from areal_flow import Model, flow, ops", """\
+from areal_flow import Model, flow, ops
+from areal_flow.algorithms.catalog import register_estimator
+
+
+@register_estimator("buggy")
+def buggy(rewards, group_ids, loss_mask):
+    return len(rewards.shape[0])  # the bug: an int has no len()
+""").replace('estimator="grpo"', 'estimator="buggy"')
+
+
+@pytest.mark.slow
+def test_a_bug_in_a_ray_worker_stops_the_run_with_its_traceback(tmp_path, two_slots):
+    """Issue 26: no broad ``except`` on the Ray path turns a worker's bug into a death, a
+    restart or a hang: the trainer's estimator raises, and the run fails at once with the
+    worker's traceback down to the faulty line."""
+    from runtime.restarts import WorkerFailed
+
+    assert "estimator=\"buggy\"" in BUGGY_ESTIMATOR_GRAPH
+    with pytest.raises(WorkerFailed) as info:
+        _run(tmp_path, two_slots, "buggy", "compile.allocation=gen:d1 + train:d1", graph=BUGGY_ESTIMATOR_GRAPH)
+    message = str(info.value)
+    assert message.startswith("train_step/0 failed:\n") and "ray::WorkerActor.run()" in message  # Ray's header
+    assert 'graph.py", line 8, in buggy\n    return len(rewards.shape[0])' in message  # the worker's frames
+    assert "TypeError: object of type 'int' has no len()" in message
+    assert not (tmp_path / "buggy" / "model").exists()

@@ -216,18 +216,25 @@ def test_user_algorithm_and_estimator_reach_ray_actors_by_value(tmp_path, loopba
 
 @pytest.mark.slow
 def test_two_nodes_generation_and_training_apart(tmp_path, two_nodes):
+    """The plan's machine index decides the Ray node: `train:d1 + gen:d1` on 2 machines puts
+    the trainer on n0:g0 (the head) and generation on n1:g0 (the other raylet); the weights
+    and the groups cross between them over `scheduler.bind_host=node`."""
     path = tmp_path / "own_reward_graph.py"
     path.write_text(GRAPH_WITH_OWN_REWARD)  # its reward function reaches the actor by value
-    graph, cfg = _config(path, tmp_path, "train.steps=3", "train.batch_size=2", "cluster.n_nodes=2",
+    graph, cfg = _config(path, tmp_path, "train.steps=2", "train.batch_size=2", "cluster.n_nodes=2",
                          "cluster.n_gpus_per_node=1", "scheduler.device_resource=gpu_slot",
+                         "compile.allocation=train:d1 + gen:d1", "scheduler.bind_host=node",
                          f"scheduler.address={two_nodes.address}")
     summary = run_experiment(graph, cfg, show_progress=False)
-    records = _assert_each_sample_trained_once(tmp_path / "own_reward_grpo", steps=3, batch=2, n=4)
+    records = _assert_each_sample_trained_once(tmp_path / "own_reward_grpo", steps=2, batch=2, n=4)
     assert {r["reward"] for r in records} <= {0.0, 1.0}  # scored by own_reward
+    assert max(r["staleness"] for r in records) <= 2  # k = 2 (yaml)
     placement = summary["ray"]["placement"]
-    head = two_nodes.head_node.node_id
-    assert placement["generate/0"]["node_id"] == head != placement["train_step/0"]["node_id"]  # plan: gen n0, train n1
-    assert summary["samples_trained"] == 3 * 2 * 4
+    (other,) = two_nodes.worker_nodes
+    assert placement["train_step/0"]["node_id"] == two_nodes.head_node.node_id  # plan machine 0
+    assert placement["generate/0"]["node_id"] == other.node_id  # plan machine 1
+    assert placement["train_step/0"]["mesh"] == "n0:g0" and placement["generate/0"]["mesh"] == "n1:g0"
+    assert summary["samples_trained"] == 2 * 2 * 4
     _assert_cluster_clean(two_nodes.address)
 
 

@@ -200,6 +200,36 @@ def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(
     assert (tmp_path / "async/model/model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_a_sigkilled_driver_leaves_nothing_running_and_resume_auto_continues_exactly(tmp_path, uninterrupted,
+                                                                                    warm_cache):
+    """Issue 26: the driver itself SIGKILLed (no handler runs) once its first checkpoint is
+    complete: every process it started ends on its own (its workers by their parent-death
+    signal, multiprocessing's resource tracker when they are gone), and ``resume=auto``
+    continues from the last complete checkpoint to the uninterrupted run's weights (k = 0)."""
+    import psutil
+
+    out = tmp_path / "driver"
+    proc = _cli(tmp_path, "driver", "async.max_staleness=0")
+    deadline = time.monotonic() + 600
+    while latest_checkpoint(out) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the kill"
+        time.sleep(0.05)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert len(started) >= 2  # a generation replica and the trainer at least
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    cut = latest_checkpoint(out)
+    assert cut.version < STEPS and not (out / "model").exists()
+    err = _finish(_cli(tmp_path, "driver", "async.max_staleness=0", "resume=auto"))
+    assert f"resuming {out} from version_{cut.version} (step {cut.version} of {STEPS})" in err
+    assert _same(_weights(out / "model"), _weights(uninterrupted / "model"))  # bit-identical, k = 0
+    _exactly_once(out, k=0)
+    assert _event_steps(out) == list(range(STEPS))  # no step lost or repeated in TensorBoard
+
+
 # --- what a resume accepts (compile only: no model runs) ---------------------------------------
 
 TINY = ["train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false"]

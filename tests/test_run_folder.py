@@ -123,3 +123,38 @@ def test_run_writes_the_resolved_config_and_run_plan_does_not(tmp_path, monkeypa
         assert main(["run", "--plan", str(plan)]) == 130
     assert sorted(p.name for p in run.iterdir()) == ["commands.jsonl", "plan.json"]
     assert json.loads((run / "commands.jsonl").read_text())["argv"] == sys.orig_argv
+
+
+def test_a_rewound_folder_keeps_the_step_metrics_before_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    """Issue 26: the trainer's steps.jsonl is rewound like its trajectories; a last line a kill
+    tore mid-write (no newline) is of a step after the checkpoint and is dropped."""
+    from runtime.run_dir import STEPS_FILE, rewind_run_dir
+
+    traj = tmp_path / "trajectories"
+    traj.mkdir()
+    (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\n{"step": 2, "staleness": 1}\n{"st')
+    (tmp_path / STEPS_FILE).write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(3)))
+    assert rewind_run_dir(tmp_path, 2) == (1, {0: 1})  # step 0's one sample, staleness 0
+    assert [json.loads(x)["step"] for x in (tmp_path / STEPS_FILE).read_text().splitlines()] == [0, 1]
+    assert (traj / "trajectories.jsonl").read_text() == '{"step": 0, "staleness": 0}\n'
+
+
+def test_a_resumed_logger_logs_the_steps_no_event_file_holds(tmp_path):
+    """Issue 26: a driver SIGKILLed before its TensorBoard writer flushed step 1 (or before the
+    trainer's report of it arrived): the resumed run's logger logs step 1 from steps.jsonl,
+    once, and neither step 0 again (its events are there) nor step 2 (after the checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from runtime.metrics import RunLogger
+    from runtime.run_dir import STEPS_FILE
+
+    with SummaryWriter(log_dir=str(tmp_path)) as earlier:  # the killed driver's events: step 0 only
+        earlier.add_scalar("rl/reward", 0.5, 0)
+    steps = [{"step": s, "reward": 0.5 + s / 4, "train/loss": 1.0 - s / 4, "staleness": [0, 1]} for s in range(3)]
+    (tmp_path / STEPS_FILE).write_text("".join(json.dumps(m) + "\n" for m in steps))
+    RunLogger(tmp_path, total_steps=4, show_progress=False, first_step=2).close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rl/reward")] == [(0, 0.5), (1, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, 1.0), (1, 0.75)]
