@@ -154,7 +154,8 @@ class GenerationConfig:
 @dataclass
 class EnvConfig:
     name: str = ""
-    """Environment of graphs with ops.rollout: a name registered with areal_flow.envs.register_env."""
+    """Environment of graphs with ops.rollout: a name registered with areal_flow.envs.register_env, or
+    verifiers:<env id or module>, a verifiers environment (env.config: its load_environment arguments)."""
     max_turns: int = 8
     """Policy turns per episode at most."""
     gamma: float = 1.0
