@@ -41,11 +41,11 @@ class VersionedEngine(FakeEngine):
         return out
 
 
-def episode(replies, turns: int, engine_cls=FakeEngine):
-    """One episode of ``vf_arith(turns=...)`` on ``ROW`` with the engine's ``replies``:
-    ``(runner, trajectory or None)``. The generous step timeout covers the first load."""
-    runner, done = play(VerifiersProgram(ENV, {"turns": turns, "n": 4}), [ROW], engine=engine_cls(replies),
-                        max_turns=2, step_timeout_s=60)
+def episode(replies, turns: int, engine_cls=FakeEngine, **env_args):
+    """One episode of ``vf_arith(turns=..., **env_args)`` on ``ROW`` with the engine's
+    ``replies``: ``(runner, trajectory or None)``. The generous step timeout covers the first load."""
+    runner, done = play(VerifiersProgram(ENV, {"turns": turns, "n": 4, **env_args}), [ROW],
+                        engine=engine_cls(replies), max_turns=3, step_timeout_s=60)
     trajs = done.get(0, [])
     return runner, (trajs[0] if trajs else None)
 
@@ -75,6 +75,17 @@ def test_the_rubric_is_the_reward(replies, turns, rewards):
     assert t is not None and t.turn_rewards == pytest.approx(rewards)
     assert len([m for m in t.loss_mask if m]) == sum(len(r) + 1 for r in replies[:len(rewards)])  # each reply + EOS
     assert runner.counts["episodes_failed"] == 0
+
+
+def test_a_tool_env_gets_the_policys_call_and_its_tool_result_is_an_observation():
+    # vf.ToolEnv with add(a, b): the policy's call syntax comes back to verifiers as
+    # tool_calls, verifiers runs add(3, 4), its "7" is the tool message; the plain "7" ends it
+    runner, t = episode(["add(3,4)", "7"], turns=1, tool=True)
+    result = ids("t 7=a ")  # "t <content>=" for the tool message, then the generation prompt
+    assert t.output_ids == ids("add(3,4)") + [EOS] + result + [cid("7"), EOS]
+    assert t.loss_mask == [1] * 9 + [0] * len(result) + [1, 1]
+    assert t.turn_rewards == [0.0, pytest.approx(0.9)]  # right answer, one extra turn: 1 - 0.1
+    assert t.meta["tool_errors"] == 0 and runner.counts["episodes_failed"] == 0
 
 
 def test_rows_of_the_envs_own_dataset_and_text_rows_become_its_input():

@@ -9,6 +9,9 @@ any verifiers environment does: importing it needs the ``envs`` extra.
 * ``turns=1``: a ``vf.SingleTurnEnv``: the policy answers ``"37+58="`` once.
 * ``turns=2``: a ``vf.MultiTurnEnv`` with two tries: a wrong first answer gets the user
   message ``"again="``; a right answer ends the episode (a ``@vf.stop`` condition).
+* ``tool=True``: a ``vf.ToolEnv`` with the tool ``add(a, b)``: the policy may call it
+  (verifiers runs it and answers with a ``tool`` message) before it answers; a turn
+  without a tool call ends the episode; at most ``turns + 1`` turns.
 
 The rubric (``vf.Rubric``): ``correct_answer`` (weight 1): 1.0 when the last answer, the
 parser's ``parse_answer`` of the completion stripped, equals ``answer``, else 0.0;
@@ -45,6 +48,16 @@ def extra_turns(state, **kwargs) -> float:
     return float(max(len(state["trajectory"]) - 1, 0))
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term.
+        b: the second term.
+    """
+    return a + b
+
+
 class TwoTries(vf.MultiTurnEnv):
     """Two tries at a problem: ``"again="`` after a wrong answer; done once it is right."""
 
@@ -58,11 +71,12 @@ class TwoTries(vf.MultiTurnEnv):
 
 
 def load_environment(turns: int = 1, n: int = 1000, seed: int = 0, max_digits: int = 2,
-                     turn_cost: float = 0.1) -> vf.Environment:
+                     turn_cost: float = 0.1, tool: bool = False) -> vf.Environment:
     """The environment (module doc).
 
     Args:
         turns: 1 (single-turn) or 2 (two tries).
+        tool: a ``vf.ToolEnv`` with ``add`` instead (``turns + 1`` turns at most).
         n: dataset rows; seed / max_digits: of the arithmetic problems.
         turn_cost: the weight of ``extra_turns`` is ``-turn_cost``.
 
@@ -79,6 +93,8 @@ def load_environment(turns: int = 1, n: int = 1000, seed: int = 0, max_digits: i
     dataset = Dataset.from_list(rows)
     parser = vf.Parser()
     rubric = vf.Rubric(funcs=[correct_answer, extra_turns], weights=[1.0, -turn_cost], parser=parser)
+    if tool:
+        return vf.ToolEnv(dataset=dataset, parser=parser, rubric=rubric, tools=[add], max_turns=turns + 1)
     if turns == 1:
         return vf.SingleTurnEnv(dataset=dataset, parser=parser, rubric=rubric)
     return TwoTries(dataset=dataset, parser=parser, rubric=rubric, max_turns=2)
