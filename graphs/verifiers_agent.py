@@ -10,9 +10,11 @@ is a masked observation, and its rubric's score is the episode's reward
 
 The yaml trains ``areal_flow/envs/vf_arith.py``, an arithmetic environment written in the
 verifiers format (``turns: 2``: a wrong first answer gets ``"again="``; rubric: 1 for the
-right last answer, -0.1 per extra turn), on the tiny character model. Any installed
-verifiers environment runs the same way: ``env.name=verifiers:<its id>``, its
-``load_environment`` arguments under ``env.config``, and a model that can read its prompts.
+right last answer, -0.1 per extra turn), on its own dataset (``dataset.name:
+verifiers:<env id>``), with the tiny character model. Any installed verifiers environment
+runs the same way: its id in ``dataset.name`` and ``env.name``, its ``load_environment``
+arguments under ``dataset.options`` and ``env.config``, and a model that can read its
+prompts (``model.path``, ``compile.max_prompt_len``).
 
 Run (2 CPU cores; ``pip install 'areal-flow[envs]'`` brings verifiers):
 
@@ -27,7 +29,7 @@ from areal_flow import Model, flow, ops
 @flow
 def verifiers_agent(cfg):
     policy = Model("policy", cfg.model)
-    problems = ops.dataset(cfg.dataset)  # rows: prompt (text or chat messages), answer
+    problems = ops.dataset(cfg.dataset)  # verifiers:<env id>: the environment's own rows (chat messages, answer)
     episodes = ops.rollout(
         policy,
         problems,

@@ -115,6 +115,25 @@ def test_loading_in_an_episode_thread_keeps_the_workers_signal_handlers():
     assert errors == [] and {s: signal.getsignal(s) for s in before} == before
 
 
+def test_the_envs_own_dataset_as_a_task_with_a_held_out_tail():
+    from areal_flow.config import ConfigError, DatasetConfig
+    from areal_flow.tasks.catalog import build_task
+
+    task = build_task({"name": f"verifiers:{ENV}", "options": {"n": 20}}, seed=3)
+    data = load(ENV, {"n": 20}).get_dataset()  # no eval_dataset: the last 10 % (2 rows) are held out
+    test = task.test_set(5)
+    assert [r["prompt"] for r in test] == [data[18]["question"], data[19]["question"]]
+    assert [r["id"] for r in test] == [1_000_000_000, 1_000_000_001]
+    train = task.train_problems(40, seed=1)  # 18 training rows, shuffled, repeated to 40
+    assert [r["id"] for r in train] == list(range(40))
+    assert sorted(r["example_id"] for r in train[:18]) == list(range(18)) == sorted(r["example_id"] for r in train[18:36])
+    row = train[0]  # the environment's own messages are the rollout's input
+    assert row["messages"] == [{"role": "user", "content": row["prompt"]}] == rollout_input(None, row)["prompt"]
+    assert row["answer"] == data[row["example_id"]]["answer"]
+    with pytest.raises(ConfigError, match="no module 'nope_env'"):
+        DatasetConfig(name="verifiers:nope-env")
+
+
 def _trace(env, **kwargs):
     @flow
     def g(cfg):

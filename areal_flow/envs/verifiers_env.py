@@ -14,8 +14,10 @@ turn recorded with the exact sampled ids, log-probs and versions, every message 
 a masked observation, and its rubric's score (``state["reward"]``, the weighted sum of its
 reward functions) is the episode's reward, on the last turn.
 
-The episode's input is built from the dataset row (:func:`rollout_input`): a ``prompt``
-that is a list of chat messages is used as it is (rows of the environment's own dataset);
+The episode's input is built from the dataset row (:func:`rollout_input`): chat messages
+(``messages``, as ``dataset.name: verifiers:<env id>`` rows carry the environment's own
+prompts, ``areal_flow.tasks.verifiers_data``; or a ``prompt`` that is a list) are used as
+they are;
 a text becomes one user message, after the environment's ``system_prompt`` and
 ``few_shot`` messages when it has them (as verifiers formats its dataset's
 ``question``); ``answer``, ``info`` and ``id`` (as ``example_id``) pass through.
@@ -147,7 +149,7 @@ def _signal_handlers_kept():
 
 def rollout_input(environment, row: dict) -> dict:
     """The verifiers ``RolloutInput`` of a dataset row (module doc)."""
-    prompt = row.get("prompt")
+    prompt = row.get("messages", row.get("prompt"))
     if not isinstance(prompt, list):
         messages = [{"role": "system", "content": environment.system_prompt}] if environment.system_prompt else []
         prompt = messages + list(environment.few_shot or []) + [{"role": "user", "content": str(prompt or "")}]
