@@ -67,6 +67,16 @@ def check_dataset(cfg: "DatasetConfig") -> None:
     """
     from areal_flow.tasks.rgym import check_task, parse_name
 
+    if isinstance(cfg.name, str) and cfg.name.startswith("verifiers:"):  # options: its load_environment arguments
+        from areal_flow.envs.verifiers_env import check_spec
+
+        try:
+            check_spec(cfg.name)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(f"dataset.name: {exc}") from None
+        if not isinstance(cfg.options, dict):
+            raise ConfigError(f"dataset.options={cfg.options!r}: the environment's load_environment arguments, a mapping")
+        return
     rg_name = parse_name(cfg.name)
     if rg_name is not None:
         try:
@@ -74,7 +84,8 @@ def check_dataset(cfg: "DatasetConfig") -> None:
         except (ValueError, ModuleNotFoundError) as exc:
             raise ConfigError(str(exc)) from None
     elif cfg.options:
-        raise ConfigError(f"dataset.options={cfg.options!r}: only reasoning_gym:<dataset> tasks take options")
+        raise ConfigError(f"dataset.options={cfg.options!r}: only reasoning_gym:<dataset> and verifiers:<env id> "
+                          "tasks take options")
     if cfg.name not in TASKS and rg_name is None:
         near = difflib.get_close_matches(str(cfg.name), TASKS, n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -101,8 +112,9 @@ def check_dataset(cfg: "DatasetConfig") -> None:
 class DatasetConfig:
     name: str = "arithmetic"
     """Task: arithmetic (synthetic, seeded), longtail (counting with Zipf-distributed answer lengths,
-    areal_flow.tasks.longtail), gsm8k, the env tasks support_desk and guess_number, or reasoning_gym:<dataset>,
-    any dataset of the reasoning-gym package (areal_flow.tasks.rgym; reward fn reasoning_gym)."""
+    areal_flow.tasks.longtail), gsm8k, the env tasks support_desk and guess_number, reasoning_gym:<dataset>,
+    any dataset of the reasoning-gym package (areal_flow.tasks.rgym; reward fn reasoning_gym), or verifiers:<env id>,
+    the dataset of a verifiers environment (areal_flow.tasks.verifiers_data; for env=verifiers:<env id>)."""
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
@@ -115,7 +127,7 @@ class DatasetConfig:
     the question)."""
     options: dict[str, Any] = field(default_factory=dict)
     """reasoning_gym:<dataset>: keyword arguments of the dataset's config class (e.g. min_terms: 2), seed and size
-    excepted (the run sets them)."""
+    excepted (the run sets them); verifiers:<env id>: the environment's load_environment arguments."""
 
     def __post_init__(self) -> None:
         """Raises ConfigError for a value no task takes (:func:`check_dataset`)."""
@@ -154,7 +166,8 @@ class GenerationConfig:
 @dataclass
 class EnvConfig:
     name: str = ""
-    """Environment of graphs with ops.rollout: a name registered with areal_flow.envs.register_env."""
+    """Environment of graphs with ops.rollout: a name registered with areal_flow.envs.register_env, or
+    verifiers:<env id or module>, a verifiers environment (env.config: its load_environment arguments)."""
     max_turns: int = 8
     """Policy turns per episode at most."""
     gamma: float = 1.0

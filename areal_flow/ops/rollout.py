@@ -56,7 +56,11 @@ def rollout(
         policy: the model that acts (the behavior policy at its current version).
         prompts: a ``prompts`` handle (``ops.dataset``): one row per episode group; the row
             (``id``, ``prompt``, task fields) and ``env_config`` make the env's ``config``.
-        env: a name registered with ``areal_flow.envs.register_env``.
+        env: a name registered with ``areal_flow.envs.register_env``, or
+            ``"verifiers:<env id or module>"``: a ``verifiers`` environment (prime-rl's format),
+            loaded with ``env_config`` as its ``load_environment`` arguments, whose own
+            rollouts are played and whose rubric is the reward
+            (``areal_flow.envs.verifiers_env``).
         agent: instead of ``env``, an agent program ``agent(base_url, row) -> reward | None``
             written against the OpenAI API: it talks to the policy through the generation
             worker's OpenAI-compatible endpoint at ``base_url`` (``/v1/chat/completions``);
@@ -88,7 +92,7 @@ def rollout(
         name=name,
     )
     check_sampling(node)
-    _attach_env(node, env)
+    _attach_env(node, env, agent)
     for bad, rule in (((env is None) == (agent is None), "pass exactly one of env= (a registered env name) and "
                        "agent= (an OpenAI-client agent program)"),
                       (env is not None and (not isinstance(env, str) or not env),
@@ -103,13 +107,23 @@ def rollout(
     return outputs(node, SPEC)
 
 
-def _attach_env(node, env) -> None:
+def _attach_env(node, env, agent) -> None:
     """Check ``env`` names a registered env; an env registered outside areal-flow (in the graph
-    file) travels with the plan by value (``env_class`` attribute), as user ops do."""
+    file) travels with the plan by value (``env_class`` attribute), as user ops do. A
+    verifiers environment becomes the node's agent program (``verifiers_env.VerifiersProgram``)."""
+    from areal_flow.envs import verifiers_env
     from areal_flow.envs.base import EnvError
     from areal_flow.envs.builtin import env_class
 
     if not isinstance(env, str):
+        return
+    if verifiers_env.is_verifiers(env):
+        if agent is None:  # both given: refused below
+            try:
+                env_id = verifiers_env.check_spec(env)
+            except (ValueError, ImportError) as exc:
+                raise GraphError(f"{node.where()}: {exc}") from None
+            node.attrs["agent"] = verifiers_env.VerifiersProgram(env_id, node.attrs["env_config"])
         return
     try:
         cls = env_class(env)

@@ -12,7 +12,8 @@ from typing import Any
 
 TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
 """The shipped tasks; besides them, ``reasoning_gym:<dataset>`` names any reasoning-gym
-dataset (``areal_flow.tasks.rgym``)."""
+dataset (``areal_flow.tasks.rgym``) and ``verifiers:<env id>`` the dataset of a verifiers
+environment (``areal_flow.tasks.verifiers_data``)."""
 
 
 def build_task(attrs: dict, seed: int) -> Any:
@@ -23,6 +24,11 @@ def build_task(attrs: dict, seed: int) -> Any:
             ``options`` it refuses (``areal_flow.tasks.rgym.check_task``).
     """
     kind = attrs.get("name", "arithmetic")
+    if kind.startswith("verifiers:"):
+        from areal_flow.envs.verifiers_env import check_spec
+        from areal_flow.tasks.verifiers_data import VerifiersTask
+
+        return VerifiersTask(check_spec(kind), attrs.get("options") or {}, seed=seed)
     if kind.startswith("reasoning_gym:"):
         from areal_flow.tasks.rgym import ReasoningGymTask, parse_name
 
