@@ -5,8 +5,8 @@ and a scaled-down copy of its recommendation runs through ``areal-flow run --pla
    (the graph's hand allocation cleared, so the search chooses): the plan and every alternative
    it lists pass the one executability predicate with Qwen3-30B-A3B's own shape (48 layers, 32
    heads, 4 KV heads, 128 experts).
-2. The recommended train_step strategy, scaled down (the same letters, every degree above 1
-   made 2: ``d1t4p6`` -> ``d1t2p2``, ``d8e8`` -> ``d2e2``), on the tiny Qwen3-MoE preset with
+2. The recommended train_step strategy (``d8e8`` when written), scaled down (the same letters,
+   every degree above 1 made 2: ``d8e8`` -> ``d2e2``, ``d1t4p6`` -> ``d1t2p2``), on the tiny Qwen3-MoE preset with
    one generation replica on CPU (gloo): ``compile --plan`` writes the plan, ``run --plan`` runs
    it for 2 steps; every sample trained exactly once, in its step's slot, staleness <= k.
 """
