@@ -88,18 +88,19 @@ def ulysses_heads(f: NodeFacts) -> str | None:
     return None
 
 
-def _ep_over_dp(f: NodeFacts) -> str | None:
+def _ep_without_pp_cp(f: NodeFacts) -> str | None:
     s = f.strategy
-    if s.ep > 1 and (s.pp > 1 or s.cp > 1 or s.tp > 1):
-        return f"ep={s.ep} with pp, cp or tp: the RL trainer's expert parallelism runs over dp ranks only (e.g. train:d2e2)"
+    if s.ep > 1 and (s.pp > 1 or s.cp > 1):
+        return (f"ep={s.ep} with pp or cp: the RL trainer's expert parallelism runs over dp ranks, with or without "
+                "tp (e.g. train:d2e2, train:d2t2e2)")
     return None
 
 
-def _cp_with_dp(f: NodeFacts) -> str | None:
+def _cp_without_pp(f: NodeFacts) -> str | None:
     s = f.strategy
-    if s.cp > 1 and (s.pp > 1 or s.tp > 1):
-        return (f"cp={s.cp} with pp or tp: the RL trainer's context parallelism (sequence chunks, whole-row loss) "
-                "runs with dp only")
+    if s.cp > 1 and s.pp > 1:
+        return (f"cp={s.cp} with pp={s.pp}: the RL trainer's context parallelism (sequence chunks, whole-row loss) "
+                "runs with dp and tp, not inside a pipeline schedule")
     return None
 
 
@@ -152,7 +153,7 @@ def _engine_degrees(f: NodeFacts) -> str | None:
 
 Rule = Callable[[NodeFacts], "str | None"]
 TRAINING_RULES: tuple[tuple[str, Rule], ...] = (
-    ("ulysses-heads", ulysses_heads), ("ep-over-dp-only", _ep_over_dp), ("cp-with-dp-only", _cp_with_dp),
+    ("ulysses-heads", ulysses_heads), ("ep-without-pp-cp", _ep_without_pp_cp), ("cp-without-pp", _cp_without_pp),
     ("rows-divide-dp", _rows_divide_dp), ("rows-fill-pp", _rows_fill_pp), ("token-budget-no-pp", _token_budget_pp),
     ("critic-parallel", _critic_degrees), ("accumulation-divides-rows", _accumulation_divides),
 )

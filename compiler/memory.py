@@ -13,7 +13,11 @@ Formulas (``P`` parameters held by the device, ``b`` bytes per element of ``dtyp
   shards the dense part over ``dp * cp`` ranks and the expert part over the
   ``dp * cp / ep`` ranks that hold the same experts (expert data parallelism; EP re-uses
   the DP x CP ranks, so dividing experts by ``ep`` and again by ``dp * cp`` would count EP
-  twice): fully sharded, each device keeps ``experts / (tp * pp * dp * cp)``.
+  twice): fully sharded, each device keeps ``experts / (tp * pp * dp * cp)``. The RL
+  trainer (training and forward-only nodes) keeps each routed expert whole on every TP rank
+  (``runtime.parallel.tensor_parallel``: no expert TP), so there experts are divided by
+  ``pp * ep`` only (:func:`sharded_params_per_device`); ``params_per_device`` (a generation
+  replica, which vLLM's TP splits) keeps the ``tp``.
 - Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 5):
   ``34 * s * h / tp`` bytes per layer per token of a micro-batch with sequence
   parallelism; the ``5 * a * s^2`` attention-score term is dropped because FlashAttention
@@ -64,10 +68,11 @@ def params_per_device(model: ModelSpec, s: ParallelStrategy) -> float:
 
 
 def sharded_params_per_device(model: ModelSpec, s: ParallelStrategy, sharded: bool) -> float:
-    """Parameters whose states one device keeps, elements: :func:`params_per_device`, with
+    """Parameters whose states one device of the RL trainer keeps, elements: the dense part
+    over ``tp * pp``, the routed experts over ``pp * ep`` (whole on every TP rank), then with
     ZeRO-3 the dense part over ``dp * cp`` and the experts over ``dp * cp / ep``."""
     dense = (model.n_params - model.n_expert_params) / (s.tp * s.pp)
-    experts = model.n_expert_params / (s.tp * s.pp * s.ep)
+    experts = model.n_expert_params / (s.pp * s.ep)
     if not sharded:
         return dense + experts
     return dense / (s.dp * s.cp) + experts / (s.dp * s.cp // s.ep)
@@ -75,7 +80,7 @@ def sharded_params_per_device(model: ModelSpec, s: ParallelStrategy, sharded: bo
 
 def _layer_params_per_device(model: ModelSpec, s: ParallelStrategy) -> float:
     per_layer = model.attention_params_per_layer + model.dense_mlp_params_per_layer
-    return per_layer / s.tp + model.expert_params_per_layer / (s.tp * s.ep)
+    return per_layer / s.tp + model.expert_params_per_layer / s.ep  # experts whole on every TP rank
 
 
 def micro_batch_tokens(tokens_per_step: float, s: ParallelStrategy, micro_batches: int) -> float:

@@ -6,14 +6,17 @@ Formulas and sources:
   Table 1): forward ``2N + 2 * L * n_ctx * d_attn`` (``N`` active parameters, ``d_attn`` =
   heads x head dim); training = 3x forward; full activation recomputation adds one
   forward (4x, Korthikanti et al. 2022, section 4). Time = FLOPs / (devices x peak x MFU).
+  The RL trainer keeps routed experts whole on every TP rank (no expert TP), so each TP
+  rank runs its tokens' routed-expert FLOPs itself: ``(tp - 1)`` more copies of them.
 - Pipeline bubble (Huang et al. 2019, GPipe; Narayanan et al. 2021, eq. 1): a fraction
   ``(p-1)/(m+p-1)`` of the step is idle, i.e. busy time x ``(m+p-1)/m``.
 - Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, section 3): 2 all-reduces of the
   micro-batch's ``tokens x h`` activations per layer forward, 2 backward (+2 when a layer
   is recomputed). Ring all-reduce moves ``2(n-1)/n`` x bytes per device; all-gather and
   reduce-scatter ``(n-1)/n`` (Thakur et al. 2005, ring algorithms).
-- Data parallelism: dense gradients over the ``dp * cp`` ranks, routed experts' over the
-  ``dp * cp / ep`` ranks that hold the same experts. Without sharding (DDP), one all-reduce
+- Data parallelism: dense gradients (``/ (tp * pp)`` per device) over the ``dp * cp`` ranks,
+  routed experts' (``/ (pp * ep)``: whole on each TP rank) over the ``dp * cp / ep`` ranks
+  that hold the same experts. Without sharding (DDP), one all-reduce
   of the gradients per step (gradient accumulation skips it on all but the last
   micro-batch). With ZeRO-3/FSDP, per micro-batch two all-gathers of the weights (forward,
   and backward, which also serves the recomputation) and one reduce-scatter of the
@@ -126,6 +129,9 @@ def training_time(
     passes = 1 if forward_only else (4 if checkpointing else 3)  # forward, backward (x2 cost), recompute
     compute = compute_s(model, s.world_size, n_sequences=n_sequences, seq_len=seq_len, checkpointing=checkpointing,
                         forward_only=forward_only, mfu=mfu, peak_flops=links.device.peak_flops)
+    if model.is_moe and s.tp > 1:  # the trainer keeps experts whole on each TP rank: their FLOPs are not split by tp
+        routed = model.n_layers * model.experts_per_token * 3 * model.hidden * model.expert_intermediate
+        compute += (s.tp - 1) * tokens * 2 * routed * passes / (s.world_size * links.device.peak_flops * mfu)
     t_mb = micro_batch_tokens(tokens, s, m)
     layers = model.n_layers // s.pp
     tp_calls = m * layers * (2 if forward_only else (6 if checkpointing else 4))
@@ -144,8 +150,9 @@ def training_time(
     dp_n = s.dp * s.cp
     dp_comm = 0.0
     if not forward_only and dp_n > 1:
-        expert_bytes = b * model.n_expert_params / (s.tp * s.pp * s.ep)
-        groups = ((b * params_per_device(model, s) - expert_bytes, dp_n), (expert_bytes, dp_n // s.ep))
+        expert_bytes = b * model.n_expert_params / (s.pp * s.ep)  # whole on each TP rank
+        dense_bytes = b * (model.n_params - model.n_expert_params) / (s.tp * s.pp)
+        groups = ((dense_bytes, dp_n), (expert_bytes, dp_n // s.ep))
         dp_bw = links.group_bw(s.tp * dp_n, mesh_spans_nodes)
         for grad_bytes, ranks in groups:  # dense grads over dp*cp ranks, expert grads over dp*cp/ep
             if grad_bytes == 0:

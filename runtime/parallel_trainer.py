@@ -35,8 +35,8 @@ resync) or, with ``checkpoint`` set, to save the ranks' shards of model and opti
 with ``torch.distributed.checkpoint`` (:meth:`RankTrainer.save_state`) or to load a checkpoint
 of any world size and strategy into them (:meth:`RankTrainer.load_state`, ``runtime.reshard``). A ``None`` command ends the loop: one last gather, rank 0
 saves the model.
-Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp``, ``ep`` over the
-``dp`` ranks, for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
+Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp`` and ``tp``, ``ep``
+over the ``dp`` ranks (with or without ``tp``), for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
 the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
 ``dN`` on the same ranks (``runtime.parallel_critic``): its commands carry ``critic`` set,
 its batch is split and normalised as above, and after each of its steps its full weights are

@@ -45,6 +45,24 @@ def test_moe_gradient_traffic_over_expert_data_parallel_ranks():
     assert t["dp_comm"] == pytest.approx((2 * 3 / 4 * 1552 + 2 * 1 / 2 * 3072) / 100e9)
 
 
+def test_moe_under_tp_keeps_experts_whole_on_each_tp_rank():
+    """The RL trainer has no expert TP (``runtime.parallel.tensor_parallel``): the cost model agrees."""
+    # tp 2, ep 2 over dp 2, no ZeRO: dense 776 / 2 = 388; experts 3072 / ep 2 = 1536 (not / tp) -> 1924
+    mem = training_memory(MOE, ParallelStrategy(dp=2, tp=2, ep=2), tokens_per_step=64, micro_batches=1,
+                          dtype="bf16", sharded=False, checkpointing=False)
+    assert mem.gradients == 2 * 1924
+    links = Links(DeviceSpec("unit", peak_flops=1e15, memory_bytes=80 * GIB, hbm_bandwidth=1e12,
+                             intra_node_bandwidth=100e9, inter_node_bandwidth=10e9, host_bandwidth=10e9,
+                             collective_latency_s=0.0), devices_per_node=8, efficiency=1.0)
+    kw = dict(n_sequences=4, seq_len=8, micro_batches=1, dtype="bf16", sharded=False, checkpointing=False,
+              forward_only=False, mfu=0.5, links=links, mesh_spans_nodes=False)
+    dense, tp2 = training_time(MOE, ParallelStrategy(dp=2), **kw), training_time(MOE, ParallelStrategy(dp=2, tp=2), **kw)
+    # the routed expert (top-1: 2 layers x 3 x 8 x 16 = 768 weights) runs whole on both TP ranks: of the
+    # 32 tokens x 2 x 768 x 3 passes FLOPs, tp - 1 = 1 more copy, over 4 devices at 0.5 x 1e15
+    extra = 32 * 2 * 768 * 3 / (4 * 1e15 * 0.5)
+    assert tp2["compute"] == pytest.approx(dense["compute"] / 2 + extra)
+
+
 def test_dp_never_exceeds_the_sequences_of_a_step():
     # 2 prompts x 4 samples = 8 sequences on 16 GPUs: no node may run more than 8 data-parallel ranks
     plan = compile_plan(grpo_graph("Qwen2.5-1.5B"), ClusterConfig(2, 8, "H100"),

@@ -6,14 +6,19 @@
    (FSDP inside each stage), pp2xtp2; cp2 (Ulysses, sequence chunks; GSPO too, whose sequence
    means need whole rows) and cp2xdp2; ep2 (``d2e2``: a tiny Qwen3-MoE's 8 experts split over
    the 2 DP ranks, tokens dispatched by all-to-all) and dp4xep2 (two replicas of each expert
-   block); dp2 with a token budget that gives the two ranks different micro-batch counts
+   block); with tp: dp2xtp2 (FSDP's 1-D and 2-D DTensors normed by mesh for the clip), cp2xtp2
+   (Ulysses scattering each TP rank's heads; ``tiny-mha``, whose 4 KV heads leave 2 per TP rank),
+   ep2xtp2 (``d2t2e2``; the Qwen3 per-head q/k norms' gradients summed over TP) and pp2xtp2 on the
+   MoE policy (the shape ``compile`` recommends for Qwen3-30B-A3B on 4x8 H100, scaled down:
+   experts replicated on each TP rank); dp2 with a token budget that gives the two ranks different micro-batch counts
    (evened out by splitting): the loss, the merged metrics, the gradients and the gathered
    weights after the AdamW step match ``BaseAlgorithm.update_parameters`` on one process, to
    fp32 reduction order (``rl_step_cases``: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-7,
    weights within the Adam error bound).
 2. The arithmetic GRPO graph trains end to end with its train_step on 2 pipeline stages, and
    its MoE variant (``graphs/arith_grpo_moe.py``) with its experts split over 2 ranks, each
-   with generation in a third process: every sample trained exactly once, staleness <= k,
+   with generation in a third process; for 2 steps, ``train:t2c2`` (``tiny-mha``) and the MoE
+   graph's ``train:d2t2e2`` on 4 ranks and a fifth process: every sample trained exactly once, staleness <= k,
    every saved weight moved (those of the other stage or of the other rank's experts too).
 """
 
@@ -52,8 +57,13 @@ FOUR_RANKS = {  # dp4 x ep2: each expert block has two replicas (edp), whose gra
     **{f"{algorithm}-pp2xdp2": (algorithm, "d2p2", "dense") for algorithm in ("grpo", "decoupled_ppo")},
     "grpo-cp2xdp2": ("grpo", "d2c2", "dense"), "grpo-pp2xtp2": ("grpo", "t2p2", "dense"),
     "grpo-dp4xep2": ("grpo", "d4e2", "moe"),
+    "grpo-dp2xtp2": ("grpo", "d2t2", "dense"),
+    **{f"{algorithm}-cp2xtp2": (algorithm, "t2c2", "mha") for algorithm in ("grpo", "decoupled_ppo")},
+    **{f"{algorithm}-ep2xtp2": (algorithm, "d2t2e2", "moe") for algorithm in ("grpo", "decoupled_ppo")},
+    "grpo-pp2xtp2-moe": ("grpo", "t2p2", "moe"),
 }
-PRESETS = {"dense": "tiny-s", "moe": "tiny-moe"}  # 2 layers, tied / Qwen3-MoE, 4 layers of 8 experts, top-2, tied
+# 2 layers, tied / Qwen3-MoE, 4 layers of 8 experts, top-2, tied / tiny-s with 4 KV heads (cp2 x tp2)
+PRESETS = {"dense": "tiny-s", "moe": "tiny-moe", "mha": "tiny-mha"}
 
 
 def _steps_on_ranks(rank: int, world_size: int, policies: dict, cases: dict) -> dict | None:
@@ -129,27 +139,27 @@ def test_four_rank_rl_step_matches_single_process(policies, four_rank_steps, cas
     _check(_merged(four_rank_steps, case), policies[kind][2][algorithm], algorithm)
 
 
-def _run_and_check(tmp_path: Path, graph: str, strategy: str, overrides: list[str]) -> None:
-    """Run ``graph`` for 3 steps at k = 1 with its train_step on 2 ranks (``strategy``) and the
-    generator in a third process; check the accounting and that the saved weights moved."""
+def _run_and_check(tmp_path: Path, graph: str, strategy: str, overrides: list[str], steps: int = 3) -> None:
+    """Run ``graph`` for ``steps`` steps at k = 1 with its train_step on the ranks of ``strategy``
+    and the generator in one more process; check the accounting and that the saved weights moved."""
     from areal_flow.cli import default_config_path, load_flow
     from areal_flow.cli.run import run_experiment
 
-    k = 1
+    k, world = 1, ParallelStrategy.parse(strategy).world_size
     flow = load_flow(REPO / "graphs" / graph)
     cfg = load_config(default_config_path(flow, None), [
-        "train.steps=3", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
-        f"async.max_staleness={k}", "cluster.n_gpus_per_node=3", "train.weight_decay=0.1", f"out_dir={tmp_path}",
-        *overrides])
+        f"train.steps={steps}", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+        f"async.max_staleness={k}", f"cluster.n_gpus_per_node={world + 1}", "train.weight_decay=0.1",
+        f"out_dir={tmp_path}", *overrides])
     summary = run_experiment(flow(cfg), cfg, show_progress=False)
     out = tmp_path / flow.name
     plan = json.loads((out / "plan.json").read_text())
     assert {n["name"]: n["strategy"] for n in plan["nodes"]}["train_step"] == strategy
     trainer = summary["workers"]["train_step/0"]
-    assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (3, 3 * 2 * 4, 2)
+    assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (steps, steps * 2 * 4, world)
     records = trained_records(out)
-    # every sample of the 3 steps x 2 groups x 4 samples trained exactly once, in its step's slot
-    assert len(records) == len({(r["group_id"], r["sample_id"]) for r in records}) == 3 * 2 * 4
+    # every sample of the steps x 2 groups x 4 samples trained exactly once, in its step's slot
+    assert len(records) == len({(r["group_id"], r["sample_id"]) for r in records}) == steps * 2 * 4
     assert all(r["group_id"] // 2 == r["step"] for r in records)
     assert all(r["staleness"] <= k for r in records)
     assert summary["workers"]["generate/0"]["final_version"] >= 1
@@ -170,9 +180,22 @@ def test_arith_grpo_moe_trains_with_its_experts_on_two_ranks(tmp_path, warm_cach
     _run_and_check(tmp_path, "arith_grpo_moe.py", "d2e2", [])  # the yaml's train:d2e2 + gen:d1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("graph", "strategy", "overrides"), [
+    ("arith_grpo.py", "d1t2c2", ["model.path=tiny-mha", "compile.allocation=train:t2c2 + gen:d1"]),
+    ("arith_grpo_moe.py", "d2t2e2", ["compile.allocation=train:d2t2e2 + gen:d1"]),
+])
+def test_a_tp_combination_trains_two_steps_through_the_cli(tmp_path, warm_cache, graph, strategy, overrides):
+    """cp x tp and ep x tp (the rules widened with the reference steps above), 4 trainer ranks."""
+    _run_and_check(tmp_path, graph, strategy, overrides, steps=2)
+
+
 @pytest.mark.parametrize(("preset", "strategy", "rows", "budget", "rule"), [
-    ("tiny-s", "d1p2c2", 8, 0, r"rule 'cp-with-dp-only': cp=2 with pp or tp: .* runs with dp only"),
-    ("tiny-moe", "d2p2e2", 8, 0, r"rule 'ep-over-dp-only': ep=2 with pp, cp or tp: .* over dp ranks only \(e.g. train:d2e2\)"),
+    ("tiny-s", "d1p2c2", 8, 0, r"rule 'cp-without-pp': cp=2 with pp=2: .* runs with dp and tp"),
+    ("tiny-moe", "d2p2e2", 8, 0, r"rule 'ep-without-pp-cp': ep=2 with pp or cp: .* over dp ranks, with or without tp"),
+    ("tiny-moe", "d2c2e2", 8, 0, r"rule 'ep-without-pp-cp'"),
+    ("tiny-s", "d1t2c2", 8, 0, r"rule 'ulysses-heads': cp=2 must divide the heads \(2\) and KV heads \(1\) per TP"),
+    ("tiny-mha", "d1t2c2", 8, 0, None), ("tiny-moe", "d2t2e2", 8, 0, None), ("tiny-moe", "d1t2p2", 8, 0, None),
     ("tiny-s", "d2p2", 2, 0, r"rule 'rows-fill-pp': 1 sequences per DP rank cannot fill pp=2 pipeline micro-batches"),
     ("tiny-s", "d1p2", 8, 64, r"rule 'token-budget-no-pp': train.max_tokens_per_micro_batch=64 with pp=2"),
     ("tiny-s", "d2", 8, 0, None), ("tiny-s", "d1p2", 8, 0, None), ("tiny-s", "d2c2", 8, 0, None),

@@ -75,6 +75,9 @@ PRESETS: dict[str, TinyPreset] = {
     # ~1.8 M parameters (~0.5 M active per token): Qwen3-MoE shape, 8 experts of width 128 per
     # layer, top-2; the arithmetic RL demo with expert parallelism (graphs/arith_grpo_moe.py).
     "tiny-moe": TinyPreset(128, 512, 4, 4, 2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
+    # ~80 k parameters: tiny-s with a KV head per query head, so tp=2 leaves 2 KV heads per rank
+    # for cp=2 to scatter (Ulysses context parallelism with tensor parallelism, train:t2c2).
+    "tiny-mha": TinyPreset(64, 128, 2, 4, 4),
 }
 
 

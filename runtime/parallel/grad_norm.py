@@ -1,8 +1,10 @@
 """Gradient clipping to a global L2 norm when no rank holds every gradient.
 
-``torch.nn.utils.clip_grad_norm_`` sees the parameters of one module on one rank. That is the
-whole model under DP and TP (FSDP and TP parameters are ``DTensor`` s, whose norms torch reduces
-over their mesh), but not under pipeline parallelism (each stage holds some layers) or expert
+``torch.nn.utils.clip_grad_norm_`` sees the parameters of one module on one rank, and stacks
+their norms, so it refuses ``DTensor`` s of different meshes (FSDP over ``dp`` with TP: the
+parameters TP leaves whole live on the 1-D ``dp_cp`` mesh, the split ones on ``dp_cp x tp``); each
+mesh's norm is taken apart here (``DTensor`` reduces it over its mesh). Nor does one rank hold
+the whole model under pipeline parallelism (each stage holds some layers) or expert
 parallelism (each rank holds ``n_experts / ep`` experts as plain tensors, outside FSDP). Here
 the squared norm is summed by where each gradient lives:
 
@@ -26,11 +28,18 @@ from torch.distributed.tensor import DTensor
 
 
 def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """L2 norm (0-dim fp32, on ``device``) of ``grads``; for ``DTensor`` s their global norm (a collective)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norm = torch.nn.utils.get_total_norm(grads)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().to(device)
+    """L2 norm (0-dim fp32, on ``device``) of ``grads``; for ``DTensor`` s their global norm (a
+    collective of each mesh). ``DTensor`` s on different meshes (FSDP's 1-D ``dp_cp`` mesh for a
+    parameter TP leaves whole, its 2-D ``dp_cp x tp`` mesh for a TP-split one) and plain tensors
+    are normed by mesh, then combined: ``||g|| = sqrt(sum over groups ||g_group||^2)``."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members)
+        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().to(device) ** 2
+    return squared.sqrt()
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, *, experts: Iterable[nn.Parameter] = (),

@@ -80,12 +80,10 @@ class ShardedRunner(ModelRunner):
 
     def clip_grad_norm(self, max_norm: float, **where) -> torch.Tensor:
         """Clip to global L2 norm ``max_norm`` over the whole model replica; returns the norm
-        before clipping. DP/TP alone: ``torch.nn.utils.clip_grad_norm_`` (DTensor norms are
-        global). With EP (or ``where``: ``grad_norm.clip_grad_norm``'s ``pp_group`` and
-        ``counted_elsewhere``): expert blocks summed over the ``ep`` group."""
+        before clipping (``grad_norm.clip_grad_norm``: each mesh's ``DTensor`` norms reduced over
+        it; with EP the expert blocks summed over the ``ep`` group; ``where``: its ``pp_group``
+        and ``counted_elsewhere``)."""
         parallel = self.parallel
-        if not parallel.expert_params and not where:
-            return super().clip_grad_norm(max_norm)
         ep_group = parallel.ep_mesh.get_group() if parallel.ep_mesh is not None else None
         return clip_grad_norm(self.model.parameters(), max_norm, experts=parallel.expert_params, ep_group=ep_group,
                               **where)

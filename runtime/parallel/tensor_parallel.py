@@ -12,8 +12,9 @@ Attention with local heads: ``transformers`` 5 attention reshapes projections
 with ``view(batch, seq, -1, head_dim)`` and merges them back with
 ``reshape(batch, seq, -1)``, so a rank holding ``n_heads / tp`` query heads and
 ``n_kv_heads / tp`` KV heads runs unchanged; ``num_key_value_groups`` (the
-ratio of the two) is the same on every rank. Mixture-of-Experts blocks have no
-``gate_proj``; their MLP is left to expert parallelism.
+ratio of the two) is the same on every rank. A Qwen3 attention's per-head ``q_norm`` /
+``k_norm`` see this rank's heads only (:func:`head_norm_plan`). Mixture-of-Experts blocks have
+no ``gate_proj``; their experts are left whole on every TP rank (or to expert parallelism).
 
 :data:`PARAM_SHARD_DIMS` states, per parameter, the dimension the plans above
 shard (what ``reshard_for_tp`` needs to cut a full tensor the same way).
@@ -27,8 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
+from runtime.parallel.expert_parallel import moe_blocks
 from runtime.parallel.model_parts import held_layers
 
 # Parameter FQN pattern (fnmatch) -> tensor dimension split across TP ranks
@@ -75,6 +78,15 @@ def attention_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def head_norm_plan() -> dict[str, ParallelStyle]:
+    """Styles of a Qwen3 attention's per-head RMSNorms (``q_norm``, ``k_norm``): their inputs
+    ``[batch, seq, heads / tp, head_dim]`` hold this rank's heads, so they are marked sharded
+    on the heads dimension and the ``[head_dim]`` weight replicated; its gradient, a sum over
+    every head, is then summed over the TP ranks (each rank's heads contribute their part)."""
+    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("q_norm", "k_norm")}
+
+
 def dense_mlp_plan() -> dict[str, ParallelStyle]:
     """Styles inside one decoder layer's dense (SwiGLU) MLP."""
     return {
@@ -107,6 +119,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in held_layers(model):
         plan = attention_plan()
+        if hasattr(layer.self_attn, "q_norm"):
+            plan |= head_norm_plan()
         if hasattr(layer.mlp, "gate_proj"):
             plan |= dense_mlp_plan()
         parallelize_module(layer, tp_mesh, plan)
@@ -121,14 +135,24 @@ def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     and returns plain local tensors, so its neighbours see no change. Every TP rank holds
     the same replicated activations, so the gradients of these parameters are equal on
     every rank and need no reduction. Call after :func:`apply_tensor_parallel`.
+
+    A MoE layer's routed experts (``moe_blocks``) stay plain tensors, replicated on every TP
+    rank: their grouped matmul has no ``DTensor`` rule, and their gradients are equal on every
+    rank for the same reason (``grad_norm`` norms plain tensors apart from ``DTensor`` s). A
+    module returning several tensors (a MoE router) returns them all local.
     """
     def to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     def to_local(module: nn.Module, outputs, mesh: DeviceMesh):
+        if isinstance(outputs, tuple):
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in outputs)
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
+    experts = {id(block.experts) for block in moe_blocks(model)}
     for module in list(model.modules()):
+        if id(module) in experts:
+            continue
         if any(not isinstance(param, DTensor) for param in module.parameters(recurse=False)):
             distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
