@@ -206,7 +206,10 @@ def torn(folder: Path, checksums: bool = True) -> str | None:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return f"{MANIFEST} is not a checkpoint manifest"
     body = {k: v for k, v in manifest.items() if k != "manifest_xxh64"}
-    if manifest.get("manifest_xxh64") != _manifest_digest(body):
+    if "manifest_xxh64" not in manifest and all(isinstance(v, int) for v in manifest["files"].values()):
+        manifest["files"] = {name: {"bytes": size} for name, size in manifest["files"].items()}
+        checksums = False  # written before checksums were kept (sizes only): checked as it was then
+    elif manifest.get("manifest_xxh64") != _manifest_digest(body):
         return f"{MANIFEST} fails its checksum"
     if folder.name != f"{PREFIX}{manifest.get('version')}":
         return f"{MANIFEST} is version {manifest.get('version')}'s"
@@ -263,7 +266,8 @@ def _size(folder: Path | None) -> int:
     """Bytes the checkpoint ``folder`` holds, by its manifest; 0 when unknown (None, or no
     readable manifest)."""
     try:
-        return sum(entry["bytes"] for entry in json.loads((folder / MANIFEST).read_text())["files"].values())
+        files = json.loads((folder / MANIFEST).read_text())["files"].values()
+        return sum(entry if isinstance(entry, int) else entry["bytes"] for entry in files)  # sizes only: older manifests
     except (TypeError, OSError, ValueError, KeyError):
         return 0
 

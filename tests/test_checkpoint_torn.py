@@ -168,3 +168,19 @@ def test_keep_checkpoints_rotates_old_ones_after_the_new_one_is_complete(tmp_pat
         rotate(root, v, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["version_4", "version_5", "version_9"]
     assert latest_checkpoint(tmp_path).version == 5  # version_9 has no manifest: skipped
+
+
+def test_a_checkpoint_written_before_checksums_is_checked_by_its_sizes(tmp_path):
+    """A manifest of the older format (``files``: name -> size in bytes, no checksums) still
+    resumes: its sizes are checked as they were then; a wrong size still makes it torn."""
+    import json
+
+    _, v4 = _two_checkpoints(tmp_path)
+    manifest = json.loads((v4 / MANIFEST).read_text())
+    manifest["files"] = {name: entry["bytes"] for name, entry in manifest["files"].items()}
+    del manifest["manifest_xxh64"]
+    (v4 / MANIFEST).write_text(json.dumps(manifest))
+    assert torn(v4) is None and latest_checkpoint(tmp_path).version == 4
+    (v4 / "config.json").write_bytes(b"{}")  # 2 bytes where the manifest says 43
+    assert torn(v4) == f"config.json is 2 bytes, the manifest says {len(FILES['config.json'])}"
+    assert latest_checkpoint(tmp_path).version == 2
