@@ -8,7 +8,8 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
 * ``trainer_state.pt`` (``torch.save``): ``version``; per train_step node its optimizer's
   ``state_dict`` (AdamW moments and step counts; the learning rate is constant, so there is
   no schedule state; ``None`` for a multi-rank train_step) and its world size; the trainer's
-  (rank 0's) RNG states (torch, Python ``random``, numpy);
+  (rank 0's) RNG states (torch, Python ``random``, numpy); ``executors``: per batch node
+  whose executor is ``areal_flow.ops.interfaces.Checkpointed``, its ``checkpoint_state()``;
 * ``trainer_dcp/`` (:data:`SHARDED_DIR`), for a train_step of several ranks: its model and
   optimizer shards as ``torch.distributed.checkpoint`` writes them (one ``.distcp`` file a
   rank and ``.metadata``), loaded on resume by any world size and strategy (``runtime.reshard``);

@@ -10,7 +10,8 @@ each trained policy on its weight routes, writes trajectories, checkpoints and t
 of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
 step's metrics. A checkpoint (``train.checkpoint_every``; layout and atomic write in
 ``runtime.checkpoint``) is written after the step's trajectories and metrics
-(``run_dir.STEPS_FILE``), and a trainer given one (``WorkerSpec.resume``) continues from it: weights, optimizer, RNGs, step and version. One
+(``run_dir.STEPS_FILE``), and a trainer given one (``WorkerSpec.resume``) continues from it: weights, optimizer,
+RNGs, step, version and the state of its batch nodes' ``Checkpointed`` executors. One
 loop for every world size: a multi-rank train_step runs it on rank 0
 (``runtime.parallel_trainer.run_ranks``). What it shares with the generation replica
 (``GroupItem``, ``WorkerSpec``, contexts, group nodes) is ``runtime.workers``.
@@ -40,6 +41,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from areal_flow.ops.interfaces import Checkpointed
 from areal_flow.values import Advantages
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, save_checkpoint
@@ -381,7 +383,8 @@ class _Stage:
 
         state = {"version": version, "rng": capture_rng(),
                  "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
-                 "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes}}
+                 "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes},
+                 "executors": {name: ex.checkpoint_state() for name, ex in self._checkpointed().items()}}
         written = save_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups,
                                   strategies={n.name: n.strategy for n in nodes if n.strategy},
                                   keep=int(self.ctx.plan.run.get("keep_checkpoints", 0)), last=self.last_checkpoint,
@@ -393,11 +396,27 @@ class _Stage:
         self.last_checkpoint = written
         return True
 
+    def _checkpointed(self) -> dict:
+        """Name -> executor of this group's batch nodes whose state is checkpointed
+        (``areal_flow.ops.interfaces.Checkpointed``)."""
+        return {n.name: self.executors[n.name] for n in self.batch_nodes
+                if isinstance(self.executors[n.name], Checkpointed)}
+
     def _restore(self) -> int:
-        """Load the checkpoint ``spec.resume`` into the train_step executors and this
-        process's RNGs; return its version (the next step)."""
+        """Load the checkpoint ``spec.resume`` into the train_step executors, the
+        :meth:`_checkpointed` ones and this process's RNGs; return its version (the next step).
+
+        Raises:
+            ValueError: a checkpointed executor whose node has no state in the checkpoint.
+        """
         folder = Path(self.spec.resume)
         state = read_state(folder)
+        saved = state.get("executors", {})
+        for name, executor in self._checkpointed().items():
+            if name not in saved:
+                raise ValueError(f"checkpoint {folder}: no state for node {name!r}, whose state decides what is "
+                                 f"trained (it holds {sorted(saved)}: written by a trainer without that node)")
+            executor.load_checkpoint_state(saved[name])
         for node in self.batch_nodes:
             if node.trains:
                 self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),

@@ -2,13 +2,17 @@
 
 The buffer's draw (``floor(r N / (1 - r))`` rows, rounded to the trainer's quantum), its
 eviction by staleness (``s - start_version > k``), padding and capacity, with counts and
-versions chosen by hand; bad knobs refused naming the node or key; one short CLI run in
-which replayed rows reach the batch within k and the fresh samples are trained once.
+versions chosen by hand; bad knobs refused naming the node or key; the buffer's round trip
+through a checkpoint file (issue 26: a restored executor draws the rows the uninterrupted one
+draws); one short CLI run in which replayed rows reach the batch within k, the fresh samples
+are trained once, and a resume from its checkpoint replays the uninterrupted run's rows.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +20,8 @@ import torch
 from areal_flow.batching import collate
 from areal_flow.config import ConfigError
 from areal_flow.graph import GraphError
-from areal_flow.ops.replay import ReplayBuffer
+from areal_flow.ops.interfaces import Checkpointed
+from areal_flow.ops.replay import ReplayBuffer, ReplayExecutor
 from areal_flow.types import REPLAYED, Trajectory
 from areal_flow.values import Advantages
 from runs import REPO, cli_run, records
@@ -75,6 +80,49 @@ def test_rows_of_other_lengths_are_right_padded_masked_and_the_buffer_keeps_capa
     assert buf.mix(2, _step(2, version=2, n=4)).stats["replay/buffer"] == 10  # 12 rows, the 2 oldest leave
 
 
+def _executor(ratio: float = 0.5, capacity: int = 64, k: int = 2) -> ReplayExecutor:
+    """A replay node's executor outside a run: no train_step consumes it (quantum 1), seed 0."""
+    node = SimpleNamespace(name="replay", attrs={"ratio": ratio, "capacity": capacity})
+    return ReplayExecutor(node, SimpleNamespace(plan=SimpleNamespace(nodes=[], staleness_bound=k), seed=0))
+
+
+def _drawn(out: Advantages) -> list[tuple[str, int]]:
+    return [(t.sample_id, t.meta[REPLAYED]) for t in out.trajectories if REPLAYED in t.meta]
+
+
+def test_a_restored_executor_draws_exactly_the_rows_the_uninterrupted_one_draws(tmp_path):
+    from runtime.checkpoint import read_state, write_checkpoint
+
+    whole, restored, empty = _executor(), _executor(), _executor()
+    assert isinstance(whole, Checkpointed)  # what the trainer's checkpoint asks of an executor
+    for step in range(2):
+        whole.run({"advantages": _step(step, version=step)}, {"step": step})
+    state = whole.checkpoint_state()
+    assert [r["first_step"] for r in state["rows"]] == [0] * 8 + [1] * 8  # oldest first
+    # through trainer_state.pt as the trainer writes and reads it (torch.save / torch.load)
+    folder = write_checkpoint(tmp_path, 2, lambda _: None, {"executors": {"replay": state}}, next_index=0)
+    restored.load_checkpoint_state(read_state(folder)["executors"]["replay"])
+    got = restored.checkpoint_state()["rows"]
+    assert [r["trajectory"] for r in got] == [r["trajectory"] for r in state["rows"]]
+    assert all(torch.equal(a["tensors"][key], b["tensors"][key]) for a, b in zip(got, state["rows"])
+               for key in a["tensors"])
+    # step 2: floor(0.5 x 8 / 0.5) = 8 of the 16 rows (2 - 0 <= k = 2: none evicted), the same 8 in the same order
+    a = whole.run({"advantages": _step(2, version=2)}, {"step": 2})["advantages"]
+    b = restored.run({"advantages": _step(2, version=2)}, {"step": 2})["advantages"]
+    assert len(_drawn(a)) == 8 and _drawn(a) == _drawn(b)
+    assert a.batch.keys() == b.batch.keys() and all(torch.equal(a.batch[k], b.batch[k]) for k in a.batch)
+    assert a.stats == b.stats
+    assert _drawn(empty.run({"advantages": _step(2, version=2)}, {"step": 2})["advantages"]) == []  # not restored
+
+
+@pytest.mark.parametrize("state, match", [({}, "a buffer state is"), ({"rows": [{"trajectory": None}]}, "got dict"),
+                                          ({"rows": [{"trajectory": None, "tensors": {}, "first_step": 0}] * 3},
+                                           "3 rows, more than capacity=2")])
+def test_a_state_that_is_not_a_buffer_is_refused_naming_the_node(state, match):
+    with pytest.raises(ValueError, match=rf"node 'replay': replay: .*{match}"):
+        _executor(capacity=2).load_checkpoint_state(state)
+
+
 @pytest.mark.parametrize("knob", ["ratio=1.0", "ratio=-0.1", "ratio=True", "capacity=0", "capacity=2.5"])
 def test_bad_knobs_are_refused_naming_the_node(knob):
     from areal_flow.ops.replay import check_knobs  # ops.replay calls it while tracing
@@ -104,11 +152,11 @@ def test_a_replay_node_before_a_train_step_of_k_0_is_refused_at_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_trains_replayed_rows_within_k_and_every_fresh_sample_once(tmp_path):
+def test_a_run_trains_replayed_rows_within_k_and_every_fresh_sample_once_and_resumes_its_buffer(tmp_path):
     # 4 steps of 2 groups x 4 samples, k = 2, ratio 0.5: up to 8 replayed rows a step (measured ~45 s on 2 cores)
-    cli_run(GRAPH, "train.steps=4", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10",
-            "eval.enabled=false", "async.max_staleness=2", "replay.ratio=0.5", f"out_dir={tmp_path}", "name=replay",
-            timeout_s=400)
+    run = ("train.steps=4", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
+           "async.max_staleness=2", "replay.ratio=0.5", "train.checkpoint_every=2", f"out_dir={tmp_path}")
+    cli_run(GRAPH, *run, "name=replay", timeout_s=400)
     trained = records(tmp_path / "replay")
     fresh = [t for t in trained if REPLAYED not in t["meta"]]
     again = [t for t in trained if REPLAYED in t["meta"]]
@@ -121,3 +169,17 @@ def test_a_run_trains_replayed_rows_within_k_and_every_fresh_sample_once(tmp_pat
     assert per_step[0] == 0 and max(per_step) <= 8  # floor(0.5 x 8 / 0.5) = 8 at most
     summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
     assert summary["samples_trained"] == 32 and summary["samples_replayed"] == len(again)
+    # the buffer is in the checkpoint: a run resumed from version_2 replays at step 2 the rows the whole run did
+    # (the draw depends on the buffer, the step's 8 fresh rows' count, the seed and the step alone)
+    from runtime.checkpoint import read_state
+
+    rows = read_state(tmp_path / "replay/checkpoints/version_2")["executors"]["replay"]["rows"]
+    assert [r["first_step"] for r in rows] == [0] * 8 + [1] * 8  # capacity 256, nothing evicted before step 2
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "replay", cut)
+    shutil.rmtree(cut / "model")
+    shutil.rmtree(cut / "checkpoints/version_4")
+    cli_run(GRAPH, *run, "name=cut", "--resume", str(cut), timeout_s=400)
+    drawn = [[(t["sample_id"], t["meta"][REPLAYED]) for t in records(folder) if t["step"] == 2 and REPLAYED in t["meta"]]
+             for folder in (tmp_path / "replay", cut)]
+    assert per_step[2] > 0 and drawn[0] == drawn[1]

@@ -8,6 +8,9 @@ with ``hasattr``:
   (:class:`ExecutorClass`), then ``run(inputs, info)`` once per group or per train step.
 * :class:`Trainer`: the executor of a node that trains its model (role ``training``); the
   trainer's worker loop also takes its weights, checkpoints and final save from it.
+* :class:`Checkpointed`: a ``batch`` executor that keeps state across train steps which
+  decides what is trained (``ops.replay``'s buffer); the trainer saves it in each checkpoint
+  and gives it back on a resume or a trainer restart.
 * :class:`StreamExecutor`: a ``stream`` node's executor (generate, rollout), driven by a
   generation replica: groups in, finished groups out, weight updates in between.
 * :class:`Engine`: the continuous-batching engine a stream executor drives (the embedded
@@ -81,6 +84,25 @@ class Trainer(Executor, Protocol):
 
     def load_checkpoint(self, folder: Path, optimizer_state: dict | None, world_size: int = 1) -> None:
         """Continue from a checkpoint that ``world_size`` ranks wrote to ``folder``."""
+
+
+@runtime_checkable
+class Checkpointed(Protocol):
+    """A ``batch`` node's executor whose state across train steps decides what is trained.
+
+    The trainer's worker saves :meth:`checkpoint_state` in ``trainer_state.pt`` under the
+    node's name with every checkpoint and, on a resume or a trainer restart, passes it back
+    to :meth:`load_checkpoint_state` of the same node's new executor before the first step
+    (``runtime.checkpoint``). A restored executor must then produce what the uninterrupted
+    one would have at every later step.
+    """
+
+    def checkpoint_state(self) -> dict:
+        """Its state after the last step run (``torch.save``-able: tensors, numbers, dataclasses)."""
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`checkpoint_state` of an executor of the same
+        node); raises ValueError naming the node when ``state`` is not one."""
 
 
 @runtime_checkable

@@ -31,7 +31,9 @@ against the proximal policy, as it does fresh stale rows; their advantages are t
 advantage node gave them when they were fresh. Fresh samples are still trained exactly
 once (``runtime.staleness``); replayed rows are counted apart, in the step's metrics
 (``replay/*``, :meth:`ReplayBuffer.mix`) and in the trajectory log (their ``meta``). The
-buffer lives in the worker's memory: a resumed run starts with an empty one.
+buffer is in each checkpoint (the executor is ``areal_flow.ops.interfaces.Checkpointed``),
+so a resumed or restarted trainer draws the rows the uninterrupted run would; the draw
+itself keeps no state (its generator is seeded by the run's seed and ``s`` alone).
 """
 
 from __future__ import annotations
@@ -102,6 +104,27 @@ class ReplayBuffer:
         self.quantum, self.seed = max(1, quantum), seed
         self.rows: list[_Row] = []
 
+    def state(self) -> dict:
+        """The buffered rows, oldest first: ``{"rows": [{"trajectory", "tensors", "first_step"}]}``
+        (``tensors``: key -> the row's tensor; shared with the buffer, which never changes them)."""
+        return {"rows": [{"trajectory": r.trajectory, "tensors": r.tensors, "first_step": r.first_step}
+                         for r in self.rows]}
+
+    def load(self, state: dict) -> None:
+        """Replace the buffer by the rows of ``state`` (from :meth:`state`).
+
+        Raises:
+            ValueError: ``state`` has no ``rows`` list of such rows, or more than ``capacity``.
+        """
+        rows = state.get("rows") if isinstance(state, dict) else None
+        fields = {f.name for f in dataclasses.fields(_Row)}
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and set(r) == fields for r in rows):
+            raise ValueError(f"replay: a buffer state is {{'rows': [{{{', '.join(sorted(fields))}}}]}}, "
+                             f"got {type(state).__name__} {sorted(state) if isinstance(state, dict) else ''}")
+        if len(rows) > self.capacity:
+            raise ValueError(f"replay: the state holds {len(rows)} rows, more than capacity={self.capacity}")
+        self.rows = [_Row(**r) for r in rows]
+
     def mix(self, step: int, adv):
         """The batch of train step ``step`` (an ``areal_flow.values.Advantages`` of ``N`` fresh rows)
         with replayed rows appended; its ``stats`` gain ``replay/samples`` (rows replayed),
@@ -157,7 +180,7 @@ class ReplayExecutor:
     one :class:`ReplayBuffer` per node for the run; ``info["step"]`` is the train step."""
 
     def __init__(self, node, ctx) -> None:
-        plan = ctx.plan
+        self.node, plan = node, ctx.plan
         trainer = next((n for n in plan.nodes if n.trains and n.strategy is not None
                         and any(src == node.name for src, _ in n.inputs.values())), None)
         quantum = 1 if trainer is None else trainer.parallel.dp * max(trainer.parallel.pp, trainer.micro_batches or 1)
@@ -166,3 +189,14 @@ class ReplayExecutor:
 
     def run(self, inputs: dict, info: dict) -> dict:
         return {"advantages": self.buffer.mix(info["step"], inputs["advantages"])}
+
+    def checkpoint_state(self) -> dict:
+        """The buffer (:meth:`ReplayBuffer.state`), saved with each checkpoint."""
+        return self.buffer.state()
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Continue with the buffer of ``state``; ValueError naming the node when it is not one."""
+        try:
+            self.buffer.load(state)
+        except ValueError as e:
+            raise ValueError(f"node {self.node.name!r}: {e}") from e
