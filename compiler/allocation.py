@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 
 from compiler.cost import CostModel
-from compiler.hosting import hosting_problem, workload_hosting
+from compiler.hosting import hosting_problem, ray_hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, fitting_clusters, pack
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.workload import INFERENCE, TRAINING, DeviceTask
@@ -134,11 +134,16 @@ def _place_inference(groups: list, seen: dict, workload) -> None:
             seen[task.node] = None
 
 
-def _check_hosting(text: str, groups: list, seen: dict, workload) -> None:
-    """Raise AllocationError when the runtime cannot run this placement (``compiler.hosting``)."""
+def _check_hosting(text: str, groups: list, seen: dict, workload, meshes: list | None = None) -> None:
+    """Raise AllocationError when the runtime cannot run this placement (``compiler.hosting``;
+    with ``meshes``, the groups' meshes, only its rule for Ray, ``ray-one-machine``)."""
     label = {task.node: i for i, group in enumerate(groups) for task, _ in group}
     chosen = {task.node: s for group in groups for task, s in group}
-    problem = hosting_problem(workload_hosting(workload, label, chosen))
+    hosted = workload_hosting(workload, label, chosen)
+    if meshes is None:
+        problem = hosting_problem(hosted)
+    else:
+        problem = ray_hosting_problem(hosted, {task.node: m for group, m in zip(groups, meshes) for task, _ in group})
     if problem is not None:
         node, reason = problem
         item = seen.get(node)
@@ -156,8 +161,8 @@ def resolve(
     Raises:
         AllocationError: unknown or repeated node, a missing device node, unequal world
             sizes in one group, a strategy invalid for the node's model, a placement the
-            runtime cannot run (``compiler.hosting``: the node and the rule), or meshes that
-            do not fit the cluster.
+            runtime cannot run (``compiler.hosting``: the node and the rule; on Ray also
+            ``ray-one-machine``), or meshes that do not fit the cluster.
     """
     workload = model.workload
     groups, seen = [], {}
@@ -198,4 +203,6 @@ def resolve(
                  f"cluster.n_nodes={nodes}" if nodes else ""]
         fix = " or ".join(f for f in fixes if f)
         raise AllocationError(text, 0, f"{err}; it fits {fix}" if fix else str(err)) from None
+    if model.scheduler == "ray":
+        _check_hosting(text, groups, seen, workload, meshes)
     return groups, meshes

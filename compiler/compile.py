@@ -67,7 +67,8 @@ def _pins(cfg: CompileConfig, model: CostModel) -> dict[str, ParallelStrategy]:
     return pins
 
 
-def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, *, batch_groups: int) -> Plan:
+def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, *, batch_groups: int,
+                 scheduler: str = "local") -> Plan:
     """Place every node of ``graph`` on ``cluster_cfg`` and predict its step time.
 
     Args:
@@ -76,6 +77,8 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
         compile_cfg: workload, mode and search knobs (``allocation`` skips the search).
         batch_groups: B, prompt groups per train step (``train.batch_size``); the plan
             carries it on every data edge into a train_step.
+        scheduler: ``scheduler.type`` the plan runs under; ``ray`` adds the rule
+            ``ray-one-machine`` (``compiler.hosting``) to the search and the allocation.
 
     Returns:
         the best plan, with the other top-k allocations as ``alternatives``.
@@ -92,7 +95,7 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
     if isinstance(batch_groups, bool) or not isinstance(batch_groups, int) or batch_groups < 1:
         raise CompileConfigError(f"train.batch_size={batch_groups!r}: must be an int >= 1 (B, prompt groups per step)")
     workload = build_workload(graph, cfg, batch_groups)
-    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg)
+    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg, scheduler)
     pins = _pins(cfg, model)
     if cfg.allocation:
         chosen = evaluate(model, *resolve(cfg.allocation, model))

@@ -70,10 +70,14 @@ def _pow2_floor(n: int) -> int:
 
 
 class CostModel:
-    """Memoized per-node costs for one workload, device kind, cluster and config."""
+    """Memoized per-node costs for one workload, device kind, cluster and config; ``scheduler``
+    is the runtime the plan is for (``scheduler.type``: ``local`` or ``ray``, whose placements
+    must also pass ``compiler.hosting.ray_hosting_problem``)."""
 
-    def __init__(self, workload: Workload, device: DeviceSpec, cluster: ClusterConfig, cfg: CompileConfig):
+    def __init__(self, workload: Workload, device: DeviceSpec, cluster: ClusterConfig, cfg: CompileConfig,
+                 scheduler: str = "local"):
         self.workload = workload
+        self.scheduler = scheduler
         self.device = device
         self.cluster = cluster
         self.cfg = cfg

@@ -46,6 +46,19 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
 ``compiler.allocation.resolve`` raises it for a user's allocation, ``compiler.search`` never
 emits a candidate it refuses, and ``runtime.topology.build_topology`` raises it before any
 process starts.
+
+One more rule reads the meshes and holds only on Ray (``scheduler.type=ray``, where each
+worker is one actor on one machine and a worker's processes are child processes of its actor),
+:func:`ray_machine_problem`:
+
+* ``ray-one-machine``: a worker group whose actors do not divide evenly over the machines its
+  mesh spans: every group but the dataset's generation replicas (a train_step's ranks, a
+  judge, a reference model's group) is one actor, so its mesh must lie on one machine (e.g.
+  ``gen:d1 + train:d2`` on one-device machines is refused, ``gen:d2 + train:d1`` runs).
+
+``compiler.allocation.resolve`` and ``compiler.search`` ask it (:func:`ray_hosting_problem`)
+when the plan's scheduler is Ray, and ``runtime.ray_scheduler`` before any actor starts. The
+local scheduler runs every worker on one box and is not bound by it.
 """
 
 from __future__ import annotations
@@ -86,6 +99,41 @@ class Hosted:
     routed: bool = False
 
 
+RAY_ONE_MACHINE = "ray-one-machine"
+
+
+def ray_machine_problem(actors: int, mesh: str, machines: int) -> str | None:
+    """Why Ray cannot place a worker group of ``actors`` actors (the dataset's generation
+    replicas, else 1) on mesh ``mesh`` spanning ``machines`` machines, or None: the
+    actors are spread evenly over the mesh's machines and each actor's processes run on its own
+    machine (module doc, rule ``ray-one-machine``)."""
+    if actors % machines == 0:
+        return None
+    return (f"{RAY_ONE_MACHINE}: its mesh {mesh} spans {machines} machines but runs as {actors} actor(s) on Ray; a "
+            "worker's ranks are processes of its one actor, so it cannot span machines: give it devices of one "
+            "machine (compile.allocation), or use scheduler.type=local")
+
+
+def ray_hosting_problem(nodes: list[Hosted], meshes: dict) -> tuple[str, str] | None:
+    """``(node, reason)`` for the first device node (data order) whose worker group breaks
+    ``ray-one-machine`` (:func:`ray_machine_problem`), or None.
+
+    Args:
+        nodes: every node of the graph (:func:`workload_hosting`).
+        meshes: device node -> its mesh (a ``compiler.mesh.MeshSpec``); a dataset-fed generate
+            node without a strategy yet (its replica count unknown) is skipped.
+    """
+    fed = set(_dataset_fed(nodes))
+    for n in nodes:
+        if n.name not in meshes or (n.name in fed and n.strategy is None):
+            continue
+        mesh = meshes[n.name]
+        why = ray_machine_problem(n.strategy.dp if n.name in fed else 1, mesh.label(), mesh.n_nodes)
+        if why is not None:
+            return n.name, why
+    return None
+
+
 def step_groups(nodes: list[Hosted]) -> list:
     """The groups hosting ``batch`` nodes, in the order of their first node (``nodes`` is in
     data order): the chain a step's batch passes through."""
@@ -102,7 +150,7 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
             only for ``one-dataset``, ``route`` nodes (weight syncs) are ignored.
     """
     sources = [n.name for n in nodes if n.grain == SOURCE]
-    dataset_fed = [n.name for n in nodes if n.grain == STREAM and set(n.inputs) & set(sources)]
+    dataset_fed = _dataset_fed(nodes)
     for extra, first, what in ((sources[1:], sources[:1], "dataset"),
                                (dataset_fed[1:], dataset_fed[:1], "generate node fed by it")):
         if extra:
@@ -197,6 +245,12 @@ def workload_hosting(workload: Workload, group_of: dict[str, object],
                           strategies.get(name), trains and task.model.head == "scalar",
                           int(workload.node_attrs.get(name, {}).get("n_samples") or 1), name in routed))
     return out
+
+
+def _dataset_fed(nodes: list[Hosted]) -> list[str]:
+    """The generate (``stream``) nodes fed by a dataset (``source``) node, in data order."""
+    sources = {n.name for n in nodes if n.grain == SOURCE}
+    return [n.name for n in nodes if n.grain == STREAM and set(n.inputs) & sources]
 
 
 def _group_order(nodes: list[Hosted]) -> dict:

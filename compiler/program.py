@@ -133,7 +133,8 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
     compile_cfg = dataclasses.replace(cfg.compile)
     if compile_cfg.micro_batches is None or cfg.train.gradient_accumulation_steps:
         compile_cfg.micro_batches = micro_batches(cfg, graph)
-    plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size)
+    plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size,
+                        scheduler=cfg.scheduler.type)
     run = dataclasses.asdict(RunSpec.from_config(cfg))
     algorithms, estimators = user_code(graph)
     plan_id = xxhash.xxh64(json.dumps([plan.id, run], sort_keys=True).encode()).hexdigest()

@@ -32,7 +32,7 @@ import itertools
 
 from compiler.cost import CostModel, NodeCost
 from compiler.errors import InfeasiblePlanError, shortfall
-from compiler.hosting import hosting_problem, workload_hosting
+from compiler.hosting import hosting_problem, ray_hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
 from compiler.step import Candidate, allocation_string, evaluate, same_machine, step_time
 from compiler.strategy import ParallelStrategy
@@ -221,7 +221,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
 
     Raises:
         InfeasiblePlanError: no layout fits; lists every node's smallest reachable memory (or, when
-            every layout tried breaks a rule of ``compiler.hosting``, names a node and its rule).
+            every layout tried breaks a rule of ``compiler.hosting``, names a node and its rule; on
+            Ray, ``model.scheduler``, when some were refused by ``ray-one-machine``, also one of those).
     """
     s = _Search(model, pins)
     c, per, total = model.cluster, model.per_node, model.total_devices
@@ -232,15 +233,28 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     tried: set = set()
 
     refused: dict[tuple, tuple | None] = {}  # by grouping (node, rule) or None: its shape does not depend on sizes
+    on_ray: list[tuple[str, str]] = []  # (node, rule) of layouts Ray cannot place (they depend on sizes)
+
+    def ray_problem(groups_tasks, meshes, chosen=None) -> bool:
+        """On Ray, whether the layout breaks ``ray-one-machine`` (``chosen``: node -> strategy)."""
+        if model.scheduler != "ray":
+            return False
+        label = {t.node: i for i, tasks in enumerate(groups_tasks) for t in tasks}
+        mesh_of = {t.node: m for tasks, m in zip(groups_tasks, meshes) for t in tasks}
+        problem = ray_hosting_problem(workload_hosting(model.workload, label, chosen), mesh_of)
+        on_ray.extend([problem] if problem else [])
+        return problem is not None
 
     def add(kind: str, groups_tasks, meshes) -> None:
         key = tuple(tuple(t.node for t in tasks) for tasks in groups_tasks)
         if key not in refused:
             label = {t.node: i for i, tasks in enumerate(groups_tasks) for t in tasks}
             refused[key] = hosting_problem(workload_hosting(model.workload, label))
-        if refused[key] is not None:
+        if refused[key] is not None or ray_problem(groups_tasks, meshes):
             return
         result = s.layout(groups_tasks, meshes)
+        if result is not None and ray_problem(groups_tasks, meshes, {t.node: st for g in result[2] for t, st in g}):
+            return
         if result is not None:
             found[kind].append((result[:2], result[2], meshes))
             bisect.insort(steps, result[0])
@@ -335,8 +349,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
             g = None  # the generation side is costed only once a b passes the cheaper checks
             fastest = float("inf")  # training seconds of the best larger whole-machine b
             for b in reversed(sizes):
-                if a + b > total:
-                    continue
+                if a + b > total or ray_problem([s.gen, s.train], _disaggregated_meshes(a, b, c.n_nodes, per) or []):
+                    continue  # (a pair Ray cannot place must not dominate a smaller b)
                 if floor_s(b) > threshold():
                     break  # the floor only grows as b shrinks
                 if b % per == 0 and floor_s(b) >= fastest or not trainable(b):
@@ -368,6 +382,11 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
         if refused and len(problems) == len(refused):  # no layout's shape runs, whatever the sizes
             raise InfeasiblePlanError(f"no placement of graph '{model.workload.graph_name}' runs: every layout breaks "
                                       f"a rule of compiler.hosting, e.g. node '{problems[0][0]}': {problems[0][1]}", [])
+        if on_ray:  # layouts that might fit were refused for Ray: say so before the memory floors
+            (node, why), floors = on_ray[0], _infeasible(model, pins).shortfalls
+            raise InfeasiblePlanError(f"no layout of graph '{model.workload.graph_name}' runs on Ray within memory "
+                                      f"(scheduler.type=ray): the others break a rule of compiler.hosting, e.g. node "
+                                      f"'{node}': {why}; smallest memory per device each node can reach:", floors)
         raise _infeasible(model, pins)
     cut = min(top_k, len(ranked))
     while cut < len(ranked) and ranked[cut][0] == ranked[cut - 1][0]:

@@ -50,6 +50,7 @@ from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from compiler.hosting import ray_machine_problem
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd, reports
@@ -205,19 +206,18 @@ class RayScheduler:
         replica ``r`` runs on the machine that holds its devices.
 
         Raises:
-            ClusterMismatchError: a mesh's workers do not divide evenly over its machines (e.g. a
-                multi-rank trainer spanning machines: its ranks are processes of its one actor).
+            ClusterMismatchError: a worker group breaks ``compiler.hosting``'s rule
+                ``ray-one-machine`` (e.g. a multi-rank trainer spanning machines: its ranks are
+                processes of its one actor), naming the group's node and the rule.
         """
         workers: dict = {}
         for g in self.setup.topo.groups.values():
+            why = ray_machine_problem(g.replicas, g.mesh.label(), g.mesh.n_nodes)
+            if why is not None:
+                raise ClusterMismatchError(f"node '{g.name}': {why}")
             workers.setdefault(g.mesh, []).extend(f"{g.name}/{r}" for r in range(g.replicas))
         layout = {}
         for mesh, names in workers.items():
-            if len(names) % mesh.n_nodes:
-                raise ClusterMismatchError(
-                    f"mesh {mesh.label()} spans {mesh.n_nodes} machines but runs as {len(names)} process(es) on Ray "
-                    f"({', '.join(names)}); a trainer's ranks are processes of its one actor, so it cannot span "
-                    "machines: give it devices of one machine (compile.allocation), or use scheduler.type=local")
             per = len(names) // mesh.n_nodes
             layout.update((name, (mesh, k // per, per)) for k, name in enumerate(names))
         return layout

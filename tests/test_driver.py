@@ -204,8 +204,9 @@ def test_a_replica_whose_host_is_lost_restarts_every_worker_from_the_checkpoint(
 
 def test_on_ray_replicas_of_a_mesh_over_machines_run_on_their_machines_and_a_trainer_may_not_span(tmp_path):
     """Issue 26: `gen:d2` on two one-device machines is one replica per machine (bundle 0 on
-    n0, bundle 1 on n1), each holding its device; a one-process trainer on `n1-2` is refused
-    before any actor starts (its ranks are processes of one actor)."""
+    n0, bundle 1 on n1), each holding its device; a one-process trainer on `n1-2` (a plan
+    compiled for the local scheduler) is refused before any actor starts (its ranks are
+    processes of one actor), by compiler.hosting's rule."""
     from areal_flow.cli import load_flow
     from compiler.program import compile_program
     from runtime.ray_cluster import ClusterMismatchError
@@ -221,6 +222,6 @@ def test_on_ray_replicas_of_a_mesh_over_machines_run_on_their_machines_and_a_tra
               scheduler("gen:d2 + train:d1").layout().items()}
     assert layout == {"generate/0": ("n0-1", 0, 1), "generate/1": ("n0-1", 1, 1),
                       "train_step/0": ("n2:g0", 0, 1)}
-    with pytest.raises(ClusterMismatchError, match=r"^mesh n1-2 spans 2 machines but runs as 1 process\(es\) on "
-                                                   r"Ray \(train_step/0\); a trainer's ranks"):
+    with pytest.raises(ClusterMismatchError, match=r"^node 'train_step': ray-one-machine: its mesh n1-2 spans 2 "
+                                                   r"machines but runs as 1 actor\(s\) on Ray; a worker's ranks"):
         scheduler("gen:d1 + train:d2").layout()
