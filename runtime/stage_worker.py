@@ -37,7 +37,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from areal_flow.values import Advantages
@@ -89,6 +89,19 @@ def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
     ctx = worker_context(spec)
     ctx.rank_trainer = rank_trainer
     return _Stage(spec, ctx, worker_group(spec), report, lease).run()
+
+
+def trajectory_line(t, step: int) -> str:
+    """One ``trajectories.jsonl`` line: trajectory ``t``'s fields read shallowly (``vars``: no deep copy
+    on the trainer's critical path), ``step`` and its staleness then, as JSON; a dataclass in them
+    (in ``meta``) is written as ``dataclasses.asdict`` writes it."""
+    return json.dumps({**vars(t), "step": step, "staleness": t.staleness(step)}, default=_plain)
+
+
+def _plain(value):
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 class _Stage:
@@ -227,7 +240,7 @@ class _Stage:
                         self.trace.flush()
                         continue
                     for t in advantage.trajectories:
-                        log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
+                        log.write(trajectory_line(t, step) + "\n")
                     log.flush()
                     metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, train_s, wait_s)
                     if checkpoint:
