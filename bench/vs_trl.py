@@ -35,11 +35,12 @@ Measured per side, printed side by side with ratios (areal-flow / TRL; > 1 = are
 faster): the training wall time (TRL: ``trainer.train()``; areal-flow: the RL loop from the
 generator's first engine step to the run's last span, as ``bench/async_vs_sync.py`` measures it,
 and the summary's RL wall, worker start-up included), samples/s in the loop, held-out accuracy
-before and after. The variants (areal-flow at each ``--k``, TRL) run one after the other, each in
-its own processes, rotating their order every round (``--repeats``) so a change of machine load
-hits all alike; medians over rounds per seed. The load average is printed at every run.
+before and after. The variants (areal-flow at each ``--k``; TRL at each ``--trl-threads``) run one
+after the other, each in its own processes (TRL in a fresh one every run), rotating their order
+every round (``--repeats``) so a change of machine load hits all alike; medians over rounds per
+seed. The load average is printed at every run.
 
-    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0] [--repeats R] [key=value ...]
+    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0] [--trl-threads 0,1] [--repeats R] [key=value ...]
 
 Needs ``trl`` (``pip install -r bench/peer_requirements.txt`` or the ``peer`` extra); a seed other
 than the yaml's warm-starts its own policy first (cached; ~2.5 min on 2 quiet cores).
@@ -83,7 +84,8 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
 
     Args:
         knobs: ``steps``, ``batch_size`` (prompts per step), ``n_samples``, ``max_new_tokens``,
-            ``lr``, ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``.
+            ``lr``, ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch
+            intra-op threads; 0 = torch's default, every core).
 
     Returns:
         ``{"train_s", "setup_s", "gen_s", "score_s", "samples", "accuracy_after", "trl"}``: seconds of
@@ -100,6 +102,8 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
     from areal_flow.models.tokenizer import load_tokenizer
     from runtime.evaluate import greedy_accuracy
 
+    if knobs["threads"]:
+        torch.set_num_threads(knobs["threads"])
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     start = time.perf_counter()
@@ -194,6 +198,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the yaml: 400)")
     parser.add_argument("--seeds", default="1", help="comma-separated run seeds (each its own warm start)")
     parser.add_argument("--k", default="2,0", help="areal-flow async.max_staleness values to run")
+    parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
     args, rest = parser.parse_known_args(argv)
     import trl
@@ -203,11 +208,13 @@ def main(argv: list[str]) -> None:
               "(bench/peer_requirements.txt)", flush=True)
     cfg_path = ROOT / "graphs" / "arith_grpo.yaml"
     ks = [int(k) for k in args.k.split(",") if k != ""]
-    variants = [f"areal k={k}" for k in ks] + ["TRL"]
+    trl_threads = {f"TRL t={t}" if t else "TRL": t for t in (int(t) for t in args.trl_threads.split(","))}
+    variants = [f"areal k={k}" for k in ks] + list(trl_threads)
     results: dict[tuple[int, str], list[dict]] = {}
     print(f"vs_trl: {args.steps} steps, seeds {args.seeds}, variants {variants}, {args.repeats} round(s); {load()}",
           flush=True)
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+    fresh = {"max_workers": 1, "mp_context": get_context("spawn"), "max_tasks_per_child": 1}
+    with ProcessPoolExecutor(**fresh) as pool:
         for seed in [int(s) for s in args.seeds.split(",")]:
             base = [f"seed={seed}", f"train.steps={args.steps}", *rest]
             cfg, flow, folder, task, problems, test = shared_inputs(cfg_path, base)
@@ -221,15 +228,16 @@ def main(argv: list[str]) -> None:
                 order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
                 for label in order:
                     before = load()
-                    if label == "TRL":
-                        r = pool.submit(run_trl, folder, problems, test, task, knobs).result()
+                    if label in trl_threads:
+                        r = pool.submit(run_trl, folder, problems, test, task,
+                                        {**knobs, "threads": trl_threads[label]}).result()
                     else:
                         k = int(label.split("=")[1])
                         r = run_areal(flow, cfg_path, [*base, f"async.max_staleness={k}",
                                                        f"name=vs_trl_k{k}_s{seed}"])
                     results.setdefault((seed, label), []).append(r)
                     extra = (f"generate {r['gen_s']:.1f} s, rewards/advantages {r['score_s']:.1f} s, setup "
-                             f"{r['setup_s']:.1f} s, trl {r['trl']}" if label == "TRL" else
+                             f"{r['setup_s']:.1f} s, trl {r['trl']}" if label in trl_threads else
                              f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s, trainer busy "
                              f"{r['trainer_s']:.1f} s")
                     print(f"[seed {seed} round {round_ + 1}] {label:>10}: loop {r['train_s']:6.1f} s, "
@@ -242,15 +250,16 @@ def main(argv: list[str]) -> None:
 
                 model, tok = load_pretrained(folder)
                 before_acc = greedy_accuracy(model, tok, task, test)
-            report(seed, variants, results, before_acc)
+            report(seed, variants, list(trl_threads), results, before_acc)
 
 
-def report(seed: int, variants: list[str], results: dict, before: float) -> None:
-    """The side-by-side table of one seed: medians over its rounds, ratios against TRL."""
-    trl = results[(seed, "TRL")]
-    trl_s = median([r["train_s"] for r in trl])
-    print(f"\nseed {seed} (medians of {len(trl)} round(s)); held-out accuracy before RL {before:.1%} (same policy)")
-    print(f"{'variant':>10} | {'loop s':>7} | {'samples/s':>9} | {'after':>6} | loop speed vs TRL")
+def report(seed: int, variants: list[str], trls: list[str], results: dict, before: float) -> None:
+    """The side-by-side table of one seed: medians over its rounds, speed ratios against the
+    fastest TRL variant (its median loop time)."""
+    trl_s = min(median([r["train_s"] for r in results[(seed, label)]]) for label in trls)
+    rounds = len(results[(seed, trls[0])])
+    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {before:.1%} (same policy)")
+    print(f"{'variant':>10} | {'loop s':>7} | {'samples/s':>9} | {'after':>6} | loop speed vs fastest TRL")
     for label in variants:
         rs = results[(seed, label)]
         s = median([r["train_s"] for r in rs])
