@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from areal_flow.ops.interfaces import Checkpointed
@@ -92,6 +92,19 @@ def _stage_on_rank0(rank_trainer, spec: WorkerSpec, report, lease) -> dict:
     ctx = worker_context(spec)
     ctx.rank_trainer = rank_trainer
     return _Stage(spec, ctx, worker_group(spec), report, lease).run()
+
+
+def trajectory_line(t, step: int) -> str:
+    """One ``trajectories.jsonl`` line: trajectory ``t``'s fields read shallowly (``vars``: no deep copy
+    on the trainer's critical path), ``step`` and its staleness then, as JSON; a dataclass in them
+    (in ``meta``) is written as ``dataclasses.asdict`` writes it."""
+    return json.dumps({**vars(t), "step": step, "staleness": t.staleness(step)}, default=_plain)
+
+
+def _plain(value):
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 class _Stage:
@@ -246,7 +259,7 @@ class _Stage:
         """Write the trainer's records of ``step`` (its trajectories to ``log``, its metrics to
         ``run_dir.STEPS_FILE``); the metrics (``times``: train and wait seconds)."""
         for t in advantage.trajectories:
-            log.write(json.dumps({**asdict(t), "step": step, "staleness": t.staleness(step)}) + "\n")
+            log.write(trajectory_line(t, step) + "\n")
         log.flush()
         metrics = step_metrics(step, stats, advantage.batch, advantage.trajectories, *times)
         if checkpoint:

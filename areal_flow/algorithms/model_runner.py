@@ -27,15 +27,30 @@ MicroBatchLoss = Callable[[MicroBatch, torch.Tensor, torch.Tensor], torch.Tensor
 the step loss, already divided by the step's global normaliser), in ``mb``'s padded layout."""
 
 
+ENTROPY_CHUNK_ELEMENTS = 1 << 22
+"""Logit elements (4-byte float32 each: 16 MiB) the no-grad entropy metric works on at once."""
+
+
+def entropy_rows_per_chunk(seq: int, vocab: int) -> int:
+    """Rows of ``[seq, vocab]`` logits the no-grad entropy metric takes at once: as many as fit in
+    ``ENTROPY_CHUNK_ELEMENTS`` (at least 1), so a small vocabulary runs in one vectorised call
+    (the tiny models: a whole step batch) and a large one (SmolLM2's 49,152) one row at a time."""
+    return max(1, ENTROPY_CHUNK_ELEMENTS // max(1, seq * vocab))
+
+
 def token_entropy_from_logits(logits: torch.Tensor, temperature: float, *, with_grad: bool) -> torch.Tensor:
     """``[batch, seq]`` entropy (nats) of the distribution that predicted token ``t`` from
     ``logits [batch, seq, vocab]`` (position 0 holds 0). Without grad (a metric only) it runs
-    one row at a time, so the float32 softmax never holds more than ``[seq, vocab]``."""
+    :func:`entropy_rows_per_chunk` rows at a time, so the float32 softmax never holds more than
+    ``max([seq, vocab], ENTROPY_CHUNK_ELEMENTS)`` elements; every row's value is the same
+    whatever the chunking (each is reduced over its own vocabulary only)."""
     if with_grad:
         return torch.nn.functional.pad(token_entropy(logits[:, :-1] / temperature), (1, 0))
     with torch.no_grad():
-        rows = [token_entropy(logits[i, :-1].detach() / temperature) for i in range(logits.shape[0])]
-        return torch.nn.functional.pad(torch.stack(rows), (1, 0))
+        step = entropy_rows_per_chunk(max(logits.shape[1] - 1, 1), logits.shape[-1])
+        chunks = [token_entropy(logits[i:i + step, :-1].detach() / temperature)
+                  for i in range(0, logits.shape[0], step)]
+        return torch.nn.functional.pad(torch.cat(chunks), (1, 0))
 
 
 def token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *,

