@@ -9,7 +9,7 @@ takes the ``B`` groups of step ``s`` in admission order
 each trained policy on its weight routes, writes trajectories, checkpoints and the records
 of ``debug.record`` (``runtime.record``), times its work (``runtime.trace``) and reports the
 step's metrics. A checkpoint (``train.checkpoint_every``; layout and atomic write in
-``runtime.checkpoint``) is written after the step's trajectories and metrics
+``runtime.checkpoint``; what of a step group goes in: ``runtime.step_checkpoint``) is written after the step's trajectories and metrics
 (``run_dir.STEPS_FILE``), and a trainer given one (``WorkerSpec.resume``) continues from it: weights, optimizer,
 RNGs, step, version and the state of its batch nodes' ``Checkpointed`` executors. One
 loop for every world size: a multi-rank train_step runs it on rank 0
@@ -41,10 +41,8 @@ import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from areal_flow.ops.interfaces import Checkpointed
 from areal_flow.values import Advantages
 from runtime.channels import MessageReceiver, MessageSender
-from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, save_checkpoint
 from runtime.context import WorkerContext
 from runtime.faults import kill_point
 from runtime.groups import failure_counts, file_group
@@ -52,6 +50,7 @@ from runtime.observe import memory_profile, step_metrics
 from runtime.record import EdgeRecorder, check_edges
 from runtime.run_dir import STEPS_FILE
 from runtime.staleness import OrderedExperienceBuffer
+from runtime.step_checkpoint import StepCheckpoints
 from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.weights import WeightPublisher
@@ -123,10 +122,11 @@ class _Stage:
         self.outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
-        self._to_save: dict = {}  # train_step name -> its weights after a checkpointed step
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
-        self.last_checkpoint: Path | None = Path(spec.resume) if spec.resume else None  # the newest complete one
+        self.checkpoints = StepCheckpoints(self.executors, self.batch_nodes, ctx.policy_name(),
+                                           self.topo.batch_groups, int(ctx.plan.run.get("keep_checkpoints", 0)),
+                                           spec.group, Path(spec.resume) if spec.resume else None)
         self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
         chain = [g.name for g in self.topo.step_groups]
         at = chain.index(group.name) if group.name in chain else 0
@@ -205,7 +205,7 @@ class _Stage:
     def _train(self) -> dict:
         topo, out = self.topo, Path(self.spec.out_dir)
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
-        start = buffer.next_step = self.version = self._restore() if self.spec.resume else 0
+        start = buffer.next_step = self.version = self.checkpoints.restore(Path(self.spec.resume)) if self.spec.resume else 0
         items: dict[int, GroupItem] = {}
         publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
@@ -240,7 +240,7 @@ class _Stage:
                         sender.send(("batch", step, batch_items, passed, stats, now_us()))
                     metrics = None if log is None else self._record_step(step, log, out, advantage, stats,
                                                                           (train_s, wait_s), checkpoint)
-                    if checkpoint and not self._write_checkpoint(step + 1, out / "checkpoints") and metrics:
+                    if checkpoint and not self.checkpoints.write(step + 1, out / "checkpoints") and metrics:
                         metrics.pop("checkpoint", None)  # written after the step's records; a full disk kept none
                     if metrics is not None and self.report is not None:  # only the trainer reports the step
                         self.report(metrics)
@@ -249,7 +249,8 @@ class _Stage:
         finally:
             for p in publishers.values():
                 p.close()
-        return {**self.counts, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
+        failed = {"checkpoint_failures": self.checkpoints.failures} if self.checkpoints.failures else {}
+        return {**self.counts, **failed, "steps": topo.steps, "consumed": len(buffer.consumed_ids),
                 "max_staleness_seen": buffer.max_seen_staleness,
                 "world_size": self.group.strategy.world_size, "rejected_messages": self.inbox.rejected,
                 **failure_counts(self.executors)}
@@ -358,7 +359,7 @@ class _Stage:
                 if "lr" in node.attrs and node.model == self.ctx.policy_name():
                     stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
-                    self._to_save[node.name] = weights
+                    self.checkpoints.to_save[node.name] = weights
         return stats, advantage, values
 
     def _batch_edge(self) -> str:
@@ -376,67 +377,6 @@ class _Stage:
             if names.index(record.dst) <= names.index(node.name):
                 record.digest(step, node.name, weights if weights is not None else
                               self.executors[node.name].current_state())
-
-    def _write_checkpoint(self, version: int, root: Path) -> bool:
-        """``root/version_<version>``: every trained model, its optimizer, the RNGs, the
-        admission cursor (``runtime.checkpoint``), written atomically; then the checkpoints
-        beyond ``train.keep_checkpoints`` are deleted. A write that fails with an ``OSError``
-        (a full disk) leaves the complete checkpoints as they were, says so in one line on
-        stderr, is counted (``checkpoint_failures``) and training goes on; returns whether the
-        checkpoint was written."""
-        nodes = [n for n in self.batch_nodes if n.trains]
-        policy = self.ctx.policy_name()
-
-        def fill(folder: Path) -> None:
-            for node in nodes:
-                executor = self.executors[node.name]
-                executor.save(model_folder(folder, node.model, policy), self._to_save.pop(node.name))
-                if executor.world_size > 1:  # a sharded optimizer: every rank writes its shards
-                    executor.save_sharded(model_folder(folder, node.model, policy) / SHARDED_DIR)
-
-        state = {"version": version, "rng": capture_rng(),
-                 "optimizers": {n.name: self.executors[n.name].optimizer_state() for n in nodes},
-                 "world_sizes": {n.name: self.executors[n.name].world_size for n in nodes},
-                 "executors": {name: ex.checkpoint_state() for name, ex in self._checkpointed().items()}}
-        written = save_checkpoint(root, version, fill, state, next_index=version * self.topo.batch_groups,
-                                  strategies={n.name: n.strategy for n in nodes if n.strategy},
-                                  keep=int(self.ctx.plan.run.get("keep_checkpoints", 0)), last=self.last_checkpoint,
-                                  say=lambda line: print(f"areal-flow: {self.spec.group}: {line}", file=sys.stderr,
-                                                         flush=True))
-        if written is None:
-            self.counts["checkpoint_failures"] = self.counts.get("checkpoint_failures", 0) + 1
-            return False
-        self.last_checkpoint = written
-        return True
-
-    def _checkpointed(self) -> dict:
-        """Name -> executor of this group's batch nodes whose state is checkpointed
-        (``areal_flow.ops.interfaces.Checkpointed``)."""
-        return {n.name: self.executors[n.name] for n in self.batch_nodes
-                if isinstance(self.executors[n.name], Checkpointed)}
-
-    def _restore(self) -> int:
-        """Load the checkpoint ``spec.resume`` into the train_step executors, the
-        :meth:`_checkpointed` ones and this process's RNGs; return its version (the next step).
-
-        Raises:
-            ValueError: a checkpointed executor whose node has no state in the checkpoint.
-        """
-        folder = Path(self.spec.resume)
-        state = read_state(folder)
-        saved = state.get("executors", {})
-        for name, executor in self._checkpointed().items():
-            if name not in saved:
-                raise ValueError(f"checkpoint {folder}: no state for node {name!r}, whose state decides what is "
-                                 f"trained (it holds {sorted(saved)}: written by a trainer without that node)")
-            executor.load_checkpoint_state(saved[name])
-        for node in self.batch_nodes:
-            if node.trains:
-                self.executors[node.name].load_checkpoint(model_folder(folder, node.model, self.ctx.policy_name()),
-                                                          state["optimizers"][node.name],
-                                                          state.get("world_sizes", {}).get(node.name, 1))
-        restore_rng(state["rng"])
-        return int(state["version"])
 
     def _save_final(self, folder: Path) -> None:
         for node in self.batch_nodes:
