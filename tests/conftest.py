@@ -28,6 +28,18 @@ def warm_cache() -> Path:
     return Path(os.environ["AREAL_FLOW_CACHE"])
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The k = 0 parity run (``test_resume``'s :data:`~test_resume.RUN`) the interrupted
+    ones must reproduce bit for bit: trained once per session for ``test_resume`` and
+    ``test_kill_at`` (a module's own ``uninterrupted`` fixture overrides it there)."""
+    from test_resume import _cli, _finish
+
+    tmp = tmp_path_factory.mktemp("resume")
+    _finish(_cli(tmp, "whole", "async.max_staleness=0"))
+    return tmp / "whole"
+
+
 @pytest.fixture(autouse=True)
 def python_handles_sigint():
     """Every test starts with Python's own SIGINT handler: a library that replaced it in an

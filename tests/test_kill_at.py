@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_resume import STEPS, _cli, _event_steps, _exactly_once, _finish, _same, _weights, uninterrupted  # noqa: F401
+from test_resume import STEPS, _cli, _event_steps, _exactly_once, _finish, _same, _weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_kill_at_entries_are_checked_and_fire_once_per_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_kills_mid_weight_update_keep_the_run_bit_for_bit(tmp_path, uninterrupted, warm_cache):  # noqa: F811
+def test_local_kills_mid_weight_update_keep_the_run_bit_for_bit(tmp_path, uninterrupted, warm_cache):
     """As on Ray: the replica killed holding version 2 not yet loaded, the trainer killed after sending version 4
     and before recording step 3 (the last checkpoint, version_2, is then behind what the replica was sent)."""
     err = _finish(_cli(tmp_path, "mid", "async.max_staleness=0", "scheduler.max_restarts=2",

@@ -130,14 +130,6 @@ def _exactly_once(out: Path, k: int) -> list[dict]:
     return trained
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The k = 0 run the interrupted ones must reproduce bit for bit."""
-    tmp = tmp_path_factory.mktemp("resume")
-    _finish(_cli(tmp, "whole", "async.max_staleness=0"))
-    return tmp / "whole"
-
-
 @pytest.mark.slow
 def test_sync_run_resumed_from_a_checkpoint_reaches_the_same_weights(tmp_path, uninterrupted, warm_cache):
     whole = _weights(uninterrupted / "model")

@@ -20,13 +20,14 @@ WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0",
         "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
 
 
-def _sharded_state(folder: Path) -> tuple[dict, dict]:
+def _sharded_state(folder: Path, scratch: Path) -> tuple[dict, dict]:
     """``(weights, AdamW moments by FQN)`` a ``trainer_dcp/`` folder holds (DCP's own converter
-    to one torch.save file; the optimizer state is flattened: ``state.<fqn>.<field>``)."""
+    to one torch.save file, written under ``scratch``; the optimizer state is flattened:
+    ``state.<fqn>.<field>``)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(folder / "trainer_dcp", folder.parent / f"{folder.name}.pt")
-    saved = torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
+    dcp_to_torch_save(folder / "trainer_dcp", scratch / f"{folder.name}.pt")
+    saved = torch.load(scratch / f"{folder.name}.pt", weights_only=False)
     moments: dict[str, dict] = {}
     for key, value in saved["optimizer"].items():
         if key.startswith("state."):
@@ -35,20 +36,43 @@ def _sharded_state(folder: Path) -> tuple[dict, dict]:
     return saved["model"], moments
 
 
+ALLOCATIONS = {"d1": "train:d1 + gen:d1", "d2": "train:d2 + gen:d1", "t2": "train:t2 + gen:d1",
+               "p2": "train:p2 + gen:d1"}
+HOPS = ["d2", "d1", "d2", "t2", "d2"]  # 2 steps on each: d2 -> d1 -> d2 -> t2 -> d2
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory):
+    """``whole(strategy)``: the folder of an uninterrupted run on ``ALLOCATIONS[strategy]``,
+    trained once per module and shared read-only by its tests: 4 steps (versions 2 and 4),
+    10 on d2 (``2 * len(HOPS)``, what the resharding test follows). A run of more steps
+    holds the shorter run's weights at its ``version_4``: the data and the constant learning
+    rate do not depend on ``train.steps`` (the resharding test's first hop asserts it)."""
+    made: dict[str, Path] = {}
+
+    def whole(strategy: str) -> Path:
+        if strategy not in made:
+            out = tmp_path_factory.mktemp(f"whole_{strategy}")
+            steps = 2 * len(HOPS) if strategy == "d2" else 4
+            _finish(_cli(out, "whole", *WIDE, f"train.steps={steps}", f"compile.allocation={ALLOCATIONS[strategy]}"))
+            made[strategy] = out / "whole"
+        return made[strategy]
+    return whole
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("allocation", ["train:d2 + gen:d1", "train:t2 + gen:d1", "train:p2 + gen:d1"])
+@pytest.mark.parametrize("strategy", ["d2", "t2", "p2"])
 def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_weights(tmp_path, warm_cache,
-                                                                                        allocation):
+                                                                                        whole_runs, strategy):
     """FSDP2 (dp2), DTensor TP (tp2) and pipeline (pp2: each stage its layers, the tied
     embedding's moments once) shards: saved, joined and loaded back bit for bit."""
-    DP2 = [*WIDE, f"compile.allocation={allocation}"]
-    _finish(_cli(tmp_path, "whole", *DP2))
-    whole = tmp_path / "whole"
+    DP2 = [*WIDE, f"compile.allocation={ALLOCATIONS[strategy]}"]
+    whole = whole_runs(strategy)
     version_2 = whole / "checkpoints/version_2"
     files = latest_checkpoint(whole).manifest()["files"]
     assert {"trainer_dcp/.metadata", "trainer_dcp/__0_0.distcp", "trainer_dcp/__1_0.distcp"} <= files.keys()
     assert read_state(version_2)["world_sizes"] == {"train_step": 2}
-    (saved, moments), weights = _sharded_state(version_2), _weights(version_2)
+    (saved, moments), weights = _sharded_state(version_2, tmp_path), _weights(version_2)
     assert weights.keys() <= saved.keys() and moments.keys() <= weights.keys()  # a tied LM head: moments once
     for name, tensor in weights.items():  # the shards join into whole tensors: the weights HF has, AdamW's moments
         assert torch.equal(saved[name], tensor)
@@ -61,23 +85,22 @@ def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_
     err = _finish(_cli(tmp_path, "cut", *DP2, "--resume", str(tmp_path / "cut")))
     assert f"resuming {tmp_path / 'cut'} from version_2 (step 2 of 4)" in err
     assert not _same(_weights(tmp_path / "cut/model"), weights)  # steps 2 and 3 trained after it
-    assert _same(_weights(tmp_path / "cut/model"), _weights(whole / "model"))  # bit-identical on two ranks
+    assert _same(_weights(tmp_path / "cut/model"), _weights(whole / "checkpoints/version_4"))  # bit-identical on two ranks
     ids = [r["sample_id"] for r in records(tmp_path / "cut")]
     assert len(ids) == len(set(ids)) == 4 * B * N
 
 
 
 @pytest.mark.slow
-def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(tmp_path, warm_cache):
+def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(tmp_path, warm_cache, whole_runs):
     """Rank 0 (the process on the trainer's inbox) is killed: the trainer's process ends by
     the same signal, and the scheduler restarts it from version_2 on two ranks."""
-    wide = [*WIDE, "compile.allocation=train:d2 + gen:d1"]
-    _finish(_cli(tmp_path, "whole", *wide))
+    wide = [*WIDE, f"compile.allocation={ALLOCATIONS['d2']}"]
     err, _ = _run_killed(tmp_path, "dies", *wide, "scheduler.max_restarts=1")
     assert "train_step/0: rank 0 was ended by signal 9 (exit code -9)" in err
     line = next(x for x in err.splitlines() if "restarting every worker" in x)
     assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_2")
-    assert _same(_weights(tmp_path / "dies/model"), _weights(tmp_path / "whole/model"))
+    assert _same(_weights(tmp_path / "dies/model"), _weights(whole_runs("d2") / "checkpoints/version_4"))
     ids = [r["sample_id"] for r in records(tmp_path / "dies")]
     assert len(ids) == len(set(ids)) == 4 * B * N
     assert json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]["trainer_restarts"] == 1
@@ -85,14 +108,12 @@ def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(
 
 # --- resharding: a checkpoint resumed on another world size or strategy -------------------------
 
-ALLOCATIONS = {"d1": "train:d1 + gen:d1", "d2": "train:d2 + gen:d1", "t2": "train:t2 + gen:d1"}
 WORLD = {"d1": 1, "d2": 2, "t2": 2}
 STRATEGY = {"d1": "d1", "d2": "d2", "t2": "d1t2"}  # the plan's compact form (dp written out)
-HOPS = ["d2", "d1", "d2", "t2", "d2"]  # 2 steps on each: d2 -> d1 -> d2 -> t2 -> d2
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_path, warm_cache):
+def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_path, warm_cache, whole_runs):
     """One run trained 2 steps at a time on :data:`HOPS`, each hop resuming the previous hop's
     last checkpoint on another strategy, against an uninterrupted run of 10 steps on d2
     (checkpoints every 2 steps: the reference weights at every hop's last version).
@@ -107,8 +128,7 @@ def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_pa
     element with ``|g| >> eps`` by ~lr (bias-corrected ``m / sqrt(v) = sign(g)``), not by the
     continued moments' step."""
     steps = 2 * len(HOPS)
-    _finish(_cli(tmp_path, "whole", *WIDE, f"train.steps={steps}", f"compile.allocation={ALLOCATIONS['d2']}"))
-    reference = {v: _weights(tmp_path / f"whole/checkpoints/version_{v}") for v in range(2, steps + 1, 2)}
+    reference = {v: _weights(whole_runs("d2") / f"checkpoints/version_{v}") for v in range(2, steps + 1, 2)}
     worst = {}
     for hop, strategy in enumerate(HOPS):
         version = 2 * (hop + 1)
