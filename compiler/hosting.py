@@ -52,9 +52,13 @@ worker is one actor on one machine and a worker's processes are child processes 
 :func:`ray_machine_problem`:
 
 * ``ray-one-machine``: a worker group whose actors do not divide evenly over the machines its
-  mesh spans: every group but the dataset's generation replicas (a train_step's ranks, a
-  judge, a reference model's group) is one actor, so its mesh must lie on one machine (e.g.
-  ``gen:d1 + train:d2`` on one-device machines is refused, ``gen:d2 + train:d1`` runs).
+  mesh spans. The dataset's generation replicas are one actor each; the policy's multi-rank
+  train_step runs one actor per machine of its mesh, each spawning that machine's ranks, which
+  join one ``torch.distributed`` group across the machines (``runtime.ray_scheduler``), so
+  its ranks must divide evenly over the machines; every other group (a judge, a reference
+  model's group, a one-rank trainer) is one actor, so its mesh must lie on one machine (e.g.
+  on one-device machines ``gen:d1 + train:d2`` runs, the trainer's two ranks on two machines;
+  ``gen:d1 + train:d1 + ref:d2`` is refused for the reference model).
 
 ``compiler.allocation.resolve`` and ``compiler.search`` ask it (:func:`ray_hosting_problem`)
 when the plan's scheduler is Ray, and ``runtime.ray_scheduler`` before any actor starts. The
@@ -104,14 +108,16 @@ RAY_ONE_MACHINE = "ray-one-machine"
 
 def ray_machine_problem(actors: int, mesh: str, machines: int) -> str | None:
     """Why Ray cannot place a worker group of ``actors`` actors (the dataset's generation
-    replicas, else 1) on mesh ``mesh`` spanning ``machines`` machines, or None: the
-    actors are spread evenly over the mesh's machines and each actor's processes run on its own
-    machine (module doc, rule ``ray-one-machine``)."""
+    replicas; the ranks of the policy's multi-rank train_step, one actor per machine holding
+    that machine's ranks; else 1) on mesh ``mesh`` spanning ``machines`` machines, or None:
+    the actors are spread evenly over the mesh's machines and each actor's processes run on
+    its own machine (module doc, rule ``ray-one-machine``)."""
     if actors % machines == 0:
         return None
     return (f"{RAY_ONE_MACHINE}: its mesh {mesh} spans {machines} machines but runs as {actors} actor(s) on Ray; a "
-            "worker's ranks are processes of its one actor, so it cannot span machines: give it devices of one "
-            "machine (compile.allocation), or use scheduler.type=local")
+            "worker's processes run on its actor's machine, and only a multi-rank policy train_step spreads its "
+            "ranks over machines (evenly): give it devices of one machine (compile.allocation), or use "
+            "scheduler.type=local")
 
 
 def ray_hosting_problem(nodes: list[Hosted], meshes: dict) -> tuple[str, str] | None:
@@ -124,11 +130,15 @@ def ray_hosting_problem(nodes: list[Hosted], meshes: dict) -> tuple[str, str] | 
             node without a strategy yet (its replica count unknown) is skipped.
     """
     fed = set(_dataset_fed(nodes))
+    policies = {n.model for n in nodes if n.name in fed}
+    ranks = {n.group: meshes[n.name].size for n in nodes  # a policy trainer's ranks: one per device of its mesh
+             if n.trains and n.model in policies and n.name in meshes}
     for n in nodes:
         if n.name not in meshes or (n.name in fed and n.strategy is None):
             continue
         mesh = meshes[n.name]
-        why = ray_machine_problem(n.strategy.dp if n.name in fed else 1, mesh.label(), mesh.n_nodes)
+        actors = n.strategy.dp if n.name in fed else ranks.get(n.group, 1)
+        why = ray_machine_problem(actors, mesh.label(), mesh.n_nodes)
         if why is not None:
             return n.name, why
     return None

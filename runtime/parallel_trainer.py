@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from compiler.strategy import ParallelStrategy
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
 from runtime.parallel.apply import ParallelConfig, ParallelModel, parallelize
-from runtime.parallel.launch import spawn_workers
+from runtime.parallel.launch import RankSpan, spawn_workers
 from runtime.parallel import signed_objects
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel.rl_context import ContextRunner
@@ -131,7 +132,7 @@ class RankTrainer:
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
         if device_type == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
             model = model.cuda()
         mesh = build_device_mesh(strategy, device_type)
         # the runner drives a pipeline stage itself; activation checkpointing as the plan says
@@ -307,13 +308,15 @@ def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: Pa
 
 def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
               device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None,
-              critic: TrainSettings | None = None) -> object:
-    """Spawn ``strategy.world_size`` ranks; rank 0 calls ``lead(rank_trainer, *args)`` and
-    its result is returned, the others follow its broadcasts (:func:`_follow`).
+              critic: TrainSettings | None = None, span: RankSpan | None = None) -> object:
+    """Spawn ``strategy.world_size`` ranks (or ``span``'s, this machine's share of ranks spread
+    over machines); rank 0 calls ``lead(rank_trainer, *args)`` and its result is returned (None
+    where rank 0 is not spawned here), the others follow its broadcasts (:func:`_follow`).
 
     Collectives wait up to ``timeout_s`` seconds (the other ranks wait in a broadcast while
     rank 0 waits for experience). ``device_type``/``backend``: the plan's (``cpu``/``gloo``
-    or ``cuda``/``nccl``; a rank uses GPU ``rank mod device_count``). ``secret``: the run's
+    or ``cuda``/``nccl``; a rank uses GPU ``local rank mod device_count``, its rank among the
+    ranks spawned on its machine). ``secret``: the run's
     channel secret, the key of every object the ranks exchange (``spawn_workers``). ``critic``:
     the settings of a critic's train_step trained on the same ranks (``RankTrainer.build``).
 
@@ -323,5 +326,5 @@ def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: t
     """
     validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
     results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args, critic),
-                            backend=backend, timeout_s=timeout_s, secret=secret)
-    return results[0]
+                            backend=backend, timeout_s=timeout_s, secret=secret, span=span)
+    return results[0] if span is None or span.first == 0 else None

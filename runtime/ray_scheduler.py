@@ -6,7 +6,8 @@ against the plan before any model is touched, make one placement group per devic
 start one actor (``runtime.ray_workers.WorkerActor``) per generation replica and per other
 worker group of the plan's topology (``runtime.topology``) in its mesh's group — the same
 worker code as the local scheduler (``runtime.workers``), a multi-rank trainer spawning its
-ranks inside its actor on the mesh's resources — and leave no actor or placement group
+ranks inside its actor on the mesh's resources, or, its mesh spanning machines, inside one
+actor per machine (``runtime.ray_ranks``) — and leave no actor or placement group
 behind, also on Ctrl-C. What the schedulers share is written once: what happens before and
 after the workers (plan.json, warm start, held-out accuracy, summary) in
 :class:`runtime.run_setup.RunSetup`; the attempt loop, the router (on the driver), restarts,
@@ -53,8 +54,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from compiler.hosting import ray_machine_problem
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
-from runtime.driver import DIED, ERROR, OK, Driver, WorkerEnd, reports
+from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
 from runtime.restarts import HostLost, WorkerFailed
+from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
                                  lost_machines, plan_nodes, spare_nodes)
@@ -138,6 +140,7 @@ class RayScheduler:
         self.nodes: list[str] = []  # the Ray node id standing for each plan machine
         self.actors: dict[str, object] = {}
         self.pending: dict = {}  # object ref of a worker's run -> its name
+        self.hosts = RankHosts(_exit_cause)  # a trainer's ranks on its mesh's other machines
         self.placement: dict = {}
         self.sink: Queue | None = None
         self.held: list = []  # sockets holding the ports of the router's control addresses
@@ -200,27 +203,29 @@ class RayScheduler:
                 raise HostLost(f"node {', '.join(lost.values())} was lost")
 
     def layout(self) -> dict[str, tuple]:
-        """Each worker's ``(mesh, bundle, workers sharing that bundle)``: a mesh's workers (its
-        groups' workers in topology order, one actor each) are spread evenly over the bundles of
-        the machines it spans, the ``k``-th on bundle ``k // (workers / machines)``, so generation
-        replica ``r`` runs on the machine that holds its devices.
+        """Each actor's ``(mesh, bundle, actors sharing that bundle)``: each group's actors
+        (``runtime.ray_ranks.actor_names``: its replicas, or a trainer's one actor per machine)
+        are spread evenly over the bundles of the machines its mesh spans, the ``k``-th on bundle
+        ``k // (actors / machines)``, so generation replica ``r`` runs on the machine that holds
+        its devices; the groups time-sharing a mesh share its bundles' devices evenly.
 
         Raises:
             ClusterMismatchError: a worker group breaks ``compiler.hosting``'s rule
-                ``ray-one-machine`` (e.g. a multi-rank trainer spanning machines: its ranks are
-                processes of its one actor), naming the group's node and the rule.
+                ``ray-one-machine`` (e.g. a judge spanning machines: its processes are those of
+                its one actor), naming the group's node and the rule.
         """
-        workers: dict = {}
+        bundle_of: dict = {}
         for g in self.setup.topo.groups.values():
-            why = ray_machine_problem(g.replicas, g.mesh.label(), g.mesh.n_nodes)
+            names = actor_names(g)
+            why = ray_machine_problem(len(names), g.mesh.label(), g.mesh.n_nodes)
             if why is not None:
                 raise ClusterMismatchError(f"node '{g.name}': {why}")
-            workers.setdefault(g.mesh, []).extend(f"{g.name}/{r}" for r in range(g.replicas))
-        layout = {}
-        for mesh, names in workers.items():
-            per = len(names) // mesh.n_nodes
-            layout.update((name, (mesh, k // per, per)) for k, name in enumerate(names))
-        return layout
+            per = len(names) // g.mesh.n_nodes
+            bundle_of.update((name, (g.mesh, k // per)) for k, name in enumerate(names))
+        share: dict = {}
+        for where in bundle_of.values():
+            share[where] = share.get(where, 0) + 1
+        return {name: (mesh, bundle, share[mesh, bundle]) for name, (mesh, bundle) in bundle_of.items()}
 
     def _actor(self, name: str, restarts: int = 0):
         mesh, bundle, share = self.layout()[name]
@@ -242,8 +247,8 @@ class RayScheduler:
         evenly among its actors."""
         limit = int(self.setup.plan.run["scheduler"].get("max_restarts", 0))
         for g in self.setup.topo.groups.values():
-            for r in range(g.replicas):
-                self.actors[f"{g.name}/{r}"] = self._actor(f"{g.name}/{r}", limit if g.kind == "generation" else 0)
+            for name in actor_names(g):
+                self.actors[name] = self._actor(name, limit if g.kind == "generation" else 0)
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         """Start the attempt's actors (and, once, the metrics queue) on the plan machines' nodes,
@@ -297,19 +302,33 @@ class RayScheduler:
         name = f"{spec.group}/{spec.rank}"
         generation = group.kind == "generation"
         sink = self.sink if reports(self.setup.topo, group) else None  # one rule with the local scheduler
+        if spans_machines(group):  # its ranks on every machine of its mesh, joined at rank 0's
+            master, port = ray.get(self.actors[name].rendezvous.remote(getattr(self.cfg.scheduler, "bind_host", "")))
+            specs = rank_specs(spec, group, master, port)
+            spec = specs.pop(name)
+            for host, host_spec in specs.items():
+                self.hosts.started(self.actors[host].run_ranks.remote(host_spec), host, name)
         self.pending[self.actors[name].run.remote(spec, generation, sink)] = name
 
     def wait(self, timeout_s: float) -> list[WorkerEnd]:
+        """The workers that ended within ``timeout_s`` seconds; a trainer's rank host ending is
+        reported as its stage worker's end (``runtime.ray_ranks.RankHosts``), or not at all."""
         if not self.pending:
             return []
-        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait(list(self.pending) + self.hosts.refs(), num_returns=1, timeout=timeout_s)
         ended = []
         for ref in ready:
+            if ref not in self.pending:
+                end = self.hosts.end(ref)
+                if end is not None:  # its stage worker's later end (an error in a collective) is not
+                    self.pending = {r: n for r, n in self.pending.items() if n != end.name}
+                    ended.append(end)
+                continue
             name = self.pending.pop(ref)
             try:
                 ended.append(WorkerEnd(name, OK, ray.get(ref)))
             except RayTaskError as exc:
-                ended.append(WorkerEnd(name, ERROR, str(exc)))
+                ended.append(self.hosts.lead_error(name, str(exc)))
             except RayActorError as exc:
                 ended.append(WorkerEnd(name, DIED, _exit_cause(exc)))
         return ended
@@ -361,6 +380,7 @@ class RayScheduler:
                                        "after ray.kill")
                 time.sleep(POLL_S / 5)
         self.actors, self.pending = {}, {}
+        self.hosts.clear()
 
     def release(self) -> dict:
         """Kill the actors and the metrics queue, remove the placement groups (idempotent);

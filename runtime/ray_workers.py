@@ -1,4 +1,5 @@
-"""The Ray actor hosting a worker of the plan: a generation replica or a stage worker.
+"""The Ray actor hosting a worker of the plan: a generation replica, a stage worker, or a
+multi-rank trainer's ranks on a machine other than rank 0's (``runtime.ray_ranks``).
 
 Owns only the hosting: each actor runs the same worker function the local scheduler runs
 (``runtime.workers``) in its own process, on the node of its placement group, and answers
@@ -23,6 +24,7 @@ import threading
 import ray
 
 from runtime.stage_worker import run_stage_worker
+from runtime.trainer_ranks import run_rank_host
 from runtime.workers import WorkerSpec, run_generation_replica
 
 
@@ -80,6 +82,19 @@ class WorkerActor:
         """A fresh channel address on this node, its port held by this actor until it ends
         (see :func:`free_tcp_endpoint`)."""
         return free_tcp_endpoint(bind_host, self.held)
+
+    def rendezvous(self, bind_host: str = "") -> tuple[str, int]:
+        """``(IP, port)`` for the ``torch.distributed`` group of a trainer whose rank 0 this actor
+        spawns: the IP :func:`bind_ip` names on this node and a port free on it now."""
+        ip = bind_ip(bind_host)
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def run_ranks(self, spec: WorkerSpec) -> None:
+        """Spawn this machine's ranks ``spec.ranks`` of the trainer ``spec.group`` and follow rank
+        0's commands to the trainer's end (``runtime.trainer_ranks.run_rank_host``)."""
+        run_rank_host(spec)
 
     def run(self, spec: WorkerSpec, generation: bool, sink=None) -> dict:
         """Run the worker ``spec`` describes to its end and return its report. A trainer puts

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import sys
 import threading
 import time
 from dataclasses import asdict, is_dataclass
@@ -53,6 +51,7 @@ from runtime.staleness import OrderedExperienceBuffer
 from runtime.step_checkpoint import StepCheckpoints
 from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
+from runtime.trainer_ranks import rank_settings, run_trainer_ranks
 from runtime.weights import WeightPublisher
 from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
                              worker_group)
@@ -60,30 +59,14 @@ from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nod
 def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
     """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
     metrics (a trainer); ``lease`` is held around each train step when the plan time-shares
-    the mesh with generation. A multi-rank policy train_step spawns its ranks here; when one
-    of them is ended by a signal, this process ends by the same signal (a dead trainer, which
-    the local scheduler restarts from the last checkpoint, ``runtime.launch``)."""
+    the mesh with generation. A multi-rank policy train_step spawns its ranks here (or, its
+    ranks spread over machines, ``spec.ranks``: those of this machine, rank 0 among them); when
+    one of them is ended by a signal, this process ends by the same signal (a dead trainer,
+    which the local scheduler restarts from the last checkpoint, ``runtime.launch``)."""
     group = worker_group(spec)
     ctx = worker_context(spec)
-    policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
-                  None)
-    if policy is not None and group.strategy.world_size > 1:
-        from runtime.executors.train import TrainSettings
-        from runtime.parallel.launch import RankKilled
-        from runtime.parallel_trainer import run_ranks
-
-        settings = TrainSettings.from_node(ctx.node(policy), ctx)
-        critic = next((TrainSettings.from_node(ctx.node(n), ctx) for n in group.nodes if ctx.node(n).trains
-                       and ctx.plan.models[ctx.node(n).model]["head"] == "value"
-                       and ctx.node(n).parallel.world_size > 1), None)  # dN on the same ranks
-        try:
-            return run_ranks(settings, group.strategy, _stage_on_rank0, (spec, report, lease),
-                             spec.recv_timeout_s + 120.0, device_type=spec.plan.device_type, backend=spec.plan.backend,
-                             secret=spec.secret, critic=critic)
-        except RankKilled as exc:  # die as the rank did: the scheduler restarts the trainer from its checkpoint
-            print(f"areal-flow: {spec.group}/{spec.rank}: {exc}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), exc.signal)
-            raise
+    if rank_settings(ctx, group) is not None:
+        return run_trainer_ranks(spec, ctx, group, _stage_on_rank0, (spec, report, lease))
     return _Stage(spec, ctx, group, report, lease).run()
 
 

@@ -62,6 +62,8 @@ class WorkerGroup:
             multi-rank train_step = ``world_size``.
         upstream / downstream: names of the groups it receives from / sends to.
         batch_nodes: its ``batch``-grain nodes (a group with any is a step group).
+        ranks: the processes of the policy's train_step it hosts (its world size; on Ray
+            spread evenly over the mesh's machines, ``runtime.ray_scheduler``), else 1.
     """
 
     name: str
@@ -72,6 +74,7 @@ class WorkerGroup:
     upstream: list[str] = field(default_factory=list)
     downstream: list[str] = field(default_factory=list)
     batch_nodes: list[str] = field(default_factory=list)
+    ranks: int = 1
 
     @property
     def replicas(self) -> int:
@@ -159,6 +162,7 @@ def build_topology(plan: Plan) -> Topology:
         group = groups.setdefault(key, WorkerGroup(key, kind, [], host.parallel, host.mesh))
         if node.trains and node.model == gen.model:
             group.strategy = node.parallel  # the policy trainer's ranks decide the group's processes
+            group.ranks = node.parallel.world_size
         group.nodes.append(node.name)
         if node.grain == BATCH:
             group.batch_nodes.append(node.name)

@@ -42,6 +42,7 @@ from runtime.context import WorkerContext
 from runtime.engines.precision import MIN_SPEEDUP
 from runtime.faults import kill_point
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
+from runtime.parallel.launch import RankSpan
 from runtime.topology import judge_nodes
 from runtime.trace import TraceRecorder, now_us
 from runtime.weights import WeightSubscriber
@@ -67,6 +68,9 @@ class WorkerSpec:
             is signed with it, every message it receives is verified before use.
         resume: for a trainer, the checkpoint folder it continues from (``runtime.checkpoint``;
             empty: version 0).
+        ranks: for a multi-rank trainer whose ranks are spread over machines (Ray), the ranks
+            this worker spawns and their rendezvous (``runtime.parallel.launch.RankSpan``);
+            None: every rank, here.
     """
 
     plan: Plan
@@ -85,6 +89,7 @@ class WorkerSpec:
     resync: str = ""
     secret: bytes = b""
     resume: str = ""
+    ranks: RankSpan | None = None
 
 
 def worker_context(spec: WorkerSpec) -> WorkerContext:

@@ -1,7 +1,8 @@
 """Start one worker process per device of a node and run a function in each.
 
-The launcher owns process start-up only: a free loopback port for the
-``torch.distributed`` rendezvous, the backend choice (NCCL when CUDA is
+The launcher owns process start-up only: the ``torch.distributed`` rendezvous (a free
+loopback port, or a :class:`RankSpan`'s address when the ranks of one group are spread
+over several machines, one launcher each), the backend choice (NCCL when CUDA is
 available, gloo on CPU), one thread per CPU worker, and collecting each rank's
 return value. What the workers do (build a mesh, parallelize a model) belongs to
 the other modules of ``runtime.parallel``.
@@ -17,6 +18,7 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +48,24 @@ class RankKilled(WorkerError):
         self.rank, self.signal = rank, signal
 
 
+@dataclass(frozen=True)
+class RankSpan:
+    """The ranks one launcher starts of a ``torch.distributed`` group that may span machines.
+
+    Attributes:
+        first: the global rank of its first process. count: how many it starts (ranks
+            ``first .. first + count - 1``; local rank ``i`` is global rank ``first + i``).
+        master: ``MASTER_ADDR``, the IP of the machine running global rank 0 (its
+            ``TCPStore``), reachable from every machine of the group.
+        port: ``MASTER_PORT`` on it (a port free there when chosen).
+    """
+
+    first: int
+    count: int
+    master: str
+    port: int
+
+
 def free_loopback_port() -> int:
     """A TCP port on 127.0.0.1 that was free when asked (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -59,15 +79,15 @@ def default_backend() -> str:
 
 
 def _worker_entry(
-    rank: int, fn: WorkerFn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple, out_dir: str,
-    secret: bytes,
+    local: int, fn: WorkerFn, world_size: int, span: RankSpan, backend: str, timeout_s: float, args: tuple,
+    out_dir: str, secret: bytes,
 ) -> None:
     set_secret(secret)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
-    )
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    rank = span.first + local
+    os.environ.update(MASTER_ADDR=span.master, MASTER_PORT=str(span.port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(local))
+    if backend == "nccl":  # the machine's devices this launcher may use, in local-rank order
+        torch.cuda.set_device(local % torch.cuda.device_count())
     else:
         torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -83,12 +103,13 @@ def _worker_entry(
 
 def spawn_workers(
     fn: WorkerFn, world_size: int, args: tuple = (), *, backend: str | None = None, timeout_s: float = 120.0,
-    secret: bytes | None = None,
+    secret: bytes | None = None, span: RankSpan | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (or in the
+    ranks of ``span``, this machine's share of a group spread over machines).
 
     Each process has ``torch.distributed`` initialised (``init_process_group``
-    over a free 127.0.0.1 port) before ``fn`` runs and destroyed after it.
+    over a free 127.0.0.1 port, or ``span``'s address) before ``fn`` runs and destroyed after it.
     Return values travel back through files in a temporary folder (a pipe
     would block on payloads over its 64 KiB buffer).
 
@@ -102,35 +123,43 @@ def spawn_workers(
         secret: the key of the ranks' signed objects (``runtime.parallel.signed_objects``;
             the run's channel secret); None: a fresh one (``runtime.channel_auth.new_secret``).
             It reaches the ranks through their start (a process pipe), never the store.
+        span: the ranks to start here and the rendezvous address (:class:`RankSpan`; the
+            launchers of the other ranks run on other machines with the same ``world_size``,
+            address and secret); None: every rank, here, on loopback.
 
     Returns:
-        ``fn``'s return values ordered by rank.
+        ``fn``'s return values of the ranks started here, ordered by rank.
 
     Raises:
-        ValueError: ``world_size < 1``, or ``secret`` shorter than 16 bytes.
+        ValueError: ``world_size < 1``, ``secret`` shorter than 16 bytes, or ``span``'s ranks
+            outside ``0 .. world_size - 1``.
         WorkerError: a worker raised; the message holds its rank and traceback.
         RankKilled: a worker was ended by a signal (none raised).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one worker")
+    span = span or RankSpan(0, world_size, "127.0.0.1", free_loopback_port())
+    if span.first < 0 or span.count < 1 or span.first + span.count > world_size:
+        raise ValueError(f"ranks {span.first}..{span.first + span.count - 1}: outside a group of {world_size}")
     backend = backend or default_backend()
     secret = new_secret() if secret is None else check_secret(secret, "spawn_workers")
     with tempfile.TemporaryDirectory(prefix="areal_flow_workers_") as out_dir:
         try:
             mp.start_processes(
                 _worker_entry,
-                args=(fn, world_size, free_loopback_port(), backend, timeout_s, args, out_dir, secret),
-                nprocs=world_size,
+                args=(fn, world_size, span, backend, timeout_s, args, out_dir, secret),
+                nprocs=span.count,
                 join=True,
                 start_method="spawn",
             )
         except ProcessException as exc:
             if isinstance(exc, ProcessExitedException) and exc.exit_code < 0:  # the first to end was killed
-                raise RankKilled(exc.error_index, -exc.exit_code) from exc  # (the others' errors follow from it)
+                raise RankKilled(span.first + exc.error_index, -exc.exit_code) from exc  # (the others' follow)
             errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
             details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
             raise WorkerError("\n".join(details) or str(exc)) from exc
-        return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
+        return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+                for rank in range(span.first, span.first + span.count)]
 
 
 def launch_strategy(
