@@ -1,12 +1,15 @@
 """Property: every plan ``compile`` emits for a shipped graph, on a random small cluster and
-with or without a random allocation (a critic's or a judge's mesh its own or shared), passes
-the one executability predicate (``compiler.executable``) and the runtime's ``build_topology``
-(issue 24)."""
+with or without a random allocation (a critic's or a judge's mesh its own or shared), for the
+local scheduler or Ray, passes the one executability predicate (``compiler.executable``) and
+the runtime's ``build_topology``, and on Ray the Ray layout places it (``RayScheduler.layout``:
+``compiler.hosting``'s ``ray-one-machine``, a trainer spanning machines as one actor per
+machine) (issue 24)."""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,7 +38,8 @@ def _strategy(draw) -> str:
 @st.composite
 def _cases(draw):
     graph = draw(st.sampled_from(GRAPHS))
-    overrides = [f"cluster.n_nodes={draw(st.sampled_from((1, 2)))}",
+    overrides = [f"cluster.n_nodes={draw(st.sampled_from((1, 2, 3)))}",
+                 f"scheduler.type={draw(st.sampled_from(('local', 'ray')))}",
                  f"cluster.n_gpus_per_node={draw(st.sampled_from((1, 2, 4, 8)))}",
                  f"cluster.gpu={draw(st.sampled_from(('cpu', 'H100')))}",
                  f"train.batch_size={draw(st.integers(1, 6))}", f"gen.n_samples={draw(st.integers(1, 4))}"]
@@ -58,4 +62,11 @@ def test_every_plan_compile_emits_is_executable(case):
     except (AllocationError, InfeasiblePlanError):  # refused at compile, naming the culprit: fine
         return
     check_executable(plan)
-    build_topology(plan)
+    topology = build_topology(plan)
+    if cfg.scheduler.type == "ray":
+        from runtime.ray_scheduler import RayScheduler, _settings
+
+        layout = RayScheduler(SimpleNamespace(topo=topology), _settings(plan)).layout()
+        for g in topology.groups.values():  # each machine of a group's mesh holds as many of its actors
+            bundles = [layout[name][1] for name in layout if name.split("/")[0] == g.name]
+            assert sorted(bundles) == sorted(list(range(g.mesh.n_nodes)) * (len(bundles) // g.mesh.n_nodes))
