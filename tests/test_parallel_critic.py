@@ -93,43 +93,56 @@ def single_process_critic(folder: Path, batch: dict, saved: Path) -> tuple[list[
     return out, optimizer.state_dict()
 
 
-def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, saved: Path,
+def _critic_on_ranks(rank: int, world_size: int, strategy: str, folder: Path, batch: dict, saved: Path,
                      optimizer_state: dict) -> dict | None:
-    """Worker: ``STEPS`` steps of ``RankCritic`` on dp2 (rank 0 keeps stats, full gradients,
-    gathered weights and its whole copy after each); then a fresh ``RankCritic`` loads the
-    one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole weights and
-    AdamW state, ``reshard.whole_state``)."""
+    """Worker: ``STEPS`` steps of ``RankCritic`` under ``strategy`` (rank 0 keeps stats, full
+    gradients, gathered weights and its whole copy after each); then a fresh ``RankCritic``
+    loads the one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole
+    weights and AdamW state, ``reshard.whole_state``)."""
     spec = settings(folder, "ppo")
-    mesh = build_device_mesh(ParallelStrategy.parse(f"d{world_size}"), "cpu")
-    critic = RankCritic.build(spec, mesh["dp"])
+    parsed = ParallelStrategy.parse(strategy)
+    mesh = build_device_mesh(parsed, "cpu")
+    critic = RankCritic.build(spec, mesh, parsed)
     whole = ValueModel.from_policy(folder, seed=spec.seed) if rank == 0 else None
     out = []
     for _ in range(STEPS):
         stats = critic.step(batch, MICRO_BATCHES)
-        grads = dict(full_named_tensors(critic.module, grads=True))
-        state = dict(full_named_tensors(critic.module))
+        # copies: a replicated DTensor's full_tensor() is its live local tensor
+        grads = {k: v.clone() for k, v in full_named_tensors(critic.module, grads=True)}
+        state = {k: v.clone() for k, v in full_named_tensors(critic.module)}
         critic.gather_into(whole)
         out.append({"stats": stats, "grads": grads, "state": state,
                     "whole": _state(whole) if whole is not None else None})
-    loaded = RankCritic.build(spec, mesh["dp"])
+    loaded = RankCritic.build(spec, mesh, parsed)
     loaded.load_whole(saved, optimizer_state)
     state = whole_state(loaded.module, loaded.optimizer)  # a collective: every rank joins
     return {"steps": out, "loaded": state} if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def critic_steps(tmp_path_factory):
+def reference(tmp_path_factory):
+    """The policy folder, the batch, the one-process critic's steps, the saved critic's folder
+    and its AdamW ``state_dict``."""
     torch.set_num_threads(1)
     folder = policy_folder(tmp_path_factory.mktemp("policy"))
     batch = critic_batch(folder)
     saved = tmp_path_factory.mktemp("critic")
-    reference, optimizer_state = single_process_critic(folder, batch, saved)
-    parallel = spawn_workers(_critic_on_ranks, 2, (folder, batch, saved, optimizer_state), backend="gloo")[0]
-    return parallel, reference, ValueModel.load(saved), optimizer_state
+    steps, optimizer_state = single_process_critic(folder, batch, saved)
+    return folder, batch, steps, saved, optimizer_state
 
 
-@pytest.mark.slow  # the fixture spawns two ranks: ~30 s on 2 shared cores
-def test_critic_dp2_matches_single_process(critic_steps):
+@pytest.fixture(scope="module", params=["d2", "t2", "d2t2"])
+def critic_steps(request, reference):
+    folder, batch, steps, saved, optimizer_state = reference
+    world = ParallelStrategy.parse(request.param).world_size
+    parallel = spawn_workers(_critic_on_ranks, world, (request.param, folder, batch, saved, optimizer_state),
+                             backend="gloo")[0]
+    return parallel, steps, ValueModel.load(saved), optimizer_state
+
+
+@pytest.mark.slow  # the fixture spawns 2 or 4 ranks: ~30-60 s on 2 shared cores
+def test_critic_on_ranks_matches_single_process(critic_steps):
+    """dp2 (FSDP2), tp2 (Megatron split, head replicated) and their product against one process."""
     parallel, reference = critic_steps[0]["steps"], critic_steps[1]
     first, ref = parallel[0], reference[0]
     assert 0 < ref["stats"]["value_clip_frac"] < 1  # both branches of the clipped value loss run
@@ -159,12 +172,22 @@ def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_step
             assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
 
 
-def test_critic_strategy_other_than_dp_is_refused():
+def test_critic_strategy_other_than_dp_tp_is_refused():
     def facts(strategy):
         return NodeFacts.from_attrs("critic_step", "training", ParallelStrategy.parse(strategy), {}, critic=True,
                                     rows=8)
-    assert failed_rule(facts("t2"))[0] == "critic-parallel" and "tp" in failed_rule(facts("t2"))[1]
-    assert failed_rule(facts("d2")) is None  # dp runs
+    for strategy, degree in (("p2", "pp"), ("d2c2", "cp"), ("d2e2", "ep"), ("t2p2", "pp")):
+        rule, why = failed_rule(facts(strategy))
+        assert rule == "critic-parallel" and f"cannot use {degree} " in why, strategy
+    for strategy in ("d2", "t2", "d2t2"):  # what runtime.parallel_critic runs
+        assert failed_rule(facts(strategy)) is None, strategy
+
+
+def test_rank_critic_refuses_pp_cp_ep_before_building(tmp_path):
+    """``RankCritic.build`` names the degrees it cannot run (before any collective)."""
+    for strategy, degree in (("d1p2", "pp"), ("d2c2", "cp")):
+        with pytest.raises(ValueError, match=f"runs dp and tp only; strategy {strategy} has {degree} > 1"):
+            RankCritic.build(settings(tmp_path, "ppo"), None, ParallelStrategy.parse(strategy))
 
 
 PPO_RUN = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
