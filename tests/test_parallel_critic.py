@@ -1,20 +1,23 @@
-"""A critic's train_step on two data-parallel ranks (``runtime.parallel_critic``) equals the
-single-process critic step (``critic_update`` as ``runtime.executors.train`` runs it).
+"""A critic's train_step on the trainer's ranks (``runtime.parallel_critic``) under dp2, tp2 and
+dp2 x tp2 equals the single-process critic step (``critic_update`` as ``runtime.executors.train``
+runs it).
 
-1. Two optimizer steps of the tiny critic with dp2 (FSDP2, 2 micro-batches per rank) and on one
-   process (2 micro-batches of 4 rows) on the same batch: the value loss, clip fraction and
-   gradient norm and the gradients of each step, and the weights after the first, agree within
-   the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of additions only:
-   FSDP's reduce-scatter sums two half-batch gradients; observed: value loss 2e-8 relative,
-   gradients 3e-8 absolute, weights 5e-7 after AdamW's first step); the whole copy rank 0
-   gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit;
-   the one-process critic and its AdamW state load into the two ranks' shards bit for bit.
+1. Two optimizer steps of the tiny critic on the ranks (2 micro-batches per DP rank) and on one
+   process (2 micro-batches of 4 rows) on the same batch (k = 0): the value loss, clip fraction
+   and gradient norm of each step, the gradients of each step, and the weights after the first,
+   agree within the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of
+   additions only: FSDP's reduce-scatter sums two half-batch gradients, TP's row-parallel
+   linears and vocabulary-split embedding sum partial products; observed: value loss 1e-7
+   relative, gradients <= 3e-8 absolute, weights after the second step <= 3e-6 where |g| ~ 2e-8,
+   AdamW's eps); the whole copy rank 0 gathers (what the advantage node reads for GAE's values)
+   is the ranks' weights bit for bit; the one-process critic and its AdamW state load into the
+   ranks' shards bit for bit.
 2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
-   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``): every sample
-   trained once, the critic's value loss reported, its shards in the critic's checkpoint folder;
-   resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
-3. A critic under tp is refused before any process starts (on its own multi-rank mesh:
-   ``test_executor``).
+   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, and ``t2``): every
+   sample trained once, the critic's value loss reported, its shards in the critic's checkpoint
+   folder; resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
+3. A critic under pp, cp or ep is refused before any process starts (``compiler.executable``)
+   and by ``RankCritic.build``.
 """
 
 from __future__ import annotations
@@ -191,14 +194,17 @@ def test_rank_critic_refuses_pp_cp_ep_before_building(tmp_path):
 
 
 PPO_RUN = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
-           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2",
-           "compile.allocation=train:d2 | critic_step:d2 + gen:d1"]
+           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2"]
 
 
-def _ppo(out: Path, name: str, steps: int, *extra: str) -> str:
-    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`); its stderr."""
+def _ppo(out: Path, name: str, steps: int, strategy: str, *extra: str) -> str:
+    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`), its policy and
+    critic train_steps both ``strategy`` on the same ranks (``train:<s> | critic_step:<s> +
+    gen:d1``); its stderr."""
+    allocation = f"compile.allocation=train:{strategy} | critic_step:{strategy} + gen:d1"
     proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(REPO / "graphs/arith_ppo.py"),
-                           *PPO_RUN, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra], cwd=REPO,
+                           *PPO_RUN, allocation, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
@@ -215,16 +221,17 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache):
+@pytest.mark.parametrize("strategy", ["d2", "d1t2"])
+def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache, strategy):
     """Three CLI runs (40-100 s each on 2 shared cores): 2 steps with a checkpoint at version 2,
     resumed for a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks; the
     resumed step's GAE values come from rank 0's copy of the loaded critic)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _ppo(tmp_path, "cut", 2)
+    _ppo(tmp_path, "cut", 2, strategy)
     cut = tmp_path / "cut"
     plan = {n["name"]: n["strategy"] for n in json.loads((cut / "plan.json").read_text())["nodes"]}
-    assert plan["train_step"] == plan["critic_step"] == "d2"
+    assert plan["train_step"] == plan["critic_step"] == strategy
     trainer = json.loads((cut / "summary.json").read_text())["workers"]["train_step/0"]
     assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (2, 2 * 2 * 4, 2)
     assert len(trained_records(cut)) == 2 * 2 * 4
@@ -239,9 +246,9 @@ def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, w
     assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars("train/value_loss"))
     critic_v2 = _weights(cut / "critic")
     assert _same(critic_v2, _weights(version_2 / "critic"))  # the gathered whole copy, saved
-    err = _ppo(tmp_path, "cut", 3, "--resume", str(cut))
+    err = _ppo(tmp_path, "cut", 3, strategy, "--resume", str(cut))
     assert f"resuming {cut} from version_2 (step 2 of 3)" in err
-    _ppo(tmp_path, "whole", 3)
+    _ppo(tmp_path, "whole", 3, strategy)
     assert not _same(_weights(cut / "critic"), critic_v2)  # step 2 trained the critic after the resume
     for sub in ("critic", "model"):  # the critic's shards and AdamW state came back bit for bit
         assert _same(_weights(cut / sub), _weights(tmp_path / "whole" / sub)), sub
