@@ -91,6 +91,7 @@ def test_each_rule_is_named_in_its_error(facts, rule):
     dict(strategy="d2e2"), dict(strategy="d2c2"), dict(strategy="d1t2p2"), dict(strategy="d1t2c2"),
     dict(strategy="d2t2e2"), dict(strategy="d1", critic=True),
     dict(strategy="d2", critic=True), dict(strategy="d1t2", critic=True), dict(strategy="d2t2", critic=True),
+    dict(strategy="d1c2", critic=True),
     dict(strategy="d4t2", role="generation", engine="vllm"), dict(strategy="d4", role="generation"),
     dict(strategy="d2t2p2c2", role="inference"),  # forward-only: runs on rank 0 of its mesh
 ])

@@ -1,13 +1,14 @@
-"""A critic's train_step on the trainer's ranks (``runtime.parallel_critic``) under dp2, tp2 and
-dp2 x tp2 equals the single-process critic step (``critic_update`` as ``runtime.executors.train``
-runs it).
+"""A critic's train_step on the trainer's ranks (``runtime.parallel_critic``) under dp2, tp2,
+dp2 x tp2 and cp2 equals the single-process critic step (``critic_update`` as
+``runtime.executors.train`` runs it).
 
 1. Two optimizer steps of the tiny critic on the ranks (2 micro-batches per DP rank) and on one
    process (2 micro-batches of 4 rows) on the same batch (k = 0): the value loss, clip fraction
    and gradient norm of each step, the gradients of each step, and the weights after the first,
    agree within the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of
    additions only: FSDP's reduce-scatter sums two half-batch gradients, TP's row-parallel
-   linears and vocabulary-split embedding sum partial products; observed: value loss 1e-7
+   linears and vocabulary-split embedding sum partial products, CP's two sequence chunks'
+   gradients are summed by FSDP; observed: value loss 1e-7
    relative, gradients <= 3e-8 absolute, weights after the second step <= 3e-6 where |g| ~ 2e-8,
    AdamW's eps); the whole copy rank 0 gathers (what the advantage node reads for GAE's values)
    is the ranks' weights bit for bit; the one-process critic and its AdamW state load into the
@@ -16,7 +17,7 @@ runs it).
    and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, and ``t2``): every
    sample trained once, the critic's value loss reported, its shards in the critic's checkpoint
    folder; resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
-3. A critic under pp, cp or ep is refused before any process starts (``compiler.executable``)
+3. A critic under pp or ep is refused before any process starts (``compiler.executable``)
    and by ``RankCritic.build``.
 """
 
@@ -134,7 +135,7 @@ def reference(tmp_path_factory):
     return folder, batch, steps, saved, optimizer_state
 
 
-@pytest.fixture(scope="module", params=["d2", "t2", "d2t2"])
+@pytest.fixture(scope="module", params=["d2", "t2", "d2t2", "c2"])
 def critic_steps(request, reference):
     folder, batch, steps, saved, optimizer_state = reference
     world = ParallelStrategy.parse(request.param).world_size
@@ -145,7 +146,8 @@ def critic_steps(request, reference):
 
 @pytest.mark.slow  # the fixture spawns 2 or 4 ranks: ~30-60 s on 2 shared cores
 def test_critic_on_ranks_matches_single_process(critic_steps):
-    """dp2 (FSDP2), tp2 (Megatron split, head replicated) and their product against one process."""
+    """dp2 (FSDP2), tp2 (Megatron split, head replicated), their product and cp2 (sequence chunks,
+    Ulysses attention, whole-row loss) against one process."""
     parallel, reference = critic_steps[0]["steps"], critic_steps[1]
     first, ref = parallel[0], reference[0]
     assert 0 < ref["stats"]["value_clip_frac"] < 1  # both branches of the clipped value loss run
@@ -175,21 +177,21 @@ def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_step
             assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
 
 
-def test_critic_strategy_other_than_dp_tp_is_refused():
+def test_critic_strategy_with_pp_or_ep_is_refused():
     def facts(strategy):
         return NodeFacts.from_attrs("critic_step", "training", ParallelStrategy.parse(strategy), {}, critic=True,
                                     rows=8)
-    for strategy, degree in (("p2", "pp"), ("d2c2", "cp"), ("d2e2", "ep"), ("t2p2", "pp")):
+    for strategy, degree in (("p2", "pp"), ("d2e2", "ep"), ("t2p2", "pp")):
         rule, why = failed_rule(facts(strategy))
         assert rule == "critic-parallel" and f"cannot use {degree} " in why, strategy
-    for strategy in ("d2", "t2", "d2t2"):  # what runtime.parallel_critic runs
+    for strategy in ("d2", "t2", "d2t2", "c2"):  # what runtime.parallel_critic runs
         assert failed_rule(facts(strategy)) is None, strategy
 
 
-def test_rank_critic_refuses_pp_cp_ep_before_building(tmp_path):
+def test_rank_critic_refuses_pp_ep_before_building(tmp_path):
     """``RankCritic.build`` names the degrees it cannot run (before any collective)."""
-    for strategy, degree in (("d1p2", "pp"), ("d2c2", "cp")):
-        with pytest.raises(ValueError, match=f"runs dp and tp only; strategy {strategy} has {degree} > 1"):
+    for strategy, degree in (("d1p2", "pp"), ("d2e2", "ep")):
+        with pytest.raises(ValueError, match=f"runs dp, tp and cp only; strategy {strategy} has {degree} > 1"):
             RankCritic.build(settings(tmp_path, "ppo"), None, ParallelStrategy.parse(strategy))
 
 
