@@ -1,15 +1,17 @@
-"""A critic's train_step on the ranks of the RL trainer (PPO's value model), ``dN``, ``tN`` or ``dNtM``.
+"""A critic's train_step on the ranks of the RL trainer (PPO's value model), under dp, tp and cp.
 
 Owns one rank's share of the critic: the value model (``areal_flow.models.critic``) with its
 backbone's linears and embedding split over the trainer's ``tp`` ranks by the policy's
 tensor-parallel plan (Megatron column/row split: ``tensor_parallel.apply_tensor_parallel_backbone``),
 its scalar head ``Linear(hidden, 1)`` and RMSNorm weights whole on every TP rank (they read the
-replicated hidden states, so their gradients are equal there), all of it sharded with FSDP2 over
-the ``dp`` ranks (ZeRO-3, gradients summed: ``runtime.parallel.fsdp``), and its AdamW state;
+replicated hidden states, so their gradients are equal there), its sequences cut into chunks over the ``cp`` ranks
+(:class:`ChunkValues`: Ulysses attention, a whole-row loss, as the policy's ``rl_context``), all
+of it sharded with FSDP2 over the ``dp x cp`` ranks (ZeRO-3, gradients summed:
+``runtime.parallel.fsdp``), and its AdamW state;
 and the step that makes the gradient that of the single-process critic's loss
 (``areal_flow.algorithms.critic_update``): every rank takes the ``B / dp`` contiguous rows of
-its DP coordinate (the TP ranks of one DP coordinate the same rows, computing one model between
-them), the step's normalisers (valid tokens and sequences summed, longest response maxed) are
+its DP coordinate (the TP and CP ranks of one DP coordinate the same rows, computing one model
+between them), the step's normalisers (valid tokens and sequences summed, longest response maxed) are
 all-reduced over the ``dp`` ranks first, so each DP rank's clipped value loss is its share of the
 global loss and FSDP's sum of the ranks' gradients is the global gradient; the norm it is
 clipped to counts every gradient once over the ranks holding pieces of it
@@ -20,7 +22,7 @@ Rank 0 of the trainer keeps a whole copy of the critic besides its shard (the on
 shards are gathered into it (:meth:`RankCritic.gather_into`), so the values of the next step
 are those one process with these weights gives, bit for bit.
 
-Pipeline, context and expert parallelism of a critic are refused by ``compiler.executable``
+Pipeline and expert parallelism of a critic are refused by ``compiler.executable``
 (``CRITIC_PARALLEL``) before any process starts, and by :meth:`RankCritic.build`.
 """
 

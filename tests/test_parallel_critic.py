@@ -14,7 +14,7 @@ dp2 x tp2 and cp2 equals the single-process critic step (``critic_update`` as
    is the ranks' weights bit for bit; the one-process critic and its AdamW state load into the
    ranks' shards bit for bit.
 2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
-   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, and ``t2``): every
+   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, ``t2``, ``c2``): every
    sample trained once, the critic's value loss reported, its shards in the critic's checkpoint
    folder; resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
 3. A critic under pp or ep is refused before any process starts (``compiler.executable``)
@@ -223,7 +223,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["d2", "d1t2"])
+@pytest.mark.parametrize("strategy", ["d2", "d1t2", "d1c2"])
 def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache, strategy):
     """Three CLI runs (40-100 s each on 2 shared cores): 2 steps with a checkpoint at version 2,
     resumed for a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks; the
