@@ -62,7 +62,8 @@ class RankCritic:
     """One rank's shard of the critic and its optimizer.
 
     Attributes:
-        module: the ``ValueModel``, TP-split over ``tp`` and FSDP2-sharded over ``dp``.
+        module: the ``ValueModel``, TP-split over ``tp``, its attention context-parallel over
+            ``cp``, FSDP2-sharded over ``dp x cp``.
         optimizer: AdamW over its shards. loss_cfg: the plan's loss config of the critic's
             train_step (``value_clip_eps``, ``loss_agg_mode``, ``loss_agg_norm_length``).
         max_grad_norm: clipping norm. strategy: the trainer's (the policy train_step's).
@@ -87,7 +88,7 @@ class RankCritic:
         Every rank calls it (collectives); under CUDA the rank's device is set already.
 
         Raises:
-            ValueError: ``strategy`` has ``pp``, ``cp`` or ``ep`` above 1 (names them).
+            ValueError: ``strategy`` has ``pp`` or ``ep`` above 1 (names them).
         """
         over = [d for d in ("pp", "ep") if getattr(strategy, d) > 1]
         if over:
