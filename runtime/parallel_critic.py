@@ -104,7 +104,8 @@ class RankCritic:
             apply_context_parallel(model.backbone, mesh["cp"])
         if strategy.dp * strategy.cp > 1:
             apply_fsdp(model, dp_cp_mesh(mesh), layers=list(model.backbone.layers))
-            register_fsdp_forward_method(model, "values_after")  # ChunkValues' entry, gathers the root's shards
+            if strategy.cp_enabled:  # ChunkValues' entry, not forward: FSDP gathers the root's shards for it
+                register_fsdp_forward_method(model, "values_after")
         elif strategy.tp_enabled:  # the head and norms: replicated DTensors, as FSDP would make them otherwise
             replicate_unsharded(model, mesh["tp"], layers=list(model.backbone.layers))
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
