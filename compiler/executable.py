@@ -27,10 +27,11 @@ from typing import Callable
 from compiler.strategy import ParallelStrategy, StrategyError
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
-CRITIC_PARALLEL: tuple[str, ...] = ("dp",)
-"""Degrees a critic's (value model's) train_step may use above 1: ``dp``, on the ranks of the
-policy's train_step (``runtime.parallel_critic``; a multi-rank critic elsewhere breaks
-``compiler.hosting``'s rule ``critic-ranks``, and the search never proposes one)."""
+CRITIC_PARALLEL: tuple[str, ...] = ("dp", "tp", "cp")
+"""Degrees a critic's (value model's) train_step may use above 1: ``dp``, ``tp`` and ``cp`` (and
+their products, within the other rules), on the ranks of the policy's train_step (``runtime.parallel_critic``; a multi-rank
+critic elsewhere breaks ``compiler.hosting``'s rule ``critic-ranks``, and the search never
+proposes one)."""
 ENGINE_PARALLEL: dict[str, tuple[str, ...]] = {"embedded": ("dp",), "vllm": ("dp", "tp")}
 """Degrees each generation engine may use above 1: the embedded engine runs dN replicas of one
 process each; vLLM adds tensor parallelism inside a replica."""

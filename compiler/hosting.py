@@ -39,7 +39,8 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   with the samples of the group its prompts were built from);
 * ``critic-ranks``: a critic's (scalar-head model's) trainer on several processes that does
   not share the policy trainer's worker group and strategy (``runtime.parallel_critic`` runs
-  it on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2``). Read only when
+  it on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2`` or ``train:t2 |
+  critic_step:t2``). Read only when
   the strategies are known (a user's allocation, a plan); the search keeps a critic on one
   process (``compiler.cost.CostModel.strategies``).
 

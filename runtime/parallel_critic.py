@@ -1,24 +1,34 @@
-"""A critic's train_step on the data-parallel ranks of the RL trainer (PPO's value model).
+"""A critic's train_step on the ranks of the RL trainer (PPO's value model), under dp, tp and cp.
 
-Owns one rank's share of the critic: the value model (``areal_flow.models.critic``) sharded
-with FSDP2 over the trainer's ``dp`` ranks (ZeRO-3, gradients summed:
-``runtime.parallel.fsdp``) and its AdamW state, and the step that makes the gradient that of the single-process critic's loss
+Owns one rank's share of the critic: the value model (``areal_flow.models.critic``) with its
+backbone's linears and embedding split over the trainer's ``tp`` ranks by the policy's
+tensor-parallel plan (Megatron column/row split: ``tensor_parallel.apply_tensor_parallel_backbone``),
+its scalar head ``Linear(hidden, 1)`` and RMSNorm weights whole on every TP rank (they read the
+replicated hidden states, so their gradients are equal there), its sequences cut into chunks over the ``cp`` ranks
+(:class:`ChunkValues`: Ulysses attention, a whole-row loss, as the policy's ``rl_context``), all
+of it sharded with FSDP2 over the ``dp x cp`` ranks (ZeRO-3, gradients summed:
+``runtime.parallel.fsdp``), and its AdamW state;
+and the step that makes the gradient that of the single-process critic's loss
 (``areal_flow.algorithms.critic_update``): every rank takes the ``B / dp`` contiguous rows of
-its DP coordinate, the step's normalisers (valid tokens and sequences summed, longest response
-maxed) are all-reduced over the ``dp`` ranks first, so each rank's clipped value loss is its
-share of the global loss and FSDP's sum of the ranks' gradients is the global gradient.
+its DP coordinate (the TP and CP ranks of one DP coordinate the same rows, computing one model
+between them), the step's normalisers (valid tokens and sequences summed, longest response maxed) are
+all-reduced over the ``dp`` ranks first, so each DP rank's clipped value loss is its share of the
+global loss and FSDP's sum of the ranks' gradients is the global gradient; the norm it is
+clipped to counts every gradient once over the ranks holding pieces of it
+(``runtime.parallel.grad_norm``).
 
 Rank 0 of the trainer keeps a whole copy of the critic besides its shard (the one the
 ``advantage`` node reads for GAE's values, and the one saved): after every step the ranks'
 shards are gathered into it (:meth:`RankCritic.gather_into`), so the values of the next step
 are those one process with these weights gives, bit for bit.
 
-Only ``dN`` runs here: tensor, pipeline, context and expert parallelism of a critic are
-refused by ``compiler.executable`` before any process starts.
+Pipeline and expert parallelism of a critic are refused by ``compiler.executable``
+(``CRITIC_PARALLEL``) before any process starts, and by :meth:`RankCritic.build`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +37,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.models.critic import ValueModel
+from compiler.strategy import ParallelStrategy
 from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.parallel.context_parallel import apply_context_parallel, gather_sequence
 from runtime.parallel.fsdp import apply_fsdp
+from runtime.parallel.grad_norm import clip_grad_norm
+from runtime.parallel.mesh import dp_cp_mesh
+from runtime.parallel.tensor_parallel import apply_tensor_parallel_backbone, replicate_unsharded
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks
 
@@ -46,30 +62,55 @@ class RankCritic:
     """One rank's shard of the critic and its optimizer.
 
     Attributes:
-        module: the FSDP2-sharded ``ValueModel``. optimizer: AdamW over its shards.
-        loss_cfg: the plan's loss config of the critic's train_step (``value_clip_eps``,
-            ``loss_agg_mode``, ``loss_agg_norm_length``). max_grad_norm: clipping norm.
-        dp_mesh: the trainer's 1-D ``dp`` mesh (every rank of the trainer: the critic runs ``dN``).
+        module: the ``ValueModel``, TP-split over ``tp``, its attention context-parallel over
+            ``cp``, FSDP2-sharded over ``dp x cp``.
+        optimizer: AdamW over its shards. loss_cfg: the plan's loss config of the critic's
+            train_step (``value_clip_eps``, ``loss_agg_mode``, ``loss_agg_norm_length``).
+        max_grad_norm: clipping norm. strategy: the trainer's (the policy train_step's).
+        dp_mesh: the trainer's 1-D ``dp`` mesh (the ranks holding different rows).
+        chunks: under ``cp``, the values of whole rows from this rank's sequence chunk.
     """
 
     module: ValueModel
     optimizer: torch.optim.Optimizer
     loss_cfg: LossConfig
     max_grad_norm: float
+    strategy: ParallelStrategy
     dp_mesh: DeviceMesh
+    chunks: "ChunkValues | None" = None
 
     @classmethod
-    def build(cls, spec: TrainSettings, dp_mesh: DeviceMesh, device_type: str = "cpu") -> "RankCritic":
+    def build(cls, spec: TrainSettings, mesh: DeviceMesh, strategy: ParallelStrategy,
+              device_type: str = "cpu") -> "RankCritic":
         """The critic of ``spec`` (its backbone from ``spec.model_folder``, its head seeded with
-        ``spec.seed``, as ``WorkerContext.model`` builds it on one process), sharded over
-        ``dp_mesh``. Every rank calls it (collectives); under CUDA the rank's device is set already."""
+        ``spec.seed``, as ``WorkerContext.model`` builds it on one process), split over ``mesh``
+        (the trainer's ``[pp, dp, cp, tp]`` mesh of ``strategy``, ``runtime.parallel.mesh``).
+        Every rank calls it (collectives); under CUDA the rank's device is set already.
+
+        Raises:
+            ValueError: ``strategy`` has ``pp`` or ``ep`` above 1 (names them).
+        """
+        over = [d for d in ("pp", "ep") if getattr(strategy, d) > 1]
+        if over:
+            raise ValueError(f"a critic on the trainer's ranks runs dp, tp and cp only; strategy {strategy.short()} "
+                             f"has {', '.join(over)} > 1")
         model = ValueModel.from_policy(spec.model_folder, seed=spec.seed)
         if device_type == "cuda":
             model = model.cuda()
         model.train()
-        apply_fsdp(model, dp_mesh, layers=list(model.backbone.layers))
+        if strategy.tp_enabled:
+            apply_tensor_parallel_backbone(model.backbone, mesh["tp"])
+        if strategy.cp_enabled:
+            apply_context_parallel(model.backbone, mesh["cp"])
+        if strategy.dp * strategy.cp > 1:
+            apply_fsdp(model, dp_cp_mesh(mesh), layers=list(model.backbone.layers))
+            if strategy.cp_enabled:  # ChunkValues' entry, not forward: FSDP gathers the root's shards for it
+                register_fsdp_forward_method(model, "values_after")
+        elif strategy.tp_enabled:  # the head and norms: replicated DTensors, as FSDP would make them otherwise
+            replicate_unsharded(model, mesh["tp"], layers=list(model.backbone.layers))
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        return cls(model, optimizer, spec.loss_config(), spec.max_grad_norm, dp_mesh)
+        chunks = ChunkValues(model, mesh["cp"]) if strategy.cp_enabled else None
+        return cls(model, optimizer, spec.loss_config(), spec.max_grad_norm, strategy, mesh["dp"], chunks)
 
     def step(self, batch: dict[str, torch.Tensor], micro_batches: int) -> dict[str, float]:
         """One optimizer step on this rank's rows of the step's ``batch`` (``[B, T]`` tensors
@@ -101,8 +142,8 @@ class RankCritic:
                     norm_length=self.loss_cfg.loss_agg_norm_length or max(int(longest_t), 1))
         size = micro_batch_size(rows, dp, micro_batches)  # every rank runs as many micro-batches (equal shares)
         slices = [slice(i, min(i + size, share)) for i in range(0, share, size)]
-        stats = critic_update(self.module, self.optimizer, local, mask, norm, self.loss_cfg, slices,
-                              self.max_grad_norm)
+        stats = critic_update(self.chunks or self.module, self.optimizer, local, mask, norm, self.loss_cfg, slices,
+                              self.max_grad_norm, clip=clip_grad_norm)
         totals = torch.tensor([stats["value_loss"], stats["value_clip_frac"] * n_tokens, n_tokens],
                               dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=group)
@@ -149,3 +190,48 @@ class RankCritic:
                 of other tensors.
         """
         load_sharded(self.module, self.optimizer, folder)
+
+
+class ChunkValues(torch.nn.Module):
+    """The critic's values of whole rows under context parallelism, each ``cp`` rank computing one
+    chunk (what ``critic_update`` calls in place of the ``ValueModel``).
+
+    As the policy's ``rl_context``: rank ``r`` runs the backbone (Ulysses attention:
+    ``context_parallel``) on positions ``[r * c, (r + 1) * c)`` of every row (``c = ceil(width /
+    cp)``, the width padded to ``c * cp``), the head on each, then the chunks are gathered into
+    whole rows (``gather_sequence``: its backward hands each rank its own chunk's gradient, so
+    FSDP's sum over the ``dp_cp`` ranks counts it once) and shifted as ``ValueModel.forward``
+    shifts them; every cp rank then computes the same whole-row loss. Attention is causal only,
+    exact on the real tokens of right-padded rows.
+
+    Args:
+        model: this rank's ``ValueModel`` (context parallel, FSDP-sharded over ``dp_cp``).
+        cp_mesh: the trainer's 1-D ``cp`` mesh.
+    """
+
+    def __init__(self, model: ValueModel, cp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.model = model
+        self.group, self.cp, self.rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``[batch, seq]`` float32 of ``input_ids [batch, seq]`` (``ValueModel``'s layout).
+        Every cp rank calls it with the same rows (collectives).
+
+        Raises:
+            ValueError: a row of ``attention_mask`` with padding before its last real token.
+        """
+        width = input_ids.shape[1]
+        lengths = attention_mask.sum(dim=1, keepdim=True)
+        right = torch.arange(width, device=attention_mask.device).unsqueeze(0) < lengths
+        bad = (right != attention_mask.bool()).any(dim=1).nonzero()
+        if len(bad):
+            raise ValueError(f"row {int(bad[0])} has padding inside its first {int(lengths[bad[0]])} tokens: a critic "
+                             "under context parallelism needs right-padded rows (real tokens first)")
+        chunk = math.ceil(width / self.cp)
+        padded = torch.nn.functional.pad(input_ids, (0, chunk * self.cp - width))
+        start = self.rank * chunk
+        positions = torch.arange(start, start + chunk, device=input_ids.device).unsqueeze(0)
+        after = self.model.values_after(padded[:, start:start + chunk], position_ids=positions)  # [b, chunk]
+        whole = gather_sequence(after, self.group, self.rank)[:, :width]
+        return torch.nn.functional.pad(whole[:, :-1], (1, 0))

@@ -38,8 +38,9 @@ saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp`` and ``tp``, ``ep``
 over the ``dp`` ranks (with or without ``tp``), for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
 the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
-``dN`` on the same ranks (``runtime.parallel_critic``): its commands carry ``critic`` set,
-its batch is split and normalised as above, and after each of its steps its full weights are
+under the policy's strategy (dp, tp, cp and their products) on the same ranks
+(``runtime.parallel_critic``): its commands carry
+``critic`` set, its batch is split and normalised as above, and after each of its steps its full weights are
 gathered into rank 0's whole copy (the one the advantage node reads). What it cannot run is
 refused before any process starts by the compiler's one predicate, ``compiler.executable``
 (which the compiler's search obeys too).
@@ -125,8 +126,8 @@ class RankTrainer:
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
         rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
         run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``); with ``critic``
-        (its train_step's settings; ``strategy`` is then ``dN``) the critic sharded over the
-        ``dp`` ranks too (``RankCritic.build``). Every rank calls this (collectives). A reference
+        (its train_step's settings; ``strategy`` is then without ``pp`` and ``ep``) the critic
+        split over the same ``dp``, ``tp`` and ``cp`` ranks too (``RankCritic.build``). Every rank calls this (collectives). A reference
         policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)
@@ -144,7 +145,7 @@ class RankTrainer:
         algorithm = spec.build_algorithm(parallel.module, optimizer)
         runner = PipelineRunner if strategy.pp_enabled else ContextRunner if strategy.cp_enabled else ShardedRunner
         algorithm.runner = runner(parallel)
-        value = RankCritic.build(critic, mesh["dp"], device_type) if critic is not None else None
+        value = RankCritic.build(critic, mesh, strategy, device_type) if critic is not None else None
         return cls(rank, strategy, parallel, algorithm, value)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -102,15 +104,15 @@ def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
 def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_folder: str | Path,
                           optimizer_state: dict, names: dict[str, str] | None = None,
                           load: Callable[[Path], torch.nn.Module] | None = None) -> None:
-    """Load a one-process checkpoint into this rank's shards (every rank calls it: the
-    distribution is a collective; rank 0's copy is scattered).
+    """Load a one-process checkpoint into this rank's shards (every rank calls it and reads the
+    whole checkpoint, keeping its own piece).
 
     Each rank reads the whole weights from ``model_folder`` into a plain copy of the model,
     builds AdamW on it and loads ``optimizer_state`` (the positional ``state_dict``), so that
-    ``get_state_dict`` names the moments by FQN as the sharded module does; ``set_state_dict``
-    with ``full_state_dict=True`` then cuts every tensor to this rank's placement
-    (``distribute_tensor``), for the parameters ``module`` holds (a pipeline stage: its own;
-    ``names`` as :func:`load_sharded`'s). ``load``: how the whole model is read from
+    ``get_state_dict`` names the moments by FQN as the sharded module does; every weight and
+    moment is then cut to this rank's placement (:func:`_cut`) and loaded
+    (``set_model_state_dict`` / ``set_optimizer_state_dict``), for the parameters ``module``
+    holds (a pipeline stage: its own; ``names`` as :func:`load_sharded`'s). ``load``: how the whole model is read from
     ``model_folder`` (default: the causal LM, ``model_source.load_pretrained``; a critic passes
     ``ValueModel.load``). Peak memory: one whole model and its AdamW state per rank, for the
     duration of the call.
@@ -135,5 +137,18 @@ def load_whole_into_ranks(module: torch.nn.Module, optimizer: torch.optim.Optimi
         "param_groups": [{**group, "params": [fqn for fqn in held if names.get(fqn, fqn) in group["params"]]}
                          for group in optim_state["param_groups"]],
     }
-    set_state_dict(module, optimizer, model_state_dict={k: model_state[k] for k in held_model},
-                   optim_state_dict=optim_state, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(module, {k: _cut(model_state[k], held) for k, held in held_model.items()})
+    optim_state["state"] = {fqn: {field: _cut(value, held_optim["state"][fqn][field])
+                                  for field, value in fields.items()} for fqn, fields in optim_state["state"].items()}
+    set_optimizer_state_dict(module, optimizer, optim_state)
+
+
+def _cut(whole: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``whole`` in the layout of ``held`` (its own tensor: a ``DTensor``
+    shard, or a plain tensor or scalar). Every rank holds ``whole``, so each cuts its piece
+    locally (``distribute_tensor`` with ``src_data_rank=None``: no scatter), which also cuts
+    FSDP2's uneven strided shards of a TP-split tensor (``dp x tp``: a vocabulary of 50 rows
+    over 2 x 2 ranks) that the scatter of ``set_state_dict(full_state_dict=True)`` refuses."""
+    if isinstance(held, DTensor):
+        return distribute_tensor(whole.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
+    return whole.to(held.device) if whole.dim() else whole

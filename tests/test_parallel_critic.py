@@ -1,20 +1,24 @@
-"""A critic's train_step on two data-parallel ranks (``runtime.parallel_critic``) equals the
-single-process critic step (``critic_update`` as ``runtime.executors.train`` runs it).
+"""A critic's train_step on the trainer's ranks (``runtime.parallel_critic``) under dp2, tp2,
+dp2 x tp2 and cp2 equals the single-process critic step (``critic_update`` as
+``runtime.executors.train`` runs it).
 
-1. Two optimizer steps of the tiny critic with dp2 (FSDP2, 2 micro-batches per rank) and on one
-   process (2 micro-batches of 4 rows) on the same batch: the value loss, clip fraction and
-   gradient norm and the gradients of each step, and the weights after the first, agree within
-   the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of additions only:
-   FSDP's reduce-scatter sums two half-batch gradients; observed: value loss 2e-8 relative,
-   gradients 3e-8 absolute, weights 5e-7 after AdamW's first step); the whole copy rank 0
-   gathers (what the advantage node reads for GAE's values) is the ranks' weights bit for bit;
-   the one-process critic and its AdamW state load into the two ranks' shards bit for bit.
+1. Two optimizer steps of the tiny critic on the ranks (2 micro-batches per DP rank) and on one
+   process (2 micro-batches of 4 rows) on the same batch (k = 0): the value loss, clip fraction
+   and gradient norm of each step, the gradients of each step, and the weights after the first,
+   agree within the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of
+   additions only: FSDP's reduce-scatter sums two half-batch gradients, TP's row-parallel
+   linears and vocabulary-split embedding sum partial products, CP's two sequence chunks'
+   gradients are summed by FSDP; observed: value loss 1e-7
+   relative, gradients <= 3e-8 absolute, weights after the second step <= 3e-6 where |g| ~ 2e-8,
+   AdamW's eps); the whole copy rank 0 gathers (what the advantage node reads for GAE's values)
+   is the ranks' weights bit for bit; the one-process critic and its AdamW state load into the
+   ranks' shards bit for bit.
 2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
-   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``): every sample
-   trained once, the critic's value loss reported, its shards in the critic's checkpoint folder;
-   resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
-3. A critic under tp is refused before any process starts (on its own multi-rank mesh:
-   ``test_executor``).
+   and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, ``t2``, ``c2``): every
+   sample trained once, the critic's value loss reported, its shards in the critic's checkpoint
+   folder; resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
+3. A critic under pp or ep is refused before any process starts (``compiler.executable``)
+   and by ``RankCritic.build``.
 """
 
 from __future__ import annotations
@@ -93,43 +97,57 @@ def single_process_critic(folder: Path, batch: dict, saved: Path) -> tuple[list[
     return out, optimizer.state_dict()
 
 
-def _critic_on_ranks(rank: int, world_size: int, folder: Path, batch: dict, saved: Path,
+def _critic_on_ranks(rank: int, world_size: int, strategy: str, folder: Path, batch: dict, saved: Path,
                      optimizer_state: dict) -> dict | None:
-    """Worker: ``STEPS`` steps of ``RankCritic`` on dp2 (rank 0 keeps stats, full gradients,
-    gathered weights and its whole copy after each); then a fresh ``RankCritic`` loads the
-    one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole weights and
-    AdamW state, ``reshard.whole_state``)."""
+    """Worker: ``STEPS`` steps of ``RankCritic`` under ``strategy`` (rank 0 keeps stats, full
+    gradients, gathered weights and its whole copy after each); then a fresh ``RankCritic``
+    loads the one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole
+    weights and AdamW state, ``reshard.whole_state``)."""
     spec = settings(folder, "ppo")
-    mesh = build_device_mesh(ParallelStrategy.parse(f"d{world_size}"), "cpu")
-    critic = RankCritic.build(spec, mesh["dp"])
+    parsed = ParallelStrategy.parse(strategy)
+    mesh = build_device_mesh(parsed, "cpu")
+    critic = RankCritic.build(spec, mesh, parsed)
     whole = ValueModel.from_policy(folder, seed=spec.seed) if rank == 0 else None
     out = []
     for _ in range(STEPS):
         stats = critic.step(batch, MICRO_BATCHES)
-        grads = dict(full_named_tensors(critic.module, grads=True))
-        state = dict(full_named_tensors(critic.module))
+        # copies: a replicated DTensor's full_tensor() is its live local tensor
+        grads = {k: v.clone() for k, v in full_named_tensors(critic.module, grads=True)}
+        state = {k: v.clone() for k, v in full_named_tensors(critic.module)}
         critic.gather_into(whole)
         out.append({"stats": stats, "grads": grads, "state": state,
                     "whole": _state(whole) if whole is not None else None})
-    loaded = RankCritic.build(spec, mesh["dp"])
+    loaded = RankCritic.build(spec, mesh, parsed)
     loaded.load_whole(saved, optimizer_state)
     state = whole_state(loaded.module, loaded.optimizer)  # a collective: every rank joins
     return {"steps": out, "loaded": state} if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def critic_steps(tmp_path_factory):
+def reference(tmp_path_factory):
+    """The policy folder, the batch, the one-process critic's steps, the saved critic's folder
+    and its AdamW ``state_dict``."""
     torch.set_num_threads(1)
     folder = policy_folder(tmp_path_factory.mktemp("policy"))
     batch = critic_batch(folder)
     saved = tmp_path_factory.mktemp("critic")
-    reference, optimizer_state = single_process_critic(folder, batch, saved)
-    parallel = spawn_workers(_critic_on_ranks, 2, (folder, batch, saved, optimizer_state), backend="gloo")[0]
-    return parallel, reference, ValueModel.load(saved), optimizer_state
+    steps, optimizer_state = single_process_critic(folder, batch, saved)
+    return folder, batch, steps, saved, optimizer_state
 
 
-@pytest.mark.slow  # the fixture spawns two ranks: ~30 s on 2 shared cores
-def test_critic_dp2_matches_single_process(critic_steps):
+@pytest.fixture(scope="module", params=["d2", "t2", "d2t2", "c2"])
+def critic_steps(request, reference):
+    folder, batch, steps, saved, optimizer_state = reference
+    world = ParallelStrategy.parse(request.param).world_size
+    parallel = spawn_workers(_critic_on_ranks, world, (request.param, folder, batch, saved, optimizer_state),
+                             backend="gloo")[0]
+    return parallel, steps, ValueModel.load(saved), optimizer_state
+
+
+@pytest.mark.slow  # the fixture spawns 2 or 4 ranks: ~30-60 s on 2 shared cores
+def test_critic_on_ranks_matches_single_process(critic_steps):
+    """dp2 (FSDP2), tp2 (Megatron split, head replicated), their product and cp2 (sequence chunks,
+    Ulysses attention, whole-row loss) against one process."""
     parallel, reference = critic_steps[0]["steps"], critic_steps[1]
     first, ref = parallel[0], reference[0]
     assert 0 < ref["stats"]["value_clip_frac"] < 1  # both branches of the clipped value loss run
@@ -159,23 +177,36 @@ def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_step
             assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
 
 
-def test_critic_strategy_other_than_dp_is_refused():
+def test_critic_strategy_with_pp_or_ep_is_refused():
     def facts(strategy):
         return NodeFacts.from_attrs("critic_step", "training", ParallelStrategy.parse(strategy), {}, critic=True,
                                     rows=8)
-    assert failed_rule(facts("t2"))[0] == "critic-parallel" and "tp" in failed_rule(facts("t2"))[1]
-    assert failed_rule(facts("d2")) is None  # dp runs
+    for strategy, degree in (("p2", "pp"), ("d2e2", "ep"), ("t2p2", "pp")):
+        rule, why = failed_rule(facts(strategy))
+        assert rule == "critic-parallel" and f"cannot use {degree} " in why, strategy
+    for strategy in ("d2", "t2", "d2t2", "c2"):  # what runtime.parallel_critic runs
+        assert failed_rule(facts(strategy)) is None, strategy
+
+
+def test_rank_critic_refuses_pp_ep_before_building(tmp_path):
+    """``RankCritic.build`` names the degrees it cannot run (before any collective)."""
+    for strategy, degree in (("d1p2", "pp"), ("d2e2", "ep")):
+        with pytest.raises(ValueError, match=f"runs dp, tp and cp only; strategy {strategy} has {degree} > 1"):
+            RankCritic.build(settings(tmp_path, "ppo"), None, ParallelStrategy.parse(strategy))
 
 
 PPO_RUN = ["train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
-           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2",
-           "compile.allocation=train:d2 | critic_step:d2 + gen:d1"]
+           "async.max_staleness=0", "cluster.n_gpus_per_node=4", "train.checkpoint_every=2"]
 
 
-def _ppo(out: Path, name: str, steps: int, *extra: str) -> str:
-    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`); its stderr."""
+def _ppo(out: Path, name: str, steps: int, strategy: str, *extra: str) -> str:
+    """``areal-flow run graphs/arith_ppo.py`` for ``steps`` steps (:data:`PPO_RUN`), its policy and
+    critic train_steps both ``strategy`` on the same ranks (``train:<s> | critic_step:<s> +
+    gen:d1``); its stderr."""
+    allocation = f"compile.allocation=train:{strategy} | critic_step:{strategy} + gen:d1"
     proc = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", str(REPO / "graphs/arith_ppo.py"),
-                           *PPO_RUN, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra], cwd=REPO,
+                           *PPO_RUN, allocation, f"train.steps={steps}", f"out_dir={out}", f"name={name}", *extra],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
@@ -192,16 +223,17 @@ def _same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
-def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache):
+@pytest.mark.parametrize("strategy", ["d2", "d1t2", "d1c2"])
+def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, warm_cache, strategy):
     """Three CLI runs (40-100 s each on 2 shared cores): 2 steps with a checkpoint at version 2,
     resumed for a third, against 3 uninterrupted steps (k = 0: bit for bit on two ranks; the
     resumed step's GAE values come from rank 0's copy of the loaded critic)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _ppo(tmp_path, "cut", 2)
+    _ppo(tmp_path, "cut", 2, strategy)
     cut = tmp_path / "cut"
     plan = {n["name"]: n["strategy"] for n in json.loads((cut / "plan.json").read_text())["nodes"]}
-    assert plan["train_step"] == plan["critic_step"] == "d2"
+    assert plan["train_step"] == plan["critic_step"] == strategy
     trainer = json.loads((cut / "summary.json").read_text())["workers"]["train_step/0"]
     assert (trainer["steps"], trainer["consumed"], trainer["world_size"]) == (2, 2 * 2 * 4, 2)
     assert len(trained_records(cut)) == 2 * 2 * 4
@@ -216,9 +248,9 @@ def test_arith_ppo_trains_policy_and_critic_on_two_ranks_and_resumes(tmp_path, w
     assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars("train/value_loss"))
     critic_v2 = _weights(cut / "critic")
     assert _same(critic_v2, _weights(version_2 / "critic"))  # the gathered whole copy, saved
-    err = _ppo(tmp_path, "cut", 3, "--resume", str(cut))
+    err = _ppo(tmp_path, "cut", 3, strategy, "--resume", str(cut))
     assert f"resuming {cut} from version_2 (step 2 of 3)" in err
-    _ppo(tmp_path, "whole", 3)
+    _ppo(tmp_path, "whole", 3, strategy)
     assert not _same(_weights(cut / "critic"), critic_v2)  # step 2 trained the critic after the resume
     for sub in ("critic", "model"):  # the critic's shards and AdamW state came back bit for bit
         assert _same(_weights(cut / sub), _weights(tmp_path / "whole" / sub)), sub

@@ -6,6 +6,7 @@ the critic's own ``train_step`` node (``runtime.executors.train``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ def critic_update(
     loss_cfg: LossConfig,
     slices: list[slice],
     max_grad_norm: float,
+    clip: Callable[[Iterable[torch.nn.Parameter], float], torch.Tensor] = torch.nn.utils.clip_grad_norm_,
 ) -> dict[str, float]:
     """One optimizer step of a value model on the clipped value loss (PPO; Schulman et al.
     2017 eq. 9's value term, clipped as in OpenAI baselines ``ppo2``):
@@ -40,6 +42,9 @@ def critic_update(
         loss_cfg: ``value_clip_eps`` and ``loss_agg_mode``.
         slices: the micro-batches' rows.
         max_grad_norm: global L2 norm the gradient is clipped to.
+        clip: ``clip(parameters, max_norm) -> norm before clipping``: torch's
+            ``clip_grad_norm_`` on one process; a sharded critic passes one that norms over its
+            ranks (``runtime.parallel.grad_norm.clip_grad_norm``, the same coefficient).
 
     Returns:
         ``value_loss``, ``value_clip_frac``, ``critic_grad_norm`` (before clipping).
@@ -58,7 +63,7 @@ def critic_update(
         loss.backward()
         metrics.add_total("value_loss", loss)
         metrics.add_count("value_clip_frac", clipped, m)
-    grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
+    grad_norm = clip(critic.parameters(), max_grad_norm)
     if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
     else:

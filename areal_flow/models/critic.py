@@ -46,6 +46,15 @@ class ValueModel(ScalarHeadModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Values ``[batch, seq]`` float32 for ``input_ids [batch, seq]`` (layout: module doc)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.head(hidden).squeeze(-1).float()
+        v = self.values_after(input_ids, attention_mask)
         return torch.nn.functional.pad(v[:, :-1], (1, 0))
+
+    def values_after(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The head on the hidden state at every position, unshifted: ``[batch, seq]`` float32,
+        entry ``p`` = V(state after token ``p``), what :meth:`forward` shifts one position right.
+        ``position_ids [1 or batch, seq]``: the positions of a sequence chunk (context parallelism,
+        ``runtime.parallel_critic``); default ``0 .. seq-1``."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()

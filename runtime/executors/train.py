@@ -6,7 +6,7 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
-value model, on one process or on the policy's ranks (``dN``: ``runtime.parallel_critic``;
+value model, on one process or on the policy's ranks (dp, tp, cp: ``runtime.parallel_critic``;
 rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the
 plan: the micro-batches per DP rank (``NodePlan.micro_batches``), activation checkpointing
 and the whole loss config the compiler merged (``attrs.loss``: ``compiler.algorithms``;
@@ -227,7 +227,7 @@ class TrainStepExecutor:
     def world_size(self) -> int:
         """Ranks this train_step runs on (1: this process alone)."""
         if self.rank_critic is not None:
-            return self.rank_critic.dp_mesh.size()
+            return self.rank_critic.strategy.world_size
         return self.ranks.strategy.world_size if self.ranks is not None else 1
 
     def save_sharded(self, folder: Path) -> None:

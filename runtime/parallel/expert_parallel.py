@@ -84,9 +84,10 @@ class ShardedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add(0, token_of_row, returned * weights)
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The MoE blocks (``layer.mlp`` with an ``experts`` child) of the held layers."""
-    return [layer.mlp for layer in held_layers(model) if hasattr(layer.mlp, "experts")]
+def moe_blocks(model: nn.Module, layers: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The MoE blocks (``layer.mlp`` with an ``experts`` child) of ``layers`` (default: the
+    held layers of the causal LM ``model``; a value model passes its backbone's)."""
+    return [layer.mlp for layer in (held_layers(model) if layers is None else layers) if hasattr(layer.mlp, "experts")]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:

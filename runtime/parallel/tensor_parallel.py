@@ -118,15 +118,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if tied:  # both plans shard the [vocab, hidden] weight along dim 0, so one DTensor serves both again
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in held_layers(model):
-        plan = attention_plan()
-        if hasattr(layer.self_attn, "q_norm"):
-            plan |= head_norm_plan()
-        if hasattr(layer.mlp, "gate_proj"):
-            plan |= dense_mlp_plan()
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, layer_plan(layer))
 
 
-def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
+    """Styles of one decoder layer: its attention, a Qwen3 attention's head norms, a dense MLP."""
+    plan = attention_plan()
+    if hasattr(layer.self_attn, "q_norm"):
+        plan |= head_norm_plan()
+    if hasattr(layer.mlp, "gate_proj"):
+        plan |= dense_mlp_plan()
+    return plan
+
+
+def apply_tensor_parallel_backbone(backbone: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a decoder stack without LM head (``AutoModel``: ``embed_tokens``, ``layers``,
+    ``norm``; the backbone of a scalar-head model, ``areal_flow.models.scalar_head``) in place
+    over ``tp_mesh``, with the styles :func:`apply_tensor_parallel` gives the same modules of a
+    causal LM: the embedding by vocabulary rows (partial outputs all-reduced), each layer's
+    linears column/row-wise. ``last_hidden_state [batch, seq, hidden]`` is then a plain tensor,
+    the same on every TP rank (the last ``down_proj``'s all-reduce), so a head reading it is
+    left whole (:func:`replicate_unsharded`, or FSDP over ``dp``).
+
+    Raises:
+        ValueError: ``tp_mesh`` is not 1-D.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}")
+    parallelize_module(backbone, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
+    for layer in backbone.layers:
+        parallelize_module(layer, tp_mesh, layer_plan(layer))
+
+
+def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh, layers: list[nn.Module] | None = None) -> None:
     """Make the parameters TP leaves whole (the RMSNorm weights) replicated ``DTensor``s, in place.
 
     Without FSDP over them, a TP model mixes plain and ``DTensor`` parameters, which
@@ -139,7 +163,9 @@ def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     A MoE layer's routed experts (``moe_blocks``) stay plain tensors, replicated on every TP
     rank: their grouped matmul has no ``DTensor`` rule, and their gradients are equal on every
     rank for the same reason (``grad_norm`` norms plain tensors apart from ``DTensor`` s). A
-    module returning several tensors (a MoE router) returns them all local.
+    module returning several tensors (a MoE router) returns them all local. ``layers``: the
+    decoder layers (default ``held_layers(model)`` of a causal LM; a value model passes its
+    backbone's).
     """
     def to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
@@ -150,7 +176,7 @@ def replicate_unsharded(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             return tuple(x.to_local() if isinstance(x, DTensor) else x for x in outputs)
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
-    experts = {id(block.experts) for block in moe_blocks(model)}
+    experts = {id(block.experts) for block in moe_blocks(model, layers)}
     for module in list(model.modules()):
         if id(module) in experts:
             continue
