@@ -27,8 +27,6 @@ import random
 
 TEST_ID_OFFSET = 1_000_000_000
 """Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
-MAX_TURNS = 2
-"""Turns of the tool-using dialogue: the call, then the answer."""
 
 
 def tool_dialogue(a: int, b: int) -> list[tuple[str, bool]]:
@@ -57,7 +55,6 @@ class ToolMultiplyTask:
     name = "tool_multiply"
     max_answer_tokens = 26
     """Per-turn token budget: the longest call (25 characters) + EOS."""
-    max_turns = MAX_TURNS
 
     def __init__(self, seed: int = 0, max_digits: int = 3) -> None:
         if isinstance(max_digits, bool) or not isinstance(max_digits, int) or not 2 <= max_digits <= 4:
