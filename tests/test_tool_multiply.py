@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from areal_flow.config import ConfigError, DatasetConfig
@@ -12,7 +10,6 @@ from areal_flow.envs import make_env
 from areal_flow.models.presets import ALPHABET
 from areal_flow.tasks.catalog import build_task
 from areal_flow.tasks.tool_multiply import ToolMultiplyTask, direct_dialogue, tool_dialogue
-from runs import REPO, cli_run, records
 
 
 def test_dialogues_by_hand():
@@ -71,14 +68,3 @@ def test_build_task_and_dataset_checks():
             DatasetConfig(name="tool_multiply", max_digits=bad)
     with pytest.raises(ValueError, match="max_digits"):
         ToolMultiplyTask(max_digits=5)
-
-
-@pytest.mark.slow
-def test_python_tool_graph_runs_two_steps_through_the_cli(tmp_path):
-    cli_run(REPO / "graphs" / "arith_python_tool.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=4",
-            "warm_start.steps=10", "eval.n_test=4", f"out_dir={tmp_path}")
-    rows = records(tmp_path / "arith_python_tool")
-    assert len(rows) == 2 * 2 * 4
-    assert all(r["prompt_text"].endswith("=") for r in rows)
-    summary = json.loads((tmp_path / "arith_python_tool" / "summary.json").read_text())
-    assert summary["episodes"]["failed"] == 0 and "env/python_calls" in summary["episodes_after"]
