@@ -57,13 +57,13 @@ class ModelConfig:
 class DatasetConfig:
     name: str = "arithmetic"
     """Task: arithmetic (synthetic, seeded), longtail (counting with Zipf-distributed answer lengths,
-    areal_flow.tasks.longtail), gsm8k, the env tasks support_desk and guess_number, reasoning_gym:<dataset>,
-    any dataset of the reasoning-gym package (areal_flow.tasks.rgym; reward fn reasoning_gym), or verifiers:<env id>,
-    the dataset of a verifiers environment (areal_flow.tasks.verifiers_data; for env=verifiers:<env id>)."""
+    areal_flow.tasks.longtail), gsm8k, the env tasks support_desk, guess_number and tool_multiply (python_math),
+    reasoning_gym:<dataset> (any reasoning-gym dataset, areal_flow.tasks.rgym; reward fn reasoning_gym), or
+    verifiers:<env id>, the dataset of a verifiers environment (areal_flow.tasks.verifiers_data; env=verifiers:<env id>)."""
     path: str = ""
     """Data file or folder (gsm8k); empty = the shipped default."""
     max_digits: int = 3
-    """Arithmetic: operands have 1..max_digits digits; support_desk: order numbers have max_digits digits."""
+    """Operands of 1..max_digits digits (arithmetic), 2..max_digits (tool_multiply, 2..4); support_desk: order numbers."""
     ops: str = "+-"
     """Arithmetic: operators drawn from ('+', '-' or '+-')."""
     prompt_style: str = "plain"

@@ -35,6 +35,8 @@ SCHEMA = [
     ('refund("4821", note=late)', ToolCall("refund", {"order": 4821, "note": "late"})),  # bare word -> string
     ("refund(7, 12)", ToolCall("refund", {"order": 7, "note": "12"})),  # positional in properties order; int -> str
     ("scale(2)", ToolCall("scale", {"factor": 2.0})),
+    ("refund(7, print(6*7))", ToolCall("refund", {"order": 7, "note": "print(6*7)"})),  # code -> its source text
+    ("refund(7, note=a.b(1) + 2)", ToolCall("refund", {"order": 7, "note": "a.b(1) + 2"})),
     ("end()", ToolCall("end", {})),
     ('<tool_call>{"name": "refund", "arguments": {"order": "4821"}}</tool_call>', ToolCall("refund", {"order": 4821})),
     ('sure. <tool_call>\n{"name": "end", "arguments": {}}\n</tool_call>', ToolCall("end", {})),
@@ -53,6 +55,8 @@ def test_parse_tool_call_accepts_both_formats(text, expected):
     ("refund(1, order=2)", "refund got argument order twice"),
     ("refund(abc)", "refund bad argument, 'abc' is not of type integer"),
     ("refund(1.5)", "refund bad argument, 1.5 is not of type integer"),
+    ("refund(48+21)", "refund bad argument, '48+21' is not of type integer"),  # not evaluated
+    ("refund(*orders)", "malformed call, expected name(arguments)"),
     ("scale(fast)", "scale bad argument, 'fast' is not of type number"),
     ("refund(4821", "malformed call, expected name(arguments)"),
     ("please refund(4821)", "malformed call, expected name(arguments)"),

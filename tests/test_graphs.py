@@ -64,7 +64,7 @@ def test_every_graph_compiles(path):
     assert plan.to_json()  # serialisable
     build_topology(plan)  # the runtime accepts its shape
     roles = {n.name: n.role for n in plan.nodes}
-    generator = "rollout" if "agent" in path.stem else "generate"
+    generator = "rollout" if "agent" in path.stem or path.stem == "arith_python_tool" else "generate"
     assert roles[generator] == "generation" and roles["train_step"] == "training"
     if path.stem == "arith_ppo":  # the critic is read (GAE values) and trained
         assert roles["critic_step"] == "training" and roles["advantage"] == "inference"

@@ -12,7 +12,7 @@ import pytest
 from areal_flow.envs import EnvError, make_env
 from areal_flow.envs.sandbox import run_python
 from areal_flow.envs.tools import ToolCall
-from runs import REPO, cli_run
+from runs import REPO, cli_run, records
 
 
 def test_output_is_returned_and_the_folder_deleted():
@@ -115,11 +115,13 @@ def test_bad_env_config_is_refused():
 
 @pytest.mark.slow
 def test_python_math_plays_in_a_run(tmp_path):
-    # The support-desk graph with the python_math env on arithmetic rows: the env plays in the
-    # rollout loop (the tiny model's turns are plain text, so each is a final answer).
-    cli_run(REPO / "graphs" / "agent_support.py", "dataset.name=arithmetic", "dataset.max_digits=2",
-            "env.name=python_math", "env.max_turns=2", "warm_start.teacher_bug_rate=0", "warm_start.steps=10",
-            "train.steps=2", "train.batch_size=2", "gen.n_samples=2", "eval.n_test=4", f"out_dir={tmp_path}")
-    summary = json.loads((tmp_path / "agent_support" / "summary.json").read_text())
+    # graphs/arith_python_tool.py, two steps: the env plays in the rollout loop, the warm start
+    # on tool-using dialogues (tasks/tool_multiply.py) included.
+    cli_run(REPO / "graphs" / "arith_python_tool.py", "train.steps=2", "train.batch_size=2", "gen.n_samples=2",
+            "warm_start.steps=10", "eval.n_test=4", f"out_dir={tmp_path}")
+    rows = records(tmp_path / "arith_python_tool")
+    assert len(rows) == 2 * 2 * 2 and all(r["prompt_text"].endswith("=") for r in rows)
+    assert {r["reward"] for r in rows} <= {0.0, 1.0}  # no turn cost: the final answer's 1 or 0
+    summary = json.loads((tmp_path / "arith_python_tool" / "summary.json").read_text())
     assert summary["episodes"]["played"] >= 8 and summary["episodes"]["failed"] == 0
     assert "env/python_calls" in summary["episodes_after"]

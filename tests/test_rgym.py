@@ -104,6 +104,39 @@ def test_bad_options_are_refused_with_the_key(options, match):
         DatasetConfig(name="reasoning_gym:basic_arithmetic", options=options)
 
 
+CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+MIX = {"datasets": [{"name": "basic_arithmetic", "weight": 1, "config": SMALL},
+                    {"name": "chain_sum", "weight": 3, "config": CHAIN}]}
+
+
+def test_a_mix_draws_by_weight_and_scores_each_entry_with_its_own_dataset():
+    task = build_task({"name": PREFIX + "composite", "options": MIX}, seed=2)
+    rows = task.train_problems(400, seed=1)
+    sources = [json.loads(r["answer"])["entry"]["metadata"]["source_dataset"] for r in rows]
+    assert set(sources) == {"basic_arithmetic", "chain_sum"}
+    assert 0.68 < sources.count("chain_sum") / len(rows) < 0.82  # weight 3 of 4; binomial sd 2.2 %
+    for row, source in zip(rows[:40], sources):
+        assert row["prompt"].startswith("Calculate" if source == "basic_arithmetic" else "State the final answer")
+        assert task.reward(row["target"], row["answer"]) == 1.0
+        assert task.reward(str(int(row["target"]) + 1), row["answer"]) == 0.0
+    test = {r["prompt"] for r in task.test_set(50)}
+    assert test == {r["prompt"] for r in build_task({"name": PREFIX + "composite", "options": MIX}, 2).test_set(50)}
+
+
+@pytest.mark.parametrize("datasets, match", [
+    ([], r"needs a non-empty list"),
+    ([{"name": "chain_sum", "wieght": 1}], r"datasets\[0\]=.*expected a mapping with name, weight"),
+    ([{"name": "chain_sum"}, {"name": "chain_sum"}], r"datasets\[1\]: name 'chain_sum' repeated"),
+    ([{"name": "chain_sum", "weight": 0}], r"datasets\[0\]: weight=0, expected a number > 0"),
+    ([{"name": "chain_sum"}, {"name": "chain_summ"}], r"datasets\[1\]: .*did you mean reasoning_gym:chain_sum"),
+    ([{"name": "chain_sum", "config": {"min_term": 2}}], r"datasets\[0\]: .*chain_sum has no config key 'min_term'"),
+    ([{"name": "composite", "config": {}}], r"datasets\[0\]: name 'composite' is the mix itself"),
+])
+def test_a_bad_mix_names_the_entry(datasets, match):
+    with pytest.raises(ConfigError, match=match):
+        DatasetConfig(name="reasoning_gym:composite", options={"datasets": datasets})
+
+
 def test_options_belong_to_reasoning_gym_tasks_only():
     with pytest.raises(ConfigError, match="only reasoning_gym"):
         DatasetConfig(name="arithmetic", options={"a": 1})

@@ -7,7 +7,10 @@ Two spellings are accepted (``tools`` in the OpenAI function schema, ``[{"type":
   anywhere in the turn (what chat-template models emit; text around it is ignored);
 * call syntax: the whole turn is ``refund(4821)`` or ``refund(order=4821)`` (what the
   character model emits); positional arguments follow the order of the tool's
-  ``parameters.properties``; a bare word is a string (``lookup(abc)`` -> ``"abc"``).
+  ``parameters.properties``; a bare word is a string (``lookup(abc)`` -> ``"abc"``), and so
+  is any other argument that is not a Python literal: its source text
+  (``python(print(6*7))`` -> ``"print(6*7)"``, what a model without quote characters in
+  its vocabulary writes).
 
 Arguments are checked against the schema (known tool, required present, no extras) and
 ``"integer"`` / ``"number"`` / ``"string"`` values coerced (``"4821"`` <-> ``4821``).
@@ -78,19 +81,26 @@ def _coerce(value, kind: str | None):
     return value
 
 
-def _literal(node: ast.expr):  # a bare word is a string: lookup(abc) -> "abc"
-    return node.id if isinstance(node, ast.Name) else ast.literal_eval(node)
+def _literal(node: ast.expr, source: str):
+    """A literal's value; any other expression is its source text: a bare word
+    (``lookup(abc)`` -> ``"abc"``) or code (``python(print(6*7))`` -> ``"print(6*7)"``)."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return ast.get_source_segment(source, node)
 
 
 def _from_call_syntax(text: str) -> tuple[str, list, dict]:
     """``name(a, b, key=c)`` -> ``(name, [a, b], {key: c})``; raises ValueError / SyntaxError."""
-    tree = ast.parse(text.strip(), mode="eval").body
+    source = text.strip()
+    tree = ast.parse(source, mode="eval").body
     if not isinstance(tree, ast.Call) or not isinstance(tree.func, ast.Name):
         raise ValueError("expected name(arguments)")
     keys = [k.arg for k in tree.keywords]
-    if None in keys or len(set(keys)) < len(keys):
-        raise ValueError("**kwargs or a repeated keyword")
-    return tree.func.id, [_literal(a) for a in tree.args], {k.arg: _literal(k.value) for k in tree.keywords}
+    if None in keys or len(set(keys)) < len(keys) or any(isinstance(a, ast.Starred) for a in tree.args):
+        raise ValueError("*args, **kwargs or a repeated keyword")
+    return (tree.func.id, [_literal(a, source) for a in tree.args],
+            {k.arg: _literal(k.value, source) for k in tree.keywords})
 
 
 def _validate(text: str, tools: list[dict] | None, name: str, args: list, kwargs: dict) -> ToolCall | ToolCallError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail")
+TASKS = ("arithmetic", "gsm8k", "support_desk", "guess_number", "longtail", "tool_multiply")
 """The shipped tasks; besides them, ``reasoning_gym:<dataset>`` names any reasoning-gym
 dataset (``areal_flow.tasks.rgym``) and ``verifiers:<env id>`` the dataset of a verifiers
 environment (``areal_flow.tasks.verifiers_data``)."""
@@ -51,6 +51,10 @@ def build_task(attrs: dict, seed: int) -> Any:
         from areal_flow.tasks.guess_number import GuessNumberTask
 
         return GuessNumberTask(seed=seed)
+    if kind == "tool_multiply":
+        from areal_flow.tasks.tool_multiply import ToolMultiplyTask
+
+        return ToolMultiplyTask(seed=seed, max_digits=attrs.get("max_digits", 3))
     if kind == "longtail":
         from areal_flow.tasks.longtail import LongTailTask
 

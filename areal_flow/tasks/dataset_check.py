@@ -58,7 +58,7 @@ def check_dataset(cfg) -> None:
     if not isinstance(cfg.path, str) or (cfg.path and cfg.name != "gsm8k"):
         raise DatasetValueError(f"dataset.path={cfg.path!r}: the {cfg.name} task reads no data file (only gsm8k does); "
                           "remove dataset.path")
-    low, high = {"arithmetic": (1, None), "support_desk": (1, 6)}.get(cfg.name, (None, None))
+    low, high = {"arithmetic": (1, None), "support_desk": (1, 6), "tool_multiply": (2, 4)}.get(cfg.name, (None, None))
     n = cfg.max_digits
     in_range = isinstance(n, int) and not isinstance(n, bool) and low is not None and n >= low \
         and (high is None or n <= high)

@@ -9,6 +9,13 @@ arXiv:2505.24760; the ``reasoning-gym`` package, Apache-2.0) and the task interf
 ``dataset.options`` are the keyword arguments of that dataset's config class
 (``min_terms: 2`` ...), ``size`` and ``seed`` excepted (the run sets them).
 
+A mix of datasets is reasoning-gym's own ``composite`` dataset: ``dataset.name:
+reasoning_gym:composite`` with ``dataset.options: {datasets: [{name: chain_sum, weight: 1,
+config: {...}}, ...]}`` (each entry drawn from one of them with probability proportional
+to its weight; :func:`composite_specs` checks every entry as a dataset of its own); each
+row's entry names its ``metadata.source_dataset``, and the composite's ``score_answer``
+scores it with that dataset's.
+
 A row is ``{"prompt": entry["question"], "answer": <reference>, "target":
 entry["answer"], "id": int}``. The reference is JSON ``{"task", "options", "entry"}``: the
 whole entry (question, oracle answer, metadata) travels with every trajectory as its
@@ -43,6 +50,8 @@ PREFIX = "reasoning_gym:"
 """``dataset.name`` of a reasoning-gym task is ``PREFIX + <dataset name>``."""
 RESERVED = ("seed", "size")
 """Config keys the run sets (per draw), not ``dataset.options``."""
+COMPOSITE = "composite"
+"""reasoning-gym's mixing dataset (module doc)."""
 
 
 def _rg():
@@ -90,6 +99,8 @@ def check_task(name: str, options: dict | None = None) -> None:
         raise ValueError(f"dataset.options={options!r}: expected a mapping of {name}'s config keys")
     from reasoning_gym.factory import DATASETS
 
+    if name == COMPOSITE:
+        composite_specs(options)
     fields = [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in RESERVED]
     bad = [k for k in options if k not in fields]
     if bad:
@@ -103,10 +114,52 @@ def check_task(name: str, options: dict | None = None) -> None:
                          f"({type(exc).__name__}: {exc})") from None
 
 
+def composite_specs(options: dict) -> list:
+    """The ``datasets`` of a ``composite``'s options as reasoning-gym's ``DatasetSpec`` list.
+
+    Args:
+        options: ``{"datasets": [{"name": <dataset>, "weight": w (default 1), "config":
+            {...} (default {})}, ...]}``.
+
+    Raises:
+        ValueError: ``datasets`` missing, empty or not a list; an entry that is not a
+            mapping, has other keys, repeats a name, names ``composite`` or a weight that
+            is not a number > 0; an entry's name or config that :func:`check_task` refuses
+            (the message names ``dataset.options.datasets[i]``).
+    """
+    from reasoning_gym.composite import DatasetSpec
+
+    specs = options.get("datasets") if isinstance(options, dict) else None
+    if not isinstance(specs, list) or not specs:
+        raise ValueError(f"dataset.options.datasets={specs!r}: reasoning_gym:composite needs a non-empty list of "
+                         "{name, weight, config} entries, one per dataset of the mix")
+    out, seen = [], set()
+    for i, spec in enumerate(specs):
+        where = f"dataset.options.datasets[{i}]"
+        if not isinstance(spec, dict) or set(spec) - {"name", "weight", "config"} or "name" not in spec:
+            raise ValueError(f"{where}={spec!r}: expected a mapping with name, weight (default 1) and config "
+                             "(default {})")
+        name, weight, config = spec["name"], spec.get("weight", 1.0), spec.get("config", {})
+        if name == COMPOSITE or name in seen:
+            raise ValueError(f"{where}: name {name!r} {'is the mix itself' if name == COMPOSITE else 'repeated'}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"{where}: weight={weight!r}, expected a number > 0")
+        try:
+            check_task(name, config)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        seen.add(name)
+        out.append(DatasetSpec(name=name, weight=float(weight), config=dict(config)))
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, options_json: str, seed: int, size: int):
     """The ``create_dataset`` instance (cached: scoring needs one per task and options)."""
-    return _rg().create_dataset(name, seed=seed, size=size, **json.loads(options_json))
+    options = json.loads(options_json)
+    if name == COMPOSITE:
+        options = {**options, "datasets": composite_specs(options)}
+    return _rg().create_dataset(name, seed=seed, size=size, **options)
 
 
 def _seed(*parts) -> int:
