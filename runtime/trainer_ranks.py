@@ -27,7 +27,7 @@ def run_rank_host(spec: WorkerSpec) -> None:
 
 def rank_settings(ctx, group):
     """``(policy settings, critic settings or None)`` of the group's multi-rank policy
-    train_step and a critic trained on its ranks (``dN``), or None: no ranks to spawn."""
+    train_step and a critic trained on its ranks (its strategy), or None: no ranks to spawn."""
     policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
                   None)
     if policy is None or group.strategy.world_size == 1:
@@ -36,7 +36,7 @@ def rank_settings(ctx, group):
 
     critic = next((TrainSettings.from_node(ctx.node(n), ctx) for n in group.nodes if ctx.node(n).trains
                    and ctx.plan.models[ctx.node(n).model]["head"] == "value"
-                   and ctx.node(n).parallel.world_size > 1), None)  # dN on the same ranks
+                   and ctx.node(n).parallel.world_size > 1), None)  # on the same ranks and strategy
     return TrainSettings.from_node(ctx.node(policy), ctx), critic
 
 
