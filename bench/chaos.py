@@ -69,6 +69,8 @@ class Kill:
     recovery: str = ""
     seconds: float = 0.0  # kill to the next step past ``step`` (or to the run's end)
     ok: bool = True
+    gone_s: float = 0.0  # a dead run's processes: seconds until the last was gone
+    said_before: int = 0  # areal-flow: lines in the attempt's log when killed
 
 
 @dataclass
@@ -117,10 +119,26 @@ def last_step(run_dir: Path) -> int:
         return -1
 
 
+def said(log: Path) -> list[str]:
+    """The ``areal-flow:`` lines of an attempt's console log."""
+    return [x.strip() for x in log.read_text(errors="replace").replace("\r", "\n").splitlines() if "areal-flow:" in x]
+
+
 def last_line(log: Path) -> str:
-    """The last ``areal-flow`` line of an attempt's console log (what it said last)."""
-    lines = [x for x in log.read_text(errors="replace").replace("\r", "\n").splitlines() if "areal-flow" in x]
-    return lines[-1].strip()[:240] if lines else "(no areal-flow line)"
+    """The last ``areal-flow:`` line of an attempt's console log (what it said last)."""
+    lines = said(log)
+    return lines[-1][:240] if lines else "(no areal-flow line)"
+
+
+def restart_said(lines: list[str]) -> str:
+    """What the runtime said it did after a worker's death, in a few words."""
+    restarts = [x for x in lines if " died (" in x]
+    if not restarts:
+        return "no restart said (the run went on)"
+    line = restarts[-1]
+    if "restarting every worker" in line:
+        return "runtime restarted every worker from " + line.split("restarting every worker from ")[1].split(" at")[0]
+    return "runtime restarted " + line.split("areal-flow: ")[1].split(" died")[0]
 
 
 class Supervisor:
@@ -147,15 +165,20 @@ class Supervisor:
             if driver:
                 self.chaos.rss.append((driver / MIB, workers / MIB))
 
-    def restart(self, what: str) -> None:
-        """Wait until no process of the run is left (each one left 60 s later is a finding,
-        then killed), and start the run again (``--resume`` once a checkpoint exists)."""
+    def restart(self, what: str) -> float:
+        """Wait until no process of the run is left (each one left ``--leak-wait-s`` later is
+        a finding, then killed), and start the run again (``--resume`` once a checkpoint
+        exists). Returns the seconds until the last of them was gone."""
         self.proc.wait()
-        for p in self.chaos.procs.alive(timeout=60):
-            self.chaos.findings.append(f"after {what}: {self.chaos.procs.describe(p)} alive 60 s later")
-            kill_and_reap([p])
+        start, wait = time.monotonic(), self.chaos.args.leak_wait_s
+        left = self.chaos.procs.alive(timeout=wait)
+        gone_s = time.monotonic() - start
+        for p in left:
+            self.chaos.findings.append(f"after {what}: {self.chaos.procs.describe(p)} alive {wait:.0f} s later")
+        kill_and_reap(left)
         self.proc = self.chaos.start()
         self.settled = time.monotonic() + SETTLE_S
+        return gone_s
 
     def run(self) -> None:
         """Kill every uniform(--every) s until --minutes have passed; return when the run completes."""
@@ -181,7 +204,8 @@ class Supervisor:
                 continue
             kind = self.rng.choice(kinds)
             victim = self.rng.choice(victims[kind])
-            kill = Kill(round(now - begin, 1), kind, victim.pid, last_step(chaos.run_dir))
+            kill = Kill(round(now - begin, 1), kind, victim.pid, last_step(chaos.run_dir),
+                        said_before=len(said(self.log)))
             try:
                 victim.send_signal(signal.SIGKILL)
             except psutil.Error:
@@ -211,16 +235,16 @@ class Supervisor:
                 break
             if code is not None:
                 line = last_line(self.log)
-                if kill.kind == DRIVER:
-                    kill.recovery = "driver dead; waited for its processes; resumed"
-                else:
-                    kill.recovery, kill.ok = f"run stopped ({line}); resumed", False
+                if kill.kind != DRIVER:
+                    kill.ok = False
                     chaos.findings.append(f"{kill.kind} killed at step {kill.step}: the run stopped instead of "
                                           f"restarting it: {line}")
-                self.restart(f"the {kill.kind}'s kill at step {kill.step}")
+                kill.gone_s = max(kill.gone_s, self.restart(f"the {kill.kind}'s kill at step {kill.step}"))
+                kill.recovery = ("driver dead" if kill.kind == DRIVER else f"run stopped ({line})") + \
+                    f"; its processes gone in {kill.gone_s:.1f} s; resumed"
                 continue
             if last_step(chaos.run_dir) >= target:
-                kill.recovery = kill.recovery or f"runtime: {last_line(self.log)}"
+                kill.recovery = kill.recovery or restart_said(said(self.log)[kill.said_before:])
                 break
             if time.monotonic() > deadline:
                 kill.ok = False
@@ -298,15 +322,17 @@ def report(chaos: Chaos, wall_s: float, found: dict[str, list[str]]) -> None:
     """The kills per victim kind, then each invariant: OK or its problems."""
     print(f"\nchaos run: {chaos.args.steps} steps, k = {chaos.args.k}, {chaos.args.scheduler} scheduler, "
           f"{wall_s / 60:.1f} min, {len(chaos.kills)} kills, {chaos.attempts} attempts (driver starts)")
-    print(f"{'victim':<20} {'kills':>5} {'ok':>4} {'median s':>9} {'max s':>7}  recoveries")
+    print(f"{'victim':<20} {'kills':>5} {'ok':>4} {'median s':>9} {'max s':>7} {'gone s':>7}  recoveries "
+          "(s: kill to step + k + 3; gone s: the slowest of a dead run's processes to end)")
     for kind in sorted({k.kind for k in chaos.kills}):
         mine = [k for k in chaos.kills if k.kind == kind]
         secs = sorted(k.seconds for k in mine)
         how: dict[str, int] = {}
         for k in mine:
-            key = k.recovery.split(":")[0] if k.recovery.startswith(("runtime", "HANG")) else k.recovery.split(" (")[0]
+            key = k.recovery.split(" (")[0].split(";")[0].split(":")[0].split(" from ")[0]
             how[key] = how.get(key, 0) + 1
-        print(f"{kind:<20} {len(mine):5d} {sum(k.ok for k in mine):4d} {secs[len(secs) // 2]:9.1f} {secs[-1]:7.1f}  "
+        print(f"{kind:<20} {len(mine):5d} {sum(k.ok for k in mine):4d} {secs[len(secs) // 2]:9.1f} {secs[-1]:7.1f} "
+              f"{max(k.gone_s for k in mine):7.1f}  "
               + "; ".join(f"{c} x {h}" for h, c in how.items()))
     for name, problems in found.items():
         print(f"{'OK  ' if not problems else 'FAIL'} {name}")
@@ -323,6 +349,8 @@ def main() -> int:
     parser.add_argument("--every", default="20:90", help="LOW:HIGH, seconds between kills (uniform)")
     parser.add_argument("--victims", default="all", help="comma-separated kinds to kill (default all)")
     parser.add_argument("--hang-s", type=float, default=180.0, help="no progress this long after a kill: a hang")
+    parser.add_argument("--leak-wait-s", type=float, default=60.0,
+                        help="a process of a dead run still alive this long after: a leak")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="train.checkpoint_every")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bench's draws (victims, moments)")
     parser.add_argument("--reference", choices=("after", "parallel"), default="after",

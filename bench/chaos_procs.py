@@ -6,8 +6,8 @@ a local worker is a ``multiprocessing`` spawn child of the driver whose bound ``
 socket is named ``<group>-<rank>`` (``runtime/launch.py``): ``generate-*`` a generation
 replica, ``train_step-*`` the trainer, any other group a stage worker; a spawn child of a
 worker is a trainer rank (``runtime/parallel/launch.py``). On Ray, an actor's worker process
-has the title ``ray::WorkerActor...``, and the run's own cluster's ``raylet`` and
-``gcs_server`` are children of the driver.
+has the title ``ray::WorkerActor...`` (the trainer's metrics queue ``ray::_QueueActor``),
+and the run's own cluster's ``raylet`` and ``gcs_server`` are children of the driver.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 import psutil
 
 GENERATION, TRAINER, STAGE, RANK = "generation replica", "trainer", "stage worker", "trainer rank"
-DRIVER, ACTOR, RAYLET, GCS = "driver", "ray actor", "ray node (raylet)", "ray gcs"
+DRIVER, ACTOR, QUEUE, RAYLET, GCS = "driver", "ray worker actor", "ray metrics queue", "ray node (raylet)", "ray gcs"
 
 
 def _kind(proc: psutil.Process, driver: int) -> str:
@@ -28,6 +28,8 @@ def _kind(proc: psutil.Process, driver: int) -> str:
     cmd = " ".join(proc.cmdline())
     if cmd.startswith("ray::WorkerActor"):
         return ACTOR
+    if cmd.startswith("ray::_QueueActor"):
+        return QUEUE
     if "/raylet" in cmd.split(" ")[0]:
         return RAYLET
     if "gcs_server" in cmd.split(" ")[0]:
