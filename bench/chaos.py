@@ -47,13 +47,14 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import chaos_checks as checks  # noqa: E402
-from bench.chaos_procs import DRIVER, RunProcesses, kill_and_reap  # noqa: E402
+from bench.chaos_procs import DRIVER, GCS, RAYLET, RunProcesses, kill_and_reap  # noqa: E402
 from runtime.checkpoint import latest_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 KEPT = ("ray", "torchinductor_")  # Ray's session logs, torch.compile's cache: kept by design
 SETTLE_S = 30.0
+WHOLE_RUN = (DRIVER, RAYLET, GCS)  # their death ends the run (the run's one Ray node): resumed, not restarted
 SMALL = ["train.batch_size=2", "gen.n_samples=4", "eval.enabled=false", "logging.trace=false",
          "scheduler.max_restarts=1000"]
 
@@ -235,12 +236,12 @@ class Supervisor:
                 break
             if code is not None:
                 line = last_line(self.log)
-                if kill.kind != DRIVER:
+                if kill.kind not in WHOLE_RUN:
                     kill.ok = False
                     chaos.findings.append(f"{kill.kind} killed at step {kill.step}: the run stopped instead of "
                                           f"restarting it: {line}")
                 kill.gone_s = max(kill.gone_s, self.restart(f"the {kill.kind}'s kill at step {kill.step}"))
-                kill.recovery = ("driver dead" if kill.kind == DRIVER else f"run stopped ({line})") + \
+                kill.recovery = (f"{kill.kind} dead" if kill.kind in WHOLE_RUN else f"run stopped ({line})") + \
                     f"; its processes gone in {kill.gone_s:.1f} s; resumed"
                 continue
             if last_step(chaos.run_dir) >= target:
