@@ -6,11 +6,12 @@ Starts ``areal-flow run graphs/arith_grpo.py`` (tiny model, evaluation off, chec
 SIGKILLs one live process of the run, its kind drawn uniformly among those alive (the
 driver, a generation replica, the trainer, another stage worker, a trainer rank; on Ray an
 actor's worker process, or the raylet / GCS of the run's own Ray cluster), then acts as a
-supervisor: a dead driver, or a run that ends in failure, is waited for until no process of
-it is left (the leak check) and the same command is started again with ``--resume
-<run folder>`` (or afresh when no checkpoint exists yet); a dead worker must be restarted by
-the runtime itself, the run's steps going on past the step of the kill within ``--hang-s``
-(else the hang is a finding and the driver is killed and resumed). Kills stop after
+supervisor: a dead driver (or the run's one Ray node: its raylet or GCS), or a run that ends
+in failure, is waited for until no process of it is left (one alive ``--leak-wait-s`` later
+is a leak) and the same command is started again with ``--resume <run folder>`` (or afresh
+when no checkpoint exists yet); a dead worker must be restarted by the runtime itself (a run
+that stops instead is a finding), the run's steps going on past the step of the kill within
+``--hang-s`` (else the hang is a finding and the driver is killed and resumed). Kills stop after
 ``--minutes``; the run then finishes its ``--steps``. The same job then runs uninterrupted
 (same seed and config; ``--reference parallel`` runs it beside the chaos run instead).
 
