@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 KEPT = ("ray", "torchinductor_")  # Ray's session logs, torch.compile's cache: kept by design
 SETTLE_S = 30.0
+NODE_GRACE_S = 120.0  # Ray's driver gives up on a dead GCS after 60 s (gcs_rpc_server_reconnect_timeout_s)
 WHOLE_RUN = (DRIVER, RAYLET, GCS)  # their death ends the run (the run's one Ray node): resumed, not restarted
 SMALL = ["train.batch_size=2", "gen.n_samples=4", "eval.enabled=false", "logging.trace=false",
          "scheduler.max_restarts=1000"]
@@ -196,6 +197,7 @@ class Supervisor:
             if code is not None:
                 chaos.findings.append(f"attempt {chaos.attempts} ended with exit code {code} unprovoked: "
                                       f"{last_line(self.log)}")
+                print(f"[{time.monotonic() - begin:7.1f} s] {chaos.findings[-1]}", flush=True)
                 self.restart(f"attempt {chaos.attempts}'s exit")
                 continue
             now = time.monotonic()
@@ -229,6 +231,7 @@ class Supervisor:
         start = deadline = time.monotonic()
         deadline += a.hang_s
         target = min(kill.step + a.k + 3, a.steps - 1)
+        killed_under = self.proc.pid  # a Ray node's death ends its driver only later (GCS: 60 s)
         while True:
             self.tick()
             code = self.proc.poll()
@@ -245,7 +248,8 @@ class Supervisor:
                 kill.recovery = (f"{kill.kind} dead" if kill.kind in WHOLE_RUN else f"run stopped ({line})") + \
                     f"; its processes gone in {kill.gone_s:.1f} s; resumed"
                 continue
-            if last_step(chaos.run_dir) >= target:
+            ray_grace = kill.kind in (RAYLET, GCS) and time.monotonic() - start < NODE_GRACE_S
+            if last_step(chaos.run_dir) >= target and not (ray_grace and self.proc.pid == killed_under):
                 kill.recovery = kill.recovery or restart_said(said(self.log)[kill.said_before:])
                 break
             if time.monotonic() > deadline:
