@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -337,7 +338,7 @@ def report(chaos: Chaos, wall_s: float, found: dict[str, list[str]]) -> None:
         for k in mine:
             key = k.recovery.split(" (")[0].split(";")[0].split(":")[0].split(" from ")[0]
             how[key] = how.get(key, 0) + 1
-        print(f"{kind:<20} {len(mine):5d} {sum(k.ok for k in mine):4d} {secs[len(secs) // 2]:9.1f} {secs[-1]:7.1f} "
+        print(f"{kind:<20} {len(mine):5d} {sum(k.ok for k in mine):4d} {statistics.median(secs):9.1f} {secs[-1]:7.1f} "
               f"{max(k.gone_s for k in mine):7.1f}  "
               + "; ".join(f"{c} x {h}" for h, c in how.items()))
     for name, problems in found.items():
