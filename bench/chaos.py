@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 KEPT = ("ray", "torchinductor_")  # Ray's session logs, torch.compile's cache: kept by design
 SETTLE_S = 30.0
+INF = float("inf")
 NODE_GRACE_S = 120.0  # Ray's driver gives up on a dead GCS after 60 s (gcs_rpc_server_reconnect_timeout_s)
 WHOLE_RUN = (DRIVER, RAYLET, GCS)  # their death ends the run (the run's one Ray node): resumed, not restarted
 SMALL = ["train.batch_size=2", "gen.n_samples=4", "eval.enabled=false", "logging.trace=false",
@@ -112,10 +113,13 @@ class Chaos:
         return subprocess.Popen(self.command(name, resume), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def last_step(run_dir: Path) -> int:
-    """The step of the last complete line of ``steps.jsonl`` (-1: none)."""
+def last_step(run_dir: Path, since: float = 0.0) -> int:
+    """The step of the last complete line of ``steps.jsonl`` (-1: none, or the file was last
+    written before ``since``, a ``time.time()``: by an attempt that is gone)."""
     try:
         with (run_dir / "steps.jsonl").open("rb") as f:
+            if os.fstat(f.fileno()).st_mtime < since:
+                return -1
             f.seek(max(0, f.seek(0, 2) - 16384))
             lines = f.read().split(b"\n")[:-1]
         return json.loads(lines[-1])["step"] if lines else -1
@@ -151,8 +155,10 @@ class Supervisor:
     def __init__(self, chaos: Chaos, rng: random.Random) -> None:
         self.chaos, self.rng = chaos, rng
         self.proc = chaos.start()
+        self.since = time.time()  # steps.jsonl written since then: by this attempt
         self.last_rss = 0.0
-        self.settled = time.monotonic() + SETTLE_S  # RSS samples from then on
+        self.settled = INF  # RSS samples from SETTLE_S after this attempt's first step
+        self.recovering = False
 
     @property
     def log(self) -> Path:
@@ -160,10 +166,13 @@ class Supervisor:
 
     def tick(self) -> None:
         """Remember the run's processes; an RSS sample every 2 s once the workers settled
-        (``SETTLE_S`` after a start or a kill: a restarted worker grows while it warms up)."""
+        (``SETTLE_S`` after an attempt's first step or a recovery; none while recovering: a
+        restarted worker grows while it warms up)."""
         self.chaos.procs.scan(self.proc.pid)
         now = time.monotonic()
-        if now - self.last_rss >= 2 and now >= self.settled and last_step(self.chaos.run_dir) >= 1:
+        if self.settled == INF and not self.recovering and last_step(self.chaos.run_dir, self.since) >= 0:
+            self.settled = now + SETTLE_S
+        if now - self.last_rss >= 2 and now >= self.settled and last_step(self.chaos.run_dir, self.since) >= 1:
             self.last_rss = now
             driver, workers = self.chaos.procs.rss(self.proc.pid)
             if driver:
@@ -181,7 +190,8 @@ class Supervisor:
             self.chaos.findings.append(f"after {what}: {self.chaos.procs.describe(p)} alive {wait:.0f} s later")
         kill_and_reap(left)
         self.proc = self.chaos.start()
-        self.settled = time.monotonic() + SETTLE_S
+        self.since = time.time()
+        self.settled = INF
         return gone_s
 
     def run(self) -> None:
@@ -216,9 +226,9 @@ class Supervisor:
             except psutil.Error:
                 continue
             chaos.kills.append(kill)
-            self.settled = time.monotonic() + SETTLE_S
+            self.settled, self.recovering = INF, True
             self.recover(kill)
-            self.settled = time.monotonic() + SETTLE_S
+            self.settled, self.recovering = time.monotonic() + SETTLE_S, False
             print(f"[{kill.t:7.1f} s] killed {kill.kind} (pid {kill.pid}) at step {kill.step}: {kill.recovery}; "
                   f"{kill.seconds:.1f} s to step {kill.step + a.k + 3}", flush=True)
             next_kill = time.monotonic() + self.rng.uniform(low, high)
@@ -250,7 +260,7 @@ class Supervisor:
                     f"; its processes gone in {kill.gone_s:.1f} s; resumed"
                 continue
             ray_grace = kill.kind in (RAYLET, GCS) and time.monotonic() - start < NODE_GRACE_S
-            if last_step(chaos.run_dir) >= target and not (ray_grace and self.proc.pid == killed_under):
+            if last_step(chaos.run_dir, self.since) >= target and not (ray_grace and self.proc.pid == killed_under):
                 kill.recovery = kill.recovery or restart_said(said(self.log)[kill.said_before:])
                 break
             if time.monotonic() > deadline:
