@@ -256,6 +256,7 @@ class Supervisor:
                     chaos.findings.append(f"{kill.kind} killed at step {kill.step}: the run stopped instead of "
                                           f"restarting it: {line}")
                 kill.gone_s = max(kill.gone_s, self.restart(f"the {kill.kind}'s kill at step {kill.step}"))
+                deadline = time.monotonic() + a.hang_s  # each start gets the whole --hang-s
                 kill.recovery = (f"{kill.kind} dead" if kill.kind in WHOLE_RUN else f"run stopped ({line})") + \
                     f"; its processes gone in {kill.gone_s:.1f} s; resumed"
                 continue
