@@ -72,7 +72,7 @@ class Kill:
     pid: int
     step: int  # last step in steps.jsonl when killed
     recovery: str = ""
-    seconds: float = 0.0  # kill to the next step past ``step`` (or to the run's end)
+    seconds: float = 0.0  # kill to step ``step + k + 3`` trained by the live attempt (or the run's end)
     ok: bool = True
     gone_s: float = 0.0  # a dead run's processes: seconds until the last was gone
     said_before: int = 0  # areal-flow: lines in the attempt's log when killed
@@ -88,7 +88,7 @@ class Chaos:
     kills: list[Kill] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
     attempts: int = 0
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (driver MiB, workers MiB) after step 1
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (driver MiB, workers MiB), settled samples
     procs: RunProcesses | None = None
 
     @property
@@ -108,9 +108,10 @@ class Chaos:
         checkpoint, else afresh (as ``resume=auto`` would); console to ``<name>-attempt<n>.log``."""
         resume = latest_checkpoint(self.out / name) is not None
         self.attempts += name == "chaos"
-        log = (self.out / (f"chaos-attempt{self.attempts}.log" if name == "chaos" else f"{name}.log")).open("w")
         env = {**os.environ, "TMPDIR": str(self.tmpdir), "PYTHONPATH": str(REPO)}
-        return subprocess.Popen(self.command(name, resume), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with (self.out / (f"chaos-attempt{self.attempts}.log" if name == "chaos" else f"{name}.log")).open("w") as log:
+            return subprocess.Popen(self.command(name, resume), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env)
 
 
 def last_step(run_dir: Path, since: float = 0.0) -> int:
