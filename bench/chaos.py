@@ -49,6 +49,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import chaos_checks as checks  # noqa: E402
+from bench.chaos_logs import event_steps, final_line, last_line, last_step, restart_said, said  # noqa: E402
 from bench.chaos_procs import DRIVER, GCS, RAYLET, RunProcesses, kill_and_reap  # noqa: E402
 from runtime.checkpoint import latest_checkpoint  # noqa: E402
 
@@ -114,42 +115,6 @@ class Chaos:
                                     env=env)
 
 
-def last_step(run_dir: Path, since: float = 0.0) -> int:
-    """The step of the last complete line of ``steps.jsonl`` (-1: none, or the file was last
-    written before ``since``, a ``time.time()``: by an attempt that is gone)."""
-    try:
-        with (run_dir / "steps.jsonl").open("rb") as f:
-            if os.fstat(f.fileno()).st_mtime < since:
-                return -1
-            f.seek(max(0, f.seek(0, 2) - 16384))
-            lines = f.read().split(b"\n")[:-1]
-        return json.loads(lines[-1])["step"] if lines else -1
-    except (OSError, ValueError, KeyError, IndexError):
-        return -1
-
-
-def said(log: Path) -> list[str]:
-    """The ``areal-flow:`` lines of an attempt's console log."""
-    return [x.strip() for x in log.read_text(errors="replace").replace("\r", "\n").splitlines() if "areal-flow:" in x]
-
-
-def last_line(log: Path) -> str:
-    """The last ``areal-flow:`` line of an attempt's console log (what it said last)."""
-    lines = said(log)
-    return lines[-1][:240] if lines else "(no areal-flow line)"
-
-
-def restart_said(lines: list[str]) -> str:
-    """What the runtime said it did after a worker's death, in a few words."""
-    restarts = [x for x in lines if " died (" in x]
-    if not restarts:
-        return "no restart said (the run went on)"
-    line = restarts[-1]
-    if "restarting every worker" in line:
-        return "runtime restarted every worker from " + line.split("restarting every worker from ")[1].split(" at")[0]
-    return "runtime restarted " + line.split("areal-flow: ")[1].split(" died")[0]
-
-
 class Supervisor:
     """Starts the run's attempts, samples them, kills, and recovers as a user would."""
 
@@ -208,7 +173,7 @@ class Supervisor:
                 return
             if code is not None:
                 chaos.findings.append(f"attempt {chaos.attempts} ended with exit code {code} unprovoked: "
-                                      f"{last_line(self.log)}")
+                                      f"{final_line(self.log)}")
                 print(f"[{time.monotonic() - begin:7.1f} s] {chaos.findings[-1]}", flush=True)
                 self.restart(f"attempt {chaos.attempts}'s exit")
                 continue
@@ -244,6 +209,7 @@ class Supervisor:
         deadline += a.hang_s
         target = min(kill.step + a.k + 3, a.steps - 1)
         killed_under = self.proc.pid  # a Ray node's death ends its driver only later (GCS: 60 s)
+        first_attempt = self.chaos.attempts
         while True:
             self.tick()
             code = self.proc.poll()
@@ -251,8 +217,12 @@ class Supervisor:
                 kill.recovery = kill.recovery or "the run completed"
                 break
             if code is not None:
-                line = last_line(self.log)
-                if kill.kind not in WHOLE_RUN:
+                line = final_line(self.log)
+                if self.chaos.attempts > first_attempt:  # a start after the kill failed too: a resume refused
+                    kill.ok = False
+                    chaos.findings.append(f"{kill.kind} killed at step {kill.step}: attempt {chaos.attempts} after it "
+                                          f"ended with exit code {code}: {line}")
+                elif kill.kind not in WHOLE_RUN:
                     kill.ok = False
                     chaos.findings.append(f"{kill.kind} killed at step {kill.step}: the run stopped instead of "
                                           f"restarting it: {line}")
@@ -275,15 +245,6 @@ class Supervisor:
                 deadline = time.monotonic() + a.hang_s
             time.sleep(0.2)
         kill.seconds = time.monotonic() - start
-
-
-def event_steps(run_dir: Path, tag: str = "rl/reward") -> list[int]:
-    """The steps TensorBoard shows for ``tag`` over every event file of the run (all kept)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [e.step for e in acc.Scalars(tag)]
 
 
 def leaked_files(chaos: Chaos, shm_before: set[str]) -> list[str]:
