@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from areal_flow.ops.registry import GENERATION
 from runtime.metrics import RunLogger
-from runtime.restarts import HostLost, Restarts, StageDied, WorkerFailed, run_attempts
+from runtime.restarts import HostLost, ReportsLost, Restarts, StageDied, WorkerFailed, run_attempts
 from runtime.run_setup import RunSetup
 from runtime.topology import Topology, WorkerGroup
 from runtime.workers import WorkerSpec
@@ -217,5 +217,15 @@ class Driver:
         self.scheduler.start(spec, group)
 
     def _log(self, logger: RunLogger) -> None:
-        for metrics in self.scheduler.metrics():
+        """Log the step reports that arrived.
+
+        Raises:
+            StageDied: what carries them died (``ReportsLost``): every worker restarts.
+        """
+        try:
+            reported = self.scheduler.metrics()
+        except ReportsLost as lost:
+            admission = self.router.admission
+            raise StageDied(lost.name, lost.cause, admission.accepted + admission.running) from None
+        for metrics in reported:
             logger.log_step(metrics)

@@ -36,7 +36,6 @@ import multiprocessing as mp
 import os
 import queue
 import sys
-import tempfile
 import traceback
 from dataclasses import replace
 
@@ -45,6 +44,7 @@ from runtime.driver import DIED, Driver, WorkerEnd, reports
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
+from runtime.socket_dir import new_socket_dir, remove_socket_dir
 from runtime.stage_worker import run_stage_worker
 from runtime.topology import Topology, WorkerGroup
 from runtime.workers import WorkerSpec, run_generation_replica
@@ -138,10 +138,12 @@ class LocalScheduler:
         self.procs: dict[str, mp.Process] = {}
         self.results = self.reports = None
         self.leases: dict = {}
+        self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.socket_dir)
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         topo = self.setup.topo
-        sock = tempfile.mkdtemp(prefix="areal-flow-")
+        remove_socket_dir(self.sock)  # an attempt stopped by a restart: its folder is done
+        sock = self.sock = new_socket_dir()
         addresses = {g.name: [f"ipc://{sock}/{g.name}-{r}" for r in range(g.replicas)] for g in topo.groups.values()}
         addresses["weights"] = [f"ipc://{sock}/weights-{r}" for r in range(topo.generation.replicas)]
         n_procs = sum(g.replicas for g in topo.groups.values())
@@ -188,13 +190,15 @@ class LocalScheduler:
 
     def stop(self, wait: bool) -> None:
         """End the worker processes still running (each gets 0.5 s to finish, then SIGTERM);
-        every process is joined either way."""
+        every process is joined either way, then the attempt's socket folder is removed."""
         for p in self.procs.values():
             if p.is_alive():
                 p.join(timeout=0.5)
             if p.is_alive():
                 p.terminate()
                 p.join()
+        remove_socket_dir(self.sock)
+        self.sock = None
 
     def release(self) -> dict:
         return {}

@@ -55,7 +55,7 @@ from compiler.hosting import ray_machine_problem
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
-from runtime.restarts import HostLost, WorkerFailed
+from runtime.restarts import HostLost, ReportsLost, WorkerFailed
 from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
@@ -334,8 +334,20 @@ class RayScheduler:
         return ended
 
     def metrics(self) -> list[dict]:
-        waiting = self.sink.qsize()
-        return self.sink.get_nowait_batch(waiting) if waiting else []
+        """The step reports in the metrics queue (none once it is lost, until the next attempt).
+
+        Raises:
+            ReportsLost: the queue's actor died (its process killed); the next attempt's
+                :meth:`addresses` starts a new one.
+        """
+        if self.sink is None:
+            return []
+        try:
+            waiting = self.sink.qsize()
+            return self.sink.get_nowait_batch(waiting) if waiting else []
+        except RayActorError as exc:
+            self.sink = None
+            raise ReportsLost("metrics queue", _exit_cause(exc)) from None
 
     def revive(self, name: str, cause: str) -> None:
         """Wait for Ray to bring replica ``name`` back in its bundle (its calls fail until Ray

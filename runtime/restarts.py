@@ -30,6 +30,21 @@ class HostLost(Exception):
     host was lost)."""
 
 
+class ReportsLost(Exception):
+    """What carries the trainer's step reports to the driver died (on Ray, the metrics queue
+    actor): the steps it held are lost to the driver, so every worker restarts from the last
+    checkpoint, as for a dead trainer (:class:`StageDied`; the trainer wrote those steps'
+    ``steps.jsonl`` lines before the checkpoint, and the rewind logs them again).
+
+    Args:
+        name: what died (``metrics queue``). cause: why, in a few words.
+    """
+
+    def __init__(self, name: str, cause: str) -> None:
+        super().__init__(f"{name} died ({cause})")
+        self.name, self.cause = name, cause
+
+
 class StageDied(Exception):
     """A non-generation worker (the trainer, or another stage worker) died without reporting
     (killed, out of memory, a crash in native code).

@@ -125,22 +125,32 @@ def _keep_before(path: Path, version: int, what: str) -> list[dict]:
     """Keep the lines of JSONL file ``path`` (if any) whose ``step`` is ``< version``; the kept
     records. A last line without its newline, torn by a kill while it was written, is dropped:
     it is of a step after the checkpoint (the trainer writes a step's lines before its checkpoint).
+    So are lines that are not JSON after every kept line (said on stderr): a writer of the dead
+    attempt still running after the folder was rewound (a Ray actor on a crashed node) writes
+    at its old offset past the cut, leaving a hole of NUL bytes before its lines.
 
     Raises:
-        ValueError: a whole line is not JSON (names the file, the line and ``what`` it should be).
+        ValueError: a line before a kept one is not JSON (names the file, the line and ``what``
+            it should be): the checkpoint's own steps are damaged.
     """
     if not path.is_file():
         return []
-    kept, lines = [], []
-    whole = path.read_text().rpartition("\n")[0]  # up to the last newline
+    kept, lines, unreadable = [], [], []
+    whole = path.read_text(errors="replace").rpartition("\n")[0]  # up to the last newline
     for n, line in enumerate(whole.splitlines(), 1):
         try:
             record = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"{path}:{n}: not {what} ({e})") from None
+            unreadable.append(f"{path}:{n}: not {what} ({e})")
+            continue
         if record["step"] < version:
+            if unreadable:
+                raise ValueError(unreadable[0])
             kept.append(record)
             lines.append(line)
+    if unreadable:
+        print(f"areal-flow: {unreadable[0]}: dropped with the {len(unreadable)} unreadable line(s) after step "
+              f"{version - 1}'s (written after the cut by a writer of the attempt that died)", file=sys.stderr)
     path.write_text("".join(f"{line}\n" for line in lines))
     return kept
 
@@ -159,7 +169,8 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
         summary counts the whole run.
 
     Raises:
-        ValueError: a line of the trajectories or steps file is not JSON (names the file and line).
+        ValueError: a line of the trajectories or steps file before one it keeps is not JSON
+            (names the file and line).
     """
     kept = [r for r in _keep_before(folder / "trajectories" / "trajectories.jsonl", version, "a trajectory record")
             if REPLAYED not in r.get("meta", {})]  # a replayed row is no sample of its own

@@ -71,9 +71,23 @@ def test_rewinding_keeps_the_steps_before_the_checkpoint(tmp_path):
     assert [r["sample_id"] for r in kept] == ["0:0", "1:0", "2:0", "3:0"]  # steps 0 and 1
     assert samples == 4 and staleness == Counter({0: 2, 1: 2})  # staleness i % 2 of i = 0..3
     assert not (tmp_path / "checkpoints" / "version_4.tmp").exists()
-    (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n')
+    (traj / "trajectories.jsonl").write_text('{"step": 0, "staleness": 0}\nnot json\n{"step": 0, "staleness": 0}\n')
     with pytest.raises(ValueError, match=r"trajectories.jsonl:2: not a trajectory record"):
-        rewind_run_dir(tmp_path, 1)
+        rewind_run_dir(tmp_path, 1)  # the checkpoint's own steps damaged
+
+
+def test_rewinding_drops_a_hole_a_late_writer_left_after_the_cut(tmp_path, capsys):
+    """Issue 26 (bench/chaos.py, Ray, a raylet killed): the trainer of the dead attempt, on the
+    crashed node, wrote on at its old offset after the driver had cut the file at the
+    checkpoint, leaving NUL bytes then its step-3 lines; every resume then refused the file."""
+    traj = tmp_path / "trajectories"
+    traj.mkdir()
+    kept = "".join(json.dumps({"sample_id": f"{i}:0", "step": i // 2, "staleness": 0}) + "\n" for i in range(4))
+    late = json.dumps({"sample_id": "6:0", "step": 3, "staleness": 0}) + "\n"
+    (traj / "trajectories.jsonl").write_text(kept + "\0" * 300 + "\n" + late)
+    samples, _ = rewind_run_dir(tmp_path, 2)
+    assert samples == 4 and (traj / "trajectories.jsonl").read_text() == kept  # steps 0 and 1, nothing after
+    assert "trajectories.jsonl:5: not a trajectory record" in capsys.readouterr().err
 
 
 def test_rewinding_keeps_the_records_of_the_steps_before_the_checkpoint(tmp_path):
