@@ -109,6 +109,10 @@ class GenerationConfig:
     mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, docs/PERFORMANCE.md), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
+    lm_head_dtype: str = "float32"
+    """Embedded engine's final norm and LM head (the product that makes the logits): float32 (default), engine
+    (gen.dtype's), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in bf16 and the
+    last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md, "bf16 engine")."""
 
 
 @dataclass
@@ -446,3 +450,6 @@ class ExperimentConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
         if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+        if self.gen.lm_head_dtype.lower() != "engine" and self.gen.lm_head_dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected engine or one of "
+                              f"{', '.join(DTYPES)}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.dtypes import torch_dtype
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import auto_speedup, engine_dtype
 from runtime.engines.sampling import sample
@@ -169,7 +170,7 @@ class GenerationEngine:
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0,
-                 dtype: str | torch.dtype = "float32") -> None:
+                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "float32") -> None:
         if max_batch_size < 1:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(device).eval()
@@ -183,7 +184,9 @@ class GenerationEngine:
         self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
         # gen.dtype=auto: the measured fp32 / 16-bit decode-step time ratio behind the choice
         self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
-        self._dec = KVDecoder(self.model, self.dtype, max_batch_size)
+        self.head_dtype = torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("engine",)) \
+            if str(head_dtype).lower() != "engine" else self.dtype
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()
