@@ -39,7 +39,7 @@ class ModelConfig:
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
-    forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
+    forward/backward under torch.autocast in it (fp16 with dynamic loss scaling: areal_flow.algorithms.loss_scale); log-softmax and the
     importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
     "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
     log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
@@ -104,9 +104,10 @@ class GenerationConfig:
     dtype: str = "float32"
     """Embedded engine's weights and KV cache: float32, bfloat16, float16 or auto (spellings as model.dtype).
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
-    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
-    and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
-    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, docs/PERFORMANCE.md), so use bf16/auto with
+    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16 (its graphs'
+    yaml set auto), the main job's 1 M model does not (its bf16 engine measured 0.52x as fast). Logits and sampling
+    stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2: mean 0.034, max
+    0.31-0.81 nats; fp32: 9e-6; docs/PERFORMANCE.md, "bf16 engine"), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
     lm_head_dtype: str = "float32"

@@ -31,7 +31,8 @@ fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``.
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
 ``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
-kept in the engine dtype, logits are returned in fp32.
+kept in the engine dtype, the final norm and the LM head run in ``head_dtype`` (the last residual
+cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class KVDecoder:
             norm, rotary_emb}`` + ``lm_head``), SiLU MLP, no sliding window.
         dtype: engine dtype of the packed weights and the KV cache.
         max_rows: most sequences in the cache (the engine's ``max_batch_size``).
+        head_dtype: dtype of the final norm and the LM head; None = ``dtype``.
 
     Raises:
         ValueError: unsupported architecture (names the model class or config field).
