@@ -194,7 +194,7 @@ def test_fp32_lm_head_adds_no_bf16_error_to_the_logits():
 
 
 def test_lm_head_dtype_names_are_checked():
-    with pytest.raises(ValueError, match="gen.lm_head_dtype='int8'"):
+    with pytest.raises(ValueError, match="gen.lm_head_dtype='int8': expected engine or one of"):
         GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="int8")
     with pytest.raises(ConfigError, match="gen.lm_head_dtype"):
         ExperimentConfig(gen=GenerationConfig(lm_head_dtype="half-ish"))
