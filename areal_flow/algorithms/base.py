@@ -210,7 +210,8 @@ class BaseAlgorithm:
             ``clip_frac`` (valid tokens whose gradient a clip/mask removed),
             ``importance_weight_mean``/``_max`` (pi_theta / pi_behav at the step start),
             ``kl_behavior_current`` (k3 estimate of KL(behavior || current), mean per
-            token), ``behavior_logprob_abs_diff`` (mean |log pi_theta - log pi_behav|, nats), ``entropy`` (nats per token), ``grad_norm`` (before clipping),
+            token), ``behavior_logprob_abs_diff`` (mean |log pi_theta - log pi_behav|, nats),
+            ``entropy`` (nats per token), ``grad_norm`` (before clipping),
             ``n_tokens``, ``n_seqs``, ``step_skipped`` (1 when no valid token or a
             non-finite gradient skipped the step); plus ``kl_ref`` with a KL loss,
             ``behavior_imp_weight_capped_frac`` when decoupled, ``value_loss``,
