@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     task = ArithmeticTask(seed=0, max_digits=2, prompt_style="chat" if chat else "plain")
     prompts = [encode_prompt(tok, p["prompt"]) for p in task.test_set(args.batch)]
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    rounded = copy.deepcopy(model).to(torch.bfloat16).float()
+    rounded = copy.deepcopy(model).to(torch.bfloat16).float() if "bf16-weights" in args.variants else None
     engines = {v: GenerationEngine(rounded if v == "bf16-weights" else model, tok, max_batch_size=args.batch,
                                    dtype=VARIANTS[v][0], head_dtype=VARIANTS[v][1], seed=0) for v in args.variants}
     print(f"model {args.model}: {args.batch} responses of <= {args.max_new_tokens} tokens, T={args.temperature}, "
