@@ -39,8 +39,8 @@ class ModelConfig:
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
-    forward/backward under torch.autocast in it (fp16 has no loss scaling: prefer bf16); log-softmax and the
-    importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
+    forward/backward under torch.autocast in it (fp16 with dynamic loss scaling: algorithms/loss_scale.py); log-softmax
+    and the importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
     "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
     log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
     drift from an fp32 engine's; decoupled PPO's proximal log-probs come from the trainer's own forward, in the same dtype).
@@ -104,11 +104,16 @@ class GenerationConfig:
     dtype: str = "float32"
     """Embedded engine's weights and KV cache: float32, bfloat16, float16 or auto (spellings as model.dtype).
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
-    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16. Logits
-    and sampling stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2:
-    mean 0.034, max 0.31-0.81 nats; fp32: 9e-6, docs/PERFORMANCE.md), so use bf16/auto with
+    when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16 (its graphs'
+    yaml set auto), the main job's 1 M model does not (its bf16 engine measured 0.52x as fast). Logits and sampling
+    stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2: mean 0.034, max
+    0.31-0.81 nats; fp32: 9e-6; docs/PERFORMANCE.md, "bf16 engine"), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
+    lm_head_dtype: str = "float32"
+    """Embedded engine's final norm and LM head (the product that makes the logits): float32 (default), engine
+    (gen.dtype's), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in bf16 and the
+    last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md, "bf16 engine")."""
 
 
 @dataclass
@@ -446,3 +451,6 @@ class ExperimentConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
         if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+        if self.gen.lm_head_dtype.lower() != "engine" and self.gen.lm_head_dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected engine or one of "
+                              f"{', '.join(DTYPES)}")

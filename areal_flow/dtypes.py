@@ -19,7 +19,8 @@ def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):
     Args:
         name: the configured value.
         key: the config key it came from, named in the error.
-        extra: further accepted words the caller handles itself (named in the error only).
+        extra: further accepted words the caller handles itself (``auto``, ``engine``; named in
+            the error only).
 
     Raises:
         ValueError: an unknown name, naming ``key`` and the accepted names.
@@ -30,5 +31,5 @@ def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):
         return name
     canonical = DTYPES.get(str(name).lower())
     if canonical is None:
-        raise ValueError(f"{key}={name!r}: expected {'auto or ' if 'auto' in extra else ''}one of {', '.join(DTYPES)}")
+        raise ValueError(f"{key}={name!r}: expected {''.join(f'{w} or ' for w in extra)}one of {', '.join(DTYPES)}")
     return getattr(torch, canonical)

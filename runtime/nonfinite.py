@@ -46,7 +46,11 @@ class NonFiniteStepError(RuntimeError):
 
 
 def nonfinite_stats(stats: dict) -> dict[str, float]:
-    """The watched stats (:data:`WATCHED`) of one step that are NaN or +-inf."""
+    """The watched stats (:data:`WATCHED`) of one step that are NaN or +-inf; none for an fp16
+    loss-scale overflow (``loss_scale_overflow``: finite loss, scaled gradients overflowed), the
+    dynamic loss scale's signal to back off (``areal_flow.algorithms.loss_scale``)."""
+    if stats.get("loss_scale_overflow"):
+        return {}
     return {k: float(stats[k]) for k in WATCHED if k in stats and not math.isfinite(float(stats[k]))}
 
 

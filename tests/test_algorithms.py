@@ -106,6 +106,7 @@ def test_on_policy_loss_by_hand_per_aggregation_mode(mode):
     assert m["clip_frac"] == 0.0
     assert m["importance_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["kl_behavior_current"] == pytest.approx(0.0, abs=1e-6)
+    assert m["behavior_logprob_abs_diff"] == pytest.approx(0.0, abs=1e-5)
     assert m["n_tokens"] == 13 and m["n_seqs"] == 4 and m["step_skipped"] == 0
     assert 0 < m["entropy"] <= math.log(20) + 1e-6
     assert any(d.abs().max() > 0 for d in deltas)
@@ -138,7 +139,8 @@ def test_two_micro_batches_equal_one_batch(mode, variant):
     cfg = LossConfig(loss_agg_mode=mode, **VARIANTS[variant])
     m1, d1, _ = run(cfg, model, batch, mbs=5)
     m2, d2, _ = run(cfg, model, batch, mbs=2)  # micro-batches of 2, 2, 1 rows
-    for key in ("loss", "policy_loss", "clip_frac", "entropy", "importance_weight_mean", "kl_behavior_current"):
+    for key in ("loss", "policy_loss", "clip_frac", "entropy", "importance_weight_mean", "kl_behavior_current",
+                "behavior_logprob_abs_diff"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-5, rel=1e-4), key
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
     assert m1["grad_norm"] > 0
@@ -160,6 +162,8 @@ def test_decoupled_ppo_uses_proximal_policy_and_caps_weight():
     assert m["importance_weight_mean"] == pytest.approx(w, abs=1e-5)
     # k3 of KL(behavior || current): log r = 0.5 -> e^0.5 - 1 - 0.5 = 0.148721
     assert m["kl_behavior_current"] == pytest.approx(0.148721, abs=1e-5)
+    # |log pi_theta - log pi_behav| = 0.5 on every token
+    assert m["behavior_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-5)
     # decoupled: proximal = current weights -> u = 1, never clipped; loss = w * (-A):
     #   -w * 15.5 / 13 = -1.965783
     m, _, _ = run(LossConfig(use_decoupled_loss=True, behavior_imp_weight_cap=None), model, batch)

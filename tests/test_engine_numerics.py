@@ -145,3 +145,59 @@ def test_each_replica_says_which_dtype_auto_chose_and_warns_for_a_coupled_loss(m
     assert "warning" not in capsys.readouterr().err  # the trainer's proximal log-probs are the reference
     forced = SimpleNamespace(engine=GenerationEngine(_model(0), TOK, max_batch_size=4), node=gen.node)
     assert engine_precision(spec, forced) == {"engine_dtype": "float32"} and capsys.readouterr().err == ""
+
+
+def _head_only_model():
+    """tiny-s whose layers add nothing to the residual stream (every projection and bias 0:
+    attention outputs softmax(.) @ 0, the MLP silu(0) * 0), with embedding and LM head rounded
+    to bf16 (so the engine's bf16 copy is exact) and a final-norm weight of 1/8 (logits within
+    about +-8: sampled tokens are not all near-certain, whose log-prob would round to 0 anyway)."""
+    model = _model(5)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and "norm" not in name:
+                p.zero_()
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=gen).bfloat16())
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.bfloat16())
+        model.model.norm.weight.fill_(0.125)
+    return model
+
+
+def _behavior_vs_recompute(model, **engine_kw) -> torch.Tensor:
+    """``|behavior - fp32 recompute|`` over every sampled token (T = 1) of the engine ``engine_kw``."""
+    from areal_flow.models.logprobs import token_logprobs
+
+    engine = GenerationEngine(model, TOK, max_batch_size=8, seed=0, **engine_kw)
+    results = engine.generate([_req(i, p, max_new_tokens=8) for i, p in enumerate(["7=", "12+5=", "305-47=", "1-1="])])
+    diffs = []
+    for r in results:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.ones_like(ids))[0, len(r.prompt_ids):]
+        diffs.append(torch.tensor(r.behavior_logprobs) - ref)
+    return torch.cat(diffs).abs()
+
+
+def test_fp32_lm_head_adds_no_bf16_error_to_the_logits():
+    # The layers add 0 and the embedding is bf16-exact, so the last residual is the same in the
+    # bf16 engine and in fp32: the only difference left is where the final norm and LM head run.
+    # fp32 head: the same fp32 products as the recompute (sums in another order): fp32's 6e-8
+    # relative error x |logit| <= 8 x 64 terms ~ 3e-5, below 1e-4 nats. bf16 head: the normed
+    # input and the logits are rounded to bf16 (8 bits: a logit in [4, 8) to a multiple of 1/32,
+    # off by up to 1/64), and log-softmax passes a logit error e on as up to 2e: ~1e-2 nats.
+    model = _head_only_model()
+    fp32_head = _behavior_vs_recompute(model, dtype="bfloat16", head_dtype="float32")
+    bf16_head = _behavior_vs_recompute(model, dtype="bfloat16", head_dtype="engine")
+    assert fp32_head.max() < 1e-4
+    assert bf16_head.max() > 1e-3  # the setting does exercise the rounding the fp32 head removes
+
+
+def test_lm_head_dtype_names_are_checked():
+    with pytest.raises(ValueError, match="gen.lm_head_dtype='int8': expected engine or one of"):
+        GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="int8")
+    with pytest.raises(ConfigError, match="gen.lm_head_dtype"):
+        ExperimentConfig(gen=GenerationConfig(lm_head_dtype="half-ish"))
+    engine = GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="engine")
+    assert engine.head_dtype is torch.bfloat16 and engine._dec.head.dtype is torch.bfloat16
+    assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16").head_dtype is torch.float32

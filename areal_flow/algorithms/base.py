@@ -9,6 +9,7 @@ Subclasses registered with ``@register_algorithm`` only choose defaults.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,7 @@ from areal_flow.algorithms.config import LossConfig, merged_loss_config
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.kl import kl_penalty
 from areal_flow.algorithms.losses import behavior_importance_weight, compute_policy_loss, m2po_keep_mask
+from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.algorithms.micro_batches import MicroBatch, plan_micro_batches, trimmed_width
 from areal_flow.algorithms.model_runner import ModelRunner
 from areal_flow.algorithms.step_metrics import StepMetrics
@@ -125,6 +127,7 @@ class BaseAlgorithm:
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.pack_sequences = pack_sequences
         self.runner = ModelRunner(model)
+        self.loss_scaler: LossScaler | None = None  # made at the first step under fp16 autocast
 
     # ----------------------------------------------------------------- helpers
     def _slices(self, batch_size: int) -> list[slice]:
@@ -207,11 +210,15 @@ class BaseAlgorithm:
             ``clip_frac`` (valid tokens whose gradient a clip/mask removed),
             ``importance_weight_mean``/``_max`` (pi_theta / pi_behav at the step start),
             ``kl_behavior_current`` (k3 estimate of KL(behavior || current), mean per
-            token), ``entropy`` (nats per token), ``grad_norm`` (before clipping),
+            token), ``behavior_logprob_abs_diff`` (mean |log pi_theta - log pi_behav|, nats),
+            ``entropy`` (nats per token), ``grad_norm`` (before clipping),
             ``n_tokens``, ``n_seqs``, ``step_skipped`` (1 when no valid token or a
             non-finite gradient skipped the step); plus ``kl_ref`` with a KL loss,
             ``behavior_imp_weight_capped_frac`` when decoupled, ``value_loss``,
-            ``value_clip_frac``, ``critic_grad_norm`` with a critic.
+            ``value_clip_frac``, ``critic_grad_norm`` with a critic; under fp16 autocast
+            (``model.dtype=float16``) ``loss_scale`` (the dynamic loss scale this step used,
+            ``areal_flow.algorithms.loss_scale``) and ``loss_scale_overflow`` (1 when the scaled
+            gradients overflowed with a finite loss: the step is skipped and the scale halved).
 
         Raises:
             KeyError: a required batch key is missing.
@@ -249,15 +256,21 @@ class BaseAlgorithm:
 
         metrics = StepMetrics()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_scaler is None and fp16_autocast(ids.device.type):
+            self.loss_scaler = LossScaler(ids.device.type)
+        scaler = self.loss_scaler if fp16_autocast(ids.device.type) else None
 
         def micro_batch_loss(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
             prox, keep, ref_mb = (None if t is None else mb.take(t) for t in (proximal, m2po_keep, ref))
             if prox is None and cfg.use_decoupled_loss:
                 prox = logp.detach()  # the weights before the update (above)
-            return self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
+            loss = self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
+            return loss if scaler is None else scaler.scaled(loss)
 
         self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
                                      temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0)
+        if scaler is not None:
+            scaler.unscale(self.optimizer)
         grad_norm = self.runner.clip_grad_norm(self.max_grad_norm)
         skipped = norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm))
         if skipped:
@@ -267,6 +280,10 @@ class BaseAlgorithm:
         result = metrics.result()
         result.update(grad_norm=float(grad_norm), n_tokens=float(local_tokens), n_seqs=float(local_seqs),
                       step_skipped=float(skipped))
+        if scaler is not None:  # an overflow of the scaled gradients with a finite loss: the scale backs off
+            result.update(loss_scale=scaler.scale, loss_scale_overflow=float(
+                not bool(torch.isfinite(grad_norm)) and math.isfinite(result.get("loss", 0.0))))
+            scaler.update()
         if self.critic is not None:
             result.update(self._update_critic(batch, mask, norm))
         return result

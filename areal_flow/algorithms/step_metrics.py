@@ -38,9 +38,12 @@ class StepMetrics:
     def add_policy_drift(
         self, logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, clamp: float
     ) -> None:
-        """``importance_weight_mean``/``_max`` = pi_theta/pi_behav and
-        ``kl_behavior_current`` = k3 estimate of KL(behavior || current), per valid token."""
+        """``importance_weight_mean``/``_max`` = pi_theta/pi_behav,
+        ``kl_behavior_current`` = k3 estimate of KL(behavior || current) and
+        ``behavior_logprob_abs_diff`` = mean ``|log pi_theta - log pi_behav|`` (nats), per valid
+        token: the engine's precision mismatch plus the policy's drift over the sample's staleness."""
         m = mask.bool()
+        self.add_mean("behavior_logprob_abs_diff", (logprobs.float() - behavior.float()).abs(), m)
         ratio = torch.exp((logprobs.float() - behavior.float()).clamp(-clamp, clamp))[m]
         self._acc("importance_weight_mean", float(ratio.double().sum()), float(m.sum()))
         if ratio.numel():

@@ -31,7 +31,8 @@ fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``.
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
 ``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
-kept in the engine dtype, logits are returned in fp32.
+kept in the engine dtype, the final norm and the LM head run in ``head_dtype`` (the last residual
+cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
 """
 
 from __future__ import annotations
@@ -107,12 +108,14 @@ class KVDecoder:
             norm, rotary_emb}`` + ``lm_head``), SiLU MLP, no sliding window.
         dtype: engine dtype of the packed weights and the KV cache.
         max_rows: most sequences in the cache (the engine's ``max_batch_size``).
+        head_dtype: dtype of the final norm and the LM head; None = ``dtype``.
 
     Raises:
         ValueError: unsupported architecture (names the model class or config field).
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int,
+                 head_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         base = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -126,6 +129,7 @@ class KVDecoder:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"GenerationEngine: hidden_act={cfg.hidden_act!r} is not supported (silu only)")
         self.model, self.base, self.dtype, self.max_rows = model, base, dtype, max_rows
+        self.head_dtype = head_dtype or dtype
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
@@ -140,10 +144,12 @@ class KVDecoder:
             self.layers = [_Layer(layer, self.dtype, self.max_rows) for layer in self.base.layers]
             self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
             head = self.model.lm_head.weight
-            same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr()
-            self.head = _pack_weight(self.embed if same else head.detach().to(self.dtype), self.max_rows)
-            self.head_bias = None if self.model.lm_head.bias is None else self.model.lm_head.bias.detach().to(self.dtype)
-            self.norm, self.norm_eps = self.base.norm.weight.detach().to(self.dtype), self.base.norm.variance_epsilon
+            same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr() and self.head_dtype == self.dtype
+            self.head = _pack_weight(self.embed if same else head.detach().to(self.head_dtype), self.max_rows)
+            bias = self.model.lm_head.bias
+            self.head_bias = None if bias is None else bias.detach().to(self.head_dtype)
+            self.norm = self.base.norm.weight.detach().to(self.head_dtype)
+            self.norm_eps = self.base.norm.variance_epsilon
 
     def reserve(self, rows: int, length: int) -> None:
         """Make the cache hold at least ``rows`` rows of ``length`` tokens (doubling growth,
@@ -197,8 +203,10 @@ class KVDecoder:
                 mlp_out = w.moe(x.to(w.moe.gate.weight.dtype)).to(x.dtype)
             # the residual add meets the next layer's input norm, or the final norm after the last layer
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            norm, eps = (nxt.ln1, nxt.eps1) if nxt is not None else (self.norm, self.norm_eps)
-            h, x = layer_ops.add_rms_norm(h, mlp_out, norm, eps)
+            if nxt is not None:
+                h, x = layer_ops.add_rms_norm(h, mlp_out, nxt.ln1, nxt.eps1)
+            else:  # the final norm, in the LM head's dtype
+                x = layer_ops.rms_norm((h + mlp_out).to(self.head_dtype), self.norm, self.norm_eps)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.dtypes import torch_dtype
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import auto_speedup, engine_dtype
 from runtime.engines.sampling import sample
@@ -158,18 +159,25 @@ class GenerationEngine:
             tokens), T=1, by ``bench/engine_logprob_accuracy.py``: fp32 engine mean |diff|
             6.0e-6, max 3.8e-5 nats; bf16 engine mean 3.4e-2, max 0.31 and 0.81 in earlier
             runs and 0.81 again with the oneDNN-packed products (one token's importance ratio
-            off by up to 125%; a fp32 LM head alone only brings the mean to 2.6e-2). So bf16 suits the decoupled loss, whose PPO
-            reference is the recomputation.
+            off by up to 125%). So bf16 suits the decoupled loss, whose PPO reference is the
+            recomputation.
+        head_dtype: dtype of the final norm and the LM head (``gen.lm_head_dtype``):
+            ``"float32"`` (default: the last residual is cast up, so the logits take no bf16
+            rounding of their own), ``"engine"`` (``dtype``'s) or a dtype name. Measured
+            (``bench/engine_logprob_accuracy.py``, docs/PERFORMANCE.md "bf16 engine"): it
+            removes about a third of the bf16 engine's mean error; the rest comes from the
+            bf16 weights and the bf16 residual stream and KV cache.
 
     Thread safety: ``submit``, ``step`` and ``update_weights`` take one lock, so a weight
     update issued from another thread waits for the current step and lands between steps.
 
     Raises:
-        ValueError: unsupported architecture, ``max_batch_size < 1`` or an unknown ``dtype``.
+        ValueError: unsupported architecture, ``max_batch_size < 1``, or an unknown ``dtype`` or
+            ``head_dtype`` (names ``gen.dtype`` / ``gen.lm_head_dtype``).
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0,
-                 dtype: str | torch.dtype = "float32") -> None:
+                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "float32") -> None:
         if max_batch_size < 1:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(device).eval()
@@ -183,7 +191,9 @@ class GenerationEngine:
         self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
         # gen.dtype=auto: the measured fp32 / 16-bit decode-step time ratio behind the choice
         self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
-        self._dec = KVDecoder(self.model, self.dtype, max_batch_size)
+        self.head_dtype = torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("engine",)) \
+            if str(head_dtype).lower() != "engine" else self.dtype
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()

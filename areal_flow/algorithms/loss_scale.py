@@ -1,0 +1,55 @@
+"""Dynamic loss scaling for fp16 training: the loss is multiplied by a scale before backward so
+that small gradients do not flush to zero in fp16, and the gradients are divided by it before
+clipping and the optimizer step.
+
+Owns when a step scales (only under fp16 autocast: ``model.dtype=float16``; bf16 has fp32's
+exponent range and needs none) and the scale's rule; ``BaseAlgorithm.update_parameters`` calls
+it around its backward passes. Must not decide whether the optimizer steps (the algorithm
+skips a step whose unscaled gradient norm is not finite, as without scaling).
+
+Rule (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3.3, dynamic variant): start
+at ``2**16``; a step whose scaled gradients overflow (inf/NaN) is skipped and halves the scale;
+after 2,000 steps in a row without overflow the scale doubles. ``torch.amp.GradScaler``
+implements it (its defaults are these numbers: torch.amp documentation, "Gradient Scaling"),
+on CPU as on CUDA. The scale is not checkpointed: a resumed run starts again at ``2**16`` and
+backs off within a few skipped steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fp16_autocast(device_type: str) -> bool:
+    """True when the caller runs under ``torch.autocast(device_type, dtype=torch.float16)``."""
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
+
+
+class LossScaler:
+    """One trainer's dynamic loss scale (module doc), created at its first fp16 step.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``, where the gradients live.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self._scaler = torch.amp.GradScaler(device_type)
+
+    @property
+    def scale(self) -> float:
+        """The current scale (a power of 2)."""
+        return float(self._scaler.get_scale())
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale``: what to back-propagate (0-dim)."""
+        return self._scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients of ``optimizer``'s parameters by the scale, in place (before
+        clipping), noting whether any is inf/NaN."""
+        self._scaler.unscale_(optimizer)
+
+    def update(self) -> None:
+        """After the step: halve the scale if this step's gradients overflowed, else count it
+        (and double the scale after 2,000 such steps in a row)."""
+        self._scaler.update()
