@@ -202,26 +202,32 @@ def test_a_replica_whose_host_is_lost_restarts_every_worker_from_the_checkpoint(
             "lost); restarting every worker from version 0") in capsys.readouterr().err
 
 
-def test_on_ray_replicas_of_a_mesh_over_machines_run_on_their_machines_and_a_trainer_may_not_span(tmp_path):
+def test_on_ray_replicas_and_a_trainers_ranks_run_on_their_machines_and_a_one_actor_group_may_not_span(tmp_path):
     """Issue 26: `gen:d2` on two one-device machines is one replica per machine (bundle 0 on
-    n0, bundle 1 on n1), each holding its device; a one-process trainer on `n1-2` (a plan
-    compiled for the local scheduler) is refused before any actor starts (its ranks are
-    processes of one actor), by compiler.hosting's rule."""
+    n0, bundle 1 on n1), each holding its device; a two-rank trainer on `n1-2` is one actor
+    per machine (issue 24: rank 0's stage worker, a rank host); a forward-only reference model
+    on `n2-3` (a plan compiled for the local scheduler) is one actor and is refused before any
+    actor starts, by compiler.hosting's rule."""
     from areal_flow.cli import load_flow
     from compiler.program import compile_program
     from runtime.ray_cluster import ClusterMismatchError
     from runtime.ray_scheduler import RayScheduler, _settings
 
-    def scheduler(allocation):
-        cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, "cluster.n_nodes=3", "cluster.n_gpus_per_node=1",
-                                                             f"compile.allocation={allocation}", f"out_dir={tmp_path}"])
-        plan = compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
+    def scheduler(allocation, graph="arith_grpo", machines=3):
+        cfg = load_config(REPO / f"graphs/{graph}.yaml", [*TINY, f"cluster.n_nodes={machines}",
+                                                          "cluster.n_gpus_per_node=1", f"compile.allocation={allocation}",
+                                                          f"out_dir={tmp_path}"])
+        plan = compile_program(load_flow(REPO / f"graphs/{graph}.py")(cfg), cfg)
         return RayScheduler(_Setup(plan, build_topology(plan), tmp_path / "x", show_progress=False), _settings(plan))
 
     layout = {name: (mesh.label(), bundle, share) for name, (mesh, bundle, share) in
               scheduler("gen:d2 + train:d1").layout().items()}
     assert layout == {"generate/0": ("n0-1", 0, 1), "generate/1": ("n0-1", 1, 1),
                       "train_step/0": ("n2:g0", 0, 1)}
-    with pytest.raises(ClusterMismatchError, match=r"^node 'train_step': ray-one-machine: its mesh n1-2 spans 2 "
-                                                   r"machines but runs as 1 actor\(s\) on Ray; a worker's ranks"):
-        scheduler("gen:d1 + train:d2").layout()
+    layout = {name: (mesh.label(), bundle, share) for name, (mesh, bundle, share) in
+              scheduler("gen:d1 + train:d2").layout().items()}
+    assert layout == {"generate/0": ("n0:g0", 0, 1), "train_step/0": ("n1-2", 0, 1),
+                      "train_step/0@n1": ("n1-2", 1, 1)}
+    with pytest.raises(ClusterMismatchError, match=r"^node 'logprobs': ray-one-machine: its mesh n2-3 spans 2 "
+                                                   r"machines but runs as 1 actor\(s\) on Ray; a worker's processes"):
+        scheduler("gen:d1 + train:d1 + logprobs:d2 + reward:d1", "arith_grpo_ref_rm", 5).layout()
