@@ -23,8 +23,13 @@ One decode step of a replica with ``b`` live responses holding ``S`` context tok
 - ``tp_comm(b) = 2 L`` ring all-reduces of ``b h`` activations; ``pp_hop(b) = (pp - 1)``
   point-to-point sends of ``b h`` activations (stages run one after the other);
 - ``o``: ``compile.decode_step_overhead_s``, ASSUMED fixed seconds per step (scheduler,
-  sampling, launches; vLLM v0.6.0 release notes (Sept 2024) measured the CPU side at
-  ~38 % of a step of Llama-3-8B on H100 before their fix).
+  sampling, launches). Its range, from published figures for Llama-3-8B on one H100: the
+  GPU part of a decode step is ~5 ms (vLLM V1 blog, Jan 2025, sec. 1); before v0.6.0 the
+  step's time was 38 % GPU execution, 29 % scheduling and input preparation and 33 % the
+  HTTP server (vLLM v0.6.0 blog, Sept 2024, "Performance Diagnosis"), so an offline
+  engine's CPU side was ~29/38 x 5 ms ~ 3.8 ms; v0.6.0's multi-step scheduling and
+  asynchronous output processing hide part of it (0 ms if all). The 2 ms default lies in
+  that 0-3.8 ms range; docs/SIMULATE.md gives the simulated ratios at 0 and 4 ms.
 
 Between two events of a replica (a response finishing, a response admitted) ``b`` is
 constant and ``S`` grows by ``b`` per step, so both arguments of the max are linear in the
