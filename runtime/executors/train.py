@@ -38,6 +38,22 @@ from runtime.topology import trainer_input
 from runtime.train_phases import TrainPhaseSpans
 
 
+FUSED_ADAMW = True
+"""A one-process trainer's AdamW runs fused (``torch.optim.AdamW(fused=True)``: one kernel over
+every tensor, the same update): tiny-arith's optimizer phase 4.6 -> 1.6 ms a step in the main
+job at k = 0 (docs/PERFORMANCE.md, the TRL section). Multi-rank trainers keep the default."""
+
+
+def with_fused(optimizer_state: dict, fused: bool | None) -> dict:
+    """``optimizer_state`` (an AdamW ``state_dict``) with every param group's ``fused`` set to
+    ``fused``: a checkpoint is written with ``None`` (the kernel is no part of the optimizer's
+    state; a multi-rank trainer resuming it keeps its own) and loaded with this trainer's choice
+    (``Optimizer.load_state_dict`` would otherwise take the checkpoint's flag, and place the
+    step counts by it)."""
+    groups = [{**group, "fused": fused} for group in optimizer_state["param_groups"]]
+    return {**optimizer_state, "param_groups": groups}
+
+
 @dataclass
 class TrainSettings:
     """A train_step node's settings, as ``BaseAlgorithm`` and the ranks need them.
@@ -138,7 +154,8 @@ class TrainStepExecutor:
         if self.rank_critic is not None:  # self.model: rank 0's whole copy; the optimizer: rank 0's shards
             self.optimizer = self.rank_critic.optimizer
             return
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=s.weight_decay,
+                                           fused=FUSED_ADAMW)
         if self.critic:
             self.loss_cfg = s.loss_config()
         else:
@@ -221,7 +238,7 @@ class TrainStepExecutor:
     def optimizer_state(self) -> dict | None:
         """The optimizer's ``state_dict`` (AdamW moments and step counts) for a checkpoint
         (``runtime.checkpoint``); None on several ranks (their state is sharded: :meth:`save_sharded`)."""
-        return None if self.world_size > 1 else self.optimizer.state_dict()
+        return None if self.world_size > 1 else with_fused(self.optimizer.state_dict(), None)
 
     @property
     def world_size(self) -> int:
@@ -286,4 +303,4 @@ class TrainStepExecutor:
 
             weights = load_pretrained(folder)[0].state_dict()
         self.model.load_state_dict(weights, strict=True)
-        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.load_state_dict(with_fused(optimizer_state, FUSED_ADAMW))
