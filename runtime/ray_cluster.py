@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from areal_flow.config import ConfigError, ExperimentConfig
 from compiler.mesh import MeshSpec
+from compiler.plan import Plan
 
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray sets on every node; pins a bundle to one node
 HEAD_RESOURCE = "node:__internal_head__"
@@ -78,6 +80,12 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
             f"scheduler.address={address!r}: no Ray cluster answers there ({exc}); start one with "
             "`ray start --head` (docs/RAY.md), or leave scheduler.address and RAY_ADDRESS empty to run a local one"
         ) from None
+
+
+def plan_settings(plan: Plan) -> SimpleNamespace:
+    """The config-shaped view of ``plan`` this module reads (``scheduler``, ``cluster``, ``name``)."""
+    return SimpleNamespace(scheduler=SimpleNamespace(**plan.run["scheduler"]), cluster=SimpleNamespace(**plan.cluster),
+                           name=plan.run["name"])
 
 
 def connect(cfg: ExperimentConfig) -> Connection:
