@@ -14,6 +14,10 @@ that stops instead is a finding), the run's steps going on past the step of the 
 ``--hang-s`` (else the hang is a finding and the driver is killed and resumed). Kills stop after
 ``--minutes``; the run then finishes its ``--steps``. The same job then runs uninterrupted
 (same seed and config; ``--reference parallel`` runs it beside the chaos run instead).
+``--nodes N`` (``bench/chaos_ray.py``) runs it instead on a cluster of ``N`` raylets the bench
+starts, ``gen:d1 + train:d2`` over three of them, and adds the victims such a cluster has: a
+whole worker node removed (a spare added back), the trainer's rank host killed with
+``ray.kill``, an actor's process SIGKILLed; the reference then runs after it on that cluster.
 
 It prints each kill (victim, step, what the recovery did, seconds to the next trained step),
 a table of kills per victim kind, and checks (``bench/chaos_checks.py``): every sample id
@@ -25,7 +29,7 @@ one of its processes, ``*.tmp`` checkpoints), and the driver's and workers' RSS 
 (median of the last quarter of the samples over the first's <= 1.25). Exit code 1 names
 every invariant that failed.
 
-    python bench/chaos.py --minutes 20 --steps 3000 --k 0 [--scheduler ray] [--every 20:90] [key=value ...]
+    python bench/chaos.py --minutes 20 --steps 3000 --k 0 [--scheduler ray | --nodes 3] [--every 20:90] [key=value ...]
 """
 
 from __future__ import annotations

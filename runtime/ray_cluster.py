@@ -2,9 +2,9 @@
 plan, and turn the plan's device meshes into placement groups.
 
 Owns the connection (``scheduler.address``, else ``RAY_ADDRESS``, else a new local
-cluster), the inventory check (before any model is touched), and one placement group per
-distinct device mesh of the plan, each bundle pinned to the Ray node that stands for the
-plan's machine. It must not run workers (``runtime.ray_scheduler``) nor decide placement
+cluster; graph files' modules pickled by value over it), the inventory check (before any
+model is touched), and one placement group per distinct device mesh of the plan, each
+bundle pinned to the Ray node that stands for the plan's machine. It must not run workers (``runtime.ray_scheduler``) nor decide placement
 (``compiler``).
 
 Devices: one plan device is one unit of a Ray resource, ``scheduler.device_resource``
@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 
+import cloudpickle
 import ray
+import ray.cloudpickle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from areal_flow.config import ConfigError, ExperimentConfig
 from compiler.mesh import MeshSpec
-from compiler.plan import Plan
 
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray sets on every node; pins a bundle to one node
 HEAD_RESOURCE = "node:__internal_head__"
@@ -82,10 +83,12 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
         ) from None
 
 
-def plan_settings(plan: Plan) -> SimpleNamespace:
-    """The config-shaped view of ``plan`` this module reads (``scheduler``, ``cluster``, ``name``)."""
-    return SimpleNamespace(scheduler=SimpleNamespace(**plan.run["scheduler"]), cluster=SimpleNamespace(**plan.cluster),
-                           name=plan.run["name"])
+def share_pickle_by_value() -> None:
+    """Pickle by value, in Ray too, the modules registered with ``cloudpickle`` for it
+    (graph files: ``areal_flow.cli.load_flow``); Ray's vendored cloudpickle has its own registry."""
+    for name in cloudpickle.list_registry_pickle_by_value():
+        if name in sys.modules:
+            ray.cloudpickle.register_pickle_by_value(sys.modules[name])
 
 
 def connect(cfg: ExperimentConfig) -> Connection:

@@ -41,16 +41,16 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
-import cloudpickle
 import ray
-import ray.cloudpickle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from compiler.hosting import ray_machine_problem
+from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
 from runtime.restarts import HostLost, ReportsLost, WorkerFailed
@@ -58,7 +58,7 @@ from runtime.ray_exits import exit_cause
 from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
-                                 lost_machines, plan_nodes, plan_settings, spare_nodes)
+                                 lost_machines, plan_nodes, share_pickle_by_value, spare_nodes)
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 from runtime.topology import WorkerGroup
 from runtime.workers import WorkerSpec
@@ -70,12 +70,10 @@ NODE_CHECK_S = 2.0  # seconds between checks that the plan machines' nodes live,
 NODE_DEAD_S = 60.0  # an actor died while starting: seconds for the GCS to mark its node dead (health checks)
 
 
-def share_pickle_by_value() -> None:
-    """Pickle by value, in Ray too, the modules registered with ``cloudpickle`` for it
-    (graph files: ``areal_flow.cli.load_flow``); Ray's vendored cloudpickle has its own registry."""
-    for name in cloudpickle.list_registry_pickle_by_value():
-        if name in sys.modules:
-            ray.cloudpickle.register_pickle_by_value(sys.modules[name])
+def _settings(plan: Plan) -> SimpleNamespace:
+    """The config-shaped view ``runtime.ray_cluster`` reads (scheduler and cluster)."""
+    return SimpleNamespace(scheduler=SimpleNamespace(**plan.run["scheduler"]), cluster=SimpleNamespace(**plan.cluster),
+                           name=plan.run["name"])
 
 
 def run_on_ray(setup: RunSetup) -> dict:
@@ -89,7 +87,7 @@ def run_on_ray(setup: RunSetup) -> dict:
         WorkerFailed: a worker raised, or workers died more often than ``scheduler.max_restarts``.
     """
     share_pickle_by_value()
-    cfg = plan_settings(setup.plan)
+    cfg = _settings(setup.plan)
     connection = connect(cfg)
     scheduler = RayScheduler(setup, cfg, connection.address or "local")
     try:
