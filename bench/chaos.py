@@ -363,15 +363,17 @@ def main() -> int:
         args.scheduler, args.reference = "ray", "after"  # one cluster: the runs take turns on its devices
     chaos = Chaos(args, out, tmpdir, procs=RunProcesses(), nodes=RayNodes(args.nodes) if args.nodes else None)
     print(f"chaos bench: runs and logs in {out}; run TMPDIR {tmpdir}", flush=True)
-    ref_proc = chaos.start("reference") if args.reference == "parallel" else None
-    begin = time.monotonic()
-    Supervisor(chaos, random.Random(args.seed)).run()
-    wall_s = time.monotonic() - begin
-    ray_left = chaos.nodes.leaks(args.leak_wait_s) if chaos.nodes else []
-    ref_proc = ref_proc or chaos.start("reference")
-    code = ref_proc.wait()
-    if chaos.nodes:
-        chaos.nodes.shutdown()
+    try:  # the bench's own cluster is removed whatever happens
+        ref_proc = chaos.start("reference") if args.reference == "parallel" else None
+        begin = time.monotonic()
+        Supervisor(chaos, random.Random(args.seed)).run()
+        wall_s = time.monotonic() - begin
+        ray_left = chaos.nodes.leaks(args.leak_wait_s) if chaos.nodes else []
+        ref_proc = ref_proc or chaos.start("reference")
+        code = ref_proc.wait()
+    finally:
+        if chaos.nodes:
+            chaos.nodes.shutdown()
     if code != 0:
         print(f"the uninterrupted run failed: see {out}/reference.log")
         return 1
