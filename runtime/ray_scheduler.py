@@ -55,6 +55,7 @@ from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
 from runtime.restarts import HostLost, ReportsLost, WorkerFailed
 from runtime.ray_exits import exit_cause
+from runtime.parallel.launch import RankKilled
 from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
@@ -312,8 +313,9 @@ class RayScheduler:
             name = self.pending.pop(ref)
             try:
                 ended.append(WorkerEnd(name, OK, ray.get(ref)))
-            except RayTaskError as exc:
-                ended.append(self.hosts.lead_error(name, str(exc)))
+            except RayTaskError as exc:  # a rank ended by a signal (RankKilled): as RankHosts.end says, a death
+                ended.append(WorkerEnd(name, DIED, str(exc.cause)) if isinstance(exc.cause, RankKilled)
+                             else self.hosts.lead_error(name, str(exc)))
             except RayActorError as exc:
                 ended.append(WorkerEnd(name, DIED, exit_cause(exc)))
         return ended

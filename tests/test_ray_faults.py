@@ -127,6 +127,40 @@ def test_an_actor_dead_while_starting_with_a_node_not_yet_marked_dead_is_a_lost_
         scheduler._get(["ref"])
 
 
+def test_a_rank_ended_by_a_signal_on_a_rank_host_is_the_trainers_death(monkeypatch):
+    """Issue 26's chaos bench (k = 2, three nodes): rank 1, on the rank host, was ended by
+    SIGABRT; the host raised ``RankKilled`` before its own SIGABRT (``runtime.trainer_ranks``)
+    ended it, the driver could not unpickle that exception (its two arguments) and ended with
+    Ray's ``UnserializableException``. ``RankKilled`` now pickles whole, and a rank host's
+    ``RankKilled`` is the trainer's death (every worker restarts); another error stays one."""
+    pytest.importorskip("ray")
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    import runtime.ray_ranks as rr
+    from runtime.driver import DIED, WorkerEnd
+    from runtime.parallel.launch import RankKilled
+
+    back = pickle.loads(pickle.dumps(RankKilled(1, 6)))
+    assert (back.rank, back.signal, str(back)) == (1, 6, "rank 1 was ended by signal 6 (exit code -6)")
+    raised = {}
+
+    def get(ref):
+        raise RayTaskError("WorkerActor.run_ranks", "Traceback ...", raised["cause"]).as_instanceof_cause()
+
+    monkeypatch.setattr(rr.ray, "get", get)
+    hosts = rr.RankHosts(lambda exc: "?")
+    raised["cause"] = RankKilled(1, 6)
+    hosts.started("ref", "train_step/0@n1", "train_step/0")
+    assert hosts.end("ref") == WorkerEnd("train_step/0", DIED, "its ranks on train_step/0@n1 died: rank 1 was ended "
+                                         "by signal 6 (exit code -6)")
+    raised["cause"] = ValueError("a rank raised")
+    hosts.started("ref", "train_step/0@n1", "train_step/0")
+    assert hosts.end("ref") is None  # an error: kept for lead_error, under the host's name
+    assert [e.split("\n")[0] for e in hosts.errors["train_step/0"]] == ["train_step/0@n1:"]
+
+
 # --- on Ray -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
