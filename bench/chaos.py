@@ -14,6 +14,10 @@ that stops instead is a finding), the run's steps going on past the step of the 
 ``--hang-s`` (else the hang is a finding and the driver is killed and resumed). Kills stop after
 ``--minutes``; the run then finishes its ``--steps``. The same job then runs uninterrupted
 (same seed and config; ``--reference parallel`` runs it beside the chaos run instead).
+``--nodes N`` (``bench/chaos_ray.py``) runs it instead on a cluster of ``N`` raylets the bench
+starts, ``gen:d1 + train:d2`` over three of them, and adds the victims such a cluster has: a
+whole worker node removed (a spare added back), the trainer's rank host killed with
+``ray.kill``, an actor's process SIGKILLed; the reference then runs after it on that cluster.
 
 It prints each kill (victim, step, what the recovery did, seconds to the next trained step),
 a table of kills per victim kind, and checks (``bench/chaos_checks.py``): every sample id
@@ -25,7 +29,7 @@ one of its processes, ``*.tmp`` checkpoints), and the driver's and workers' RSS 
 (median of the last quarter of the samples over the first's <= 1.25). Exit code 1 names
 every invariant that failed.
 
-    python bench/chaos.py --minutes 20 --steps 3000 --k 0 [--scheduler ray] [--every 20:90] [key=value ...]
+    python bench/chaos.py --minutes 20 --steps 3000 --k 0 [--scheduler ray | --nodes 3] [--every 20:90] [key=value ...]
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import chaos_checks as checks  # noqa: E402
 from bench.chaos_logs import event_steps, final_line, last_line, last_step, restart_said, said  # noqa: E402
 from bench.chaos_procs import DRIVER, GCS, RAYLET, RunProcesses, kill_and_reap  # noqa: E402
+from bench.chaos_ray import RayNodes, draw  # noqa: E402
 from runtime.checkpoint import latest_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +96,7 @@ class Chaos:
     attempts: int = 0
     rss: list[tuple[float, float]] = field(default_factory=list)  # (driver MiB, workers MiB), settled samples
     procs: RunProcesses | None = None
+    nodes: RayNodes | None = None  # --nodes: the bench's own multi-node Ray cluster
 
     @property
     def run_dir(self) -> Path:
@@ -98,10 +104,12 @@ class Chaos:
 
     def command(self, name: str, resume: bool) -> list[str]:
         a = self.args
-        cmd = [sys.executable, "-m", "areal_flow.cli", "run", str(REPO / "graphs/arith_grpo.py"), *SMALL,
-               f"train.steps={a.steps}", f"async.max_staleness={a.k}", f"scheduler.type={a.scheduler}",
+        cli = ["run", str(REPO / "graphs/arith_grpo.py"), *SMALL, f"train.steps={a.steps}",
+               f"async.max_staleness={a.k}", f"scheduler.type={a.scheduler}",
                f"train.checkpoint_every={a.checkpoint_every}", "train.keep_checkpoints=3", f"out_dir={self.out}",
-               f"name={name}", *a.overrides]
+               f"name={name}"]
+        cmd = self.nodes.command(cli) if self.nodes else [sys.executable, "-m", "areal_flow.cli", *cli]
+        cmd += a.overrides
         return [*cmd, "--resume", str(self.out / name)] if resume else cmd
 
     def start(self, name: str = "chaos") -> subprocess.Popen:
@@ -141,6 +149,7 @@ class Supervisor:
         if now - self.last_rss >= 2 and now >= self.settled and last_step(self.chaos.run_dir, self.since) >= 1:
             self.last_rss = now
             driver, workers = self.chaos.procs.rss(self.proc.pid)
+            workers += self.chaos.nodes.actors_rss() if self.chaos.nodes else 0
             if driver:
                 self.chaos.rss.append((driver / MIB, workers / MIB))
 
@@ -179,17 +188,21 @@ class Supervisor:
                 continue
             now = time.monotonic()
             victims = self.chaos.procs.victims(self.proc.pid) if now >= next_kill else {}
-            kinds = sorted(k for k in victims if a.victims == "all" or k in a.victims.split(","))
-            if now - begin > a.minutes * 60 or not kinds:
+            if victims and chaos.nodes:
+                victims.update(chaos.nodes.victims("chaos"))
+            drawn = draw(self.rng, victims, a.victims)
+            if now - begin > a.minutes * 60 or not drawn:
                 time.sleep(0.2)
                 continue
-            kind = self.rng.choice(kinds)
-            victim = self.rng.choice(victims[kind])
-            kill = Kill(round(now - begin, 1), kind, victim.pid, last_step(chaos.run_dir),
-                        said_before=len(said(self.log)))
+            kind, victim = drawn
+            kill = Kill(round(now - begin, 1), kind, 0, last_step(chaos.run_dir), said_before=len(said(self.log)))
             try:
-                victim.send_signal(signal.SIGKILL)
-            except psutil.Error:
+                if isinstance(victim, psutil.Process):
+                    kill.pid = victim.pid
+                    victim.send_signal(signal.SIGKILL)
+                else:
+                    kill.pid = chaos.nodes.kill(kind, victim)
+            except (psutil.Error, ValueError):  # gone meanwhile
                 continue
             chaos.kills.append(kill)
             self.settled, self.recovering = INF, True
@@ -259,7 +272,7 @@ def leaked_files(chaos: Chaos, shm_before: set[str]) -> list[str]:
     return left + [str(p) for p in (chaos.run_dir / "checkpoints").glob("*.tmp")]
 
 
-def verify(chaos: Chaos, reference: Path, shm_before: set[str]) -> dict[str, list[str]]:
+def verify(chaos: Chaos, reference: Path, shm_before: set[str], ray_left: list[str]) -> dict[str, list[str]]:
     """Every invariant's problems (empty lists: it holds); prints the measured figures."""
     import torch
     import yaml
@@ -286,6 +299,8 @@ def verify(chaos: Chaos, reference: Path, shm_before: set[str]) -> dict[str, lis
     alive = [chaos.procs.describe(p) for p in chaos.procs.alive(timeout=30)]
     found["no leaked process, port or file"] = checks.nothing_left(
         alive, chaos.procs.listening_ports(), leaked_files(chaos, shm_before))
+    if chaos.nodes:
+        found["nothing left on the Ray cluster"] = ray_left
     (chaos.out / "rss.csv").write_text("driver_mib,workers_mib\n" + "".join(f"{d:.1f},{w:.1f}\n" for d, w in chaos.rss))
     ratios = {}
     for i, what in enumerate(("driver", "workers")):
@@ -326,6 +341,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3000, help="train.steps of the run")
     parser.add_argument("--k", type=int, default=0, help="async.max_staleness")
     parser.add_argument("--scheduler", choices=("local", "ray"), default="local")
+    parser.add_argument("--nodes", type=int, default=0, help="a multi-node Ray cluster of this many raylets "
+                        "started here (bench/chaos_ray.py; implies --scheduler ray, --reference after)")
     parser.add_argument("--every", default="20:90", help="LOW:HIGH, seconds between kills (uniform)")
     parser.add_argument("--victims", default="all", help="comma-separated kinds to kill (default all)")
     parser.add_argument("--hang-s", type=float, default=180.0, help="no progress this long after a kill: a hang")
@@ -342,17 +359,25 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(prefix="tmp-", dir="/tmp"))
     shm_before = set(os.listdir("/dev/shm"))
-    chaos = Chaos(args, out, tmpdir, procs=RunProcesses())
+    if args.nodes:
+        args.scheduler, args.reference = "ray", "after"  # one cluster: the runs take turns on its devices
+    chaos = Chaos(args, out, tmpdir, procs=RunProcesses(), nodes=RayNodes(args.nodes) if args.nodes else None)
     print(f"chaos bench: runs and logs in {out}; run TMPDIR {tmpdir}", flush=True)
-    ref_proc = chaos.start("reference") if args.reference == "parallel" else None
-    begin = time.monotonic()
-    Supervisor(chaos, random.Random(args.seed)).run()
-    wall_s = time.monotonic() - begin
-    ref_proc = ref_proc or chaos.start("reference")
-    if ref_proc.wait() != 0:
+    try:  # the bench's own cluster is removed whatever happens
+        ref_proc = chaos.start("reference") if args.reference == "parallel" else None
+        begin = time.monotonic()
+        Supervisor(chaos, random.Random(args.seed)).run()
+        wall_s = time.monotonic() - begin
+        ray_left = chaos.nodes.leaks(args.leak_wait_s) if chaos.nodes else []
+        ref_proc = ref_proc or chaos.start("reference")
+        code = ref_proc.wait()
+    finally:
+        if chaos.nodes:
+            chaos.nodes.shutdown()
+    if code != 0:
         print(f"the uninterrupted run failed: see {out}/reference.log")
         return 1
-    found = verify(chaos, out / "reference", shm_before)
+    found = verify(chaos, out / "reference", shm_before, ray_left)
     report(chaos, wall_s, found)
     failed = [name for name, problems in found.items() if problems]
     print("all invariants hold" if not failed else f"FAILED: {'; '.join(failed)}")

@@ -104,3 +104,19 @@ def nothing_left(alive: Sequence[str], ports: Sequence[str], files: Sequence[str
     """No process, listening port or file of the run left after it: each names one."""
     return (_some(list(alive), "leaked process") + _some(list(ports), "leaked listening port")
             + _some(list(files), "leaked file"))
+
+
+def ray_cluster_left(named_actors: Sequence[Mapping], placement_groups: Mapping[str, Mapping],
+                     actor_pids: Mapping[str, Sequence[int]]) -> list[str]:
+    """Nothing of the runs left on the Ray cluster they ran on.
+
+    Args:
+        named_actors: ``ray.util.list_named_actors(all_namespaces=True)`` (``namespace``, ``name``).
+        placement_groups: ``ray.util.placement_group_table()``: id -> its ``state`` (``REMOVED`` when gone).
+        actor_pids: the actor worker processes still running, by kind (``ray worker actor``: pids).
+    """
+    problems = _some([f"{a['namespace']}/{a['name']}" for a in named_actors], "named actor alive")
+    problems += _some([f"{pg_id} ({pg['state']})" for pg_id, pg in placement_groups.items() if pg["state"] != "REMOVED"],
+                      "placement group not removed")
+    return problems + _some([f"{kind} pid {pid}" for kind, pids in actor_pids.items() for pid in pids],
+                            "actor process alive")

@@ -2,9 +2,9 @@
 plan, and turn the plan's device meshes into placement groups.
 
 Owns the connection (``scheduler.address``, else ``RAY_ADDRESS``, else a new local
-cluster), the inventory check (before any model is touched), and one placement group per
-distinct device mesh of the plan, each bundle pinned to the Ray node that stands for the
-plan's machine. It must not run workers (``runtime.ray_scheduler``) nor decide placement
+cluster; graph files' modules pickled by value over it), the inventory check (before any
+model is touched), and one placement group per distinct device mesh of the plan, each
+bundle pinned to the Ray node that stands for the plan's machine. It must not run workers (``runtime.ray_scheduler``) nor decide placement
 (``compiler``).
 
 Devices: one plan device is one unit of a Ray resource, ``scheduler.device_resource``
@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
+import cloudpickle
 import ray
+import ray.cloudpickle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from areal_flow.config import ConfigError, ExperimentConfig
@@ -78,6 +81,14 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
             f"scheduler.address={address!r}: no Ray cluster answers there ({exc}); start one with "
             "`ray start --head` (docs/RAY.md), or leave scheduler.address and RAY_ADDRESS empty to run a local one"
         ) from None
+
+
+def share_pickle_by_value() -> None:
+    """Pickle by value, in Ray too, the modules registered with ``cloudpickle`` for it
+    (graph files: ``areal_flow.cli.load_flow``); Ray's vendored cloudpickle has its own registry."""
+    for name in cloudpickle.list_registry_pickle_by_value():
+        if name in sys.modules:
+            ray.cloudpickle.register_pickle_by_value(sys.modules[name])
 
 
 def connect(cfg: ExperimentConfig) -> Connection:

@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from runtime.driver import DIED, ERROR, WorkerEnd
-from runtime.parallel.launch import RankSpan
+from runtime.parallel.launch import RankKilled, RankSpan
 from runtime.topology import WorkerGroup
 from runtime.workers import WorkerSpec
 
@@ -76,12 +76,16 @@ class RankHosts:
         return list(self.running)
 
     def end(self, ref) -> WorkerEnd | None:
-        """What host ``ref``'s end means: the stage worker's death (its actor died), else None
-        (ended normally, or raised: remembered for :meth:`lead_error`)."""
+        """What host ``ref``'s end means: the stage worker's death (its actor died, or a rank
+        was ended by a signal: ``RankKilled``, which ``runtime.trainer_ranks`` turns into the
+        host's death by that signal, a race Ray may lose), else None (ended normally, or
+        raised: remembered for :meth:`lead_error`)."""
         host, lead = self.running.pop(ref)
         try:
             ray.get(ref)
         except RayTaskError as exc:
+            if isinstance(exc.cause, RankKilled):  # raised while the host's own signal was still on its way
+                return WorkerEnd(lead, DIED, f"its ranks on {host} died: {exc.cause}")
             self.errors.setdefault(lead, []).append(f"{host}:\n{exc}")
         except RayActorError as exc:
             return WorkerEnd(lead, DIED, f"its ranks on {host} died: {self.cause(exc)}")

@@ -43,10 +43,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-import cloudpickle
 import ray
-import ray.cloudpickle
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.queue import Queue
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -56,10 +54,12 @@ from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
 from runtime.restarts import HostLost, ReportsLost, WorkerFailed
+from runtime.ray_exits import exit_cause
+from runtime.parallel.launch import RankKilled
 from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
 from runtime.run_setup import RunSetup
 from runtime.ray_cluster import (ClusterMismatchError, NodeLost, connect, create_placement_group, device_resource,
-                                 lost_machines, plan_nodes, spare_nodes)
+                                 lost_machines, plan_nodes, share_pickle_by_value, spare_nodes)
 from runtime.ray_workers import WorkerActor, free_tcp_endpoint
 from runtime.topology import WorkerGroup
 from runtime.workers import WorkerSpec
@@ -68,14 +68,7 @@ NAMESPACE = "areal_flow"
 POLL_S = 0.5
 RESTART_TIMEOUT_S = 300.0  # seconds for Ray to bring a dead replica back
 NODE_CHECK_S = 2.0  # seconds between checks that the plan machines' nodes live, while waiting on actors
-
-
-def share_pickle_by_value() -> None:
-    """Pickle by value, in Ray too, the modules registered with ``cloudpickle`` for it
-    (graph files: ``areal_flow.cli.load_flow``); Ray's vendored cloudpickle has its own registry."""
-    for name in cloudpickle.list_registry_pickle_by_value():
-        if name in sys.modules:
-            ray.cloudpickle.register_pickle_by_value(sys.modules[name])
+NODE_DEAD_S = 60.0  # an actor died while starting: seconds for the GCS to mark its node dead (health checks)
 
 
 def _settings(plan: Plan) -> SimpleNamespace:
@@ -107,24 +100,6 @@ def run_on_ray(setup: RunSetup) -> dict:
         connection.close()
 
 
-def _exit_cause(exc: RayActorError) -> str:
-    """Why an actor died, in a few words from Ray's error: ``killed by `ray.kill```, or
-    ``worker process died (SYSTEM_ERROR: Worker unexpectedly exits ...)`` for a killed or
-    crashed process (the last ``The actor is dead because ...`` of the message, without
-    Ray's advice); for an actor Ray restarts, ``unreachable: RpcError: ...``."""
-    if isinstance(exc, ActorUnavailableError):  # a restartable actor's process gone: "The actor <id> is unavailable"
-        why = str(exc).partition(" is unavailable: ")[2].split(". The task may or may not")[0]
-        return f"unreachable: {why.removeprefix('The actor is temporarily unavailable: ')}"
-    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip() and not line.startswith("\t")]
-    text = " ".join(lines).rpartition("The actor is dead because ")[2].split(". Some common causes")[0].rstrip(".")
-    text = text.removeprefix("it was ")
-    if " Worker exit type: " in text:
-        kind, _, detail = text.split(" Worker exit type: ", 1)[1].partition(" Worker exit detail: ")
-        text = f"worker process died ({kind}: {detail})" if detail else f"worker process died ({kind})"
-    text = text or str(exc).splitlines()[0]
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 class RayScheduler:
     """The ``ray`` :class:`runtime.driver.Scheduler`: one actor per worker in its mesh's
     placement group (generation replicas restartable by Ray, within the restart budget),
@@ -140,7 +115,7 @@ class RayScheduler:
         self.nodes: list[str] = []  # the Ray node id standing for each plan machine
         self.actors: dict[str, object] = {}
         self.pending: dict = {}  # object ref of a worker's run -> its name
-        self.hosts = RankHosts(_exit_cause)  # a trainer's ranks on its mesh's other machines
+        self.hosts = RankHosts(exit_cause)  # a trainer's ranks on its mesh's other machines
         self.placement: dict = {}
         self.sink: Queue | None = None
         self.held: list = []  # sockets holding the ports of the router's control addresses
@@ -192,13 +167,24 @@ class RayScheduler:
         """``ray.get(refs)``, checking while it waits that every plan machine's node is alive.
 
         Raises:
-            HostLost: a node died meanwhile (an actor placed there would never start).
+            HostLost: a node died meanwhile (an actor placed there would never start), or an
+                actor died and a plan machine's node is found dead within ``NODE_DEAD_S``
+                (Ray fails the actors of a node it has not yet marked dead).
+            RayActorError: an actor died, every plan machine's node alive.
         """
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=NODE_CHECK_S)
             if len(ready) == len(refs):
-                return ray.get(refs)
-            lost = lost_machines(self.nodes)
+                try:
+                    return ray.get(refs)
+                except RayActorError:
+                    deadline = time.monotonic() + NODE_DEAD_S
+                    while not (lost := lost_machines(self.nodes)) and time.monotonic() < deadline:
+                        time.sleep(POLL_S)
+                    if not lost:
+                        raise
+            else:
+                lost = lost_machines(self.nodes)
             if lost:
                 raise HostLost(f"node {', '.join(lost.values())} was lost")
 
@@ -327,10 +313,11 @@ class RayScheduler:
             name = self.pending.pop(ref)
             try:
                 ended.append(WorkerEnd(name, OK, ray.get(ref)))
-            except RayTaskError as exc:
-                ended.append(self.hosts.lead_error(name, str(exc)))
+            except RayTaskError as exc:  # a rank ended by a signal (RankKilled): as RankHosts.end says, a death
+                ended.append(WorkerEnd(name, DIED, str(exc.cause)) if isinstance(exc.cause, RankKilled)
+                             else self.hosts.lead_error(name, str(exc)))
             except RayActorError as exc:
-                ended.append(WorkerEnd(name, DIED, _exit_cause(exc)))
+                ended.append(WorkerEnd(name, DIED, exit_cause(exc)))
         return ended
 
     def metrics(self) -> list[dict]:
@@ -347,7 +334,7 @@ class RayScheduler:
             return self.sink.get_nowait_batch(waiting) if waiting else []
         except RayActorError as exc:
             self.sink = None
-            raise ReportsLost("metrics queue", _exit_cause(exc)) from None
+            raise ReportsLost("metrics queue", exit_cause(exc)) from None
 
     def revive(self, name: str, cause: str) -> None:
         """Wait for Ray to bring replica ``name`` back in its bundle (its calls fail until Ray

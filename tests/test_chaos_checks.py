@@ -1,14 +1,19 @@
 """bench/chaos_checks.py: each invariant checker flags a hand-built violation and passes the
-hand-built clean case (B = 2 groups a step, N = 2 samples a group, 2 steps)."""
+hand-built clean case (B = 2 groups a step, N = 2 samples a group, 2 steps); bench/chaos_ray.py's
+victim drawing keeps to the live, allowed kinds."""
 
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 spec = importlib.util.spec_from_file_location("chaos_checks", Path(__file__).parents[1] / "bench/chaos_checks.py")
 checks = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(checks)
+spec = importlib.util.spec_from_file_location("chaos_ray", Path(__file__).parents[1] / "bench/chaos_ray.py")
+chaos_ray = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chaos_ray)
 
 
 def _run(steps=2, b=2, n=2, k=0):
@@ -66,3 +71,32 @@ def test_nothing_left_names_each_leak():
     assert checks.nothing_left([], [], []) == []
     assert checks.nothing_left(["pid 7"], ["127.0.0.1:80 (pid 7)"], ["/tmp/x"]) == [
         "leaked process: pid 7", "leaked listening port: 127.0.0.1:80 (pid 7)", "leaked file: /tmp/x"]
+
+
+def test_ray_cluster_left_names_actors_groups_and_processes():
+    removed = {"pg1": {"state": "REMOVED"}}
+    assert checks.ray_cluster_left([], removed, {"ray worker actor": []}) == []
+    assert checks.ray_cluster_left([{"namespace": "areal_flow", "name": "chaos/generate/0"}],
+                                   {**removed, "pg2": {"state": "CREATED"}}, {"ray metrics queue": [42]}) == [
+        "named actor alive: areal_flow/chaos/generate/0", "placement group not removed: pg2 (CREATED)",
+        "actor process alive: ray metrics queue pid 42"]
+
+
+class _Last:
+    """A stand-in random.Random whose choice is always the last element."""
+
+    def choice(self, seq):
+        return seq[-1]
+
+
+def test_draw_keeps_to_live_allowed_kinds_in_sorted_order():
+    victims = {"trainer rank host": ["chaos/train_step/0@n1"], "driver": [7], "ray worker node": [], "ray worker actor":
+               [8, 9]}
+    # sorted kinds with a live member: driver, ray worker actor, trainer rank host; the last, its last member
+    assert chaos_ray.draw(_Last(), victims, "all") == ("trainer rank host", "chaos/train_step/0@n1")
+    assert chaos_ray.draw(_Last(), victims, "driver,ray worker actor") == ("ray worker actor", 9)
+    assert chaos_ray.draw(_Last(), victims, "ray worker node") is None  # allowed, but none alive
+    rng = random.Random(3)
+    drawn = {chaos_ray.draw(rng, victims, "all") for _ in range(200)}
+    assert drawn == {("driver", 7), ("ray worker actor", 8), ("ray worker actor", 9),
+                     ("trainer rank host", "chaos/train_step/0@n1")}

@@ -78,22 +78,87 @@ def test_the_death_cause_is_the_few_words_of_rays_message():
     pytest.importorskip("ray")
     from ray.exceptions import ActorUnavailableError, RayActorError
 
-    from runtime.ray_scheduler import _exit_cause
+    from runtime.ray_exits import exit_cause
 
     head = "The actor died unexpectedly before finishing this task.\n\tclass_name: WorkerActor\n\tpid: 12798\n"
     killed = RayActorError(error_msg=head + "The actor is dead because its worker process has died. Worker exit type: "
                            "INTENDED_SYSTEM_EXIT Worker exit detail: Worker exits because the actor is killed. The "
                            "actor is dead because it was killed by `ray.kill`.")  # Ray 2.60's words after ray.kill
-    assert _exit_cause(killed) == "killed by `ray.kill`"
+    assert exit_cause(killed) == "killed by `ray.kill`"
     crashed = RayActorError(error_msg=head + "The actor is dead because its worker process has died. Worker exit "
                             "type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error "
                             "code 2. End of file. Some common causes include: (1) the process was killed by the OOM")
-    assert _exit_cause(crashed) == ("worker process died (SYSTEM_ERROR: Worker unexpectedly exits with a connection "
-                                    "error code 2. End of file)")
+    assert exit_cause(crashed) == ("worker process died (SYSTEM_ERROR: Worker unexpectedly exits with a connection "
+                                   "error code 2. End of file)")
     # Ray 2.60's words for a restartable actor (max_restarts > 0) whose process died
     gone = ActorUnavailableError("The actor is temporarily unavailable: RpcError: RPC error: Socket closed "
                                  "rpc_code: 14", None)
-    assert _exit_cause(gone) == "unreachable: RpcError: RPC error: Socket closed rpc_code: 14"
+    assert exit_cause(gone) == "unreachable: RpcError: RPC error: Socket closed rpc_code: 14"
+
+
+def test_an_actor_dead_while_starting_with_a_node_not_yet_marked_dead_is_a_lost_host(monkeypatch):
+    """Issue 26's chaos bench: a worker node SIGKILLed at step 73; the trainer's death was seen
+    (socket closed) before the GCS marked the node dead, so the next attempt's actors were
+    placed on it and Ray failed them ("The actor died because its node has died ... never
+    ran"); that error stopped the run. A node found dead within ``NODE_DEAD_S`` of such an
+    error now makes it ``HostLost`` (the actors start again on a spare node); with every node
+    alive the actor's error stands."""
+    pytest.importorskip("ray")
+    from ray.exceptions import RayActorError
+
+    import runtime.ray_scheduler as rs
+    from runtime.restarts import HostLost
+
+    def dead_actor(refs):
+        raise RayActorError(error_msg="The actor died because its node has died.")
+
+    scheduler = object.__new__(rs.RayScheduler)
+    scheduler.nodes = ["head", "n1"]
+    monkeypatch.setattr(rs.ray, "wait", lambda refs, **_: (list(refs), []))
+    monkeypatch.setattr(rs.ray, "get", dead_actor)
+    monkeypatch.setattr(rs, "POLL_S", 0.0)
+    checks = iter([{}, {}, {1: "n1@127.0.0.1"}])  # the GCS marks plan machine n1's node dead on the third look
+    monkeypatch.setattr(rs, "lost_machines", lambda nodes: next(checks))
+    with pytest.raises(HostLost, match="node n1@127.0.0.1 was lost"):
+        scheduler._get(["ref"])
+    monkeypatch.setattr(rs, "lost_machines", lambda nodes: {})
+    monkeypatch.setattr(rs, "NODE_DEAD_S", 0.05)
+    with pytest.raises(RayActorError):  # every node alive: the actor itself died
+        scheduler._get(["ref"])
+
+
+def test_a_rank_ended_by_a_signal_on_a_rank_host_is_the_trainers_death(monkeypatch):
+    """Issue 26's chaos bench (k = 2, three nodes): rank 1, on the rank host, was ended by
+    SIGABRT; the host raised ``RankKilled`` before its own SIGABRT (``runtime.trainer_ranks``)
+    ended it, the driver could not unpickle that exception (its two arguments) and ended with
+    Ray's ``UnserializableException``. ``RankKilled`` now pickles whole, and a rank host's
+    ``RankKilled`` is the trainer's death (every worker restarts); another error stays one."""
+    pytest.importorskip("ray")
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    import runtime.ray_ranks as rr
+    from runtime.driver import DIED, WorkerEnd
+    from runtime.parallel.launch import RankKilled
+
+    back = pickle.loads(pickle.dumps(RankKilled(1, 6)))
+    assert (back.rank, back.signal, str(back)) == (1, 6, "rank 1 was ended by signal 6 (exit code -6)")
+    raised = {}
+
+    def get(ref):
+        raise RayTaskError("WorkerActor.run_ranks", "Traceback ...", raised["cause"]).as_instanceof_cause()
+
+    monkeypatch.setattr(rr.ray, "get", get)
+    hosts = rr.RankHosts(lambda exc: "?")
+    raised["cause"] = RankKilled(1, 6)
+    hosts.started("ref", "train_step/0@n1", "train_step/0")
+    assert hosts.end("ref") == WorkerEnd("train_step/0", DIED, "its ranks on train_step/0@n1 died: rank 1 was ended "
+                                         "by signal 6 (exit code -6)")
+    raised["cause"] = ValueError("a rank raised")
+    hosts.started("ref", "train_step/0@n1", "train_step/0")
+    assert hosts.end("ref") is None  # an error: kept for lead_error, under the host's name
+    assert [e.split("\n")[0] for e in hosts.errors["train_step/0"]] == ["train_step/0@n1:"]
 
 
 # --- on Ray -----------------------------------------------------------------------------------

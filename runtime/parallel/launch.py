@@ -47,6 +47,9 @@ class RankKilled(WorkerError):
         super().__init__(f"rank {rank} was ended by signal {signal} (exit code {-signal})")
         self.rank, self.signal = rank, signal
 
+    def __reduce__(self):  # pickled whole (Ray carries it to the driver): the default passes only the message
+        return RankKilled, (self.rank, self.signal)
+
 
 @dataclass(frozen=True)
 class RankSpan:
