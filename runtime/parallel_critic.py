@@ -50,11 +50,11 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.critic_update import critic_update, finish_critic_step
+from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.critic import ValueModel
 from compiler.executable import CRITIC_APART
 from compiler.strategy import ParallelStrategy
 from runtime.executors.train import TrainSettings, micro_batch_size
-from areal_flow.algorithms.step_metrics import StepMetrics
 from runtime.parallel import signed_objects
 from runtime.parallel.context_parallel import apply_context_parallel, gather_sequence
 from runtime.parallel.critic_pipeline import ValuePipeline, split_value_stage
@@ -64,7 +64,7 @@ from runtime.parallel.grad_norm import clip_grad_norm
 from runtime.parallel.mesh import dp_cp_mesh, expert_mesh
 from runtime.parallel.model_parts import SkippedLayer
 from runtime.parallel.tensor_parallel import apply_tensor_parallel_backbone, replicate_unsharded
-from runtime.parallel.weight_sync import iter_weight_buckets
+from runtime.parallel.weight_sync import full_named_tensors
 from runtime.weights import DEFAULT_BUCKET_BYTES
 from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks
 
@@ -219,9 +219,9 @@ class RankCritic:
 
     def gather_into(self, whole: torch.nn.Module | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Copy the full parameters into ``whole`` (rank 0's unsharded critic; ``None`` on the
-        other ranks), one bucket of at most ``bucket_bytes`` at a time. Every rank must call it
-        (an all-gather per parameter). Under ``pp`` each stage gathers its own parameters and its
-        rank in rank 0's pipeline group sends them to rank 0 (on the CPU), after rank 0's stage.
+        other ranks), one parameter at a time. Every rank must call it (an all-gather per
+        parameter). Under ``pp`` each stage gathers its own parameters and its rank in rank 0's
+        pipeline group sends them to rank 0 on the CPU, in buckets of about ``bucket_bytes``.
 
         Raises:
             KeyError: ``whole`` lacks a parameter of the critic (not a ``ValueModel`` of this backbone).
@@ -229,14 +229,19 @@ class RankCritic:
         params = dict(whole.named_parameters()) if whole is not None else None
         group = self.pipeline.group if self.pipeline is not None else None
         sends = group is not None and dist.get_global_rank(group, 0) == 0 and dist.get_rank() != 0
+        bucket, filled = {}, 0
         with torch.no_grad():
-            for bucket in iter_weight_buckets(self.module, bucket_bytes):
+            for name, tensor in full_named_tensors(self.module):
                 if params is not None:
-                    for name, tensor in bucket.tensors.items():
-                        params[name].copy_(tensor)
+                    params[name].copy_(tensor)
                 elif sends:
-                    signed_objects.send({k: v.cpu() for k, v in bucket.tensors.items()}, 0, "critic_buckets")
+                    bucket[name], filled = tensor.cpu(), filled + tensor.numel() * tensor.element_size()
+                    if filled >= bucket_bytes:
+                        signed_objects.send(bucket, 0, "critic_buckets")
+                        bucket, filled = {}, 0
             if sends:
+                if bucket:
+                    signed_objects.send(bucket, 0, "critic_buckets")
                 signed_objects.send(None, 0, "critic_buckets")
             if params is not None and group is not None:
                 for stage in range(1, dist.get_world_size(group)):
