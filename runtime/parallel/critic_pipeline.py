@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.critic_update import micro_batch_value_loss
 from areal_flow.algorithms.micro_batches import trimmed_width
 from areal_flow.algorithms.step_metrics import StepMetrics
@@ -111,7 +112,7 @@ class ValuePipeline:
         self._built = (key, schedule)
         return schedule
 
-    def forward_backward(self, batch: dict[str, torch.Tensor], mask: torch.Tensor, norm: dict, loss_cfg,
+    def forward_backward(self, batch: dict[str, torch.Tensor], mask: torch.Tensor, norm: dict, loss_cfg: LossConfig,
                          slices: list[slice], metrics: StepMetrics) -> None:
         """Accumulate the gradient of the clipped value loss of ``batch``'s micro-batches
         ``slices`` (``batch``, ``mask``, ``norm``, ``loss_cfg``: as ``critic_update``'s) into the
