@@ -128,7 +128,7 @@ class CostModel:
           all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
           Qwen3-30B-A3B do), training side of a MoE model only;
         - and that the runtime can run (``compiler.executable``'s rules); a critic's train_step
-          one process only (the runtime runs a multi-rank critic (dp, tp, cp) only on the policy
+          one process only (the runtime runs a multi-rank critic (dp, tp, cp, pp, ep) only on the policy
           train_step's ranks with its strategy, a placement a user gives with
           ``train:t2 | critic_step:t2``).
         """

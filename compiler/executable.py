@@ -27,11 +27,15 @@ from typing import Callable
 from compiler.strategy import ParallelStrategy, StrategyError
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
-CRITIC_PARALLEL: tuple[str, ...] = ("dp", "tp", "cp")
-"""Degrees a critic's (value model's) train_step may use above 1: ``dp``, ``tp`` and ``cp`` (and
-their products, within the other rules), on the ranks of the policy's train_step (``runtime.parallel_critic``; a multi-rank
-critic elsewhere breaks ``compiler.hosting``'s rule ``critic-ranks``, and the search never
-proposes one)."""
+CRITIC_PARALLEL: tuple[str, ...] = ("dp", "tp", "cp", "pp", "ep")
+"""Degrees a critic's (value model's) train_step may use above 1 (and their products, within the
+other rules and :data:`CRITIC_APART`), on the ranks of the policy's train_step
+(``runtime.parallel_critic``; a multi-rank critic elsewhere breaks ``compiler.hosting``'s rule
+``critic-ranks``, and the search never proposes one)."""
+CRITIC_APART: tuple[tuple[str, str], ...] = (("pp", "tp"), ("pp", "cp"), ("ep", "pp"), ("ep", "tp"), ("ep", "cp"))
+"""Pairs of degrees a critic's train_step cannot use together above 1 (``runtime.parallel_critic``
+reads them too): its pipeline stages are FSDP-sharded over ``dp`` only, its experts split over
+``dp`` ranks only."""
 ENGINE_PARALLEL: dict[str, tuple[str, ...]] = {"embedded": ("dp",), "vllm": ("dp", "tp")}
 """Degrees each generation engine may use above 1: the embedded engine runs dN replicas of one
 process each; vLLM adds tensor parallelism inside a replica."""
@@ -128,10 +132,16 @@ def _token_budget_pp(f: NodeFacts) -> str | None:
 
 
 def _critic_degrees(f: NodeFacts) -> str | None:
+    if not f.critic:
+        return None
     over = [d for d in DEGREES if getattr(f.strategy, d) > 1 and d not in CRITIC_PARALLEL]
-    if f.critic and over:
+    if over:
         allowed = ", ".join(CRITIC_PARALLEL) or "none: it runs on one process (e.g. train:d1)"
         return f"a critic's train_step cannot use {', '.join(over)} (allowed above 1: {allowed})"
+    both = next((pair for pair in CRITIC_APART if all(getattr(f.strategy, d) > 1 for d in pair)), None)
+    if both:
+        return (f"a critic's train_step cannot use {both[0]} with {both[1]} (its pipeline stages and its experts "
+                "run with dp only, e.g. critic_step:d2p2, critic_step:d2e2)")
     return None
 
 

@@ -38,7 +38,7 @@ saves the model.
 Supported: ``dp``, ``tp`` and ``pp`` (and their products), ``cp`` with ``dp`` and ``tp``, ``ep``
 over the ``dp`` ranks (with or without ``tp``), for the policy; under ``pp`` rank 0 (the first stage) drives the step as above and
 the metrics come from the last stage. A critic's train_step (PPO) on the trainer's mesh runs
-under the policy's strategy (dp, tp, cp and their products) on the same ranks
+under the policy's strategy (dp, tp, cp and their products; pp or ep with dp) on the same ranks
 (``runtime.parallel_critic``): its commands carry
 ``critic`` set, its batch is split and normalised as above, and after each of its steps its full weights are
 gathered into rank 0's whole copy (the one the advantage node reads). What it cannot run is
@@ -126,8 +126,8 @@ class RankTrainer:
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
         rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
         run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``); with ``critic``
-        (its train_step's settings; ``strategy`` is then without ``pp`` and ``ep``) the critic
-        split over the same ``dp``, ``tp`` and ``cp`` ranks too (``RankCritic.build``). Every rank calls this (collectives). A reference
+        (its train_step's settings) the critic split over the same ranks too (``RankCritic.build``:
+        ``pp`` and ``ep`` with ``dp`` only). Every rank calls this (collectives). A reference
         policy's log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
         torch.manual_seed(spec.seed)

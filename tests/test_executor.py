@@ -161,7 +161,7 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
 def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only():
     """A dN critic on the policy train_step's mesh joins its worker group (its ranks:
     ``test_parallel_critic``), and so does a tN one; on a multi-rank mesh of its own it is
-    refused, naming the node; under pp the one predicate's rule ``critic-parallel``
+    refused, naming the node; under pp with tp the one predicate's rule ``critic-parallel``
     (compiler.executable) refuses it at compile and, for a hand-edited plan, before a run starts."""
     import dataclasses
 
@@ -186,13 +186,13 @@ def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only(
     group = build_topology(compile_program(fl(cfg), cfg)).groups["train_step"]
     assert {"train_step", "critic_step"} <= set(group.nodes) and group.strategy.short() == "d1t2"
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
-                      [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:p2 | critic_step:p2 + gen:d1"])
+                      [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:t2p2 | critic_step:t2p2 + gen:d1"])
     with pytest.raises(AllocationError, match="critic_step.*rule 'critic-parallel'"):
         compile_program(fl(cfg), cfg)
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:d1 | critic_step:d1 + gen:d1"])
     plan = compile_program(fl(cfg), cfg)
-    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="p2") if n.name == "critic_step"
+    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="t2p2") if n.name == "critic_step"
                                                    else n for n in plan.nodes))
     with pytest.raises(ExecutableError, match="critic_step.*rule 'critic-parallel'"):
         check_runnable(edited, build_topology(plan))  # what a run checks before any process starts

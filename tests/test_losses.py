@@ -177,6 +177,12 @@ def test_value_loss_clipping_by_hand():
     assert clipped.tolist() == [[True, True, False, False]]
     loss, _ = value_loss(v, old, ret, mask, clip_eps=None)
     torch.testing.assert_close(loss, torch.tensor([[0.5, 0.0, 0.10125, 0.0]]))
+    # inside the range the clip is inactive even where old + (v - old) rounds away from v in fp32:
+    # v = 0.0044653844, old = -0.18275668 (|v - old| = 0.187 < 0.2), old + (v - old) = 0.0044653863
+    v, old = torch.tensor([[0.004465384408831596]]), torch.tensor([[-0.1827566772699356]])
+    assert (old + (v - old)).item() != v.item()  # the rounding this case is about
+    _, clipped = value_loss(v, old, torch.zeros(1, 1), torch.ones(1, 1), clip_eps=0.2)
+    assert clipped.tolist() == [[False]]
 
 
 def test_kl_estimators_by_hand():

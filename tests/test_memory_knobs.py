@@ -75,7 +75,8 @@ def test_a_memory_knob_that_cannot_work_names_its_key(overrides, error, match):
     (dict(strategy="d3", rows=8), "rows-divide-dp"),
     (dict(strategy="d2p4", rows=4), "rows-fill-pp"),
     (dict(strategy="d1p2", token_budget=512), "token-budget-no-pp"),
-    (dict(strategy="d1p2", critic=True), "critic-parallel"),
+    (dict(strategy="d1t2p2", critic=True), "critic-parallel"),
+    (dict(strategy="d2t2e2", critic=True), "critic-parallel"),
     (dict(strategy="d2", rows=8, accumulation=3), "accumulation-divides-rows"),
     (dict(strategy="d1t2", role="generation"), "engine-parallel"),
     (dict(strategy="d1p2", role="generation", engine="vllm"), "engine-parallel"),
@@ -91,7 +92,8 @@ def test_each_rule_is_named_in_its_error(facts, rule):
     dict(strategy="d2e2"), dict(strategy="d2c2"), dict(strategy="d1t2p2"), dict(strategy="d1t2c2"),
     dict(strategy="d2t2e2"), dict(strategy="d1", critic=True),
     dict(strategy="d2", critic=True), dict(strategy="d1t2", critic=True), dict(strategy="d2t2", critic=True),
-    dict(strategy="d1c2", critic=True),
+    dict(strategy="d1c2", critic=True), dict(strategy="d1p2", critic=True), dict(strategy="d2p2", critic=True),
+    dict(strategy="d2e2", critic=True),
     dict(strategy="d4t2", role="generation", engine="vllm"), dict(strategy="d4", role="generation"),
     dict(strategy="d2t2p2c2", role="inference"),  # forward-only: runs on rank 0 of its mesh
 ])

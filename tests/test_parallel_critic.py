@@ -1,6 +1,7 @@
 """A critic's train_step on the trainer's ranks (``runtime.parallel_critic``) under dp2, tp2,
-dp2 x tp2 and cp2 equals the single-process critic step (``critic_update`` as
-``runtime.executors.train`` runs it).
+dp2 x tp2, cp2, pp2 and dp2 x pp2 (1F1B, ``parallel.critic_pipeline``) and, on a tiny Qwen3-MoE
+backbone, ep2 (``d2e2``: 8 experts of each layer split over the 2 DP ranks) equals the
+single-process critic step (``critic_update`` as ``runtime.executors.train`` runs it).
 
 1. Two optimizer steps of the tiny critic on the ranks (2 micro-batches per DP rank) and on one
    process (2 micro-batches of 4 rows) on the same batch (k = 0): the value loss, clip fraction
@@ -8,17 +9,20 @@ dp2 x tp2 and cp2 equals the single-process critic step (``critic_update`` as
    agree within the fp32 tolerances of ``rl_step_cases`` (the runs differ in the order of
    additions only: FSDP's reduce-scatter sums two half-batch gradients, TP's row-parallel
    linears and vocabulary-split embedding sum partial products, CP's two sequence chunks'
-   gradients are summed by FSDP; observed: value loss 1e-7
+   gradients are summed by FSDP, pipeline stages run micro-batches padded to the step's widest
+   row (other matmul shapes) and add their squared gradient norms, EP sums an expert's gradient
+   over the tokens both ranks route to it; observed: value loss 1e-7
    relative, gradients <= 3e-8 absolute, weights after the second step <= 3e-6 where |g| ~ 2e-8,
-   AdamW's eps); the whole copy rank 0 gathers (what the advantage node reads for GAE's values)
-   is the ranks' weights bit for bit; the one-process critic and its AdamW state load into the
-   ranks' shards bit for bit.
+   AdamW's eps); the whole copy rank 0 gathers (what the advantage node reads for GAE's values;
+   under pp the later stages' weights sent to it) is the ranks' weights bit for bit; the
+   one-process critic and its AdamW state load into the ranks' shards bit for bit (not under ep:
+   ``runtime.reshard`` loads no checkpoint into expert blocks).
 2. PPO on arithmetic (``graphs/arith_ppo.py``) runs end to end through the CLI with its policy
    and critic train_steps on the same 2 ranks (``train:d2 | critic_step:d2``, ``t2``, ``c2``): every
    sample trained once, the critic's value loss reported, its shards in the critic's checkpoint
    folder; resumed from that checkpoint it reaches the uninterrupted run's weights bit for bit.
-3. A critic under pp or ep is refused before any process starts (``compiler.executable``)
-   and by ``RankCritic.build``.
+3. A critic under pp or ep beside tp (``compiler.executable.CRITIC_APART``) is refused before any
+   process starts and by ``RankCritic.build``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.critic_update import critic_update
@@ -42,7 +47,6 @@ from runtime.executors.train import micro_batch_size
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel_critic import RankCritic
-from runtime.reshard import whole_state
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.checkpoint import read_state
 from compiler.executable import NodeFacts, failed_rule
@@ -52,6 +56,12 @@ REPO = Path(__file__).resolve().parents[1]
 MICRO_BATCHES = 2
 STEPS = 2
 STATS = ("value_loss", "value_clip_frac", "critic_grad_norm")
+
+
+PRESETS = {"dense": "tiny-s", "moe": "tiny-moe"}  # 2 layers / Qwen3-MoE, 4 layers of 8 experts, top-2
+CASES = {"d2": "dense", "t2": "dense", "d2t2": "dense", "c2": "dense", "p2": "dense", "d2p2": "dense",
+         "d2e2": "moe"}
+"""Strategy -> the policy preset its critic is built from."""
 
 
 def critic_batch(folder: Path) -> dict[str, torch.Tensor]:
@@ -98,11 +108,12 @@ def single_process_critic(folder: Path, batch: dict, saved: Path) -> tuple[list[
 
 
 def _critic_on_ranks(rank: int, world_size: int, strategy: str, folder: Path, batch: dict, saved: Path,
-                     optimizer_state: dict) -> dict | None:
-    """Worker: ``STEPS`` steps of ``RankCritic`` under ``strategy`` (rank 0 keeps stats, full
-    gradients, gathered weights and its whole copy after each); then a fresh ``RankCritic``
-    loads the one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps its whole
-    weights and AdamW state, ``reshard.whole_state``)."""
+                     optimizer_state: dict) -> dict:
+    """Worker: ``STEPS`` steps of ``RankCritic`` under ``strategy`` (each rank keeps the stats, its
+    stage's full gradients and weights after each, rank 0 its whole copy); then a fresh
+    ``RankCritic`` loads the one-process critic ``saved`` with ``optimizer_state`` (rank 0 keeps
+    the whole weights gathered from it; each rank its stage's whole AdamW state,
+    ``get_state_dict``); under ``ep`` no load (``runtime.reshard`` cuts no expert block)."""
     spec = settings(folder, "ppo")
     parsed = ParallelStrategy.parse(strategy)
     mesh = build_device_mesh(parsed, "cpu")
@@ -117,31 +128,63 @@ def _critic_on_ranks(rank: int, world_size: int, strategy: str, folder: Path, ba
         critic.gather_into(whole)
         out.append({"stats": stats, "grads": grads, "state": state,
                     "whole": _state(whole) if whole is not None else None})
+    where = {"stage": mesh.get_coordinate()[0], "replica": not any(mesh.get_coordinate()[1:])}
+    if parsed.ep_enabled:  # runtime.reshard loads no checkpoint into expert blocks (the policy's neither)
+        return {"steps": out, "loaded": None, **where}
     loaded = RankCritic.build(spec, mesh, parsed)
     loaded.load_whole(saved, optimizer_state)
-    state = whole_state(loaded.module, loaded.optimizer)  # a collective: every rank joins
-    return {"steps": out, "loaded": state} if rank == 0 else None
+    # the stage's whole AdamW state on every rank (a collective: every rank joins)
+    optimizer = get_state_dict(loaded.module, loaded.optimizer, options=StateDictOptions(full_state_dict=True))[1]
+    loaded_whole = ValueModel.from_policy(folder, seed=spec.seed + 1) if rank == 0 else None
+    loaded.gather_into(loaded_whole)
+    return {"steps": out, "loaded": (_state(loaded_whole) if rank == 0 else None, optimizer), **where}
+
+
+def _merged(per_rank: list[dict]) -> dict:
+    """Rank 0's stats and whole copies, each step's gradients and weights of the pipeline
+    stages of rank 0's replica (``dp``, ``cp``, ``tp`` coordinate 0) in stage order, and the
+    loaded weights and those stages' AdamW state (None under ``ep``)."""
+    stages = sorted((r for r in per_rank if r["replica"]), key=lambda r: r["stage"])
+    steps = []
+    for index, first in enumerate(per_rank[0]["steps"]):
+        step = {**first, "grads": {}, "state": {}}
+        for result in stages:
+            step["grads"].update(result["steps"][index]["grads"])
+            step["state"].update(result["steps"][index]["state"])
+        steps.append(step)
+    if per_rank[0]["loaded"] is None:
+        return {"steps": steps, "loaded": None}
+    optimizer = {"state": {}}
+    for result in stages:
+        optimizer["state"].update(result["loaded"][1]["state"])
+    return {"steps": steps, "loaded": (per_rank[0]["loaded"][0], optimizer)}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The policy folder, the batch, the one-process critic's steps, the saved critic's folder
-    and its AdamW ``state_dict``."""
+def references(tmp_path_factory):
+    """Preset kind -> the policy folder, the batch, the one-process critic's steps, the saved
+    critic's folder and its AdamW ``state_dict`` (computed on first use)."""
     torch.set_num_threads(1)
-    folder = policy_folder(tmp_path_factory.mktemp("policy"))
-    batch = critic_batch(folder)
-    saved = tmp_path_factory.mktemp("critic")
-    steps, optimizer_state = single_process_critic(folder, batch, saved)
-    return folder, batch, steps, saved, optimizer_state
+    cache = {}
+
+    def get(kind: str) -> tuple:
+        if kind not in cache:
+            folder = policy_folder(tmp_path_factory.mktemp(kind), PRESETS[kind])
+            batch = critic_batch(folder)
+            saved = tmp_path_factory.mktemp(f"critic-{kind}")
+            steps, optimizer_state = single_process_critic(folder, batch, saved)
+            cache[kind] = folder, batch, steps, saved, optimizer_state
+        return cache[kind]
+    return get
 
 
-@pytest.fixture(scope="module", params=["d2", "t2", "d2t2", "c2"])
-def critic_steps(request, reference):
-    folder, batch, steps, saved, optimizer_state = reference
+@pytest.fixture(scope="module", params=list(CASES))
+def critic_steps(request, references):
+    folder, batch, steps, saved, optimizer_state = references(CASES[request.param])
     world = ParallelStrategy.parse(request.param).world_size
     parallel = spawn_workers(_critic_on_ranks, world, (request.param, folder, batch, saved, optimizer_state),
-                             backend="gloo")[0]
-    return parallel, steps, ValueModel.load(saved), optimizer_state
+                             backend="gloo")
+    return _merged(parallel), steps, ValueModel.load(saved), optimizer_state
 
 
 @pytest.mark.slow  # the fixture spawns 2 or 4 ranks: ~30-60 s on 2 shared cores
@@ -166,7 +209,10 @@ def test_critic_on_ranks_matches_single_process(critic_steps):
 
 @pytest.mark.slow
 def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_steps):
-    """A checkpoint's one-process critic (weights and AdamW state) resumes on dp2 ranks."""
+    """A checkpoint's one-process critic (weights and AdamW state) resumes on the ranks (not yet
+    under ep: ``runtime.reshard`` cuts no expert block, for the policy neither)."""
+    if critic_steps[0]["loaded"] is None:
+        pytest.skip("no checkpoint loads into expert-parallel ranks (runtime.reshard)")
     loaded_model, loaded_optim = critic_steps[0]["loaded"]
     saved, optimizer_state = critic_steps[2], critic_steps[3]
     weights = dict(saved.named_parameters())
@@ -177,21 +223,23 @@ def test_a_critic_one_process_wrote_loads_into_two_ranks_bit_for_bit(critic_step
             assert torch.equal(loaded_optim["state"][name][field], optimizer_state["state"][index][field]), name
 
 
-def test_critic_strategy_with_pp_or_ep_is_refused():
+def test_critic_strategy_with_pp_or_ep_beside_tp_is_refused():
     def facts(strategy):
         return NodeFacts.from_attrs("critic_step", "training", ParallelStrategy.parse(strategy), {}, critic=True,
                                     rows=8)
-    for strategy, degree in (("p2", "pp"), ("d2e2", "ep"), ("t2p2", "pp")):
+    for strategy, pair in (("t2p2", "pp with tp"), ("d2t2e2", "ep with tp")):
         rule, why = failed_rule(facts(strategy))
-        assert rule == "critic-parallel" and f"cannot use {degree} " in why, strategy
-    for strategy in ("d2", "t2", "d2t2", "c2"):  # what runtime.parallel_critic runs
+        assert rule == "critic-parallel" and f"cannot use {pair} " in why, strategy
+    for strategy, rule in (("c2p2", "cp-without-pp"), ("d2p2e2", "ep-without-pp-cp")):  # the policy's rules first
+        assert failed_rule(facts(strategy))[0] == rule, strategy
+    for strategy in CASES:  # what runtime.parallel_critic runs
         assert failed_rule(facts(strategy)) is None, strategy
 
 
-def test_rank_critic_refuses_pp_ep_before_building(tmp_path):
-    """``RankCritic.build`` names the degrees it cannot run (before any collective)."""
-    for strategy, degree in (("d1p2", "pp"), ("d2e2", "ep")):
-        with pytest.raises(ValueError, match=f"runs dp, tp and cp only; strategy {strategy} has {degree} > 1"):
+def test_rank_critic_refuses_pp_or_ep_beside_tp_before_building(tmp_path):
+    """``RankCritic.build`` names the pair of degrees it cannot run (before any collective)."""
+    for strategy, pair in (("d1t2p2", "pp with tp"), ("d2t2e2", "ep with tp")):
+        with pytest.raises(ValueError, match=f"cannot run {pair}; strategy {strategy} has both > 1"):
             RankCritic.build(settings(tmp_path, "ppo"), None, ParallelStrategy.parse(strategy))
 
 

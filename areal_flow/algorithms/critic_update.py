@@ -54,16 +54,50 @@ def critic_update(
     optimizer.zero_grad(set_to_none=True)
     for sl in slices:
         w = trimmed_width(attn[sl])
-        m = mask[sl, :w]
         values = critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
-        per_token, clipped = value_loss(
-            values, batch["values"][sl, :w], batch["returns"][sl, :w], m, clip_eps=loss_cfg.value_clip_eps
-        )
-        loss = aggregate_loss(per_token, m, loss_cfg.loss_agg_mode, **norm)
-        loss.backward()
-        metrics.add_total("value_loss", loss)
-        metrics.add_count("value_clip_frac", clipped, m)
-    grad_norm = clip(critic.parameters(), max_grad_norm)
+        micro_batch_value_loss(values, batch, mask, sl, norm, loss_cfg, metrics).backward()
+    return finish_critic_step(critic.parameters(), optimizer, norm, max_grad_norm, metrics, clip)
+
+
+def micro_batch_value_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, rows,
+                           norm: dict[str, Any], loss_cfg: LossConfig, metrics: StepMetrics) -> torch.Tensor:
+    """The clipped value loss of one micro-batch (its share of the step's aggregated loss, see
+    :func:`critic_update`), its ``value_loss`` and ``value_clip_frac`` added to ``metrics``.
+
+    Args:
+        values: ``[b, w]`` the critic's values of the micro-batch's rows (``ValueModel`` layout),
+            ``w`` their width (``trimmed_width``).
+        batch, mask, norm, loss_cfg: as :func:`critic_update`'s. rows: the micro-batch's rows of
+            ``batch`` (a slice or an index tensor of ``b`` rows).
+
+    Returns:
+        The loss, a 0-dim tensor to back-propagate.
+    """
+    w = values.shape[1]
+    m = mask[rows, :w]
+    per_token, clipped = value_loss(values, batch["values"][rows, :w], batch["returns"][rows, :w], m,
+                                    clip_eps=loss_cfg.value_clip_eps)
+    loss = aggregate_loss(per_token, m, loss_cfg.loss_agg_mode, **norm)
+    metrics.add_total("value_loss", loss)
+    metrics.add_count("value_clip_frac", clipped, m)
+    return loss
+
+
+def finish_critic_step(
+    parameters: Iterable[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    norm: dict[str, Any],
+    max_grad_norm: float,
+    metrics: StepMetrics,
+    clip: Callable[[Iterable[torch.nn.Parameter], float], torch.Tensor] = torch.nn.utils.clip_grad_norm_,
+) -> dict[str, float]:
+    """Clip the accumulated gradients of ``parameters`` and step ``optimizer``, unless the step
+    has no valid token or a non-finite gradient norm (then the gradients are dropped).
+
+    Returns:
+        ``metrics``' result and ``critic_grad_norm`` (before clipping).
+    """
+    grad_norm = clip(parameters, max_grad_norm)
     if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
     else:

@@ -243,7 +243,8 @@ def value_loss(
     values in reward units.
 
     Returns:
-        ``(loss [batch, seq] float32, clipped [batch, seq] bool)``.
+        ``(loss [batch, seq] float32, clipped [batch, seq] bool)``: ``clipped`` where the clipped
+        term is the larger and ``|V_t - V_old_t| > eps``.
     """
     mask = loss_mask.bool()
     v = values.float()
@@ -254,7 +255,11 @@ def value_loss(
     old = _zero_invalid(old_values.float(), mask)
     v_clip = old + (v - old).clamp(-clip_eps, clip_eps)
     clipped_sq = (v_clip - target).square()
-    return _zero_invalid(0.5 * torch.maximum(unclipped, clipped_sq), mask), mask & (clipped_sq > unclipped)
+    # clipped: the clipped term wins and V left V_old +- eps. Inside that range the two terms are
+    # equal in exact arithmetic, but old + (v - old) need not round back to v in fp32 (it does when
+    # v and old are within a factor 2, Sterbenz), so the comparison alone would flag rounding ties.
+    active = mask & ((v - old).abs() > clip_eps) & (clipped_sq > unclipped)
+    return _zero_invalid(0.5 * torch.maximum(unclipped, clipped_sq), mask), active
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

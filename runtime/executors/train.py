@@ -6,7 +6,7 @@ one data input port, whatever the op calls it (``runtime.topology.trainer_input`
 (``areal_flow.algorithms``) on one process, or on the ranks of a multi-rank strategy
 (``runtime.parallel_trainer``: rank 0 runs this executor and drives the others), and the
 critic's value update (``areal_flow.algorithms.critic_update``) when the node trains a
-value model, on one process or on the policy's ranks (dp, tp, cp: ``runtime.parallel_critic``;
+value model, on one process or on the policy's ranks (dp, tp, cp, pp, ep: ``runtime.parallel_critic``;
 rank 0 then keeps a whole copy of the critic, gathered after every step). It follows the
 plan: the micro-batches per DP rank (``NodePlan.micro_batches``), activation checkpointing
 and the whole loss config the compiler merged (``attrs.loss``: ``compiler.algorithms``;

@@ -90,8 +90,11 @@ def moe_blocks(model: nn.Module, layers: list[nn.Module] | None = None) -> list[
     return [layer.mlp for layer in (held_layers(model) if layers is None else layers) if hasattr(layer.mlp, "experts")]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Replace every held MoE layer's experts with this rank's :class:`ShardedExperts` block.
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
+                          layers: list[nn.Module] | None = None) -> list[nn.Parameter]:
+    """Replace every held MoE layer's experts with this rank's :class:`ShardedExperts` block
+    (``layers``: the decoder layers, default ``held_layers(model)`` of a causal LM; a value
+    model passes its backbone's).
 
     Returns:
         The expert parameters in model order (to keep out of FSDP; the same
@@ -100,7 +103,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Para
     Raises:
         ValueError: the model has no MoE layer, or ``ep`` does not divide its experts.
     """
-    blocks = moe_blocks(model)
+    blocks = moe_blocks(model, layers)
     if not blocks:
         raise ValueError(f"expert parallelism over {ep_mesh.size()} ranks: {type(model).__name__} has no MoE layer")
     params: list[nn.Parameter] = []
