@@ -105,8 +105,7 @@ def test_user_op_defined_in_a_test_file_runs(penalty_run):
         assert r["reward"] == pytest.approx(rule - COEF * len(r["output_ids"]))
         right.setdefault(r["step"], []).append(rule == 1.0)
     # accuracy counts right answers although no penalized reward is 1.0 (it read 0.00 before)
-    assert _scalars(out, "rl/accuracy") == pytest.approx([sum(v) / len(v) for _, v in
-                                                                           sorted(right.items())])
+    assert _scalars(out, "rl/accuracy") == pytest.approx([sum(v) / len(v) for _, v in sorted(right.items())])
 
 
 @pytest.mark.slow
