@@ -30,8 +30,8 @@ SMALL = ["model.path=tiny-s", "dataset.max_digits=1", "dataset.ops=+", "warm_sta
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_staleness", [2, 0], ids=["async-k2", "sync"])
-def test_grpo_reward_and_accuracy_rise(tmp_path, warm_cache, max_staleness):
-    # the session's cache (tests/conftest.py): the warm start (~10 s) runs once for both cases
+def test_grpo_reward_and_accuracy_rise(tmp_path, monkeypatch, max_staleness):
+    monkeypatch.setenv("AREAL_FLOW_CACHE", str(tmp_path / "cache"))  # the warm start runs here (~10 s)
     fl = load_flow(REPO / "graphs" / "arith_grpo.py")
     cfg = load_config(REPO / "graphs" / "arith_grpo.yaml",
                       [*SMALL, f"async.max_staleness={max_staleness}", f"out_dir={tmp_path}"])
