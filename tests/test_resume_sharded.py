@@ -124,8 +124,7 @@ STRATEGY = {"d1": "d1", "d2": "d2", "t2": "d1t2"}  # the plan's compact form (dp
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_path, warm_cache, whole_runs,
-                                                                        dies_run):
+def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(warm_cache, whole_runs, dies_run):
     """A copy of the d2 run that died (4 steps, :func:`dies_run`), then trained 2 steps at a time
     on :data:`HOPS`, each hop resuming the previous hop's last checkpoint on another strategy,
     against an uninterrupted run of 12 steps on d2 (checkpoints every 2 steps: the reference
@@ -142,6 +141,7 @@ def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_pa
     continued moments' step."""
     steps = REFERENCE_STEPS
     reference = {v: _weights(whole_runs("d2") / f"checkpoints/version_{v}") for v in range(2, steps + 1, 2)}
+    tmp_path = dies_run[0].parent  # beside it: the same graph file (plan.json records its path)
     shutil.copytree(dies_run[0], tmp_path / "hops")  # a copied run folder resumes where it is
     assert _same(_weights(tmp_path / "hops/model"), reference[4])  # the same strategy and data so far
     worst = {}
