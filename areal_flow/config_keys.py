@@ -3,7 +3,8 @@ suggestions by spelling and by meaning, and the listing behind ``areal-flow conf
 
 Owns: the alias table (``ALIASES``), its rewriting of YAML mappings and ``key=value``
 overrides into our keys, the synonym table used for suggestions (``SYNONYMS``), and the
-documentation of every key read from the config dataclasses' field docstrings. Must not:
+documentation of every key read from the config dataclasses' field docstrings, and
+:class:`ConfigError`, the error of a bad key or value. Must not:
 validate values (``areal_flow.config`` does) or act on the config.
 
 An alias is rewritten before the config is merged, so ``training.seed: 3`` in a YAML file
@@ -22,6 +23,10 @@ import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key, its source and the fix."""
 
 
 def _precision(dtype: str) -> Callable[[Any], str | None]:

@@ -4,7 +4,7 @@ Owns the points a worker may be killed at and the rule that each fires once per 
 entry ``"<worker>:<point>:<version>"`` of ``debug.kill_at`` (``areal_flow.config.DebugConfig``)
 makes worker ``<worker>`` (``<group>/<rank>``, e.g. ``generate/0``) SIGKILL its own process
 at ``<point>`` for policy ``<version>``, as an out-of-memory kill or a lost machine would,
-on either scheduler. Points (``areal_flow.config.KILL_POINTS``):
+on either scheduler. Points (``areal_flow.config_run.KILL_POINTS``):
 
 * ``weights_received``: a generation replica has received every bucket of the version and
   has not loaded it into its engine nor reported it (``runtime.workers``);

@@ -82,19 +82,30 @@ def test_user_op_is_in_the_plan_and_the_topology():
     assert build_topology(plan).generation.nodes == ["generate", "reward", "length_penalty"]
 
 
-@pytest.mark.slow
-def test_user_op_defined_in_a_test_file_runs(tmp_path, warm_cache):
-    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=penalty"])
+@pytest.fixture(scope="module")
+def penalty_run(tmp_path_factory):
+    """``(run folder, config)`` of one run of :func:`grpo_with_penalty` (a user op defined
+    here), with the observability knobs on (``eval.every``, ``debug.memory_profiler``): the
+    user-op test and the observability test read it (neither knob changes what is sampled or
+    trained: the mid-run evaluation and the memory profile are the trainer's, between steps)."""
+    tmp = tmp_path_factory.mktemp("penalty")
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp}", "name=penalty", "eval.every=1",
+                                                        "eval.n_test=10", "debug.memory_profiler=true"])
     run_experiment(grpo_with_penalty(cfg), cfg, show_progress=False)
-    records = _exactly_once(tmp_path / "penalty", 3, 2, 4, k=2)
+    return tmp / "penalty", cfg
+
+
+@pytest.mark.slow
+def test_user_op_defined_in_a_test_file_runs(penalty_run):
+    out, _ = penalty_run
+    records = _exactly_once(out, 3, 2, 4, k=2)
     right: dict[int, list[bool]] = {}
     for r in records:  # the trained reward is the rule's minus the penalty, by hand from the sample
         rule = ArithmeticTask.reward(r["output_text"], r["meta"]["answer"])
         assert r["reward"] == pytest.approx(rule - COEF * len(r["output_ids"]))
         right.setdefault(r["step"], []).append(rule == 1.0)
     # accuracy counts right answers although no penalized reward is 1.0 (it read 0.00 before)
-    assert _scalars(tmp_path / "penalty", "rl/accuracy") == pytest.approx([sum(v) / len(v) for _, v in
-                                                                           sorted(right.items())])
+    assert _scalars(out, "rl/accuracy") == pytest.approx([sum(v) / len(v) for _, v in sorted(right.items())])
 
 
 @pytest.mark.slow
@@ -301,14 +312,9 @@ def test_a_failing_reward_is_marked_with_its_kind_and_counted():
 
 
 @pytest.mark.slow
-def test_observability_of_a_run(tmp_path, warm_cache):
+def test_observability_of_a_run(penalty_run):
     """eval.every, learning rate, weight-sync time and bytes, reward failures, memory profile."""
-    from areal_flow.cli import load_flow
-
-    cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=seen", "eval.every=1",
-                                                        "eval.n_test=10", "debug.memory_profiler=true"])
-    run_experiment(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg, show_progress=False)
-    out = tmp_path / "seen"
+    out, cfg = penalty_run
     assert len(_scalars(out, "eval/accuracy")) == 2  # after steps 1 and 2 (step 3 is the final evaluation)
     assert _scalars(out, "train/lr") == pytest.approx([cfg.train.lr] * 3)
     assert len(_scalars(out, "weights/bytes")) == 2  # no publication after the last step

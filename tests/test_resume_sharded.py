@@ -5,6 +5,7 @@ and a two-rank trainer whose rank is killed restarted from them (loopback only, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,23 @@ def _sharded_state(folder: Path, scratch: Path) -> tuple[dict, dict]:
 
 ALLOCATIONS = {"d1": "train:d1 + gen:d1", "d2": "train:d2 + gen:d1", "t2": "train:t2 + gen:d1",
                "p2": "train:p2 + gen:d1"}
-HOPS = ["d2", "d1", "d2", "t2", "d2"]  # 2 steps on each: d2 -> d1 -> d2 -> t2 -> d2
+HOPS = ["d1", "d2", "t2", "d2"]  # 2 steps on each after the 4 of the d2 run that died: d2 -> d1 -> d2 -> t2 -> d2
+REFERENCE_STEPS = 4 + 2 * len(HOPS)  # the uninterrupted d2 run the hops follow
 
 
 @pytest.fixture(scope="module")
 def whole_runs(tmp_path_factory):
     """``whole(strategy)``: the folder of an uninterrupted run on ``ALLOCATIONS[strategy]``,
     trained once per module and shared read-only by its tests: 4 steps (versions 2 and 4),
-    10 on d2 (``2 * len(HOPS)``, what the resharding test follows). A run of more steps
+    12 on d2 (:data:`REFERENCE_STEPS`, what the resharding test follows). A run of more steps
     holds the shorter run's weights at its ``version_4``: the data and the constant learning
-    rate do not depend on ``train.steps`` (the resharding test's first hop asserts it)."""
+    rate do not depend on ``train.steps`` (the d2 tests assert it)."""
     made: dict[str, Path] = {}
 
     def whole(strategy: str) -> Path:
         if strategy not in made:
             out = tmp_path_factory.mktemp(f"whole_{strategy}")
-            steps = 2 * len(HOPS) if strategy == "d2" else 4
+            steps = REFERENCE_STEPS if strategy == "d2" else 4
             _finish(_cli(out, "whole", *WIDE, f"train.steps={steps}", f"compile.allocation={ALLOCATIONS[strategy]}"))
             made[strategy] = out / "whole"
         return made[strategy]
@@ -91,19 +93,28 @@ def test_two_rank_sync_run_resumed_from_its_sharded_checkpoint_reaches_the_same_
 
 
 
+@pytest.fixture(scope="module")
+def dies_run(tmp_path_factory) -> tuple[Path, str]:
+    """``(run folder, stderr)`` of a 4-step d2 run whose trainer's rank 0 is killed once step 2
+    is trained (``scheduler.max_restarts=1``), run once per module: the restart test checks it,
+    the resharding test continues a copy of it."""
+    tmp = tmp_path_factory.mktemp("dies")
+    err, _ = _run_killed(tmp, "dies", *WIDE, f"compile.allocation={ALLOCATIONS['d2']}", "scheduler.max_restarts=1")
+    return tmp / "dies", err
+
+
 @pytest.mark.slow
-def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(tmp_path, warm_cache, whole_runs):
+def test_a_dp2_trainer_whose_rank_dies_is_restarted_from_its_sharded_checkpoint(warm_cache, whole_runs, dies_run):
     """Rank 0 (the process on the trainer's inbox) is killed: the trainer's process ends by
     the same signal, and the scheduler restarts it from version_2 on two ranks."""
-    wide = [*WIDE, f"compile.allocation={ALLOCATIONS['d2']}"]
-    err, _ = _run_killed(tmp_path, "dies", *wide, "scheduler.max_restarts=1")
+    dies, err = dies_run
     assert "train_step/0: rank 0 was ended by signal 9 (exit code -9)" in err
     line = next(x for x in err.splitlines() if "restarting every worker" in x)
     assert line.startswith("areal-flow: train_step/0 died (exit code -9); restarting every worker from version_2")
-    assert _same(_weights(tmp_path / "dies/model"), _weights(whole_runs("d2") / "checkpoints/version_4"))
-    ids = [r["sample_id"] for r in records(tmp_path / "dies")]
+    assert _same(_weights(dies / "model"), _weights(whole_runs("d2") / "checkpoints/version_4"))
+    ids = [r["sample_id"] for r in records(dies)]
     assert len(ids) == len(set(ids)) == 4 * B * N
-    assert json.loads((tmp_path / "dies/summary.json").read_text())["restarts"]["trainer_restarts"] == 1
+    assert json.loads((dies / "summary.json").read_text())["restarts"]["trainer_restarts"] == 1
 
 
 # --- resharding: a checkpoint resumed on another world size or strategy -------------------------
@@ -113,10 +124,11 @@ STRATEGY = {"d1": "d1", "d2": "d2", "t2": "d1t2"}  # the plan's compact form (dp
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_path, warm_cache, whole_runs):
-    """One run trained 2 steps at a time on :data:`HOPS`, each hop resuming the previous hop's
-    last checkpoint on another strategy, against an uninterrupted run of 10 steps on d2
-    (checkpoints every 2 steps: the reference weights at every hop's last version).
+def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(warm_cache, whole_runs, dies_run):
+    """A copy of the d2 run that died (4 steps, :func:`dies_run`), then trained 2 steps at a time
+    on :data:`HOPS`, each hop resuming the previous hop's last checkpoint on another strategy,
+    against an uninterrupted run of 12 steps on d2 (checkpoints every 2 steps: the reference
+    weights at every hop's last version).
 
     Not bit-identical: FSDP2's reduce-scatter, TP's partial matmuls and one process sum the
     same fp32 gradients in another order (relative ~1e-7), and AdamW's ``m / (sqrt(v) + eps)``
@@ -127,19 +139,18 @@ def test_a_run_resumed_on_other_allocations_follows_the_uninterrupted_run(tmp_pa
     that lost the weights or AdamW's moments fails it: a fresh AdamW's first step moves every
     element with ``|g| >> eps`` by ~lr (bias-corrected ``m / sqrt(v) = sign(g)``), not by the
     continued moments' step."""
-    steps = 2 * len(HOPS)
+    steps = REFERENCE_STEPS
     reference = {v: _weights(whole_runs("d2") / f"checkpoints/version_{v}") for v in range(2, steps + 1, 2)}
+    tmp_path = dies_run[0].parent  # beside it: the same graph file (plan.json records its path)
+    shutil.copytree(dies_run[0], tmp_path / "hops")  # a copied run folder resumes where it is
+    assert _same(_weights(tmp_path / "hops/model"), reference[4])  # the same strategy and data so far
     worst = {}
     for hop, strategy in enumerate(HOPS):
-        version = 2 * (hop + 1)
-        resume = ["--resume", str(tmp_path / "hops")] if hop else []
+        version = 4 + 2 * (hop + 1)
         err = _finish(_cli(tmp_path, "hops", *WIDE, f"train.steps={version}", f"compile.allocation={ALLOCATIONS[strategy]}",
-                           *resume))
+                           "--resume", str(tmp_path / "hops")))
         weights = _weights(tmp_path / "hops/model")
-        if not hop:  # the same strategy and data as the reference so far
-            assert _same(weights, reference[2])
-            continue
-        before = HOPS[hop - 1]
+        before = HOPS[hop - 1] if hop else "d2"
         assert (f"train_step 'train_step' reshards its checkpoint from world size {WORLD[before]} (strategy "
                 f"{STRATEGY[before]}) to world size {WORLD[strategy]} (strategy {STRATEGY[strategy]})") in err
         plan = json.loads((tmp_path / "hops/plan.json").read_text())  # the plan the folder now runs
