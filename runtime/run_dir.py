@@ -33,6 +33,7 @@ from pathlib import Path
 from areal_flow.types import REPLAYED
 from runtime.record import rewind_records
 from runtime.trace import mark_attempt
+from runtime.writer_fence import claim as claim_fence
 
 
 def fresh_run_dir(folder: Path, now: float | None = None) -> Path | None:
@@ -161,7 +162,8 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
     were trained by the attempt that did not reach the next checkpoint; they are trained
     again), likewise the step metrics of :data:`STEPS_FILE` and the ``debug.record`` records
     of those steps (``runtime.record.rewind_records``), remove unfinished checkpoint folders
-    (``checkpoints/*.tmp``), and mark the new attempt in the timeline
+    (``checkpoints/*.tmp``), fence off the given-up attempt's writers (``runtime.writer_fence``),
+    and mark the new attempt in the timeline
     (``runtime.trace.mark_attempt``; the earlier spans are kept).
 
     Returns:
@@ -172,6 +174,7 @@ def rewind_run_dir(folder: Path, version: int) -> tuple[int, Counter]:
         ValueError: a line of the trajectories or steps file before one it keeps is not JSON
             (names the file and line).
     """
+    claim_fence(folder)  # a trainer of the given-up attempt still running stops before its next write
     kept = [r for r in _keep_before(folder / "trajectories" / "trajectories.jsonl", version, "a trajectory record")
             if REPLAYED not in r.get("meta", {})]  # a replayed row is no sample of its own
     _keep_before(folder / STEPS_FILE, version, "a step's metrics")

@@ -53,6 +53,7 @@ from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.trainer_ranks import rank_settings, run_trainer_ranks
 from runtime.weights import WeightPublisher
+from runtime.writer_fence import check as check_fence, claim as claim_fence
 from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
                              worker_group)
 
@@ -193,6 +194,7 @@ class _Stage:
         publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).trains), default=0)
+        fence = claim_fence(out) if self.is_trainer else ""  # runtime.writer_fence: a given-up attempt stops
         try:
             with self._trajectory_log(out, start) as log:
                 for step in range(start, topo.steps):
@@ -221,6 +223,8 @@ class _Stage:
                     for sender in self.outs:  # the next step group of the chain (runtime.topology)
                         passed = {k: v for k, v in values.items() if k in self.passed_on}
                         sender.send(("batch", step, batch_items, passed, stats, now_us()))
+                    if fence:
+                        check_fence(out, fence, f"step {step}'s records")
                     metrics = None if log is None else self._record_step(step, log, out, advantage, stats,
                                                                           (train_s, wait_s), checkpoint)
                     if checkpoint and not self.checkpoints.write(step + 1, out / "checkpoints") and metrics:
@@ -228,6 +232,8 @@ class _Stage:
                     if metrics is not None and self.report is not None:  # only the trainer reports the step
                         self.report(metrics)
                     self.trace.flush()
+            if fence:
+                check_fence(out, fence, "the final model")
             self._save_final(out / "model")
         finally:
             for p in publishers.values():

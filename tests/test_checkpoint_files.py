@@ -90,6 +90,28 @@ def test_rewinding_drops_a_hole_a_late_writer_left_after_the_cut(tmp_path, capsy
     assert "trajectories.jsonl:5: not a trajectory record" in capsys.readouterr().err
 
 
+def test_a_trainer_of_a_given_up_attempt_is_fenced_off_by_the_rewind_and_by_the_next_trainer(tmp_path):
+    """Issue 26 (the late writer above): the trainer's writer fence (runtime.writer_fence) lets the
+    holder write, and after the driver's rewind, or once the next attempt's trainer claims the
+    folder, the earlier holder's next check stops it, naming the folder and the write."""
+    from runtime.writer_fence import FENCE_FILE, Superseded, check, claim
+
+    held = claim(tmp_path)
+    check(tmp_path, held, "step 0's records")  # the holder writes
+    (tmp_path / "trajectories").mkdir()
+    (tmp_path / "trajectories" / "trajectories.jsonl").write_text("")
+    rewind_run_dir(tmp_path, 0)
+    with pytest.raises(Superseded, match=f"{tmp_path}: not writing step 3's records: this trainer's attempt was "
+                                          "given up"):
+        check(tmp_path, held, "step 3's records")
+    first, second = claim(tmp_path), claim(tmp_path)
+    assert first != second and (tmp_path / FENCE_FILE).read_text() == second
+    check(tmp_path, second, "the final model")
+    with pytest.raises(Superseded, match="not writing the final model"):
+        check(tmp_path, first, "the final model")
+    assert not list(tmp_path.glob(f"{FENCE_FILE}.*.tmp"))  # no temporary token file left
+
+
 def test_rewinding_keeps_the_records_of_the_steps_before_the_checkpoint(tmp_path):
     """Issue 13: a debug.record of steps 0..3 rewound to version_2 keeps steps 0 and 1 (their
     step files and digest lines), so a replay from the initial weights still covers them."""
