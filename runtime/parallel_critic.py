@@ -66,7 +66,7 @@ from runtime.parallel.model_parts import SkippedLayer
 from runtime.parallel.tensor_parallel import apply_tensor_parallel_backbone, replicate_unsharded
 from runtime.parallel.weight_sync import full_named_tensors
 from runtime.weights import DEFAULT_BUCKET_BYTES
-from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks
+from runtime.reshard import FLAT, experts_as_dtensors, load_sharded, load_whole_into_ranks
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "loss_mask", "values", "returns")
 """The batch tensors a critic step reads (``[B, T]`` each)."""
@@ -81,6 +81,7 @@ class CriticExperts:
     params: list[torch.nn.Parameter]
     ep_group: dist.ProcessGroup
     edp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh
 
 
 @dataclass
@@ -138,7 +139,7 @@ class RankCritic:
         if strategy.ep_enabled:
             expert_meshes = expert_mesh(mesh, strategy)
             experts = CriticExperts(apply_expert_parallel(model, expert_meshes["ep"], layers),
-                                    expert_meshes["ep"].get_group(), expert_meshes["edp"])
+                                    expert_meshes["ep"].get_group(), expert_meshes["edp"], expert_meshes["ep"])
         if strategy.cp_enabled:
             apply_context_parallel(model.backbone, mesh["cp"])
         if strategy.dp * strategy.cp > 1:
@@ -255,6 +256,7 @@ class RankCritic:
         ``torch.distributed.checkpoint`` (the layout of ``RankTrainer.save_state``: keys
         ``model`` and ``optimizer``, the optimizer state flattened). Every rank calls it."""
         model_state, optim_state = get_state_dict(self.module, self.optimizer, options=FLAT)
+        experts_as_dtensors(self.module, self._experts(), model_state, optim_state)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
 
     def load_whole(self, folder: str | Path, optimizer_state: dict) -> None:
@@ -275,7 +277,11 @@ class RankCritic:
             FileNotFoundError / RuntimeError (from DCP): no DCP checkpoint in ``folder``, or one
                 of other tensors.
         """
-        load_sharded(self.module, self.optimizer, folder)
+        load_sharded(self.module, self.optimizer, folder, experts=self._experts())
+
+    def _experts(self) -> tuple[list, DeviceMesh] | None:
+        """Under ep: this rank's expert parameters and the ep mesh (``reshard.experts_as_dtensors``)."""
+        return (self.experts.params, self.experts.ep_mesh) if self.experts is not None else None
 
 
 class ChunkValues(torch.nn.Module):

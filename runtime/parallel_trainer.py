@@ -78,7 +78,7 @@ from runtime.parallel.rl_runner import ShardedRunner
 from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
-from runtime.reshard import FLAT, load_sharded, load_whole_into_ranks, rename_parameters
+from runtime.reshard import FLAT, experts_as_dtensors, load_sharded, load_whole_into_ranks, rename_parameters
 from runtime.executors.train import TrainSettings, micro_batch_size
 from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
@@ -211,8 +211,13 @@ class RankTrainer:
         call it (collectives); ``folder`` must be on a file system every rank sees.
         """
         model_state, optim_state = get_state_dict(self.parallel.module, self.algorithm.optimizer, options=FLAT)
+        experts_as_dtensors(self.parallel.module, self._experts(), model_state, optim_state)
         optim_state = rename_parameters(optim_state, self._checkpoint_names())
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+
+    def _experts(self) -> tuple[list, object] | None:
+        """Under ep: this rank's expert parameters and the ep mesh (``reshard.experts_as_dtensors``)."""
+        return (self.parallel.expert_params, self.parallel.ep_mesh) if self.parallel.ep_mesh is not None else None
 
     def _checkpoint_names(self) -> dict[str, str] | None:
         """The last pipeline stage's copy of a tied embedding goes by the tied parameter's first
@@ -236,7 +241,8 @@ class RankTrainer:
         """
         names = self._checkpoint_names()
         if world_size > 1:
-            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR, names)
+            load_sharded(self.parallel.module, self.algorithm.optimizer, Path(folder) / SHARDED_DIR, names,
+                         self._experts())
         else:
             load_whole_into_ranks(self.parallel.module, self.algorithm.optimizer, folder,
                                   read_state(Path(folder))["optimizers"][node], names)

@@ -38,7 +38,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -62,8 +63,54 @@ def rename_parameters(optimizer_state: dict, names: dict[str, str] | None) -> di
     return out
 
 
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def experts_as_dtensors(module: torch.nn.Module, experts: tuple[list, DeviceMesh] | None, model_state: dict,
+                        optimizer_state: dict) -> set[str]:
+    """Under expert parallelism, view this rank's expert blocks (plain tensors outside FSDP,
+    ``[n_experts / ep, ...]``, the same FQN on every rank) in ``model_state`` and the flattened
+    ``optimizer_state`` (moments; not the 0-dim ``step``) as ``DTensor`` shards ``Shard(0)`` of
+    the global ``[n_experts, ...]`` tensor over the ``ep`` mesh, in place, so that DCP saves
+    every rank's block at its offset (a plain tensor counts as replicated and DCP keeps one
+    rank's copy: the other blocks were lost) and loads each rank's block back, into any
+    strategy. ``experts``: ``(this rank's expert parameters, the ep mesh)``; None: nothing to do.
+    Returns the keys replaced (for :func:`experts_as_local`).
+
+    Raises:
+        RuntimeError: an expert parameter's name is not in ``model_state`` (names it).
+    """
+    if experts is None:
+        return set()
+    params, ep_mesh = experts
+    ids = {id(p) for p in params}
+    names = set()
+    for name, param in module.named_parameters():
+        if id(param) in ids:
+            for wrapper in _WRAPPERS:
+                name = name.replace(wrapper, "")
+            names.add(name)
+    if missing := sorted(names - model_state.keys()):
+        raise RuntimeError(f"expert parameters {missing[:3]} are not in the model's state dict")
+    replaced = set()
+    for state, keys in ((model_state, {n: n for n in names}),
+                        (optimizer_state, {k: k[len("state."):].rsplit(".", 1)[0] for k in optimizer_state
+                                           if k.startswith("state.")})):
+        for key, fqn in keys.items():
+            value = state[key]
+            if fqn in names and torch.is_tensor(value) and value.dim() > 0 and not isinstance(value, DTensor):
+                state[key] = DTensor.from_local(value, ep_mesh, [Shard(0)], run_check=False)
+                replaced.add(key)
+    return replaced
+
+
+def experts_as_local(state: dict, keys: set[str]) -> dict:
+    """``state`` with the :func:`experts_as_dtensors` views of ``keys`` back as this rank's blocks."""
+    return {k: v.to_local() if k in keys else v for k, v in state.items()}
+
+
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path,
-                 names: dict[str, str] | None = None) -> None:
+                 names: dict[str, str] | None = None, experts: tuple[list, DeviceMesh] | None = None) -> None:
     """Load a sharded checkpoint's ``folder`` (``trainer_dcp/``: keys ``model`` and
     ``optimizer``) into ``model`` and its ``optimizer``, whatever their layout: on several
     ranks (FSDP2 / DTensor TP module, pipeline stage; every rank calls it, collectives) each
@@ -71,7 +118,8 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     process group (a one-process trainer) the whole tensors. The optimizer state is read in
     the form it was written: flattened (:data:`FLAT`), or nested (checkpoints written before
     it, which no pipeline stage can read). ``names``: :func:`rename_parameters`' renames of
-    this rank's parameters to the checkpoint's.
+    this rank's parameters to the checkpoint's. ``experts``: under expert parallelism, this
+    rank's expert parameters and the ep mesh (:func:`experts_as_dtensors`).
 
     Raises:
         FileNotFoundError / RuntimeError (from DCP): ``folder`` holds no DCP checkpoint, or one
@@ -85,11 +133,13 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
                          "could load it); resume it on a strategy without pp")
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    local = experts_as_dtensors(model, experts, model_state, optim_state)
     state = {"model": model_state, "optimizer": rename_parameters(optim_state, names)}
     dcp.load(state, checkpoint_id=str(folder))  # no process group: DCP reads in this process alone
     back = {new: old for old, new in (names or {}).items()}
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=rename_parameters(state["optimizer"], back), options=options)
+    set_state_dict(model, optimizer, model_state_dict=experts_as_local(state["model"], local),
+                   optim_state_dict=experts_as_local(rename_parameters(state["optimizer"], back), local),
+                   options=options)
 
 
 def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
