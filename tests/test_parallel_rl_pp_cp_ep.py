@@ -246,8 +246,8 @@ def test_a_d2e2_checkpoint_holds_every_expert_and_resumes_bit_for_bit(tmp_path, 
     final = load_file(out / "model/model.safetensors")
     shutil.rmtree(out / "checkpoints/version_2")
     shutil.rmtree(out / "model")
-    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--plan", str(out / "plan.json"),
-                           "--resume", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--resume", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # the folder's own plan.json
     said = done.stdout + done.stderr
     assert done.returncode == 0 and f"resuming {out} from version_1" in said, said[-2000:]
     resumed = load_file(out / "model/model.safetensors")

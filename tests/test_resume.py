@@ -344,6 +344,17 @@ def test_resuming_a_complete_run_runs_nothing_and_writes_nothing(tmp_path, capsy
     assert (out, err) == ("", f"areal-flow: {run_dir} is complete: version_3 holds all 3 steps; nothing to resume\n")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     assert (run_dir / "trace.json").read_text() == "kept"
+    # `--resume RUN_FOLDER` alone runs the folder's own plan.json (issue 26): the same line, nothing written
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--resume", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (0, f"areal-flow: {run_dir} is complete: version_3 holds all 3 steps; "
+                                                 "nothing to resume\n"), done.stderr[-2000:]
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    done = subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "--resume", str(run_dir), "--config",
+                           "graphs/arith_grpo.yaml"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr == (f"areal-flow: error: --resume {run_dir} without a graph file runs "
+                                                    "the folder's plan.json as it is: overrides need the graph file "
+                                                    "too (areal-flow run GRAPH.py KEY=VALUE --resume RUN_FOLDER)\n")
 
 
 def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):

@@ -17,13 +17,20 @@ from areal_flow.dsl import Flow
 
 def run_command(args: argparse.Namespace) -> int:
     """``areal-flow run``: a graph file with its config and overrides, or ``--plan PLAN.json``;
-    with ``--resume`` (see :func:`resume_folder`).
+    with ``--resume`` (see :func:`resume_folder`). ``--resume RUN_FOLDER`` alone runs the run
+    folder's own program (``RUN_FOLDER/plan.json``), so a resume repeats none of the graph's overrides.
 
     Raises:
         CLIError: bad arguments, naming them (``--plan`` with a graph file, a missing file, a
             ``--resume`` folder that cannot be one, ``--resume`` with a different ``resume=``,
-            ``name=``/``out_dir=`` other than the ``--resume`` folder's).
+            ``name=``/``out_dir=`` other than the ``--resume`` folder's, overrides with ``--resume``
+            alone).
     """
+    if not args.plan and not args.file and args.resume and args.resume != "auto":
+        if args.overrides or args.config or args.flow:
+            raise CLIError(f"--resume {args.resume} without a graph file runs the folder's plan.json as it is: "
+                           "overrides need the graph file too (areal-flow run GRAPH.py KEY=VALUE --resume RUN_FOLDER)")
+        args.plan = str(resume_folder(args.resume) / "plan.json")
     if args.plan:
         from compiler.plan import Plan
         from compiler.strategy import StrategyError
