@@ -48,10 +48,13 @@ class NonFiniteStepError(RuntimeError):
 def nonfinite_stats(stats: dict) -> dict[str, float]:
     """The watched stats (:data:`WATCHED`) of one step that are NaN or +-inf; none for an fp16
     loss-scale overflow (``loss_scale_overflow``: finite loss, scaled gradients overflowed), the
-    dynamic loss scale's signal to back off (``areal_flow.algorithms.loss_scale``)."""
+    dynamic loss scale's signal to back off (``areal_flow.algorithms.loss_scale``); likewise no
+    ``critic_grad_norm`` for a critic's overflow (``critic_loss_scale_overflow``)."""
     if stats.get("loss_scale_overflow"):
         return {}
-    return {k: float(stats[k]) for k in WATCHED if k in stats and not math.isfinite(float(stats[k]))}
+    skip = {"critic_grad_norm"} if stats.get("critic_loss_scale_overflow") else set()
+    return {k: float(stats[k]) for k in WATCHED
+            if k in stats and k not in skip and not math.isfinite(float(stats[k]))}
 
 
 @dataclass

@@ -67,3 +67,56 @@ def test_overflow_skips_the_step_and_halves_the_scale():
 def test_no_scaling_outside_fp16(dtype):
     metrics, _, algo = step(tiny_model(), make_batch(tiny_model()), dtype)
     assert "loss_scale" not in metrics and algo.loss_scaler is None
+
+
+class TinyCritic(torch.nn.Module):
+    """A value model in ``critic_update``'s layout: ``[batch, seq]`` ids -> ``[batch, seq]`` values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.embed(input_ids)).squeeze(-1)
+
+
+def critic_step(target: float, dtype):
+    """One critic step (SGD, lr 1) toward returns ``target`` from V_old = the values now (no
+    clipping), under autocast in ``dtype``; returns (metrics, critic before, critic after, scaler)."""
+    from areal_flow.algorithms.critic_update import critic_update
+    from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
+
+    critic = TinyCritic()
+    before = copy.deepcopy(critic)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        values = critic(ids, mask).float()
+    batch = {"input_ids": ids, "attention_mask": mask.long(), "values": values,
+             "returns": torch.full_like(values, target)}
+    norm = dict(n_tokens=8, n_seqs=2, norm_length=4)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        scaler = LossScaler("cpu") if fp16_autocast("cpu") else None
+        metrics = critic_update(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, mask, norm,
+                                LossConfig(), [slice(0, 2)], max_grad_norm=1e9, scaler=scaler)
+    return metrics, before, critic, scaler
+
+
+def test_an_fp16_critic_step_is_scaled_and_matches_fp32():
+    reference, _, _, _ = critic_step(1.0, torch.float32)
+    metrics, _, _, scaler = critic_step(1.0, torch.float16)
+    assert metrics["critic_loss_scale"] == 2.0 ** 16 and metrics["critic_loss_scale_overflow"] == 0.0
+    assert scaler.scale == 2.0 ** 16  # no overflow: the scale stays (doubling needs 2,000 clean steps)
+    assert reference["critic_grad_norm"] > 0
+    assert metrics["critic_grad_norm"] == pytest.approx(reference["critic_grad_norm"], rel=1e-2)  # fp16 products
+
+
+def test_an_fp16_critic_overflow_skips_the_step_and_halves_the_scale():
+    # returns 1e5 from values ~1: dLoss/dV = (V - R) / 8 tokens ~ -1.2e4 a token, times 2**16 past fp16's 65504
+    metrics, before, after, scaler = critic_step(1e5, torch.float16)
+    assert metrics["critic_loss_scale_overflow"] == 1.0 and scaler.scale == 2.0 ** 15
+    assert all(torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
+    assert nonfinite_stats(metrics) == {}  # the scale's signal, not a non-finite step
+    _, before, after, scaler = critic_step(1e5, torch.float32)
+    assert scaler is None and not all(torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))

@@ -128,6 +128,7 @@ class BaseAlgorithm:
         self.pack_sequences = pack_sequences
         self.runner = ModelRunner(model)
         self.loss_scaler: LossScaler | None = None  # made at the first step under fp16 autocast
+        self.critic_loss_scaler: LossScaler | None = None  # the critic's, likewise
 
     # ----------------------------------------------------------------- helpers
     def _slices(self, batch_size: int) -> list[slice]:
@@ -338,5 +339,9 @@ class BaseAlgorithm:
     ) -> dict[str, float]:
         """One critic step on the clipped value loss, same aggregation as the policy."""
         assert self.critic is not None and self.critic_optimizer is not None
+        device = batch["input_ids"].device.type
+        if self.critic_loss_scaler is None and fp16_autocast(device):
+            self.critic_loss_scaler = LossScaler(device)
         return critic_update(self.critic, self.critic_optimizer, batch, mask, norm, self.loss_cfg,
-                             self._slices(batch["input_ids"].shape[0]), self.max_grad_norm)
+                             self._slices(batch["input_ids"].shape[0]), self.max_grad_norm,
+                             scaler=self.critic_loss_scaler if fp16_autocast(device) else None)

@@ -6,6 +6,7 @@ the critic's own ``train_step`` node (``runtime.executors.train``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from areal_flow.algorithms.aggregation import aggregate_loss
 from areal_flow.algorithms.config import LossConfig
+from areal_flow.algorithms.loss_scale import LossScaler
 from areal_flow.algorithms.losses import value_loss
 from areal_flow.algorithms.micro_batches import trimmed_width
 from areal_flow.algorithms.step_metrics import StepMetrics
@@ -28,6 +30,7 @@ def critic_update(
     slices: list[slice],
     max_grad_norm: float,
     clip: Callable[[Iterable[torch.nn.Parameter], float], torch.Tensor] = torch.nn.utils.clip_grad_norm_,
+    scaler: LossScaler | None = None,
 ) -> dict[str, float]:
     """One optimizer step of a value model on the clipped value loss (PPO; Schulman et al.
     2017 eq. 9's value term, clipped as in OpenAI baselines ``ppo2``):
@@ -45,9 +48,15 @@ def critic_update(
         clip: ``clip(parameters, max_norm) -> norm before clipping``: torch's
             ``clip_grad_norm_`` on one process; a sharded critic passes one that norms over its
             ranks (``runtime.parallel.grad_norm.clip_grad_norm``, the same coefficient).
+        scaler: under fp16 autocast (``model.dtype=float16``) the critic's dynamic loss scale
+            (``areal_flow.algorithms.loss_scale``): the loss is scaled before each backward and
+            the gradients unscaled before clipping; None (fp32, bf16): no scaling.
 
     Returns:
-        ``value_loss``, ``value_clip_frac``, ``critic_grad_norm`` (before clipping).
+        ``value_loss``, ``value_clip_frac``, ``critic_grad_norm`` (before clipping); with a
+        ``scaler`` also ``critic_loss_scale`` (the scale this step used) and
+        ``critic_loss_scale_overflow`` (1: the scaled gradients overflowed, the step was skipped
+        and the scale halved).
     """
     metrics = StepMetrics()
     ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -55,8 +64,9 @@ def critic_update(
     for sl in slices:
         w = trimmed_width(attn[sl])
         values = critic(input_ids=ids[sl, :w], attention_mask=attn[sl, :w])
-        micro_batch_value_loss(values, batch, mask, sl, norm, loss_cfg, metrics).backward()
-    return finish_critic_step(critic.parameters(), optimizer, norm, max_grad_norm, metrics, clip)
+        loss = micro_batch_value_loss(values, batch, mask, sl, norm, loss_cfg, metrics)
+        (loss if scaler is None else scaler.scaled(loss)).backward()
+    return finish_critic_step(critic.parameters(), optimizer, norm, max_grad_norm, metrics, clip, scaler)
 
 
 def micro_batch_value_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor, rows,
@@ -90,16 +100,25 @@ def finish_critic_step(
     max_grad_norm: float,
     metrics: StepMetrics,
     clip: Callable[[Iterable[torch.nn.Parameter], float], torch.Tensor] = torch.nn.utils.clip_grad_norm_,
+    scaler: LossScaler | None = None,
 ) -> dict[str, float]:
     """Clip the accumulated gradients of ``parameters`` and step ``optimizer``, unless the step
     has no valid token or a non-finite gradient norm (then the gradients are dropped).
+    ``scaler``: as :func:`critic_update`'s (the gradients were scaled; unscaled here first).
 
     Returns:
-        ``metrics``' result and ``critic_grad_norm`` (before clipping).
+        ``metrics``' result and ``critic_grad_norm`` (before clipping), and the scale's metrics.
     """
+    if scaler is not None:
+        scaler.unscale(optimizer)
     grad_norm = clip(parameters, max_grad_norm)
     if norm["n_tokens"] == 0 or not bool(torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    return {**metrics.result(), "critic_grad_norm": float(grad_norm)}
+    result = {**metrics.result(), "critic_grad_norm": float(grad_norm)}
+    if scaler is not None:  # an overflow with a finite loss: the scale backs off (not a non-finite step)
+        result.update(critic_loss_scale=scaler.scale, critic_loss_scale_overflow=float(
+            not bool(torch.isfinite(grad_norm)) and math.isfinite(result.get("value_loss", 0.0))))
+        scaler.update()
+    return result

@@ -30,6 +30,7 @@ from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import get_algorithm
+from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.values import Advantages, Stats, Weights
 from compiler.plan import decode_value
 from runtime.nonfinite import NonFiniteGuard
@@ -139,6 +140,7 @@ class TrainStepExecutor:
         self.rank_critic = ctx.rank_trainer.critic if on_ranks else None  # runtime.parallel_critic
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
+        self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
@@ -202,8 +204,11 @@ class TrainStepExecutor:
         norm = dict(n_tokens=n_tokens, n_seqs=n_seqs, norm_length=self.loss_cfg.loss_agg_norm_length or max(longest, 1))
         size = micro_batch_size(rows, 1, self.micro_batches)
         slices = [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+        if self.critic_scaler is None and fp16_autocast(self.device):
+            self.critic_scaler = LossScaler(self.device)
         return critic_update(self.model, self.optimizer, batch, mask, norm, self.loss_cfg, slices,
-                             self.settings.max_grad_norm)
+                             self.settings.max_grad_norm,
+                             scaler=self.critic_scaler if fp16_autocast(self.device) else None)
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full weights (every rank joins the gather; rank 0 gets them)."""
