@@ -62,7 +62,8 @@ def test_kill_at_entries_that_could_never_fire_are_refused_before_any_worker_sta
     from areal_flow.config import ConfigError
     from runtime.faults import check_kill_at
     from runtime.topology import build_topology
-    from test_resume import _plan, _run_cli
+    from test_resume import _plan
+    from test_resume_arguments import _run_cli
 
     plan = _plan(tmp_path, "debug.kill_at=[generate/0:weights_received:3, train_step/0:weights_published:1]")
     check_kill_at(plan, build_topology(plan))  # both exist: no error
