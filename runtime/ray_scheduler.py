@@ -167,17 +167,18 @@ class RayScheduler:
         """``ray.get(refs)``, checking while it waits that every plan machine's node is alive.
 
         Raises:
-            HostLost: a node died meanwhile (an actor placed there would never start), or an
-                actor died and a plan machine's node is found dead within ``NODE_DEAD_S``
-                (Ray fails the actors of a node it has not yet marked dead).
-            RayActorError: an actor died, every plan machine's node alive.
+            HostLost: a node died meanwhile (an actor there would never start), or an actor died and
+                a node is found dead within ``NODE_DEAD_S`` (Ray fails actors of a node not yet marked dead).
+            RayActorError: an actor died, every node alive (at once when its ``__init__`` raised).
         """
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=NODE_CHECK_S)
             if len(ready) == len(refs):
                 try:
                     return ray.get(refs)
-                except RayActorError:
+                except RayActorError as exc:
+                    if exc.actor_init_failed:  # its own __init__ raised: no node to wait for
+                        raise
                     deadline = time.monotonic() + NODE_DEAD_S
                     while not (lost := lost_machines(self.nodes)) and time.monotonic() < deadline:
                         time.sleep(POLL_S)

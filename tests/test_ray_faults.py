@@ -126,6 +126,19 @@ def test_an_actor_dead_while_starting_with_a_node_not_yet_marked_dead_is_a_lost_
     with pytest.raises(RayActorError):  # every node alive: the actor itself died
         scheduler._get(["ref"])
 
+    def init_failed(refs):
+        raise RayActorError(error_msg="The actor died because of an error raised in its creation task",
+                            actor_init_failed=True)
+
+    def no_look(nodes):
+        raise AssertionError("an actor whose __init__ raised waits for no node")
+
+    monkeypatch.setattr(rs.ray, "get", init_failed)
+    monkeypatch.setattr(rs, "lost_machines", no_look)
+    monkeypatch.setattr(rs, "NODE_DEAD_S", 60.0)
+    with pytest.raises(RayActorError, match="creation task"):  # raised at once, its own error
+        scheduler._get(["ref"])
+
 
 def test_a_rank_ended_by_a_signal_on_a_rank_host_is_the_trainers_death(monkeypatch):
     """Issue 26's chaos bench (k = 2, three nodes): rank 1, on the rank host, was ended by
