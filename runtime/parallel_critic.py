@@ -75,11 +75,10 @@ CRITIC_KEYS = ("input_ids", "attention_mask", "loss_mask", "values", "returns")
 @dataclass
 class CriticExperts:
     """A critic's expert parallelism on this rank: its expert parameters (``n_experts / ep`` of
-    each MoE layer, in model order), the ``ep`` group they are split over and the ``edp`` mesh
-    of their replicas."""
+    each MoE layer, in model order), the ``edp`` mesh of their replicas and the ``ep`` mesh they
+    are split over."""
 
     params: list[torch.nn.Parameter]
-    ep_group: dist.ProcessGroup
     edp_mesh: DeviceMesh
     ep_mesh: DeviceMesh
 
@@ -139,7 +138,7 @@ class RankCritic:
         if strategy.ep_enabled:
             expert_meshes = expert_mesh(mesh, strategy)
             experts = CriticExperts(apply_expert_parallel(model, expert_meshes["ep"], layers),
-                                    expert_meshes["ep"].get_group(), expert_meshes["edp"], expert_meshes["ep"])
+                                    expert_meshes["edp"], expert_meshes["ep"])
         if strategy.cp_enabled:
             apply_context_parallel(model.backbone, mesh["cp"])
         if strategy.dp * strategy.cp > 1:
@@ -215,7 +214,7 @@ class RankCritic:
         if experts is not None:
             reduce_expert_gradients(experts.params, experts.edp_mesh)
         return clip_grad_norm(parameters, max_norm, experts=experts.params if experts else (),
-                              ep_group=experts.ep_group if experts else None,
+                              ep_group=experts.ep_mesh.get_group() if experts else None,
                               pp_group=self.pipeline.group if self.pipeline is not None else None)
 
     def gather_into(self, whole: torch.nn.Module | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
