@@ -4,16 +4,15 @@ victim drawing keeps to the live, allowed kinds."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
+import sys
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("chaos_checks", Path(__file__).parents[1] / "bench/chaos_checks.py")
-checks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(checks)
-spec = importlib.util.spec_from_file_location("chaos_ray", Path(__file__).parents[1] / "bench/chaos_ray.py")
-chaos_ray = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(chaos_ray)
+# bench/ is scripts, not an installed package: put the repo root on the path as its scripts do
+# (pytest started as `.venv/bin/pytest` does not add the working directory).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import chaos_checks as checks  # noqa: E402
+from bench import chaos_ray  # noqa: E402
 
 
 def _run(steps=2, b=2, n=2, k=0):
