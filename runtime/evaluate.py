@@ -246,7 +246,7 @@ def evaluate_episodes(model, tokenizer, attrs: dict, rows: list[dict], *, temper
         info key, "failed": episodes that failed}``.
     """
     from runtime.engines.generation import GenerationEngine
-    from runtime.executors.rollout import episode_correct
+    from runtime.executors.episode_runner import episode_correct
 
     engine = GenerationEngine(model, tokenizer, max_batch_size=min(64, max(1, len(rows))), seed=seed)
     trajs = play_episodes(engine, tokenizer, {**attrs, "temperature": temperature, "top_p": 1.0}, rows, max_context,
@@ -268,8 +268,8 @@ def play_episodes(engine, tokenizer, attrs: dict, rows: list[dict], max_context:
                   failure_log: Path | None = None) -> list[Trajectory]:
     """Play one episode per row to the end (held-out evaluation); trajectories in row order
     (failed episodes left out and counted, never stopping the evaluation: no failure budget;
-    ``failure_log`` as ``runtime.executors.rollout.EpisodeRunner``'s)."""
-    from runtime.executors.rollout import EpisodeRunner
+    ``failure_log`` as ``runtime.executors.episode_runner.EpisodeRunner``'s)."""
+    from runtime.executors.episode_runner import EpisodeRunner
 
     runner = EpisodeRunner(engine, tokenizer, {**attrs, "n_samples": 1, "max_failure_fraction": 1.0}, SamplingParams(
         temperature=attrs["temperature"], top_p=attrs["top_p"], max_new_tokens=attrs["max_new_tokens"]), max_context,

@@ -14,7 +14,7 @@ import runtime.executors.generate as generate
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from areal_flow.types import Trajectory
 from runtime.engines.generation import GenerationResult
-from runtime.executors.rollout import episode_correct
+from runtime.executors.episode_runner import episode_correct
 from runtime.metrics import RunLogger
 from runtime.observe import step_metrics
 from test_metrics import _scalars

@@ -17,7 +17,7 @@ import pytest
 from areal_flow.envs.agent import set_reward
 from areal_flow.models.tokenizer import build_char_tokenizer
 from runtime.engines.generation import GenerationResult, SamplingParams
-from runtime.executors.rollout import EpisodeRunner
+from runtime.executors.episode_runner import EpisodeRunner
 from runs import REPO, cli_run, records
 
 ALPHABET = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyz"

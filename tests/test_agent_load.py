@@ -15,7 +15,7 @@ import yaml
 
 from runtime.engines.generation import SamplingParams
 from runtime.executors.episode_failures import EpisodeFailures
-from runtime.executors.rollout import EpisodeRunner
+from runtime.executors.episode_runner import EpisodeRunner
 from runtime.metrics import episode_summary, format_summary
 from runs import REPO
 from test_agent_endpoint import ATTRS, FakeEngine, chat_tokenizer

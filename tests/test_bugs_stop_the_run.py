@@ -11,7 +11,7 @@ import pytest
 from areal_flow.envs import BaseEnv
 from runtime.engines.generation import RequestRefused, SamplingParams
 from runtime.executors.bugs import ProgrammingError, is_programming_error
-from runtime.executors.rollout import EpisodeRunner
+from runtime.executors.episode_runner import EpisodeRunner
 from test_rollout import ATTRS, TOK, FakeEngine, _drain
 
 

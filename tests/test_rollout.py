@@ -18,7 +18,7 @@ from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.batching import collate
 from runtime.engines.generation import GenerationResult, SamplingParams
 from runtime.evaluate import play_episodes
-from runtime.executors.rollout import EpisodeRunner
+from runtime.executors.episode_runner import EpisodeRunner
 from runs import REPO, cli_run, records
 
 TOK = build_char_tokenizer()

@@ -4,7 +4,7 @@ Owns :class:`BaseEnv` (the gym-style ``reset`` / ``step`` contract a user subcla
 :func:`register_env` and :func:`make_env`. An environment is plain Python: it never sees
 tokens, only text (or chat messages) and the policy's turn as text or a parsed tool call
 (:mod:`areal_flow.envs.tools`). The episode loop that drives it is
-``runtime.executors.rollout``; one env instance serves exactly one episode, so state never
+``runtime.executors.episode_runner``; one env instance serves exactly one episode, so state never
 leaks between episodes.
 """
 

@@ -1,7 +1,7 @@
 """One multi-turn episode as tokens: observations, policy turns, turn rewards.
 
 Owns the token layout of a multi-turn trajectory, shared by the rollout loop
-(``runtime.executors.rollout``), the OpenAI-compatible endpoint and the supervised warm
+(``runtime.executors.episode_runner``), the OpenAI-compatible endpoint and the supervised warm
 start on scripted dialogues (:func:`encode_dialogue`), so what a model is warm-started on
 is exactly what it later sees:
 

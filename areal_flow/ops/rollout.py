@@ -3,7 +3,7 @@
 Port schema: as ``ops.generate`` (input ``prompts``, optional ``weights``; output
 ``rollouts``), so reward, filter, advantage and train_step nodes take its episodes like
 any generated group, bounded staleness included. Grain ``stream``: the runtime runs the
-episode loop (``runtime.executors.rollout``) on a generation replica: the policy's turn
+episode loop (``runtime.executors.episode_runner``) on a generation replica: the policy's turn
 on the generation engine, then ``env.step`` (``areal_flow.envs``), until the env says done,
 ``max_turns`` policy turns, or ``max_context`` tokens. Each episode is one
 :class:`~areal_flow.types.Trajectory` whose observation tokens are masked out of the loss

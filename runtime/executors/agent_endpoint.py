@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoint that agent programs of ``ops.rollout(..., agent=...)`` call.
 
 One loopback server (``127.0.0.1``, a free port; ``ThreadingHTTPServer`` in a daemon
-thread) per :class:`~runtime.executors.rollout.EpisodeRunner`; each episode is a session
+thread) per :class:`~runtime.executors.episode_runner.EpisodeRunner`; each episode is a session
 with base URL ``http://127.0.0.1:<port>/episodes/<session>/v1``:
 
 * ``POST .../v1/chat/completions``: one policy turn. The first call's ``messages`` and
@@ -82,7 +82,7 @@ class EndpointError(Exception):
 @dataclass
 class _Session:
     key: str
-    run: object  # runtime.executors.rollout._Run
+    run: object  # runtime.executors.episode_runner._Run
     lock: threading.Lock = field(default_factory=threading.Lock)
     recorded: list[dict] = field(default_factory=list)  # the conversation so far: messages + replies
     ended: str = ""  # why no further call is accepted
@@ -157,7 +157,7 @@ class AgentEndpoint:
     """Serves agent sessions of ``runner``'s episodes (module doc); starts its server now.
 
     Args:
-        runner: the :class:`~runtime.executors.rollout.EpisodeRunner` (``_policy_turn``,
+        runner: the :class:`~runtime.executors.episode_runner.EpisodeRunner` (``_policy_turn``,
             ``params``, ``attrs["max_turns"]``, ``max_context``).
         model: the model name ``/v1/models`` lists and completions report.
     """

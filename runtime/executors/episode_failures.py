@@ -1,7 +1,7 @@
 """Failed episodes of a rollout, summarized: one line per distinct error, with counts.
 
 Owns how an episode's failure (its env or agent raised, or took more than
-``step_timeout_s``) is described and reported; ``runtime.executors.rollout`` decides when
+``step_timeout_s``) is described and reported; ``runtime.executors.episode_runner`` decides when
 an episode failed. A distinct error is an exception type raised at one place of the
 user's code (the innermost frame in the env's or agent's file, else the innermost frame);
 its line reads ``APITimeoutError: Request timed out. (graphs/agent.py:33 in agent)``. The
