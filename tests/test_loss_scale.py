@@ -1,6 +1,8 @@
-"""fp16 training's dynamic loss scaling (areal_flow.algorithms.loss_scale) in BaseAlgorithm's step."""
+"""fp16 training's dynamic loss scaling (areal_flow.algorithms.loss_scale) in BaseAlgorithm's step,
+and in a train_step's checkpoint."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from areal_flow.algorithms.config import LossConfig
 from areal_flow.models.logprobs import token_logprobs
 from runtime.nonfinite import nonfinite_stats
 from test_algorithms import make_batch, tiny_model
+from test_nonfinite import _advantages, _train_executor
 
 torch.set_num_threads(1)
 
@@ -120,3 +123,31 @@ def test_an_fp16_critic_overflow_skips_the_step_and_halves_the_scale():
     assert nonfinite_stats(metrics) == {}  # the scale's signal, not a non-finite step
     _, before, after, scaler = critic_step(1e5, torch.float32)
     assert scaler is None and not all(torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters()))
+
+
+@pytest.mark.slow
+def test_a_train_steps_checkpoint_keeps_its_loss_scale_and_a_new_executor_continues_it(tmp_path, warm_cache):
+    from areal_flow.ops.interfaces import Checkpointed
+    from areal_flow.values import Advantages
+
+    executor, node = _train_executor(tmp_path, "model.dtype=float16")
+    assert isinstance(executor, Checkpointed)  # so runtime.step_checkpoint saves and restores it
+    assert executor.checkpoint_state() == {}  # no fp16 step yet: no scaler
+    adv = _advantages(executor.model.config.vocab_size)
+    huge = Advantages({**adv.batch, "advantages": adv.batch["advantages"] * 1e6}, adv.trajectories)
+    over = executor.run({"advantages": huge}, {"step": 0, "publish": False})["stats"].metrics
+    clean = executor.run({"advantages": adv}, {"step": 1, "publish": False})["stats"].metrics
+    assert over["loss_scale_overflow"] == 1.0 and clean["loss_scale_overflow"] == 0.0
+    # Micikevicius et al. 2018 sec. 3.3: start 2**16, an overflow halves it and resets the clean-step count;
+    # one clean step since counts 1 toward the next doubling (at 2,000)
+    state = executor.checkpoint_state()
+    assert state["policy"]["scale"] == 2.0 ** 15 and state["policy"]["_growth_tracker"] == 1
+    saved = io.BytesIO()
+    torch.save(state, saved)  # as trainer_state.pt holds it
+    saved.seek(0)
+    restarted, _ = _train_executor(tmp_path / "again", "model.dtype=float16")
+    restarted.load_checkpoint_state(torch.load(saved, weights_only=False))
+    assert restarted.checkpoint_state() == state
+    assert restarted.algorithm.loss_scaler.scale == 2.0 ** 15  # not the fresh 2**16
+    with pytest.raises(ValueError, match=f"train_step '{node.name}': a checkpointed value_head loss scale"):
+        restarted.load_checkpoint_state({"value_head": state["policy"]})

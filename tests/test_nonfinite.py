@@ -70,7 +70,7 @@ def test_max_nonfinite_steps_must_be_a_positive_integer(bad):
         load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"train.max_nonfinite_steps={bad}"])
 
 
-def _train_executor(tmp_path: Path):
+def _train_executor(tmp_path: Path, *overrides: str):
     from areal_flow.cli import load_flow
     from areal_flow.tasks.catalog import build_task
     from compiler.program import compile_program
@@ -79,7 +79,7 @@ def _train_executor(tmp_path: Path):
     from runtime.workers import WorkerSpec, worker_context
 
     cfg = load_config(REPO / "graphs/arith_grpo.yaml", [*TINY, f"out_dir={tmp_path}", "name=nf",
-                                                          "train.max_nonfinite_steps=2"])
+                                                          "train.max_nonfinite_steps=2", *overrides])
     plan = compile_program(load_flow(REPO / "graphs/arith_grpo.py")(cfg), cfg)
     train = next(n for n in plan.nodes if n.op == "train_step")
     folders = prepare_models(plan, build_task(next(n for n in plan.nodes if n.op == "dataset").attrs, 1))

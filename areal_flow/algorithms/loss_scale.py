@@ -11,8 +11,10 @@ Rule (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3.3, dynamic va
 at ``2**16``; a step whose scaled gradients overflow (inf/NaN) is skipped and halves the scale;
 after 2,000 steps in a row without overflow the scale doubles. ``torch.amp.GradScaler``
 implements it (its defaults are these numbers: torch.amp documentation, "Gradient Scaling"),
-on CPU as on CUDA. The scale is not checkpointed: a resumed run starts again at ``2**16`` and
-backs off within a few skipped steps.
+on CPU as on CUDA. A one-process train_step's scale and its count of clean steps are
+checkpointed (:meth:`LossScaler.state_dict`, ``runtime.step_checkpoint``), so a resume continues
+with the scale an uninterrupted run has; a multi-rank train_step's are not (each rank restarts at
+``2**16`` and backs off within a few skipped steps).
 """
 
 from __future__ import annotations
@@ -53,3 +55,15 @@ class LossScaler:
         """After the step: halve the scale if this step's gradients overflowed, else count it
         (and double the scale after 2,000 such steps in a row)."""
         self._scaler.update()
+
+    def state_dict(self) -> dict:
+        """The scale and the clean steps counted toward its next doubling (``GradScaler.state_dict``:
+        ``scale``, ``_growth_tracker`` and the constant factors), for a checkpoint."""
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (before this scaler's first step).
+
+        Raises:
+            RuntimeError: ``state`` lacks ``_growth_tracker`` (``GradScaler.load_state_dict``)."""
+        self._scaler.load_state_dict(state)

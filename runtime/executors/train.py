@@ -245,6 +245,38 @@ class TrainStepExecutor:
         (``runtime.checkpoint``); None on several ranks (their state is sharded: :meth:`save_sharded`)."""
         return None if self.world_size > 1 else with_fused(self.optimizer.state_dict(), None)
 
+    def _scaler_slots(self) -> dict[str, tuple[object, str]]:
+        """Role -> (owner, attribute) of this train_step's fp16 loss scalers (made at the first fp16 step)."""
+        if self.critic:
+            return {"critic": (self, "critic_scaler")}
+        return {"policy": (self.algorithm, "loss_scaler"), "critic": (self.algorithm, "critic_loss_scaler")}
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of this train_step besides weights and optimizer
+        (``areal_flow.ops.interfaces.Checkpointed``): its fp16 dynamic loss scales
+        (``areal_flow.algorithms.loss_scale``) by role (``policy``, ``critic``); ``{}`` when it has
+        none (not fp16) or runs on several ranks (each rank keeps its own; a resume starts them at
+        ``2**16``)."""
+        if self.world_size > 1:
+            return {}
+        scalers = {role: getattr(owner, name) for role, (owner, name) in self._scaler_slots().items()}
+        return {role: scaler.state_dict() for role, scaler in scalers.items() if scaler is not None}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Continue each role's loss scale from :meth:`checkpoint_state`'s ``state``.
+
+        Raises:
+            ValueError: a role this train_step has no scaler for (naming the node)."""
+        slots = self._scaler_slots()
+        for role, saved in state.items():
+            if role not in slots:
+                raise ValueError(f"train_step {self.node.name!r}: a checkpointed {role} loss scale, but it trains "
+                                 f"{'a critic' if self.critic else 'a policy'} ({sorted(slots)})")
+            owner, name = slots[role]
+            scaler = LossScaler(self.device)
+            scaler.load_state_dict(saved)
+            setattr(owner, name, scaler)
+
     @property
     def world_size(self) -> int:
         """Ranks this train_step runs on (1: this process alone)."""
