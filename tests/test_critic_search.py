@@ -23,6 +23,7 @@ import pytest
 
 from areal_flow.cli import load_flow, main
 from areal_flow.config_load import load_config
+from compiler import InfeasiblePlanError
 from compiler.executable import check_executable
 from compiler.hardware import device_spec
 from compiler.models import resolve_model
@@ -73,6 +74,14 @@ def test_a_critic_too_big_for_one_device_is_sharded_on_the_trainers_ranks():
     assert sum(memory.values()) <= usable
     check_executable(plan)
     build_topology(plan)  # the runtime's hosting check (critic-ranks) passes
+
+
+def test_a_critic_whose_whole_copy_fits_no_device_is_refused_naming_the_copy():
+    p = dataclasses.replace(resolve_model("Qwen2.5-32B"), head="scalar").n_params
+    assert 4 * p > 0.9 * device_spec("H100").memory_bytes  # rank 0's copy alone (121 GiB) overflows
+    assert 16 * p > 0.9 * device_spec("H100").memory_bytes  # and one process cannot hold it either
+    with pytest.raises(InfeasiblePlanError, match=r"critic_step .*whole fp32 copy"):
+        _compile(["model.path=Qwen2.5-32B", *AT_SCALE[1:]])
 
 
 def test_a_small_critic_stays_one_process_when_that_is_as_fast():
