@@ -42,7 +42,9 @@ from compiler.memory import (
 )
 from compiler.mesh import aligned_sizes
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.timing import Links, compute_s, ring_gather_s, generation_time, swap_time, training_time, weight_sync_time
+from compiler.timing import (
+    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time,
+)
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
 
 
@@ -269,7 +271,9 @@ class CostModel:
         """Seconds a step of a multi-rank critic spends gathering its shards into rank 0's whole copy
         (a ring all-gather of it over the mesh's link), else 0 (module doc)."""
         whole, span = self._whole_copy(task, s), s.world_size
-        return ring_gather_s(whole, span, self.links.group_bw(span, self._spans(s)), self.links.latency) if whole else 0.0
+        if not whole:
+            return 0.0
+        return ring_gather_s(whole, span, self.links.group_bw(span, self._spans(s)), self.links.latency)
 
     def _training(self, task: DeviceTask, s: ParallelStrategy, micro_batches: int | None = None) -> NodeCost:
         w, cfg = self.workload, self.cfg

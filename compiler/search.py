@@ -12,7 +12,7 @@ layout, strategies are chosen per node, exactly:
   training-side node takes its fastest strategy that fits, except that a critic's
   train_step and the policy's take the one strategy of least summed seconds that fits
   both: a critic on several devices runs on the policy trainer's ranks
-  (``compiler.choose``; e.g. ``train:d8t4 | critic_step:d8t4`` when the critic fits no
+  (``compiler.choose``; e.g. ``train:d2t4 | critic_step:d2t4`` when the critic fits no
   single device or trains faster sharded);
 - a generation node's strategy changes its seconds and, through its DP degree, the weight
   sync (each device receives ``bytes * dp / mesh size``; the trainers send ``dp`` copies),

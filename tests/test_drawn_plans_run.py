@@ -85,7 +85,8 @@ def _critic_sample() -> tuple[str, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*_sample(), _critic_sample()], ids=lambda c: c[0] + ":" + c[1][-1].split("=", 1)[1].replace(" ", ""))
+@pytest.mark.parametrize("case", [*_sample(), _critic_sample()],
+                         ids=lambda c: c[0] + ":" + c[1][-1].split("=", 1)[1].replace(" ", ""))
 def test_a_drawn_plan_runs_two_steps_with_every_sample_trained_once(tmp_path, warm_cache, case):
     graph, overrides = case
     flow = load_flow(REPO / "graphs" / f"{graph}.py")
