@@ -14,11 +14,17 @@ those that fit: the pipeline bubble falls as ``1/m`` while collective latencies 
 traffic grow with ``m`` (``compiler.timing``). Under FSDP every term is ``a/m``, ``b m``
 or a convex, growing function of ``b m`` (the exposed traffic), so the time is convex in
 ``log2 m`` and the scan stops at the first ``m`` whose double is no faster.
+
+A critic's train_step on several ranks (``runtime.parallel_critic``) costs what a trainer
+under its strategy costs, plus what rank 0 adds: a whole fp32 copy of the critic
+(:data:`WHOLE_COPY_BYTES` per parameter, in ``weights``) and, every step, the gather of the
+shards into it (``gather``: a ring all-gather of that copy over the mesh,
+``compiler.timing.ring_gather_s``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from areal_flow.config_compile import ClusterConfig, CompileConfig
 from compiler.hardware import DeviceSpec
@@ -36,8 +42,16 @@ from compiler.memory import (
 )
 from compiler.mesh import aligned_sizes
 from compiler.strategy import ParallelStrategy, StrategyError
-from compiler.timing import Links, compute_s, generation_time, swap_time, training_time, weight_sync_time
+from compiler.timing import (
+    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time,
+)
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
+
+
+WHOLE_COPY_BYTES = 4
+"""Bytes per parameter of rank 0's whole copy of a critic trained on several ranks: fp32, the
+master weights ``model.dtype``'s autocast runs over (``runtime.executors.train`` keeps it for the
+advantage node's values; ``runtime.parallel_critic.RankCritic.gather_into`` fills it)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +128,7 @@ class CostModel:
         m = task.model
         shape = dict(n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, n_experts=m.n_experts)
         return NodeFacts.from_attrs(task.node, task.role, s, self.workload.node_attrs.get(task.node, {}), shape=shape,
-                                    critic=task.role == TRAINING and m.head == "scalar",
+                                    critic=task.critic,
                                     rows=self.workload.step_rows or self.workload.n_sequences)
 
     def strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
@@ -127,10 +141,10 @@ class CostModel:
         - ``ep`` a divisor of the experts and of ``dp * cp`` up to the machine size (the
           all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
           Qwen3-30B-A3B do), training side of a MoE model only;
-        - and that the runtime can run (``compiler.executable``'s rules); a critic's train_step
-          one process only (the runtime runs a multi-rank critic (dp, tp, cp, pp, ep) only on the policy
-          train_step's ranks with its strategy, a placement a user gives with
-          ``train:t2 | critic_step:t2``).
+        - and that the runtime can run (``compiler.executable``'s rules: a critic's train_step
+          within ``CRITIC_PARALLEL`` and ``CRITIC_APART``). That a multi-rank critic runs on the
+          policy train_step's ranks with its strategy (``compiler.hosting``'s ``critic-ranks``,
+          e.g. ``train:t2 | critic_step:t2``) is the search's to keep (``compiler.choose``).
         """
         key = (task.node, size)
         if key not in self._strategies:
@@ -152,8 +166,7 @@ class CostModel:
                                    if m.n_experts % e == 0 and dp * cp % e == 0]
                             for ep in eps if train_side and m.is_moe else [1]:
                                 s = ParallelStrategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-                                critic = task.role == TRAINING and m.head == "scalar"
-                                if failed_rule(self.facts(task, s)) is None and not (critic and s.world_size > 1):
+                                if failed_rule(self.facts(task, s)) is None:
                                     found.append(s)
                         cp *= 2
             self._strategies[key] = found
@@ -173,7 +186,7 @@ class CostModel:
                 forward_only=task.role != TRAINING, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,
             )
-            self._costs[key] = sum(times.values()) - times["bubble"]
+            self._costs[key] = sum(times.values()) - times["bubble"] + self._gather_s(task, s)
         return self._costs[key]
 
     def generation_floor(self, task: DeviceTask, s: ParallelStrategy) -> float:
@@ -214,7 +227,7 @@ class CostModel:
                       sharded=cfg.optimizer_sharding)
             mem = (training_memory(task.model, s, checkpointing=self.checkpointing, **kw)
                    if task.role == TRAINING else inference_memory(task.model, s, **kw))
-            self._costs[key] = mem.total <= self.usable
+            self._costs[key] = mem.total + self._whole_copy(task, s) <= self.usable
         return self._costs[key]
 
     def compute_floor(self, task: DeviceTask, size: int) -> float:
@@ -250,6 +263,18 @@ class CostModel:
     def _spans(self, s: ParallelStrategy) -> bool:
         return s.world_size > self.per_node
 
+    def _whole_copy(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """Bytes of rank 0's whole copy of a critic trained on several ranks, else 0 (module doc)."""
+        return WHOLE_COPY_BYTES * task.model.n_params if task.critic and s.world_size > 1 else 0.0
+
+    def _gather_s(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """Seconds a step of a multi-rank critic spends gathering its shards into rank 0's whole copy
+        (a ring all-gather of it over the mesh's link), else 0 (module doc)."""
+        whole, span = self._whole_copy(task, s), s.world_size
+        if not whole:
+            return 0.0
+        return ring_gather_s(whole, span, self.links.group_bw(span, self._spans(s)), self.links.latency)
+
     def _training(self, task: DeviceTask, s: ParallelStrategy, micro_batches: int | None = None) -> NodeCost:
         w, cfg = self.workload, self.cfg
         tokens = w.n_sequences * w.seq_len
@@ -261,19 +286,22 @@ class CostModel:
                     task.model, s, tokens_per_step=tokens, micro_batches=m, dtype=cfg.dtype,
                     sharded=cfg.optimizer_sharding,
                 )
-            return training_memory(
+            mem = training_memory(
                 task.model, s, tokens_per_step=tokens, micro_batches=m, dtype=cfg.dtype,
                 sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
             )
+            return replace(mem, weights=mem.weights + whole) if whole else mem
 
         def time(m: int) -> dict:
-            return training_time(
+            times = training_time(
                 task.model, s, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean, micro_batches=m,
                 dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
                 forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,
             )
+            return {**times, "gather": gather} if whole else times
 
+        whole, gather = self._whole_copy(task, s), self._gather_s(task, s)
         m = micro_batches or cfg.micro_batches
         if m is None:  # the fastest power of two that fits; the fewest when none fits (for the error)
             most = self._most_micro_batches(s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_flow.config_compile import CompileConfig
-from compiler.cost import NodeCost
+from compiler.cost import WHOLE_COPY_BYTES, NodeCost
 from compiler.hardware import GIB
 from compiler.workload import GENERATION, DeviceTask
 
@@ -69,6 +69,10 @@ def knob_for(task: DeviceTask, cost: NodeCost, cfg: CompileConfig) -> str:
     if cfg.dtype == "fp32":
         return "set compile.dtype=bf16 (halves weights and activations)"
     states = mem.weights + mem.gradients + mem.optimizer
+    if task.critic and cost.strategy.world_size > 1 and 2 * WHOLE_COPY_BYTES * task.model.n_params > states:
+        return (f"rank 0 of a multi-rank critic keeps a whole fp32 copy of it ({WHOLE_COPY_BYTES} bytes/param, "
+                "runtime.parallel_critic), however many devices: a device with more memory (cluster.gpu) or a "
+                "smaller critic model")
     if states >= mem.activations:
         if not cfg.optimizer_sharding and cost.strategy.dp > 1:
             return "set compile.optimizer_sharding=true (ZeRO-3/FSDP shards the 16 bytes/param over DP)"

@@ -31,7 +31,7 @@ CRITIC_PARALLEL: tuple[str, ...] = ("dp", "tp", "cp", "pp", "ep")
 """Degrees a critic's (value model's) train_step may use above 1 (and their products, within the
 other rules and :data:`CRITIC_APART`), on the ranks of the policy's train_step
 (``runtime.parallel_critic``; a multi-rank critic elsewhere breaks ``compiler.hosting``'s rule
-``critic-ranks``, and the search never proposes one)."""
+``critic-ranks``, so the search proposes one only there: ``compiler.choose``)."""
 CRITIC_APART: tuple[tuple[str, str], ...] = (("pp", "tp"), ("pp", "cp"), ("ep", "pp"), ("ep", "tp"), ("ep", "cp"))
 """Pairs of degrees a critic's train_step cannot use together above 1 (``runtime.parallel_critic``
 reads them too): its pipeline stages are FSDP-sharded over ``dp`` only, its experts split over

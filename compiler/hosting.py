@@ -41,8 +41,8 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   not share the policy trainer's worker group and strategy (``runtime.parallel_critic`` runs
   it on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2`` or ``train:t2 |
   critic_step:t2``). Read only when
-  the strategies are known (a user's allocation, a plan); the search keeps a critic on one
-  process (``compiler.cost.CostModel.strategies``).
+  the strategies are known (a user's allocation, a plan); the search gives a critic on several
+  processes the policy trainer's mesh and strategy (``compiler.choose.NodeChoice.training_side``).
 
 ``compiler.allocation.resolve`` raises it for a user's allocation, ``compiler.search`` never
 emits a candidate it refuses, and ``runtime.topology.build_topology`` raises it before any

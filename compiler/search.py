@@ -9,7 +9,11 @@ layout, strategies are chosen per node, exactly:
 
 - the objective (``compiler.step``) and its tie-breaker (the serial time) grow with every
   training-side node's seconds and do not otherwise depend on its strategy, so each
-  training-side node takes its fastest strategy that fits;
+  training-side node takes its fastest strategy that fits, except that a critic's
+  train_step and the policy's take the one strategy of least summed seconds that fits
+  both: a critic on several devices runs on the policy trainer's ranks
+  (``compiler.choose``; e.g. ``train:d2t4 | critic_step:d2t4`` when the critic fits no
+  single device or trains faster sharded);
 - a generation node's strategy changes its seconds and, through its DP degree, the weight
   sync (each device receives ``bytes * dp / mesh size``; the trainers send ``dp`` copies),
   both growing with ``dp``; only strategies on the (seconds, dp) Pareto front can be
@@ -30,6 +34,7 @@ import bisect
 import functools
 import itertools
 
+from compiler.choose import NodeChoice
 from compiler.cost import CostModel, NodeCost
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hosting import hosting_problem, ray_hosting_problem, workload_hosting
@@ -39,81 +44,21 @@ from compiler.strategy import ParallelStrategy
 from compiler.workload import GENERATION, TRAINING, DeviceTask
 
 
-class _Search:
+class _Search(NodeChoice):
     def __init__(self, model: CostModel, pins: dict[str, ParallelStrategy]):
-        self.model = model
-        self.pins = pins
+        super().__init__(model, pins)
         self.gen = [t for t in model.workload.tasks if t.role == GENERATION]
         self.train = [t for t in model.workload.tasks if t.role != GENERATION]
-        self._best: dict = {}
-        self._front: dict = {}
         self.trainer_of = {t.model_name: t for t in self.train if t.role == TRAINING}
-
-    def _strategies(self, task: DeviceTask, size: int) -> list[ParallelStrategy]:
-        pin = self.pins.get(task.node)
-        return ([pin] if pin.world_size == size else []) if pin else self.model.strategies(task, size)
-
-    def _options(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
-        return [c for c in (self.model.cost(task, s, shared) for s in self._strategies(task, size)) if c.fits]
-
-    def best(self, task: DeviceTask, size: int, shared: bool) -> NodeCost | None:
-        """Fastest fitting cost of a training-side node (ties: strategy string). Strategies
-        are costed in the order of ``CostModel.time_floor`` (a lower bound on their seconds)
-        until the bound exceeds the best found: exact, and most are never costed."""
-        key = (task.node, size, shared)
-        if key not in self._best:
-            best = None
-            ranked = sorted(((self.model.time_floor(task, s), s) for s in self._strategies(task, size)),
-                            key=lambda x: x[0])
-            for floor, s in ranked:
-                if best is not None and floor > best.time_s:
-                    break
-                c = self.model.cost(task, s, shared)
-                if c.fits and (best is None or c.time_s < best.time_s or
-                               (c.time_s == best.time_s and s.short() < best.strategy.short())):
-                    best = c
-            self._best[key] = best
-        return self._best[key]
-
-    def fastest(self, task: DeviceTask, size: int, shared: bool, extra=None) -> float | None:
-        """Least ``seconds + extra(strategy)`` over a generation node's fitting strategies
-        (None if none fits), costed in the order of ``CostModel.generation_floor`` until the
-        floor exceeds the best: exact, without costing most of them."""
-        extra = extra or (lambda st: 0.0)
-        ranked = sorted(((self.model.generation_floor(task, st) + extra(st), st) for st in self._strategies(task, size)),
-                        key=lambda x: x[0])
-        best = None
-        for floor, st in ranked:
-            if best is not None and floor > best:
-                break
-            c = self.model.cost(task, st, shared)
-            if c.fits:
-                best = c.time_s + extra(st) if best is None else min(best, c.time_s + extra(st))
-        return best
-
-    def front(self, task: DeviceTask, size: int, shared: bool) -> list[NodeCost]:
-        """Generation costs not beaten on both seconds and DP degree."""
-        key = (task.node, size, shared)
-        if key not in self._front:
-            kept, best_time = [], float("inf")
-            for c in sorted(self._options(task, size, shared), key=lambda c: (c.strategy.dp, c.time_s, c.strategy.short())):
-                if c.time_s < best_time:
-                    kept.append(c)
-                    best_time = c.time_s
-            self._front[key] = kept
-        return self._front[key]
 
     def layout(self, groups_tasks: list[list[DeviceTask]], meshes: list[MeshSpec]):
         """Best ``(step, serial, groups)`` for one layout, or None if nothing fits (see ``rank_key``)."""
         chosen: dict[str, NodeCost] = {}
         for tasks, mesh in zip(groups_tasks, meshes):
-            shared = len(tasks) > 1
-            for task in tasks:
-                if task.role != GENERATION:
-                    cost = self.best(task, mesh.size, shared)
-                    if cost is None:
-                        return None
-                    chosen[task.node] = cost
+            costs = self.training_side([t for t in tasks if t.role != GENERATION], mesh.size, len(tasks) > 1)
+            if costs is None:
+                return None
+            chosen.update(costs)
         fronts, gen_mesh = [], {}
         for tasks, mesh in zip(groups_tasks, meshes):
             for task in tasks:
@@ -282,8 +227,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
 
     def training_s(size: int) -> float | None:
         if size not in known:
-            best = [s.best(t, size, len(s.train) > 1) for t in s.train]
-            known[size] = None if any(b is None for b in best) else sum(b.time_s for b in best)
+            costs = s.training_side(s.train, size, len(s.train) > 1)
+            known[size] = None if costs is None else sum(c.time_s for c in costs.values())
         return known[size]
 
     @functools.cache

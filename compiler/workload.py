@@ -52,6 +52,12 @@ class DeviceTask:
     model_name: str
     model: ModelSpec
 
+    @property
+    def critic(self) -> bool:
+        """It trains a scalar-head (value) model: a critic's train_step (``compiler.executable``'s
+        ``critic-parallel``, ``compiler.hosting``'s ``critic-ranks``)."""
+        return self.role == TRAINING and self.model.head == "scalar"
+
 
 @dataclass(frozen=True)
 class Workload:

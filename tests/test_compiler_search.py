@@ -14,6 +14,7 @@ from areal_flow.config_compile import CompileConfigError
 from compiler.cost import CostModel
 from compiler.executable import failed_rule
 from compiler.hardware import device_spec
+from compiler.hosting import hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
 from compiler.search import _Search
 from compiler.step import evaluate
@@ -29,7 +30,8 @@ def grpo_graph(spec: str, critic: bool = False) -> Graph:
     g.add_model(ModelRef("policy", spec))
     gen = {"n_samples": 4, "max_new_tokens": 512, "engine": "vllm"}
     nodes = [Node("dataset", "dataset"), Node("generate", "generate", "policy", gen),
-             Node("reward", "reward"), Node("advantage", "advantage", "critic" if critic else None),
+             Node("reward", "reward"),
+             Node("advantage", "advantage", "critic" if critic else None, {"model_role": "critic"} if critic else {}),
              Node("train_step", "train_step", "policy", {"max_staleness": 1}), Node("sync_weights", "sync_weights", "policy")]
     edges = [("dataset", "generate"), ("generate", "reward"), ("reward", "advantage"), ("advantage", "train_step")]
     if critic:
@@ -82,7 +84,8 @@ def _all_strategies(task, size, per_node, n_sequences, model):
 
 def brute_force(graph, cluster, cfg, batch_groups):
     """Best (step time, allocation) over every pair of disjoint aligned meshes and every
-    combination of per-node strategies, each costed by compiler.step.evaluate; ties break
+    combination of per-node strategies that compiler.hosting runs (a critic on several ranks
+    shares the policy trainer's strategy), each costed by compiler.step.evaluate; ties break
     on the serial time G + T + S, then the allocation string."""
     model = CostModel(build_workload(graph, cfg, batch_groups), device_spec(cluster.gpu), cluster, cfg)
     gen = [t for t in model.workload.tasks if t.role == GENERATION]
@@ -104,6 +107,9 @@ def brute_force(graph, cluster, cfg, batch_groups):
             for combo in itertools.product(*per_task):
                 it = iter(combo)
                 groups = [[next(it) for _ in tasks] for tasks in groups_tasks]
+                label = {t.node: i for i, tasks in enumerate(groups_tasks) for t in tasks}
+                if hosting_problem(workload_hosting(model.workload, label, dict(combo))) is not None:
+                    continue
                 cand = evaluate(model, groups, group_meshes)
                 if cand.fits:
                     serial = cand.generation_s + cand.training_s + cand.sync_s
@@ -117,6 +123,7 @@ CASES = [  # (model, cluster, compile config, B = prompt groups per step, critic
     ("Qwen2.5-7B", ClusterConfig(1, 8, "A100-80G"), CompileConfig(mode="sync"), 16, False),
     ("Qwen2.5-7B", ClusterConfig(2, 4, "L40S"), CompileConfig(), 16, False),
     ("Qwen2.5-1.5B", ClusterConfig(1, 4, "H100"), CompileConfig(), 16, True),
+    ("Qwen2.5-7B", ClusterConfig(1, 4, "H100"), CompileConfig(), 8, True),  # the critic fits no single device
     ("SmolLM2-135M", ClusterConfig(1, 4, "cpu"), CompileConfig(max_prompt_len=32, max_new_tokens=32), 4, False),
 ]
 

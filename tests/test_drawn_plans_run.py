@@ -2,8 +2,10 @@
 that every plan drawn from random small clusters x allocations x the shipped graphs passes the
 executability predicate; here a seeded draw from the same kind of cases, cut to what two CPU
 cores can run (one machine, 2-3 devices), picks three plans (the first two the compiler chose
-itself, the first manual allocation it accepted) and runs each for two steps through the same
-entry as ``areal-flow run``: every sample trained once, in its step's slot, staleness <= k.
+itself, the first manual allocation it accepted), and from the same kind of draw on up to 4
+devices the first plan the compiler chose with a critic on several ranks (the policy trainer's,
+``compiler.choose``), and runs each for two steps through the same entry as ``areal-flow run``:
+every sample trained once, in its step's slot, staleness <= k.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from areal_flow.config_load import load_config
 from areal_flow.types import REPLAYED
 from compiler import AllocationError, InfeasiblePlanError
 from compiler.program import compile_program
+from compiler.strategy import ParallelStrategy
 from runs import records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +35,9 @@ def _strategy(rng: random.Random) -> str:
     return f"d{rng.choice((1, 2, 3, 4))}" + "".join(f"{k}{v}" for k, v in degrees.items() if v > 1)
 
 
-def _draw(rng: random.Random) -> tuple[str, list[str]]:
+def _draw(rng: random.Random, devices: tuple[int, ...] = (2, 3)) -> tuple[str, list[str]]:
     graph = rng.choice(GRAPHS)
-    overrides = ["cluster.n_nodes=1", f"cluster.n_gpus_per_node={rng.choice((2, 3))}", "cluster.gpu=cpu",
+    overrides = ["cluster.n_nodes=1", f"cluster.n_gpus_per_node={rng.choice(devices)}", "cluster.gpu=cpu",
                  f"train.batch_size={rng.randint(1, 3)}", f"gen.n_samples={rng.randint(2, 4)}"]
     if rng.random() < 0.5:
         allocation = f"gen:{_strategy(rng)} + train:{_strategy(rng)}"
@@ -64,8 +67,26 @@ def _sample() -> list[tuple[str, list[str]]]:
     raise AssertionError("the draw found fewer than 2 compiler-chosen and 1 manual plan")
 
 
+def _critic_sample() -> tuple[str, list[str]]:
+    """The first compiler-chosen plan of a draw on 2-4 devices whose critic runs on several ranks."""
+    rng = random.Random(SEED)
+    for _ in range(2000):
+        graph, overrides = _draw(rng, (2, 3, 4))
+        if graph != "arith_ppo" or overrides[-1].startswith("compile.allocation="):
+            continue
+        cfg = load_config(REPO / "graphs" / f"{graph}.yaml", overrides)
+        try:
+            plan = compile_program(load_flow(REPO / "graphs" / f"{graph}.py")(cfg), cfg)
+        except InfeasiblePlanError:
+            continue
+        if ParallelStrategy.parse(plan.node("critic_step").strategy).world_size > 1:
+            return graph, overrides
+    raise AssertionError("the draw found no compiler-chosen plan with a critic on several ranks")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _sample(), ids=lambda c: c[0] + ":" + c[1][-1].split("=", 1)[1].replace(" ", ""))
+@pytest.mark.parametrize("case", [*_sample(), _critic_sample()],
+                         ids=lambda c: c[0] + ":" + c[1][-1].split("=", 1)[1].replace(" ", ""))
 def test_a_drawn_plan_runs_two_steps_with_every_sample_trained_once(tmp_path, warm_cache, case):
     graph, overrides = case
     flow = load_flow(REPO / "graphs" / f"{graph}.py")

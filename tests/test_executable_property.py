@@ -3,7 +3,8 @@ with or without a random allocation (a critic's or a judge's mesh its own or sha
 local scheduler or Ray, passes the one executability predicate (``compiler.executable``) and
 the runtime's ``build_topology``, and on Ray the Ray layout places it (``RayScheduler.layout``:
 ``compiler.hosting``'s ``ray-one-machine``, a trainer spanning machines as one actor per
-machine) (issue 24)."""
+machine) (issue 24). Among the search's plans are critics on several ranks (``compiler.choose``: on
+the policy trainer's ranks with its strategy; 13 of 300 draws, 4 of them on Ray, on 2026-12-04)."""
 
 from __future__ import annotations
 
