@@ -85,6 +85,28 @@ def test_a_run_folder_moved_aside_or_copied_resumes_where_it_is(tmp_path, capsys
     assert not run_dir.exists()  # nothing written under the old name
 
 
+def test_resume_alone_of_a_folder_moved_aside_or_copied_runs_its_plan_where_it_is(tmp_path, monkeypatch):
+    """``--resume FOLDER`` alone runs FOLDER/plan.json, whose name/out_dir still name the old place:
+    the run's folder is FOLDER (docs/RESUME.md), found by the new-user trial of 2026-12-05."""
+    import argparse
+
+    import runtime.launch
+    from areal_flow.cli.run import run_command
+
+    ran = []
+    monkeypatch.setattr(runtime.launch, "run", lambda plan, resume: ran.append((plan.run, resume)))
+    plan = _plan(tmp_path)  # writes to tmp_path/exp
+    for folder in (tmp_path / "exp.old-20261205-000000", tmp_path / "elsewhere" / "copy"):
+        folder.mkdir(parents=True)
+        (folder / "plan.json").write_text(plan.to_json())
+        args = argparse.Namespace(plan=None, file=None, resume=str(folder), overrides=[], config=None, flow=None)
+        assert run_command(args) == 0
+        run, resume = ran.pop()
+        assert (run["name"], run["out_dir"], resume) == (folder.name, str(folder.parent), str(folder))
+        assert {k: v for k, v in run.items() if k not in ("name", "out_dir")} == \
+            {k: v for k, v in plan.run.items() if k not in ("name", "out_dir")}  # nothing else changed
+
+
 def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY, *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)

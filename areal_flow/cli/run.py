@@ -7,6 +7,7 @@ taken from it); the run itself is the runtime's (``runtime.launch``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from areal_flow.dsl import Flow
 def run_command(args: argparse.Namespace) -> int:
     """``areal-flow run``: a graph file with its config and overrides, or ``--plan PLAN.json``;
     with ``--resume`` (see :func:`resume_folder`). ``--resume RUN_FOLDER`` alone runs the run
-    folder's own program (``RUN_FOLDER/plan.json``), so a resume repeats none of the graph's overrides.
+    folder's own program (``RUN_FOLDER/plan.json``), so a resume repeats none of the graph's overrides,
+    in the folder where it now is (its ``name`` and ``out_dir``: a folder moved aside or copied).
 
     Raises:
         CLIError: bad arguments, naming them (``--plan`` with a graph file, a missing file, a
@@ -26,7 +28,8 @@ def run_command(args: argparse.Namespace) -> int:
             ``name=``/``out_dir=`` other than the ``--resume`` folder's, overrides with ``--resume``
             alone).
     """
-    if not args.plan and not args.file and args.resume and args.resume != "auto":
+    the_runs_plan = not args.plan and not args.file and args.resume and args.resume != "auto"
+    if the_runs_plan:
         if args.overrides or args.config or args.flow:
             raise CLIError(f"--resume {args.resume} without a graph file runs the folder's plan.json as it is: "
                            "overrides need the graph file too (areal-flow run GRAPH.py KEY=VALUE --resume RUN_FOLDER)")
@@ -43,8 +46,10 @@ def run_command(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise CLIError(f"plan file not found: {path}")
         if args.resume and args.resume != "auto":
-            resume_folder(args.resume)
+            folder = resume_folder(args.resume)
         plan = Plan.from_json(path.read_text(), source=str(path))
+        if the_runs_plan:  # the folder is the run, wherever it now is (moved aside or copied)
+            plan = dataclasses.replace(plan, run={**plan.run, "name": folder.name, "out_dir": str(folder.parent)})
         try:
             run(plan, resume=args.resume or "")
         except (ConfigError, StrategyError) as exc:  # a value the config's checks (runtime.preflight) or a
