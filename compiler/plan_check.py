@@ -144,6 +144,9 @@ def _check_bounds(plan, error) -> None:
     edges = plan.train_edges()
     if not edges:
         raise error("plan: no data edge into a train_step (nothing to train)")
+    problem = staleness_problem(plan.max_staleness)  # the k the time model assumed (the edges' k runs)
+    if problem:
+        raise error(f"plan: {problem}")
     for name in ("max_staleness", "batch_groups"):
         for edge in edges:
             if getattr(edge, name) is None:

@@ -80,6 +80,7 @@ BROKEN = {  # hand edit -> the error's words
                           "plan.estimators"),
     "run lost": (lambda d: d.update(run={"name": "x"}), "plan.run lacks out_dir, seed, steps"),
     "steps not a number": (lambda d: d["run"].update(steps="three"), "plan.run.steps='three': must be an int >= 1"),
+    "negative top-level k": (lambda d: d.update(max_staleness=-1), "plan: max_staleness must be an int >= 0, got -1"),
     "mesh lost": (lambda d: _node(d, "generate").pop("mesh"), "plan node 'generate' is missing field 'mesh'"),
 }
 

@@ -107,6 +107,18 @@ def test_resume_alone_of_a_folder_moved_aside_or_copied_runs_its_plan_where_it_i
             {k: v for k, v in plan.run.items() if k not in ("name", "out_dir")}  # nothing else changed
 
 
+def test_an_override_in_the_graph_files_place_is_named_as_one(tmp_path):
+    """``areal-flow run --resume R train.steps=10``: argparse takes the override for the graph file."""
+    import argparse
+
+    from areal_flow.cli.common import CLIError
+    from areal_flow.cli.run import run_command
+
+    args = argparse.Namespace(plan=None, file="train.steps=10", resume="auto", overrides=[], config=None, flow=None)
+    with pytest.raises(CLIError, match=r"^train.steps=10 is an override \(KEY=VALUE\), not a graph file"):
+        run_command(args)
+
+
 def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "areal_flow.cli", "run", "graphs/arith_grpo.py", *TINY, *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -57,6 +57,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if not args.file:
         raise CLIError("run needs a graph file, or --plan PLAN.json")
+    if "=" in args.file and not Path(args.file).exists():  # argparse took the first override for the graph
+        raise CLIError(f"{args.file} is an override (KEY=VALUE), not a graph file: overrides follow the graph file "
+                       "(areal-flow run GRAPH.py KEY=VALUE ...); --resume RUN_FOLDER alone runs the folder's "
+                       "plan.json and takes none")
     flow = load_flow(args.file, args.flow)
     cfg = flow_config(flow, args)
     if args.resume:
