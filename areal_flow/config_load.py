@@ -44,13 +44,20 @@ def _field_key(key: str) -> str:
 
 
 def _line_index(path: Path) -> dict[str, int]:
-    """Dotted key -> 1-based line in the YAML file, from PyYAML's node marks."""
+    """Dotted key -> 1-based line in the YAML file, from PyYAML's node marks.
+
+    Raises:
+        ConfigError: a key written twice in one mapping (PyYAML keeps the last silently; both lines named).
+    """
     index: dict[str, int] = {}
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                if key in index:
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: '{key}' is written twice (first on "
+                                      f"line {index[key]}); YAML would keep only this one: merge them into one")
                 index[key] = key_node.start_mark.line + 1
                 walk(value_node, key)
 

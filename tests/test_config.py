@@ -59,6 +59,10 @@ def test_bad_values_and_malformed_input(tmp_path):
         load_config(None, ["train.lr"])
     with pytest.raises(ConfigError, match=r"invalid YAML"):
         load_config(_yaml(tmp_path, "train: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"\.yaml:3: 'train' is written twice \(first on line 1\)"):
+        load_config(_yaml(tmp_path, "train:\n  steps: 3\ntrain:\n  lr: 5\n"))  # PyYAML alone keeps lr, drops steps
+    with pytest.raises(ConfigError, match=r"\.yaml:3: 'train.lr' is written twice \(first on line 2\)"):
+        load_config(_yaml(tmp_path, "train:\n  lr: 1\n  lr: 5\n"))
     with pytest.raises(ConfigError, match=r"config file not found"):
         load_config(tmp_path / "missing.yaml")
 
