@@ -6,7 +6,11 @@ Owns the structural rules a runnable plan keeps (``Plan.from_dict`` and
 input port names an existing node and one of its output ports; the data edges are exactly
 the nodes' input ports (an edge deleted or added by hand would make the drawing and the
 program disagree); every edge's ends exist; a bound ``k`` is an int >= 0 and ``B`` an int
->= 1; every route goes from a train_step to a generator of the same model. A runnable plan
+>= 1; every route goes from a train_step to a generator of the same model; two device nodes'
+meshes are the same devices (they time-share them) or none in common, and a generator shares
+a mesh with another device node exactly when the plan says ``colocated`` (the compiler budgeted
+each process's memory so; a mesh moved by hand would have two processes budget one device's
+whole memory). A runnable plan
 (one with ``run``) also keeps: ``run`` holds what the runtime reads, with ``steps`` and
 ``seed`` integers; every data edge into a train_step carries k and B, one value of each
 (the trainer takes one batch of ``B`` groups per step for all its train_steps); a generator
@@ -33,6 +37,7 @@ import difflib
 from areal_flow.algorithms.catalog import algorithm_info, estimator_info
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.graph import staleness_problem
+from areal_flow.ops.registry import CPU, GENERATION
 
 RUN_KEYS = ("name", "out_dir", "seed", "steps", "scheduler", "warm_start", "eval")
 
@@ -71,6 +76,7 @@ def check_plan(plan, error) -> None:
         raise error(f"plan: {src}.{sp} -> {dst}.{port} {side}; edit a node's inputs and its edge together "
                     "(or re-compile)")
     _check_routes(plan, nodes, error)
+    _check_meshes(plan, error)
     if plan.run:
         _check_run(plan, error)
         _check_bounds(plan, error)
@@ -137,6 +143,27 @@ def _check_run(plan, error) -> None:
             raise error(f"plan.run.{key}={value!r}: must be an int" + (" >= 1" if key == "steps" else ""))
     if not isinstance(plan.run["scheduler"], dict) or "type" not in plan.run["scheduler"]:
         raise error("plan.run.scheduler must be a mapping with a 'type' (local or ray)")
+
+
+def _check_meshes(plan, error) -> None:
+    """Device nodes' meshes are equal or disjoint; a generator time-shares one iff ``colocated``."""
+    placed = [n for n in plan.nodes if n.role != CPU and n.mesh is not None]
+    for i, a in enumerate(placed):
+        for b in placed[i + 1:]:
+            if a.mesh != b.mesh and set(a.mesh.devices()) & set(b.mesh.devices()):
+                raise error(f"plan nodes '{a.name}' (mesh {a.mesh.label()}) and '{b.name}' (mesh {b.mesh.label()}) "
+                            "overlap: meshes are the same devices (time-shared) or none in common; re-compile "
+                            "with compile.allocation")
+    shared = next(((g, n) for g in placed if g.role == GENERATION for n in placed
+                   if n.role != GENERATION and n.mesh == g.mesh), None)
+    if shared is not None and not plan.colocated:
+        g, n = shared
+        raise error(f"plan nodes '{g.name}' and '{n.name}' share mesh {g.mesh.label()}, but the plan is not colocated "
+                    f"(allocation '{plan.allocation}'): the compiler budgeted a device for each; write the allocation "
+                    "with '|' (e.g. gen:d1 | train:d1) and compile again")
+    if shared is None and plan.colocated and placed:
+        raise error(f"plan: colocated is true (allocation '{plan.allocation}'), but no generator shares a mesh with "
+                    "another device node; re-compile with compile.allocation")
 
 
 def _check_bounds(plan, error) -> None:

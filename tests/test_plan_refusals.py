@@ -81,6 +81,11 @@ BROKEN = {  # hand edit -> the error's words
     "run lost": (lambda d: d.update(run={"name": "x"}), "plan.run lacks out_dir, seed, steps"),
     "steps not a number": (lambda d: d["run"].update(steps="three"), "plan.run.steps='three': must be an int >= 1"),
     "negative top-level k": (lambda d: d.update(max_staleness=-1), "plan: max_staleness must be an int >= 0, got -1"),
+    "meshes overlapping": (lambda d: _node(d, "train_step")["mesh"].update(first_device=0, n_devices=2),
+                           "plan nodes 'generate' (mesh n0:g0) and 'train_step' (mesh n0:g0-1) overlap"),
+    "a mesh shared by hand": (lambda d: _node(d, "train_step")["mesh"].update(first_device=0),
+                              "plan nodes 'generate' and 'train_step' share mesh n0:g0, but the plan is not colocated "
+                              "(allocation 'gen:d1 + train:d1')"),
     "mesh lost": (lambda d: _node(d, "generate").pop("mesh"), "plan node 'generate' is missing field 'mesh'"),
 }
 
