@@ -49,7 +49,8 @@ def run_hybrid(gen_spec, train_spec, report, lease: threading.Lock, done) -> Non
     sharing ``lease``; ``done(spec, work)`` runs ``work()`` and files its report or error under
     the spec's worker name (a None report: nothing; ``runtime.launch``) and says whether it
     returned. Returns when both ended; when the trainer raised, without waiting for the
-    replica (the driver stops the process)."""
+    replica (the driver stops the process). Models are loaded one at a time
+    (``runtime.model_source.load_pretrained``'s lock)."""
     from runtime.stage_worker import run_stage_worker
     from runtime.workers import run_generation_replica
 
