@@ -10,9 +10,12 @@ lease held around each engine step and each train step, and their weight channel
 (``runtime.weights_in_process``: ``mem://`` addresses, no serialisation). The two loops are
 the same code as in two processes; their other channels stay ZeroMQ ``ipc://``.
 
-Only one of them computes at a time, so the process keeps libgomp's default wait policy
-(no ``OMP_WAIT_POLICY=PASSIVE``, which two alternating processes need) and every torch
-thread the scheduler gives a worker.
+Only one of them computes at a time; each thread gets every torch thread the scheduler
+gives a worker at k = 0. libgomp keeps one OpenMP team per calling thread, so the waiting
+thread's team would spin on the cores the other needs, as a second process's does: the
+process starts with ``OMP_WAIT_POLICY=PASSIVE`` like every local worker (libgomp's default
+spin made its RL loop 1.5x as long as two PASSIVE processes' on the shared 2-core box:
+docs/PERFORMANCE.md).
 
 What stays two processes (or more): several generation replicas, a trainer of several ranks
 or processes, a mesh time-shared by other groups (a critic's step group), and the Ray

@@ -23,12 +23,13 @@ Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh)
 turns: a lock per such mesh is held around each engine step and each train step. When the
 mesh holds one generation replica and a one-process, one-rank trainer only, the two run in
 ONE process (``runtime.hybrid``: two threads, a thread lock, the weights handed over in
-memory, the libgomp default wait policy).
+memory).
 
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
-needs: workers start with ``OMP_WAIT_POLICY=PASSIVE`` (not the hybrid worker). ``scheduler.threads_per_worker`` > 0
+needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``, the hybrid worker too (each of its
+two threads has an OpenMP team of its own, and the box is shared: docs/PERFORMANCE.md). ``scheduler.threads_per_worker`` > 0
 sets every worker's threads instead.
 """
 
@@ -204,7 +205,7 @@ class LocalScheduler:
 
     def _start_hybrid(self, spec: WorkerSpec, group: WorkerGroup) -> None:
         """Hold the spec until both of the hybrid worker's are given, then start its one
-        process (``runtime.hybrid``; the libgomp default wait policy) under both names."""
+        process (``runtime.hybrid``) under both names."""
         gen, trainer = self.hybrid
         self.waiting[group.name] = spec
         if set(self.waiting) != {gen.name, trainer.name}:
@@ -219,7 +220,8 @@ class LocalScheduler:
                                 args=((devices, spec.plan.device_type, pinning), gen_spec, train_spec, self.results,
                                       report))
         self.procs[f"{gen_spec.group}/0"] = self.procs[f"{train_spec.group}/0"] = proc
-        proc.start()
+        with _passive_omp():  # its waiting thread's OpenMP team sleeps too (runtime.hybrid)
+            proc.start()
 
     def wait(self, timeout_s: float) -> list[WorkerEnd]:
         try:
