@@ -18,8 +18,8 @@ spin made its RL loop 1.5x as long as two PASSIVE processes' on the shared 2-cor
 docs/PERFORMANCE.md).
 
 What stays two processes (or more): several generation replicas, a trainer of several ranks
-or processes, a mesh time-shared by other groups (a critic's step group), and the Ray
-scheduler (two actors; ``compiler.hosting``). A crash or kill of either loop ends the whole
+or processes, a mesh time-shared by other groups (a critic's step group), a vLLM engine
+(``gen.engine=vllm``: not tried in a thread), and the Ray scheduler (two actors; ``compiler.hosting``). A crash or kill of either loop ends the whole
 process: the driver sees the trainer die and restarts every worker from the last checkpoint
 (``runtime.driver``), as for a dead trainer in two processes.
 """
@@ -37,6 +37,8 @@ def hybrid_pair(topo: Topology) -> tuple[WorkerGroup, WorkerGroup] | None:
     gen, trainer = topo.generation, topo.trainer
     others = [g for g in topo.groups.values() if g.kind != "generation" and g.mesh == gen.mesh]
     if others != [trainer] or gen.replicas != 1 or trainer.replicas != 1 or trainer.strategy.world_size != 1:
+        return None
+    if topo.generate.attrs.get("engine", "embedded") != "embedded":  # vLLM runs its own processes and loop
         return None
     return gen, trainer
 
