@@ -1,6 +1,7 @@
 """The hybrid worker (``runtime.hybrid``): a generation replica and the trainer time-sharing one
 mesh run in ONE local process, their weights handed over in memory
-(``runtime.weights_in_process``); the same k = 0 run as two processes, bit for bit."""
+(``runtime.weights_in_process``); the same k = 0 run as two processes, bit for bit; a kill or
+an error of either ends the run or restarts it as for a dead trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from areal_flow import Model, flow, ops
+from areal_flow.ops import register_op
 
 from test_resume import _cli, _exactly_once, _finish, _same, _weights
 
@@ -101,3 +105,32 @@ def test_a_killed_hybrid_process_restarts_from_the_checkpoint_and_ends_bit_for_b
     assert _same(_weights(tmp_path / "killed/model"), _weights(hybrid_run / "model"))
     restarts = json.loads((tmp_path / "killed/summary.json").read_text())["restarts"]
     assert restarts["trainer_restarts"] == 1 and restarts["replica_restarts"] == 0
+
+
+@register_op("broken_bonus", inputs={"rollouts": "rollouts", "rewards": "rewards"}, outputs={"rewards": "rewards"})
+def broken_bonus(rollouts, rewards):
+    """A user node with a bug, run in the replica's thread of the hybrid process."""
+    return [r + t.no_such_field for t, r in zip(rollouts, rewards)]
+
+
+@flow
+def grpo_with_a_bug(cfg):
+    policy = Model("policy", cfg.model)
+    rollout = ops.generate(policy, ops.dataset(cfg.dataset), n_samples=cfg.gen.n_samples,
+                           max_new_tokens=cfg.gen.max_new_tokens)
+    adv = ops.advantage(rollout, broken_bonus(rollout, ops.reward(rollout, fn="arithmetic")), estimator="grpo")
+    stats = ops.train_step(policy, adv, algorithm="grpo", max_staleness=cfg.async_.max_staleness)
+    ops.sync_weights(policy, to=rollout)
+    return stats
+
+
+def test_an_error_in_the_replica_thread_stops_the_run_naming_it(tmp_path, warm_cache):
+    from areal_flow.cli.run import run_experiment
+    from areal_flow.config_load import load_config
+    from runtime.restarts import WorkerFailed
+
+    cfg = load_config(REPO / "graphs/arith_grpo.yaml", ["train.steps=2", "train.batch_size=2", "gen.n_samples=2",
+                                                        "warm_start.steps=10", "eval.enabled=false", *SHARED,
+                                                        f"out_dir={tmp_path}", "name=bug"])
+    with pytest.raises(WorkerFailed, match="(?s)generate/0 failed:.*no attribute .no_such_field."):
+        run_experiment(grpo_with_a_bug(cfg), cfg, show_progress=False)
