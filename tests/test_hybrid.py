@@ -1,7 +1,8 @@
 """The hybrid worker (``runtime.hybrid``): a generation replica and the trainer time-sharing one
 mesh run in ONE local process, their weights handed over in memory
-(``runtime.weights_in_process``); the same k = 0 run as two processes, bit for bit; a kill or
-an error of either ends the run or restarts it as for a dead trainer."""
+(``runtime.weights_in_process``); the same k = 0 run as two processes, bit for bit; a kill of
+the process restarts every worker from the checkpoint, an error in the replica's thread stops
+the run naming it."""
 
 from __future__ import annotations
 
