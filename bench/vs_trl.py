@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
-HYBRID = ("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1")  # --k 0h: one process (runtime.hybrid)
+HYBRID = ("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1", "scheduler.hybrid=true")  # --k 0h: one process (runtime.hybrid)
 
 
 def load() -> str:

@@ -2,8 +2,9 @@
 
 When the plan time-shares the generation mesh with the trainer (``gen:d1 | train:d1``: ``|``
 in ``compiler.allocation``) and both are one process each — one generation replica, a
-one-rank trainer group of one worker — the local scheduler (``runtime.launch``) starts one
-process for the two (what verl calls a hybrid engine): the trainer's loop
+one-rank trainer group of one worker — and ``scheduler.hybrid`` is true (opt-in: not
+faster than two processes on the shared 2-core box, docs/PERFORMANCE.md), the local scheduler
+(``runtime.launch``) starts one process for the two (what verl calls a hybrid engine): the trainer's loop
 (``runtime.stage_worker.run_stage_worker``) in its main thread, the replica's
 (``runtime.workers.run_generation_replica``) in a second thread, a ``threading.Lock`` as the
 lease held around each engine step and each train step, and their weight channel in memory

@@ -20,9 +20,9 @@ its steps is complete, and its resume runs nothing. The restart budget, the cons
 and the summary's ``restarts`` are shared with Ray (``runtime.restarts``).
 
 Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
-turns: a lock per such mesh is held around each engine step and each train step. When the
-mesh holds one generation replica and a one-process, one-rank trainer only, the two run in
-ONE process (``runtime.hybrid``: two threads, a thread lock, the weights handed over in
+turns: a lock per such mesh is held around each engine step and each train step. With
+``scheduler.hybrid`` and a mesh holding one generation replica and a one-process, one-rank
+trainer only, the two run in ONE process (``runtime.hybrid``: two threads, a thread lock, the weights handed over in
 memory).
 
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
@@ -165,7 +165,7 @@ class LocalScheduler:
         self.results = self.reports = None
         self.leases: dict = {}
         self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.socket_dir)
-        self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", True) else None
+        self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", False) else None
         self.waiting: dict[str, WorkerSpec] = {}  # the hybrid worker's specs until both are given
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:

@@ -18,7 +18,8 @@ from areal_flow.ops import register_op
 from test_resume import _cli, _exactly_once, _finish, _same, _weights
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = ["async.max_staleness=0", "cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1"]
+SHARED = ["async.max_staleness=0", "cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1",
+          "scheduler.hybrid=true"]
 
 
 def _topology(*overrides: str):

@@ -38,7 +38,7 @@ def test_a_stopped_attempt_leaves_no_socket_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     topo = SimpleNamespace(groups={"train_step": SimpleNamespace(name="train_step", replicas=1, mesh=None)},
                            generation=SimpleNamespace(replicas=1), max_staleness=0)
-    scheduler = LocalScheduler(SimpleNamespace(topo=topo, plan=SimpleNamespace(run={"scheduler": {"hybrid": False}})))
+    scheduler = LocalScheduler(SimpleNamespace(topo=topo, plan=SimpleNamespace(run={"scheduler": {}})))
     monkeypatch.setattr("runtime.launch._time_shared", lambda topo: [])
     addresses, control, _ = scheduler.addresses()
     first = Path(control[len("ipc://"):]).parent
