@@ -32,6 +32,8 @@ class SchedulerConfig:
     """Seconds to wait for the placement groups (free resources) before failing."""
     cpu_pinning: bool = False
     """Local scheduler on CPU: pin each worker process to one core per plan device of its mesh (device i = the i-th core this process may use, modulo their count) with torch threads to match; false = the cores are shared (threads_per_worker). On CUDA each local worker always sees exactly its mesh's GPUs (CUDA_VISIBLE_DEVICES); runtime.placement."""
+    hybrid: bool = False
+    """Local scheduler, opt-in: when the allocation time-shares the generation mesh with the trainer ('gen:d1 | train:d1') and both are one process (one generation replica, a one-rank trainer, nothing else on the mesh), run them in ONE process (the embedded engine; vLLM stays apart): two threads, a thread lock as the lease, the weights handed over in memory (runtime.hybrid); false = two processes taking turns through a process lock, the weights over the ipc weight channel. Off by default: bit for bit the same run, but not faster on the shared 2-core box (docs/PERFORMANCE.md, the hybrid worker). Ray always runs two actors."""
     threads_per_worker: int = 0
     """torch intra-op threads of each worker process; on Ray 0 = 1 (one per actor CPU), on the local scheduler 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
 

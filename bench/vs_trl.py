@@ -40,7 +40,11 @@ after the other, each in its own processes (TRL in a fresh one every run), rotat
 every round (``--repeats``) so a change of machine load hits all alike; medians over rounds per
 seed. The load average is printed at every run.
 
-    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0] [--trl-threads 0,1] [--repeats R] [key=value ...]
+    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--trl-threads 0,1] [--repeats R] [key=value ...]
+
+``--k 0h`` is the synchronous run with generation and training on one mesh (``gen:d1 | train:d1``
+on one device) in ONE process (``runtime.hybrid``: the weights handed over in memory); ``0`` is
+the default plan's two processes (``gen:d1 + train:d1``).
 
 Needs ``trl`` (``pip install -r bench/peer_requirements.txt`` or the ``peer`` extra); a seed other
 than the yaml's warm-starts its own policy first (cached; ~2.5 min on 2 quiet cores).
@@ -63,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
+HYBRID = ("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1", "scheduler.hybrid=true")  # --k 0h: one process (runtime.hybrid)
 
 
 def load() -> str:
@@ -170,7 +175,24 @@ def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
     a = analyse(summary)
     return {"train_s": a["loop_s"], "wall_s": summary["wall_s"], "gen_s": a["gen_s"], "trainer_s": a["train_s"],
             "samples": summary["samples_trained"], "accuracy_before": summary["accuracy_before"],
-            "accuracy_after": summary["accuracy_after"]}
+            "accuracy_after": summary["accuracy_after"], "phases": phase_medians(Path(summary["out_dir"])),
+            "pids": sorted({w["pid"] for w in summary["workers"].values() if "pid" in w})}
+
+
+def phase_medians(out: Path) -> dict[str, float]:
+    """Medians over a run's trace (``<run>/trace``), ms: the train step and its forward /
+    backward / optimizer phases, an engine step, and the weight sync's publish / receive / load."""
+    from async_vs_sync import read_spans
+
+    spans = read_spans(out)
+    pick = {"train step": lambda s: s["name"] == "train_step" and s["cat"] == "node",
+            "forward": lambda s: s["cat"] == "phase" and s.get("args", {}).get("phase") == "forward",
+            "backward": lambda s: s["cat"] == "phase" and s.get("args", {}).get("phase") == "backward",
+            "optimizer": lambda s: s["cat"] == "phase" and s.get("args", {}).get("phase") == "optimizer",
+            "engine step": lambda s: s["name"] == "generate" and s["cat"] == "node",
+            **{p: (lambda s, p=p: s["name"] == "sync_weights" and s.get("args", {}).get("phase") == p)
+               for p in ("publish", "receive", "load")}}
+    return {k: median([s["dur"] / 1e3 for s in spans if f(s)]) for k, f in pick.items()}
 
 
 def shared_inputs(cfg_path: Path, overrides: list[str]):
@@ -197,7 +219,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the yaml: 400)")
     parser.add_argument("--seeds", default="1", help="comma-separated run seeds (each its own warm start)")
-    parser.add_argument("--k", default="2,0", help="areal-flow async.max_staleness values to run")
+    parser.add_argument("--k", default="2,0", help="areal-flow async.max_staleness values to run; a trailing h "
+                        "(0h): generation and training time-share one mesh in ONE process (runtime.hybrid)")
     parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
     args, rest = parser.parse_known_args(argv)
@@ -207,7 +230,7 @@ def main(argv: list[str]) -> None:
         print(f"vs_trl: trl {trl.__version__} installed, the figures in docs/PERFORMANCE.md are of {TRL_VERSION} "
               "(bench/peer_requirements.txt)", flush=True)
     cfg_path = ROOT / "graphs" / "arith_grpo.yaml"
-    ks = [int(k) for k in args.k.split(",") if k != ""]
+    ks = [k for k in args.k.split(",") if k != ""]
     trl_threads = {f"TRL t={t}" if t else "TRL": t for t in (int(t) for t in args.trl_threads.split(","))}
     variants = [f"areal k={k}" for k in ks] + list(trl_threads)
     results: dict[tuple[int, str], list[dict]] = {}
@@ -232,14 +255,15 @@ def main(argv: list[str]) -> None:
                         r = pool.submit(run_trl, folder, problems, test, task,
                                         {**knobs, "threads": trl_threads[label]}).result()
                     else:
-                        k = int(label.split("=")[1])
-                        r = run_areal(flow, cfg_path, [*base, f"async.max_staleness={k}",
-                                                       f"name=vs_trl_k{k}_s{seed}"])
+                        k = label.split("=")[1]
+                        r = run_areal(flow, cfg_path, [*base, f"async.max_staleness={int(k.rstrip('h'))}",
+                                                       f"name=vs_trl_k{k}_s{seed}", *(HYBRID if k.endswith("h") else ())])
                     results.setdefault((seed, label), []).append(r)
                     extra = (f"generate {r['gen_s']:.1f} s, rewards/advantages {r['score_s']:.1f} s, setup "
                              f"{r['setup_s']:.1f} s, trl {r['trl']}" if label in trl_threads else
                              f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s, trainer busy "
-                             f"{r['trainer_s']:.1f} s")
+                             f"{r['trainer_s']:.1f} s, worker pids {r['pids']}; medians ms: "
+                             + ", ".join(f"{n} {v:.1f}" for n, v in r["phases"].items()))
                     print(f"[seed {seed} round {round_ + 1}] {label:>10}: loop {r['train_s']:6.1f} s, "
                           f"{r['samples'] / r['train_s']:6.1f} samples/s, held-out after "
                           f"{r['accuracy_after']:.1%} ({extra}); {before} -> {load()}", flush=True)

@@ -168,7 +168,7 @@ class Driver:
         trainer, ends = f"{topo.trainer.name}/0", run_ends(topo)
         for spec in specs:
             self.scheduler.start(spec, topo.groups[spec.group])
-        logger.note(f"starting {len(specs)} worker processes (torch, models)")
+        logger.note(f"starting {len(specs)} workers (torch, models)")  # a hybrid worker: two in one process
         done: dict = {}
         while not ends <= set(done):
             ended = self.scheduler.wait(POLL_S)

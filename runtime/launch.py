@@ -20,12 +20,16 @@ its steps is complete, and its resume runs nothing. The restart budget, the cons
 and the summary's ``restarts`` are shared with Ray (``runtime.restarts``).
 
 Co-located nodes (``|`` in the allocation: generation and a trainer on one mesh) take
-turns: a lock per such mesh is held around each engine step and each train step.
+turns: a lock per such mesh is held around each engine step and each train step. With
+``scheduler.hybrid`` and a mesh holding one generation replica and a one-process, one-rank
+trainer only, the two run in ONE process (``runtime.hybrid``: two threads, a thread lock, the weights handed over in
+memory).
 
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
-needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``. ``scheduler.threads_per_worker`` > 0
+needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``, the hybrid worker too (each of its
+two threads has an OpenMP team of its own, and the box is shared: docs/PERFORMANCE.md). ``scheduler.threads_per_worker`` > 0
 sets every worker's threads instead.
 """
 
@@ -36,11 +40,13 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 import traceback
 from dataclasses import replace
 
 from compiler.plan import Plan
 from runtime.driver import DIED, Driver, WorkerEnd, reports
+from runtime.hybrid import hybrid_pair, in_memory_weights, run_hybrid
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
@@ -99,17 +105,37 @@ def _time_shared(topo: Topology) -> list:
 
 def _child(placement, target, spec, results, *extra) -> None:
     """A local worker process: tied to its driver, placed on its devices
-    (``runtime.placement``), then ``target(spec, *extra)``; its report (with ``placement``:
-    what it was given) or its error goes to ``results``."""
+    (``runtime.placement``), then ``target(spec, *extra)``, filed by :func:`_filed`."""
     die_with_parent(mp.parent_process().pid)  # a SIGKILLed driver leaves no worker running
+    placed: dict = {}
+    _filed(results, spec, lambda: placed.update(place_process(*placement)) or target(spec, *extra), placed)
+
+
+def _hybrid_child(placement, gen_spec, train_spec, results, report) -> None:
+    """The hybrid worker's process (``runtime.hybrid``): a generation replica and the trainer,
+    each filed by :func:`_filed` under its own name (a placement error under the trainer's)."""
+    die_with_parent(mp.parent_process().pid)
+    placed: dict = {}
+    if _filed(results, train_spec, lambda: placed.update(place_process(*placement)), placed):
+        run_hybrid(gen_spec, train_spec, report, threading.Lock(),
+                   lambda spec, work: _filed(results, spec, work, placed))
+
+
+def _filed(results, spec, work, placed: dict) -> bool:
+    """Run ``work()``; put ``(worker, "ok", report)`` on ``results`` (a dict report gets
+    ``placement``, what the process was given, and its ``pid``; a None report puts nothing),
+    or ``(worker, "error", message)`` with the traceback. True when ``work`` returned."""
+    name = f"{spec.group}/{spec.rank}"
     try:
-        placed = place_process(*placement)
-        report = target(spec, *extra)
-        results.put((f"{spec.group}/{spec.rank}", "ok", {**report, "placement": placed}
-                     if isinstance(report, dict) else report))
+        report = work()
+        if report is not None:
+            results.put((name, "ok", {**report, "placement": placed, "pid": os.getpid()}
+                         if isinstance(report, dict) else report))
+        return True
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
         trace = "" if getattr(exc, "brief", False) else f"\n{traceback.format_exc()}"  # a deliberate stop: one line
-        results.put((f"{spec.group}/{spec.rank}", "error", f"{type(exc).__name__}: {exc}{trace}"))
+        results.put((name, "error", f"{type(exc).__name__}: {exc}{trace}"))
+        return False
 
 
 @contextlib.contextmanager
@@ -139,6 +165,8 @@ class LocalScheduler:
         self.results = self.reports = None
         self.leases: dict = {}
         self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.socket_dir)
+        self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", False) else None
+        self.waiting: dict[str, WorkerSpec] = {}  # the hybrid worker's specs until both are given
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         topo = self.setup.topo
@@ -146,15 +174,20 @@ class LocalScheduler:
         sock = self.sock = new_socket_dir()
         addresses = {g.name: [f"ipc://{sock}/{g.name}-{r}" for r in range(g.replicas)] for g in topo.groups.values()}
         addresses["weights"] = [f"ipc://{sock}/weights-{r}" for r in range(topo.generation.replicas)]
-        n_procs = sum(g.replicas for g in topo.groups.values())
+        if self.hybrid:
+            in_memory_weights(addresses, sock)
+        n_procs = sum(g.replicas for g in topo.groups.values()) - bool(self.hybrid)
         cores = os.cpu_count() or 2
         threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or (
             cores if topo.max_staleness == 0 else max(1, cores // n_procs))
         self.procs, self.results, self.reports = {}, self.ctx.Queue(), self.ctx.Queue()
-        self.leases = {mesh: self.ctx.Lock() for mesh in _time_shared(topo)}
+        self.leases = {} if self.hybrid else {mesh: self.ctx.Lock() for mesh in _time_shared(topo)}
+        self.waiting = {}
         return addresses, f"ipc://{sock}/control", threads
 
     def start(self, spec: WorkerSpec, group: WorkerGroup) -> None:
+        if self.hybrid and group.name in (self.hybrid[0].name, self.hybrid[1].name):
+            return self._start_hybrid(spec, group)
         name, lease = f"{spec.group}/{spec.rank}", self.leases.get(group.mesh)
         devices = worker_devices(group.mesh, group.replicas, spec.rank)  # its mesh's devices (runtime.placement)
         pinning = bool(self.setup.plan.run["scheduler"].get("cpu_pinning", False))
@@ -170,12 +203,33 @@ class LocalScheduler:
         with _passive_omp():
             self.procs[name].start()
 
+    def _start_hybrid(self, spec: WorkerSpec, group: WorkerGroup) -> None:
+        """Hold the spec until both of the hybrid worker's are given, then start its one
+        process (``runtime.hybrid``) under both names."""
+        gen, trainer = self.hybrid
+        self.waiting[group.name] = spec
+        if set(self.waiting) != {gen.name, trainer.name}:
+            return
+        gen_spec, train_spec = self.waiting.pop(gen.name), self.waiting.pop(trainer.name)
+        devices = worker_devices(trainer.mesh, 1, 0)
+        pinning = bool(self.setup.plan.run["scheduler"].get("cpu_pinning", False))
+        if pinning and spec.plan.device_type == "cpu":
+            gen_spec, train_spec = (replace(s, threads=len(devices)) for s in (gen_spec, train_spec))
+        report = self.reports.put if reports(self.setup.topo, trainer) else None
+        proc = self.ctx.Process(target=_hybrid_child, name=f"{train_spec.group}/0+{gen_spec.group}/0",
+                                args=((devices, spec.plan.device_type, pinning), gen_spec, train_spec, self.results,
+                                      report))
+        self.procs[f"{gen_spec.group}/0"] = self.procs[f"{train_spec.group}/0"] = proc
+        with _passive_omp():  # its waiting thread's OpenMP team sleeps too (runtime.hybrid)
+            proc.start()
+
     def wait(self, timeout_s: float) -> list[WorkerEnd]:
         try:
             return [WorkerEnd(*self.results.get(timeout=timeout_s))]
-        except queue.Empty:
+        except queue.Empty:  # a dead hybrid process is its trainer's death (runtime.hybrid)
+            hybrid_replica = f"{self.hybrid[0].name}/0" if self.hybrid else None
             return [WorkerEnd(n, DIED, f"exit code {p.exitcode}") for n, p in self.procs.items()
-                    if not p.is_alive() and p.exitcode not in (0, None)]
+                    if not p.is_alive() and p.exitcode not in (0, None) and n != hybrid_replica]
 
     def metrics(self) -> list[dict]:
         out = []
@@ -191,7 +245,7 @@ class LocalScheduler:
     def stop(self, wait: bool) -> None:
         """End the worker processes still running (each gets 0.5 s to finish, then SIGTERM);
         every process is joined either way, then the attempt's socket folder is removed."""
-        for p in self.procs.values():
+        for p in {id(p): p for p in self.procs.values()}.values():  # a hybrid process once
             if p.is_alive():
                 p.join(timeout=0.5)
             if p.is_alive():

@@ -8,6 +8,7 @@ used as it is. Loading a folder is :func:`load_pretrained`.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ def prepare_initial_model(cfg: ExperimentConfig, task, progress: bool = False) -
     return _initial_folder(cfg.model.path, dataclasses.asdict(cfg.warm_start), cfg.seed, task, progress)
 
 
+_LOADING = threading.Lock()  # load_pretrained: one model at a time in a process
 RM_SUFFIX = "-rm"  # ``Model("rm", "tiny-arith-rm")``: a reward model trained in code from the preset's warm start
 
 
@@ -121,5 +123,6 @@ def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32
     """
     dtype = torch_dtype(dtype)
     transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    with _LOADING:  # one load at a time: from_pretrained's meta-device initialisation is process-wide (runtime.hybrid)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     return model, load_tokenizer(folder)

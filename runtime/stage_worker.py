@@ -52,7 +52,7 @@ from runtime.step_checkpoint import StepCheckpoints
 from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.trainer_ranks import rank_settings, run_trainer_ranks
-from runtime.weights import WeightPublisher
+from runtime.weights_in_process import open_publisher
 from runtime.writer_fence import check as check_fence, claim as claim_fence
 from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
                              worker_group)
@@ -167,7 +167,8 @@ class _Stage:
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
             if node.trains and node.name in self.spec.routes and self.version > 0:
-                publisher = WeightPublisher(address, secret=self.spec.secret, linger_s=120.0)
+                publisher = open_publisher(address, secret=self.spec.secret, snapshot=self.topo.max_staleness > 0,
+                                           linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
         self.counts["resyncs"] = self.counts.get("resyncs", 0) + 1
@@ -191,7 +192,8 @@ class _Stage:
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
         start = buffer.next_step = self.version = self.checkpoints.restore(Path(self.spec.resume)) if self.spec.resume else 0
         items: dict[int, GroupItem] = {}
-        publishers = {ts: WeightPublisher(addrs, secret=self.spec.secret) for ts, addrs in self.spec.routes.items()}
+        publishers = {ts: open_publisher(addrs, secret=self.spec.secret, snapshot=topo.max_staleness > 0)
+                      for ts, addrs in self.spec.routes.items()}  # mem://: in this process (runtime.hybrid)
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).trains), default=0)
         fence = claim_fence(out) if self.is_trainer else ""  # runtime.writer_fence: a given-up attempt stops

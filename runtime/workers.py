@@ -45,7 +45,7 @@ from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.parallel.launch import RankSpan
 from runtime.topology import judge_nodes
 from runtime.trace import TraceRecorder, now_us
-from runtime.weights import WeightSubscriber
+from runtime.weights_in_process import open_subscriber
 
 
 @dataclass
@@ -132,7 +132,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     key = spec.secret
     inbox, control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
     outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
-    weights = WeightSubscriber(spec.weights, secret=key)
+    weights = open_subscriber(spec.weights, secret=key)  # mem://: the hybrid worker's (runtime.hybrid)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
