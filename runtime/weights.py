@@ -209,7 +209,50 @@ class WeightPublisher:
         self._ctx.term()
 
 
-class WeightSubscriber:
+class VersionedSubscriber:
+    """What every weight subscriber (this module's, ``runtime.weights_in_process``'s) does with a
+    version once it has one whole: check its tensor set and hold it (:meth:`_accept`), and
+    :meth:`wait` for one. A subclass gives ``poll()``, ``_sock`` (a ZeroMQ socket readable when
+    something arrived), ``address``, ``version``, ``state_dict``, ``expected``, ``set_errors``."""
+
+    def _accept(self, version: int, staged: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """Hold ``staged`` as ``version`` and return both; the first version held sets the tensor set.
+
+        Raises:
+            TensorSetError: ``staged``'s tensor set differs from the first version's (counted in
+                ``set_errors``; discarded: :attr:`state_dict` keeps the previous weights).
+        """
+        if self.expected is not None:
+            try:
+                check_tensor_set(self.expected, staged, f"weight version {version} on {self.address}")
+            except TensorSetError as err:
+                self.set_errors += 1
+                raise TensorSetError(f"{err}; version {version} discarded, keeping version {self.version}") from None
+        self.expected = self.expected or tensor_set(staged)
+        self.version, self.state_dict = version, staged
+        return version, staged
+
+    def wait(self, min_version: int, timeout_s: float | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Block until a version ``>= min_version`` is held; return the newest, or ``None`` on timeout.
+
+        Args:
+            timeout_s: seconds to wait (``None``: forever).
+
+        Raises:
+            WeightChecksumError, TensorSetError: as ``poll`` raises them.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if self.version >= min_version:
+                return self.version, self.state_dict
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._sock.poll(100 if remaining is None else max(1, int(min(remaining, 0.1) * 1000)), zmq.POLLIN)
+
+
+class WeightSubscriber(VersionedSubscriber):
     """Generator side of the weight channel (PULL, binds).
 
     Args:
@@ -340,36 +383,7 @@ class WeightSubscriber:
             return None
         version, parts = self._ready
         self._ready = None
-        staged = self._materialize(version, parts)
-        if self.expected is not None:
-            try:
-                check_tensor_set(self.expected, staged, f"weight version {version} on {self.address}")
-            except TensorSetError as err:
-                self.set_errors += 1
-                raise TensorSetError(f"{err}; version {version} discarded, keeping version {self.version}") from None
-        self.expected = self.expected or tensor_set(staged)
-        self.state_dict = staged
-        self.version = version
-        return version, self.state_dict
-
-    def wait(self, min_version: int, timeout_s: float | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Block until a version ``>= min_version`` is held; return the newest, or ``None`` on timeout.
-
-        Args:
-            timeout_s: seconds to wait (``None``: forever).
-
-        Raises:
-            WeightChecksumError, TensorSetError: as in :meth:`poll`.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self.poll()
-            if self.version >= min_version:
-                return self.version, self.state_dict
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self._sock.poll(None if remaining is None else max(1, int(remaining * 1000)), zmq.POLLIN)
+        return self._accept(version, self._materialize(version, parts))
 
     def close(self) -> None:
         """Close the socket without waiting and remove an ``ipc://`` socket file."""

@@ -22,14 +22,13 @@ notification socket (``inproc://``, one empty frame per publish) wakes a replica
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping, Sequence
 
 import torch
 import zmq
 
-from runtime.weight_set import TensorSet, TensorSetError, check_tensor_set, tensor_set
-from runtime.weights import WeightPublisher, WeightSubscriber
+from runtime.weight_set import TensorSet
+from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber
 
 SCHEME = "mem://"
 _SLOTS: dict[str, _Slot] = {}
@@ -117,7 +116,7 @@ class InProcessPublisher:
             sock.close()
 
 
-class InProcessSubscriber:
+class InProcessSubscriber(VersionedSubscriber):
     """Engine side (module doc); the interface of ``runtime.weights.WeightSubscriber`` that a
     replica uses (``poll``, ``wait``, ``version``, ``state_dict``, ``late_versions``,
     ``rejected``, ``dropped_versions``, ``close``; ``_sock`` for ``wait_any``)."""
@@ -152,28 +151,7 @@ class InProcessSubscriber:
         if latest is None or latest[0] <= self.version:
             self.late_versions += latest is not None
             return None
-        version, staged = latest
-        if self.expected is not None:
-            try:
-                check_tensor_set(self.expected, staged, f"weight version {version} on {self.address}")
-            except TensorSetError as err:
-                self.set_errors += 1
-                raise TensorSetError(f"{err}; version {version} discarded, keeping version {self.version}") from None
-        self.expected = self.expected or tensor_set(staged)
-        self.version, self.state_dict = version, staged
-        return version, staged
-
-    def wait(self, min_version: int, timeout_s: float | None = None) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Block until a version ``>= min_version`` is held; the newest, or None after ``timeout_s`` seconds (None: forever)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self.poll()
-            if self.version >= min_version:
-                return self.version, self.state_dict
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            self._sock.poll(100 if remaining is None else max(1, int(min(remaining, 0.1) * 1000)), zmq.POLLIN)
+        return self._accept(*latest)
 
     def close(self) -> None:
         self._sock.close()
