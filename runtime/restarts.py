@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.checkpoint import latest_checkpoint
 from runtime.metrics import RunLogger
@@ -68,6 +68,8 @@ class Restarts:
         resumed_from: the checkpoint version a resumed run started from (None: a new run).
         replicas: generation replicas restarted. trainer: restarts of every worker from the
             last checkpoint. replayed: groups admitted after that checkpoint, admitted again.
+        causes: each restart's cause, in order (its first line, at most 300 characters), so a
+            run's ``summary.json`` says why it restarted after the console is gone.
     """
 
     limit: int
@@ -75,6 +77,7 @@ class Restarts:
     replicas: int = 0
     trainer: int = 0
     replayed: int = 0
+    causes: list[str] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, setup) -> "Restarts":
@@ -100,6 +103,7 @@ class Restarts:
         """
         self.check(f"{name} died ({cause})")
         self.replicas += 1
+        self.causes.append(f"{name} died ({cause})".splitlines()[0][:300])
         print(f"areal-flow: {name} died ({cause}); {how} at policy version {version} ({self.used}/{self.limit})",
               file=sys.stderr)
 
@@ -113,6 +117,7 @@ class Restarts:
         """
         self.check(str(died))
         self.trainer += 1
+        self.causes.append(str(died).splitlines()[0][:300])
         setup.checkpoint = latest_checkpoint(setup.out_dir, say)
         version = setup.checkpoint.version if setup.checkpoint else 0
         first = version * setup.topo.batch_groups
@@ -126,7 +131,7 @@ class Restarts:
     def block(self, workers: dict) -> dict:
         """``summary.json`` ``restarts``; ``workers``: the workers' reports (their ``duplicates``)."""
         return {"resumed_from_version": self.resumed_from, "trainer_restarts": self.trainer,
-                "replica_restarts": self.replicas, "replayed_groups": self.replayed,
+                "replica_restarts": self.replicas, "replayed_groups": self.replayed, "causes": self.causes,
                 "dropped_duplicates": sum(w.get("duplicates", 0) for w in workers.values())}
 
 

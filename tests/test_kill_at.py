@@ -54,6 +54,7 @@ def test_local_kills_mid_weight_update_keep_the_run_bit_for_bit(tmp_path, uninte
     assert _event_steps(tmp_path / "mid") == list(range(STEPS))
     restarts = json.loads((tmp_path / "mid/summary.json").read_text())["restarts"]
     assert restarts["replica_restarts"] == 1 and restarts["trainer_restarts"] == 1
+    assert restarts["causes"] == ["generate/0 died (exit code -9)", "train_step/0 died (exit code -9)"]
 
 
 def test_kill_at_entries_that_could_never_fire_are_refused_before_any_worker_starts(tmp_path):

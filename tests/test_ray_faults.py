@@ -60,7 +60,8 @@ def test_restarts_share_one_budget_and_count_the_replayed_groups(tmp_path, capsy
         restarts.from_checkpoint(setup, StageDied("train_step/0", "exit code -9", admitted=9))
     assert restarts.block({"train_step/0": {"duplicates": 1}, "generate/0": {}}) == {
         "resumed_from_version": None, "trainer_restarts": 1, "replica_restarts": 1, "replayed_groups": 3,
-        "dropped_duplicates": 1}
+        "dropped_duplicates": 1,
+        "causes": ["generate/0 died (killed by `ray.kill`)", "train_step/0 died (exit code -9)"]}  # the refused third: none
 
 
 def test_a_death_before_any_checkpoint_restarts_from_version_0(tmp_path, capsys):
