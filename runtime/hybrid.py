@@ -33,15 +33,24 @@ from runtime.topology import Topology, WorkerGroup
 from runtime.weights_in_process import SCHEME
 
 
-def hybrid_pair(topo: Topology) -> tuple[WorkerGroup, WorkerGroup] | None:
-    """``(generation group, trainer group)`` when one process hosts both (module doc), else None."""
+def why_not_hybrid(topo: Topology) -> str | None:
+    """Why one process cannot host the generation replica and the trainer (module doc), or None when it can."""
     gen, trainer = topo.generation, topo.trainer
     others = [g for g in topo.groups.values() if g.kind != "generation" and g.mesh == gen.mesh]
-    if others != [trainer] or gen.replicas != 1 or trainer.replicas != 1 or trainer.strategy.world_size != 1:
-        return None
+    if not others:
+        return "the allocation gives generation a mesh of its own (time-share it: 'gen:d1 | train:d1')"
+    if others != [trainer]:
+        return f"the generation mesh is time-shared by {', '.join(sorted(g.name for g in others))}, not the trainer alone"
+    if gen.replicas != 1 or trainer.replicas != 1 or trainer.strategy.world_size != 1:
+        return "it holds several generation replicas or trainer ranks"
     if topo.generate.attrs.get("engine", "embedded") != "embedded":  # vLLM runs its own processes and loop
-        return None
-    return gen, trainer
+        return "the vLLM engine runs processes of its own"
+    return None
+
+
+def hybrid_pair(topo: Topology) -> tuple[WorkerGroup, WorkerGroup] | None:
+    """``(generation group, trainer group)`` when one process hosts both (module doc), else None."""
+    return None if why_not_hybrid(topo) else (topo.generation, topo.trainer)
 
 
 def in_memory_weights(addresses: dict[str, list[str]], sock: str) -> None:

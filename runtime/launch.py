@@ -46,7 +46,7 @@ from dataclasses import replace
 
 from compiler.plan import Plan
 from runtime.driver import DIED, Driver, WorkerEnd, reports
-from runtime.hybrid import hybrid_pair, in_memory_weights, run_hybrid
+from runtime.hybrid import hybrid_pair, in_memory_weights, run_hybrid, why_not_hybrid
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
@@ -77,7 +77,13 @@ def run(plan: Plan, show_progress: bool = True, resume: str = "", config_yaml: s
         setup = RunSetup.create(plan, show_progress, resume, config_yaml)
         if setup.checkpoint is not None and setup.checkpoint.version >= setup.topo.steps:
             return _already_complete(setup)
-        if plan.run["scheduler"]["type"] == "ray":
+        on_ray = plan.run["scheduler"]["type"] == "ray"
+        if plan.run["scheduler"].get("hybrid", False):  # asked for one process: say when it cannot be
+            why = "the Ray scheduler runs an actor for each" if on_ray else why_not_hybrid(setup.topo)
+            if why:
+                print(f"areal-flow: scheduler.hybrid: generation and trainer run as two processes: {why}",
+                      file=sys.stderr)
+        if on_ray:
             from runtime.ray_scheduler import run_on_ray
 
             return run_on_ray(setup)

@@ -70,6 +70,16 @@ def _dtype_from_name(name: str, where: str) -> torch.dtype:
     return dtype
 
 
+def check_publishable(state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raises ValueError for an empty state dict, TypeError for a value that is not a tensor
+    (naming the parameter): what no weight channel can publish."""
+    if not state_dict:
+        raise ValueError("cannot publish an empty state dict")
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state dict entry {name!r} is {type(t).__name__}, not a torch.Tensor")
+
+
 def split_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
     """Group parameter names, in state-dict order, into buckets of at most ``bucket_bytes`` bytes.
 
@@ -82,13 +92,10 @@ def split_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> 
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    if not state_dict:
-        raise ValueError("cannot publish an empty state dict")
+    check_publishable(state_dict)
     buckets: list[list[str]] = []
     size = 0
     for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state dict entry {name!r} is {type(t).__name__}, not a torch.Tensor")
         n = _align(t.numel() * t.element_size())
         if not buckets or (buckets[-1] and size + n > bucket_bytes):
             buckets.append([])

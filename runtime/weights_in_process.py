@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from runtime.weight_set import TensorSet
-from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber
+from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, check_publishable
 
 SCHEME = "mem://"
 _SLOTS: dict[str, _Slot] = {}
@@ -93,11 +93,7 @@ class InProcessPublisher:
         """
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
-        if not state_dict:
-            raise ValueError("cannot publish an empty state dict")
-        for name, t in state_dict.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state dict entry {name!r} is {type(t).__name__}, not a torch.Tensor")
+        check_publishable(state_dict)
         state = {n: (t.detach().clone() if self.snapshot else t.detach()) for n, t in state_dict.items()}
         for slot, sock in zip(self._slots, self._socks):
             with slot.lock:

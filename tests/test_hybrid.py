@@ -33,12 +33,17 @@ def _topology(*overrides: str):
 
 
 def test_only_one_replica_and_a_one_rank_trainer_on_one_mesh_share_a_process():
-    from runtime.hybrid import hybrid_pair
+    from runtime.hybrid import hybrid_pair, why_not_hybrid
 
     gen, trainer = hybrid_pair(_topology("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1"))
     assert (gen.name, trainer.name) == ("generate", "train_step")
     assert hybrid_pair(_topology("compile.allocation=gen:d1 + train:d1")) is None  # two meshes
     assert hybrid_pair(_topology("compile.allocation=gen:d2 | train:d2")) is None  # two replicas, a 2-rank trainer
+    # why not, as the run says it when scheduler.hybrid=true cannot be kept (runtime.launch.run)
+    assert why_not_hybrid(_topology("compile.allocation=gen:d1 + train:d1")).startswith(
+        "the allocation gives generation a mesh of its own")
+    assert why_not_hybrid(_topology("compile.allocation=gen:d2 | train:d2")) == \
+        "it holds several generation replicas or trainer ranks"
 
 
 def test_in_process_weights_keep_versions_and_the_tensor_set():
