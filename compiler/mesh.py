@@ -95,23 +95,43 @@ def aligned_sizes(n_nodes: int, devices_per_node: int) -> list[int]:
 
 
 def pack(sizes: list[int], n_nodes: int, devices_per_node: int) -> list[MeshSpec]:
-    """Place meshes of the given sizes, in order, first-fit on aligned slots.
+    """Place meshes of the given sizes first-fit on aligned slots; the meshes come back in the
+    order of ``sizes``.
 
     Sub-machine meshes go into the first machine with a free aligned block (so small meshes
     share a machine and talk over NVLink); larger ones take the first run of free machines.
+    The meshes are placed in the order given; when that does not fit, largest first (a small
+    mesh placed first can leave no aligned block for a larger one: on a 3-device machine
+    ``[1, 2]`` in order puts the 1 at device 0 and finds no aligned pair, largest first
+    gives the 2 devices 0-1 and the 1 device 2).
 
     Raises:
-        MeshError: a size is not aligned, or the meshes do not fit the cluster.
+        MeshError: a size is not aligned, or the meshes do not fit the cluster in either order.
     """
+    placed = _pack_in_order(sizes, n_nodes, devices_per_node)
+    if placed is None:
+        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+        largest_first = _pack_in_order([sizes[i] for i in order], n_nodes, devices_per_node)
+        if largest_first is not None:
+            placed = [None] * len(sizes)
+            for i, mesh in zip(order, largest_first):
+                placed[i] = mesh
+    if placed is None:
+        raise MeshError(
+            f"meshes of sizes {sizes} do not fit {n_nodes} machine(s) x {devices_per_node} devices "
+            "(sizes must be 1, 2, 4.. inside a machine or whole machines)"
+        )
+    return placed
+
+
+def _pack_in_order(sizes: list[int], n_nodes: int, devices_per_node: int) -> list[MeshSpec] | None:
+    """First fit of ``sizes`` in the order given, or None when one does not fit."""
     used = [0] * n_nodes  # per machine, a bit mask of taken devices
     meshes = []
     for size in sizes:
         mesh = _first_fit(size, used, devices_per_node)
         if mesh is None:
-            raise MeshError(
-                f"meshes of sizes {sizes} do not fit {n_nodes} machine(s) x {devices_per_node} devices "
-                f"(stuck at size {size}; sizes must be 1, 2, 4.. inside a machine or whole machines)"
-            )
+            return None
         block = ((1 << mesh.n_devices) - 1) << mesh.first_device
         for node in range(mesh.first_node, mesh.first_node + mesh.n_nodes):
             used[node] |= block

@@ -175,6 +175,18 @@ def test_pack_is_first_fit_on_aligned_blocks():
         pack([8, 16], 2, 8)
 
 
+def test_pack_places_largest_first_when_the_given_order_does_not_fit():
+    # 3 devices: 1 first takes device 0 and leaves no aligned pair ({0,1} or {2,3}); largest
+    # first puts the pair on 0-1 and the 1 on device 2, returned in the order asked
+    assert pack([1, 2], 1, 3) == [MeshSpec(0, 1, 2, 1), MeshSpec(0, 1, 0, 2)]
+    # the given order is kept whenever it fits (4 devices: 1 at 0, the pair at 2-3)
+    assert pack([1, 2], 1, 4) == [MeshSpec(0, 1, 0, 1), MeshSpec(0, 1, 2, 2)]
+    # 1 + 2 + 4 on 7 devices: in order 1@0, 2@2, then no aligned 4 (4-7 is past 7); largest first 4@0, 2@4, 1@6
+    assert pack([1, 2, 4], 1, 7) == [MeshSpec(0, 1, 6, 1), MeshSpec(0, 1, 4, 2), MeshSpec(0, 1, 0, 4)]
+    with pytest.raises(MeshError, match="do not fit"):
+        pack([2, 2], 1, 3)
+
+
 def test_strategy_rules_per_model():
     qwen7b = resolve_model("Qwen2.5-7B")  # 28 heads, 4 KV heads, 28 layers, dense
     shape = dict(n_layers=qwen7b.n_layers, n_heads=qwen7b.n_heads, n_kv_heads=qwen7b.n_kv_heads,

@@ -48,7 +48,7 @@ def test_an_allocation_that_does_not_fit_names_the_cluster_that_would():
     assert fitting_clusters([2, 2], 1, 2) == (4, 2)
     assert fitting_clusters([8], 1, 4) == (8, 2)  # 5-7 per machine cannot hold 8; 8 can, as can 2 x 4
     assert fitting_clusters([3, 1], 1, 2) == (None, None)  # 3 is a whole machine of 3 or nothing
-    with pytest.raises(AllocationError, match=r"stuck at size 1; .*\); it fits cluster.n_gpus_per_node=3 or "
+    with pytest.raises(AllocationError, match=r"do not fit 1 machine\(s\) x 2 devices .*\); it fits cluster.n_gpus_per_node=3 or "
                                               r"cluster.n_nodes=2\n  gen:d2 \+ train:d1"):
         _plan("compile.allocation=gen:d2 + train:d1")
 
