@@ -50,6 +50,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.critic_update import critic_update, finish_critic_step
+from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.critic import ValueModel
 from compiler.executable import CRITIC_APART
@@ -97,6 +98,9 @@ class RankCritic:
         chunks: under ``cp``, the values of whole rows from this rank's sequence chunk.
         pipeline: under ``pp``, this rank's stage's passes (``module`` is then a ``ValueStage``).
         experts: under ``ep``, the experts this rank holds.
+        scaler: under fp16 autocast (``model.dtype=float16``) the critic's dynamic loss scale,
+            made at the first fp16 step, an overflow on any rank counting on all
+            (``areal_flow.algorithms.loss_scale``); None before (and in fp32, bf16).
     """
 
     module: ValueModel
@@ -108,6 +112,7 @@ class RankCritic:
     chunks: "ChunkValues | None" = None
     pipeline: ValuePipeline | None = None
     experts: CriticExperts | None = None
+    scaler: LossScaler | None = None
 
     @classmethod
     def build(cls, spec: TrainSettings, mesh: DeviceMesh, strategy: ParallelStrategy,
@@ -162,7 +167,9 @@ class RankCritic:
         Returns:
             ``value_loss`` (the global loss: the ranks' shares summed), ``value_clip_frac``
             (over the step's valid tokens) and ``critic_grad_norm`` (global, before clipping);
-            the same on every rank (under ``pp``: the last stage's, where the loss runs).
+            under fp16 also ``critic_loss_scale`` and ``critic_loss_scale_overflow``
+            (``critic_update``'s); the same on every rank (under ``pp``: the last stage's,
+            where the loss runs).
 
         Raises:
             ValueError: ``B`` not divisible by ``dp``; under ``pp`` a row with padding before its
@@ -188,21 +195,26 @@ class RankCritic:
         if self.pipeline is not None:  # at least one micro-batch per stage (1F1B)
             size = min(size, math.ceil(share / self.strategy.pp))
         slices = [slice(i, min(i + size, share)) for i in range(0, share, size)]
+        if self.scaler is None and fp16_autocast(device.type):
+            self.scaler = LossScaler(device.type)
+        scaler = self.scaler if fp16_autocast(device.type) else None
         if self.pipeline is None:
             stats = critic_update(self.chunks or self.module, self.optimizer, local, mask, norm, self.loss_cfg,
-                                  slices, self.max_grad_norm, clip=self._clip)
+                                  slices, self.max_grad_norm, clip=self._clip, scaler=scaler)
         else:
             require_right_padded(local["attention_mask"])
             metrics = StepMetrics()
             self.optimizer.zero_grad(set_to_none=True)
-            self.pipeline.forward_backward(local, mask, norm, self.loss_cfg, slices, metrics)
+            self.pipeline.forward_backward(local, mask, norm, self.loss_cfg, slices, metrics,
+                                           scale=scaler.scaled if scaler is not None else None)
             stats = finish_critic_step(self.module.parameters(), self.optimizer, norm, self.max_grad_norm, metrics,
-                                       self._clip)
+                                       self._clip, scaler)
         totals = torch.tensor([stats.get("value_loss", 0.0), stats.get("value_clip_frac", 0.0) * n_tokens, n_tokens],
                               dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=group)
+        scale_stats = {k: stats[k] for k in ("critic_loss_scale", "critic_loss_scale_overflow") if k in stats}
         stats = {"value_loss": float(totals[0]), "value_clip_frac": float(totals[1] / totals[2].clamp(min=1.0)),
-                 "critic_grad_norm": stats["critic_grad_norm"]}
+                 "critic_grad_norm": stats["critic_grad_norm"], **scale_stats}
         return self.pipeline.broadcast_from_last_stage(stats) if self.pipeline is not None else stats
 
     def _clip(self, parameters, max_norm: float) -> torch.Tensor:

@@ -79,7 +79,7 @@ from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
 from runtime.reshard import FLAT, experts_as_dtensors, load_sharded, load_whole_into_ranks, rename_parameters
-from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.executors.train import TrainSettings, algorithm_scaler_slots, load_loss_scales, micro_batch_size
 from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
 
@@ -268,6 +268,8 @@ def _follow(trainer: RankTrainer) -> None:
                 trainer.gather_weights()
             elif checkpoint[0] == "save":
                 trainer.save_state(checkpoint[1])
+            elif checkpoint[0] == "scales":  # a checkpoint's fp16 loss scales, rank 0's (TrainStepExecutor)
+                load_loss_scales(checkpoint[1], algorithm_scaler_slots(trainer.algorithm), checkpoint[2])
             else:
                 trainer.load_state(*checkpoint[1:])
             continue
@@ -289,6 +291,9 @@ def _follow_critic(critic: RankCritic, command: dict) -> None:
     if checkpoint is not None:
         if checkpoint[0] == "save":
             critic.save_state(checkpoint[1])
+            return
+        if checkpoint[0] == "scales":  # a checkpoint's fp16 loss scale, rank 0's (TrainStepExecutor)
+            load_loss_scales(checkpoint[1], {"critic": (critic, "scaler")}, checkpoint[2])
             return
         if checkpoint[0] == "load":  # shards of several ranks
             critic.load_state(checkpoint[1])

@@ -11,15 +11,27 @@ Rule (Micikevicius et al. 2018, "Mixed Precision Training", sec. 3.3, dynamic va
 at ``2**16``; a step whose scaled gradients overflow (inf/NaN) is skipped and halves the scale;
 after 2,000 steps in a row without overflow the scale doubles. ``torch.amp.GradScaler``
 implements it (its defaults are these numbers: torch.amp documentation, "Gradient Scaling"),
-on CPU as on CUDA. A one-process train_step's scale and its count of clean steps are
-checkpointed (:meth:`LossScaler.state_dict`, ``runtime.step_checkpoint``), so a resume continues
-with the scale an uninterrupted run has; a multi-rank train_step's are not (each rank restarts at
-``2**16`` and backs off within a few skipped steps).
+on CPU as on CUDA.
+
+On several ranks (``torch.distributed`` initialised with more than one process: the ranks of a
+multi-rank train_step) an overflow on any rank counts on every rank: ``ShardedGradScaler``
+(``torch.distributed.fsdp.sharded_grad_scaler``) all-reduces the inf/NaN flag in ``unscale_``.
+Each rank holds only its shard of the gradient (FSDP) or of the layers (pipeline stages), so
+without it an inf confined to one shard would halve one rank's scale only, and the next step
+would reduce gradients scaled differently. Every rank must then call :meth:`unscale` at the same
+point (a collective), as every rank's step does. The scale starts initialised, so a pipeline
+stage that never computes the loss (before the last) can still unscale its scaled gradients.
+
+The scale and its count of clean steps are checkpointed (:meth:`LossScaler.state_dict`,
+``runtime.step_checkpoint``; on several ranks rank 0's, the same on every rank), so a resume
+continues with the scale an uninterrupted run has.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def fp16_autocast(device_type: str) -> bool:
@@ -31,11 +43,15 @@ class LossScaler:
     """One trainer's dynamic loss scale (module doc), created at its first fp16 step.
 
     Args:
-        device_type: ``"cpu"`` or ``"cuda"``, where the gradients live.
+        device_type: ``"cpu"`` or ``"cuda"``, where the gradients live (on CUDA the current device).
     """
 
     def __init__(self, device_type: str) -> None:
-        self._scaler = torch.amp.GradScaler(device_type)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._scaler: torch.amp.GradScaler = ShardedGradScaler(device_type)  # overflow flags all-reduced
+        else:
+            self._scaler = torch.amp.GradScaler(device_type)
+        self._scaler.scale(torch.zeros((), device=device_type))  # creates the scale tensor (module doc)
 
     @property
     def scale(self) -> float:

@@ -247,35 +247,36 @@ class TrainStepExecutor:
 
     def _scaler_slots(self) -> dict[str, tuple[object, str]]:
         """Role -> (owner, attribute) of this train_step's fp16 loss scalers (made at the first fp16 step)."""
+        if self.rank_critic is not None:
+            return {"critic": (self.rank_critic, "scaler")}
         if self.critic:
             return {"critic": (self, "critic_scaler")}
-        return {"policy": (self.algorithm, "loss_scaler"), "critic": (self.algorithm, "critic_loss_scaler")}
+        return algorithm_scaler_slots(self.algorithm)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of this train_step besides weights and optimizer
         (``areal_flow.ops.interfaces.Checkpointed``): its fp16 dynamic loss scales
         (``areal_flow.algorithms.loss_scale``) by role (``policy``, ``critic``); ``{}`` when it has
-        none (not fp16) or runs on several ranks (each rank keeps its own; a resume starts them at
-        ``2**16``)."""
-        if self.world_size > 1:
-            return {}
+        none (not fp16). On several ranks rank 0's: the ranks share every overflow, so their
+        scales are equal."""
         scalers = {role: getattr(owner, name) for role, (owner, name) in self._scaler_slots().items()}
         return {role: scaler.state_dict() for role, scaler in scalers.items() if scaler is not None}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        """Continue each role's loss scale from :meth:`checkpoint_state`'s ``state``.
+        """Continue each role's loss scale from :meth:`checkpoint_state`'s ``state`` (a checkpoint
+        of any number of ranks), on every rank of this train_step.
 
         Raises:
             ValueError: a role this train_step has no scaler for (naming the node)."""
         slots = self._scaler_slots()
-        for role, saved in state.items():
+        for role in state:
             if role not in slots:
                 raise ValueError(f"train_step {self.node.name!r}: a checkpointed {role} loss scale, but it trains "
                                  f"{'a critic' if self.critic else 'a policy'} ({sorted(slots)})")
-            owner, name = slots[role]
-            scaler = LossScaler(self.device)
-            scaler.load_state_dict(saved)
-            setattr(owner, name, scaler)
+        if state and self.world_size > 1:  # the other ranks make theirs from the same state
+            broadcast_command({"batch": None, "critic": self.rank_critic is not None,
+                               "checkpoint": ("scales", state, self.device)})
+        load_loss_scales(state, slots, self.device)
 
     @property
     def world_size(self) -> int:
@@ -341,3 +342,19 @@ class TrainStepExecutor:
             weights = load_pretrained(folder)[0].state_dict()
         self.model.load_state_dict(weights, strict=True)
         self.optimizer.load_state_dict(with_fused(optimizer_state, FUSED_ADAMW))
+
+
+def algorithm_scaler_slots(algorithm: BaseAlgorithm) -> dict[str, tuple[object, str]]:
+    """Role -> (owner, attribute) of a policy algorithm's fp16 loss scalers (its own critic's too)."""
+    return {"policy": (algorithm, "loss_scaler"), "critic": (algorithm, "critic_loss_scaler")}
+
+
+def load_loss_scales(state: dict, slots: dict[str, tuple[object, str]], device: str) -> None:
+    """Set each role's loss scale of ``state`` (``TrainStepExecutor.checkpoint_state``) on its
+    owner's attribute in ``slots`` (role -> (owner, attribute)): a new ``LossScaler`` on
+    ``device`` continuing the saved scale (on one rank, or on each rank of a multi-rank trainer)."""
+    for role, saved in state.items():
+        owner, name = slots[role]
+        scaler = LossScaler(device)
+        scaler.load_state_dict(saved)
+        setattr(owner, name, scaler)

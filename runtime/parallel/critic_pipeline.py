@@ -21,6 +21,8 @@ squares over the pipeline group (``grad_norm``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,11 +115,13 @@ class ValuePipeline:
         return schedule
 
     def forward_backward(self, batch: dict[str, torch.Tensor], mask: torch.Tensor, norm: dict, loss_cfg: LossConfig,
-                         slices: list[slice], metrics: StepMetrics) -> None:
+                         slices: list[slice], metrics: StepMetrics,
+                         scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Accumulate the gradient of the clipped value loss of ``batch``'s micro-batches
         ``slices`` (``batch``, ``mask``, ``norm``, ``loss_cfg``: as ``critic_update``'s) into the
         stage's parameters; the last stage adds ``value_loss`` and ``value_clip_frac`` to
-        ``metrics``.
+        ``metrics``. ``scale``: under fp16, the loss scale's ``scaled`` (``LossScaler``): what
+        each micro-batch back-propagates is ``scale(loss)`` (the metrics keep the loss itself).
 
         Raises:
             ValueError: fewer micro-batches than stages (1F1B runs at least one per stage).
@@ -139,7 +143,8 @@ class ValuePipeline:
             real = picked[picked >= 0]
             w = trimmed_width(attn[real])
             values = nn.functional.pad(values_after[: len(real), : w - 1], (1, 0))  # ValueModel.forward's shift
-            return micro_batch_value_loss(values, batch, mask, real, norm, loss_cfg, metrics)
+            loss = micro_batch_value_loss(values, batch, mask, real, norm, loss_cfg, metrics)
+            return loss if scale is None else scale(loss)
 
         schedule = self._schedule(rows, width, n_micro, ids.device)
         self._loss = loss
