@@ -68,7 +68,9 @@ class NodeChoice:
         the policy's train_step and every critic's (``DeviceTask.critic``) take one strategy
         together (:meth:`tied`): on several devices a critic runs on the policy trainer's
         ranks with its strategy (``compiler.hosting``'s ``critic-ranks``); without the
-        policy's train_step here, a critic runs on one device only. Exact for the objective:
+        policy's train_step here, the search gives a critic one device (a multi-rank critic on
+        a mesh of its own runs, ``runtime.trainer_ranks``, when a user's allocation places
+        one; the search does not cost that layout). Exact for the objective:
         it grows with the sum of their seconds, and nothing else depends on their strategies.
         """
         key = (tuple(t.node for t in tasks), size, shared)

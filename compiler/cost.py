@@ -142,8 +142,8 @@ class CostModel:
           all-to-all of every MoE layer stays on NVLink, as slime's ep8 and verl's ep4 runs of
           Qwen3-30B-A3B do), training side of a MoE model only;
         - and that the runtime can run (``compiler.executable``'s rules: a critic's train_step
-          within ``CRITIC_PARALLEL`` and ``CRITIC_APART``). That a multi-rank critic runs on the
-          policy train_step's ranks with its strategy (``compiler.hosting``'s ``critic-ranks``,
+          within ``CRITIC_PARALLEL`` and ``CRITIC_APART``). That a multi-rank critic on the
+          policy train_step's mesh takes its strategy (``compiler.hosting``'s ``critic-ranks``,
           e.g. ``train:t2 | critic_step:t2``) is the search's to keep (``compiler.choose``).
         """
         key = (task.node, size)

@@ -29,9 +29,9 @@ from compiler.strategy import ParallelStrategy, StrategyError
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 CRITIC_PARALLEL: tuple[str, ...] = ("dp", "tp", "cp", "pp", "ep")
 """Degrees a critic's (value model's) train_step may use above 1 (and their products, within the
-other rules and :data:`CRITIC_APART`), on the ranks of the policy's train_step
-(``runtime.parallel_critic``; a multi-rank critic elsewhere breaks ``compiler.hosting``'s rule
-``critic-ranks``, so the search proposes one only there: ``compiler.choose``)."""
+other rules and :data:`CRITIC_APART`), on the ranks of the policy's train_step with its
+strategy (``runtime.parallel_critic``; ``compiler.hosting``'s rule ``critic-ranks``) or on ranks
+of its own mesh (``runtime.trainer_ranks``); the search proposes the first only (``compiler.choose``)."""
 CRITIC_APART: tuple[tuple[str, str], ...] = (("pp", "tp"), ("pp", "cp"), ("ep", "pp"), ("ep", "tp"), ("ep", "cp"))
 """Pairs of degrees a critic's train_step cannot use together above 1 (``runtime.parallel_critic``
 reads them too): its pipeline stages are FSDP-sharded over ``dp`` only, its experts split over

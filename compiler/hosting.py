@@ -37,10 +37,12 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   per-group node (its engine loads no weights: it runs a frozen model, without versions);
 * ``judge-one-sample``: such a node samples ``n_samples != 1`` (its rollouts pair one to one
   with the samples of the group its prompts were built from);
-* ``critic-ranks``: a critic's (scalar-head model's) trainer on several processes that does
-  not share the policy trainer's worker group and strategy (``runtime.parallel_critic`` runs
-  it on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2`` or ``train:t2 |
-  critic_step:t2``). Read only when
+* ``critic-ranks``: a critic's (scalar-head model's) trainer on several processes that shares
+  the policy trainer's worker group but not its strategy (``runtime.parallel_critic`` runs such
+  a critic on the policy train_step's ranks, e.g. ``train:d2 | critic_step:d2`` or ``train:t2 |
+  critic_step:t2``). A multi-rank critic in a group without the policy's trainer spawns ranks
+  of its own (``runtime.trainer_ranks``; e.g. ``critic_step:d2 | advantage:d2`` beside
+  ``gen:d1 + train:d1``). Read only when
   the strategies are known (a user's allocation, a plan); the search gives a critic on several
   processes the policy trainer's mesh and strategy (``compiler.choose.NodeChoice.training_side``).
 
@@ -219,11 +221,11 @@ def _judge_or_critic(n: Hosted, judge: bool, policy: Hosted | None) -> str | Non
     if judge and n.samples != 1:
         return (f"judge-one-sample: a generate node fed by a per-group node answers each prompt once (n_samples=1, "
                 f"one response per sample of the group); got n_samples={n.samples}")
-    if n.critic and n.strategy is not None and n.strategy.world_size > 1 and (
-            policy is None or (policy.group, policy.strategy) != (n.group, n.strategy)):
-        return (f"critic-ranks: a critic's train_step on several processes ({n.strategy.short()}) runs on the ranks "
-                f"of the policy's train_step: give it the policy's mesh and strategy (e.g. train:d2 | "
-                "critic_step:d2), or one process (critic_step:d1)")
+    if n.critic and n.strategy is not None and n.strategy.world_size > 1 and policy is not None \
+            and policy.group == n.group and policy.strategy != n.strategy:
+        return (f"critic-ranks: a critic's train_step on several processes ({n.strategy.short()}) on the policy "
+                f"train_step's mesh runs on its ranks, so with its strategy ({policy.strategy.short()}; e.g. "
+                "train:d2 | critic_step:d2), or on a mesh of its own (critic_step:d2 | advantage:d2)")
     return None
 
 

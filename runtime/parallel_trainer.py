@@ -112,30 +112,35 @@ def merge_dp_metrics(stats: dict[str, float], group: dist.ProcessGroup) -> dict[
 @dataclass
 class RankTrainer:
     """One rank's share of the policy: its parallelized module and the algorithm around it,
-    and its share of a critic trained on the same ranks (``None``: no critic here)."""
+    and its share of a critic trained on the same ranks (``None``: no critic here). A critic
+    on a mesh of its own has ranks without a policy (``parallel`` and ``algorithm`` None)."""
 
     rank: int
     strategy: ParallelStrategy
-    parallel: ParallelModel
-    algorithm: BaseAlgorithm
+    parallel: ParallelModel | None
+    algorithm: BaseAlgorithm | None
     critic: RankCritic | None = None
 
     @classmethod
-    def build(cls, spec: TrainSettings, strategy: ParallelStrategy, device_type: str = "cpu",
+    def build(cls, spec: TrainSettings | None, strategy: ParallelStrategy, device_type: str = "cpu",
               critic: TrainSettings | None = None) -> "RankTrainer":
         """Load the policy, apply ``strategy`` (FSDP2 over ``dp``, DTensor TP over ``tp``, this
         rank's stage under ``pp``) and build the algorithm on the sharded parameters, its passes
         run by a runner of ``runtime.parallel`` (``rl_pipeline`` under ``pp``); with ``critic``
         (its train_step's settings) the critic split over the same ranks too (``RankCritic.build``:
-        ``pp`` and ``ep`` with ``dp`` only). Every rank calls this (collectives). A reference
-        policy's log-probs travel in the batch (``ref_logprobs``)."""
+        ``pp`` and ``ep`` with ``dp`` only). ``spec`` None: no policy, the critic alone (a critic
+        on a mesh of its own). Every rank calls this (collectives). A reference policy's
+        log-probs travel in the batch (``ref_logprobs``)."""
         rank = dist.get_rank()
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        mesh = build_device_mesh(strategy, device_type)
+        if spec is None:
+            return cls(rank, strategy, None, None, RankCritic.build(critic, mesh, strategy, device_type))
         torch.manual_seed(spec.seed)
         model, _ = load_pretrained(spec.model_folder)
         if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
             model = model.cuda()
-        mesh = build_device_mesh(strategy, device_type)
         # the runner drives a pipeline stage itself; activation checkpointing as the plan says
         config = ParallelConfig(n_microbatches=None, activation_checkpointing=spec.activation_checkpointing)
         parallel = parallelize(model.train(), strategy, mesh, config)
@@ -281,7 +286,8 @@ def _follow(trainer: RankTrainer) -> None:
             trainer.step(batch)
         if command["gather"]:
             trainer.gather_weights()
-    trainer.gather_weights()
+    if trainer.parallel is not None:  # the policy's final weights (a critic's own ranks have none)
+        trainer.gather_weights()
 
 
 def _follow_critic(critic: RankCritic, command: dict) -> None:
@@ -318,7 +324,7 @@ def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: Pa
     return None
 
 
-def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
+def run_ranks(settings: TrainSettings | None, strategy: ParallelStrategy, lead, args: tuple, timeout_s: float,
               device_type: str = "cpu", backend: str = "gloo", secret: bytes | None = None,
               critic: TrainSettings | None = None, span: RankSpan | None = None) -> object:
     """Spawn ``strategy.world_size`` ranks (or ``span``'s, this machine's share of ranks spread
@@ -330,13 +336,14 @@ def run_ranks(settings: TrainSettings, strategy: ParallelStrategy, lead, args: t
     or ``cuda``/``nccl``; a rank uses GPU ``local rank mod device_count``, its rank among the
     ranks spawned on its machine). ``secret``: the run's
     channel secret, the key of every object the ranks exchange (``spawn_workers``). ``critic``:
-    the settings of a critic's train_step trained on the same ranks (``RankTrainer.build``).
+    the settings of a critic's train_step trained on the same ranks (``RankTrainer.build``);
+    ``settings`` None: the ranks train that critic alone (a critic on a mesh of its own).
 
     Raises:
         StrategyError: ``strategy`` breaks a model rule (checked before spawning).
         runtime.parallel.launch.WorkerError: a rank raised (its rank and traceback inside).
     """
-    validate_strategy_for_model(strategy, AutoConfig.from_pretrained(settings.model_folder))
+    validate_strategy_for_model(strategy, AutoConfig.from_pretrained((settings or critic).model_folder))
     results = spawn_workers(_rank_main, strategy.world_size, (settings, strategy, device_type, lead, args, critic),
                             backend=backend, timeout_s=timeout_s, secret=secret, span=span)
     return results[0] if span is None or span.first == 0 else None

@@ -1,7 +1,7 @@
-"""The ranks of a multi-rank policy train_step, spawned by the worker that hosts them.
+"""The ranks of a multi-rank train_step, spawned by the worker that hosts them.
 
 Owns the start of a trainer's ranks (``runtime.parallel_trainer.run_ranks``) from a
-worker's spec: the policy's and a critic's settings, the ranks of this machine
+worker's spec: the policy's and a critic's settings (or a critic's alone, on a mesh of its own), the ranks of this machine
 (``WorkerSpec.ranks``; all of them, or this machine's share when the ranks are spread over
 machines on Ray), and a rank's death turned into this process's (the schedulers restart a
 dead trainer from its last checkpoint). The stage worker (``runtime.stage_worker``) runs the
@@ -26,18 +26,20 @@ def run_rank_host(spec: WorkerSpec) -> None:
 
 
 def rank_settings(ctx, group):
-    """``(policy settings, critic settings or None)`` of the group's multi-rank policy
-    train_step and a critic trained on its ranks (its strategy), or None: no ranks to spawn."""
-    policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
-                  None)
-    if policy is None or group.strategy.world_size == 1:
-        return None
+    """``(policy settings or None, critic settings or None)`` of the group's multi-rank train_steps,
+    or None: no ranks to spawn. The policy's multi-rank train_step brings a critic trained on
+    its ranks (its strategy); a group without the policy's trainer spawns ranks for a multi-rank
+    critic of its own (``(None, critic settings)``: its mesh, its strategy)."""
     from runtime.executors.train import TrainSettings
 
+    policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
+                  None)
     critic = next((TrainSettings.from_node(ctx.node(n), ctx) for n in group.nodes if ctx.node(n).trains
                    and ctx.plan.models[ctx.node(n).model]["head"] == "value"
-                   and ctx.node(n).parallel.world_size > 1), None)  # on the same ranks and strategy
-    return TrainSettings.from_node(ctx.node(policy), ctx), critic
+                   and ctx.node(n).parallel.world_size > 1), None)
+    if group.strategy.world_size == 1 or (policy is None and critic is None):
+        return None
+    return (TrainSettings.from_node(ctx.node(policy), ctx) if policy is not None else None), critic
 
 
 def run_trainer_ranks(spec: WorkerSpec, ctx, group, lead, args: tuple):

@@ -90,12 +90,8 @@ def test_the_local_and_ray_schedulers_choose_the_same_groups(tmp_path):
     assert ray_runs == expected
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scheduler", ["local", "ray"])
-def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends(tmp_path, scheduler):
-    cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, *OWN, f"out_dir={tmp_path}", "name=own",
-            "scheduler.threads_per_worker=1", f"scheduler.type={scheduler}", timeout_s=400)  # a hang fails, by timeout
-    out = tmp_path / "own"
+def _check_own_mesh_run(out: Path) -> None:
+    """The accounting of a TINY run with the critic's step group before the policy's trainer."""
     trained = records(out)
     assert len(trained) == 3 * 2 * 4  # steps x B groups x n samples, by hand
     assert len({t["sample_id"] for t in trained}) == 24  # each sample once
@@ -107,6 +103,34 @@ def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_
         assert workers[name]["max_staleness_seen"] <= 1
     assert (out / "critic" / "config.json").exists()  # the critic group saved its model
     assert _scalars(out, "train/value_loss") == [0, 1, 2]  # the critic's stats reach the trainer's steps
+
+
+@pytest.mark.slow
+def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends_on_ray(tmp_path):
+    cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, *OWN, f"out_dir={tmp_path}", "name=own",
+            "scheduler.threads_per_worker=1", "scheduler.type=ray", timeout_s=400)  # a hang fails, by timeout
+    _check_own_mesh_run(tmp_path / "own")
+
+
+@pytest.mark.slow
+def test_a_critic_on_two_ranks_of_its_own_mesh_trains_as_on_one(tmp_path):
+    # the same run with the critic on one process and on 2 ranks (dp2, FSDP2) of a mesh of its own
+    # (runtime.trainer_ranks spawns them for the critic's group): both train every sample once and
+    # end; step 0's batch (the first B groups admitted, sampled by version 0) and the critic's
+    # version 0 are the same in both, so its value loss and gradient norm agree within fp32
+    # reduction order (FSDP sums two halves; relative 1e-5, as tests/rl_step_cases.py argues)
+    runs = {}
+    for label, devices, critic in (("one", 3, "d1"), ("two", 4, "d2")):
+        cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, f"cluster.n_gpus_per_node={devices}",
+                f"compile.allocation=gen:d1 + train:d1 + critic_step:{critic}", f"out_dir={tmp_path}",
+                f"name={label}", "scheduler.threads_per_worker=1", timeout_s=400)
+        out = tmp_path / label
+        _check_own_mesh_run(out)
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["allocation"] == f"gen:d1 + train:d1 + critic_step:{critic} | advantage:{critic}"
+        runs[label] = json.loads((out / "steps.jsonl").read_text().splitlines()[0])
+    for key in ("train/value_loss", "train/critic_grad_norm"):
+        assert runs["two"][key] == pytest.approx(runs["one"][key], rel=1e-5), key
 
 
 SECOND = '''
@@ -212,25 +236,25 @@ def test_each_rule_names_its_node(change, node, rule):
     assert (problem and (problem[0], problem[1].split(":")[0])) == ((node, rule) if node else None)
 
 
-def test_a_multi_rank_critic_away_from_the_policys_ranks_is_refused_by_rule(tmp_path):
+def test_a_multi_rank_critic_on_the_policys_mesh_with_another_strategy_is_refused_by_rule(tmp_path):
     from compiler.strategy import ParallelStrategy
 
-    d1, d2 = ParallelStrategy(dp=1), ParallelStrategy(dp=2)
+    d1, d2, t2 = ParallelStrategy(dp=1), ParallelStrategy(dp=2), ParallelStrategy(tp=2)
 
     def critic_at(group, s, train_s=d2):
         nodes = [dataclasses.replace(n, strategy=train_s) if n.name == "train" else n for n in PPO]
-        return [dataclasses.replace(n, group=group, strategy=s, critic=True) if n.name == "critic" else n
-                for n in nodes]
+        return [dataclasses.replace(n, group=group, strategy=s, critic=True) if n.name == "critic" else
+                dataclasses.replace(n, group=group) if n.name == "adv" else n for n in nodes]  # adv: with its trainer
 
     assert hosting_problem(critic_at("C", d1)) is None  # one process on its own mesh
-    problem = hosting_problem(critic_at("C", d2))  # two processes on its own mesh
+    assert hosting_problem(critic_at("C", d2)) is None  # two processes on its own mesh: ranks of its own
+    assert hosting_problem(critic_at("T", d2)) is None  # on the policy's ranks, with its strategy
+    problem = hosting_problem(critic_at("T", t2))  # on the policy's ranks, another strategy
     assert (problem[0], problem[1].split(":")[0]) == ("critic", "critic-ranks")
-    with pytest.raises(AllocationError, match=r"node 'critic_step': critic-ranks: .*\(d2\)"):
-        _plan(tmp_path, "cluster.n_gpus_per_node=5", "compile.allocation=gen:d1 + train:d2 + critic_step:d2")
-    plan = _plan(tmp_path, *OWN)  # a hand-edited plan: the runtime asks the same predicate
-    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="d2") if n.name == "critic_step"
-                                                   else n for n in plan.nodes))
-    with pytest.raises(TopologyError, match=r"node 'critic_step'.*critic-ranks: "):
+    plan = _plan(tmp_path, "cluster.n_gpus_per_node=3", "compile.allocation=train:d2 | critic_step:d2 + gen:d1")
+    edited = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, strategy="t2") if n.name == "critic_step"
+                                                   else n for n in plan.nodes))  # hand-edited: the runtime asks too
+    with pytest.raises(TopologyError, match=r"node 'critic_step'.*critic-ranks: .*\(d1t2\).*\(d2;"):
         build_topology(edited)
 
 

@@ -138,6 +138,8 @@ class TrainStepExecutor:
         self.ranks = ctx.rank_trainer if not self.critic else None
         on_ranks = self.critic and ctx.rank_trainer is not None and node.parallel.world_size > 1
         self.rank_critic = ctx.rank_trainer.critic if on_ranks else None  # runtime.parallel_critic
+        # a critic on ranks of its own (no policy there) ends the ranks' loop itself
+        self.ends_ranks = on_ranks and ctx.rank_trainer.parallel is None
         self.device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"  # the plan's device type
         self.phases = None  # runtime.train_phases, one process only
         self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
@@ -224,7 +226,7 @@ class TrainStepExecutor:
 
     def final_state(self) -> dict[str, torch.Tensor] | None:
         """The weights after the last step; on several ranks this also ends their loop."""
-        if self.ranks is not None:
+        if self.ranks is not None or self.ends_ranks:
             broadcast_command(None)
         return self.state_dict()
 
