@@ -2,9 +2,10 @@
 of its own (``gen:d1 + train:d1 + critic_step:d1``) checkpoints each group's part at the same
 version (``runtime.checkpoint``: the policy trainer's ``version_<v>/``, the critic group's
 ``parts/critic_step/version_<v>/``). At k = 0 a run whose critic worker is killed, or whose
-driver is killed and resumed, ends with the uninterrupted run's policy and critic bit for bit,
-every sample trained once and every step once; a version whose critic part is torn is skipped
-for the one before, in one line. Counts: 6 steps x B=2 groups x n=4 samples, by hand."""
+driver is killed and resumed, ends with the uninterrupted run's policy and critic bit for
+bit, every sample trained once and every step once; a version whose critic part is torn is
+skipped for the one before, in one line, and the resume (local and Ray) reaches the same
+weights. Counts: 6 steps x B=2 groups x n=4 samples, by hand."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def _both_models_same(out: Path, whole: Path) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["local", "ray"])
 def test_each_step_group_writes_its_part_and_a_torn_critic_part_falls_back_to_the_version_before(
-        tmp_path, chain_whole):
+        tmp_path, chain_whole, scheduler):
     for v in (2, 4, 6):  # every group's part at every checkpointed version
         manifest = json.loads((chain_whole / f"checkpoints/version_{v}" / MANIFEST).read_text())
         assert manifest["parts"] == ["critic_step"] and manifest["next_index"] == v * B
@@ -63,7 +65,7 @@ def test_each_step_group_writes_its_part_and_a_torn_critic_part_falls_back_to_th
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1  # one bit flipped, the size kept
     weights.write_bytes(bytes(data))
-    err = _finish(_cli(tmp_path, "torn", "--resume", str(out)))
+    err = _finish(_cli(tmp_path, "torn", "--resume", str(out), f"scheduler.type={scheduler}"))  # each actor its part
     skipped = [line for line in err.splitlines() if "skipping checkpoint" in line]
     assert skipped == [f"areal-flow: skipping checkpoint {out}/checkpoints/version_{STEPS}: its part "
                        f"parts/critic_step/version_{STEPS}: critic/model.safetensors fails its xxh64 checksum; "
