@@ -274,7 +274,11 @@ def incomplete(folder: Path, checksums: bool = True) -> str | None:
     why = torn(folder, checksums)
     if why is not None:
         return why
-    for group in json.loads((folder / MANIFEST).read_text()).get("parts", []):
+    try:
+        groups = json.loads((folder / MANIFEST).read_text()).get("parts", [])
+    except OSError:  # deleted meanwhile, by a rotation
+        return f"no {MANIFEST}"
+    for group in groups:
         part = part_folder(folder, group)
         why = torn(part, checksums)
         if why is not None:
