@@ -8,7 +8,9 @@ several step groups, a *chain*: the step groups, ordered by their first node in 
 data order, each take step ``s``'s whole batch — the first from the per-group channels, every
 later one from the step group before it, with every value computed so far — run their batch
 nodes on it and pass it on. The policy's trainer (wherever it sits in the chain) publishes
-the versions; the proof of the staleness bound over a chain is ``runtime.staleness``'s.
+the versions; the proof of the staleness bound over a chain is ``runtime.staleness``'s. A
+chain checkpoints (``train.checkpoint_every``) every step group's part at the same version and
+resumes each from its own (``runtime.checkpoint``).
 
 :func:`hosting_problem` names the first node that breaks the chain, by rule:
 
@@ -31,8 +33,6 @@ the versions; the proof of the staleness bound over a chain is ``runtime.stalene
   generate node whose prompts a per-group node builds (an LLM judge, a teacher) is a
   per-group node: it runs one engine of its model in the worker group hosting it, on each
   prompt group as it arrives (``runtime.executors.fed_generate``);
-* ``checkpoint-chain``: checkpoints (``train.checkpoint_every``) with several step groups
-  (the checkpoint format holds one group's models and cursor);
 * ``judge-no-route``: a weight route (``sync_weights``) reaches a generate node fed by a
   per-group node (its engine loads no weights: it runs a frozen model, without versions);
 * ``judge-one-sample``: such a node samples ``n_samples != 1`` (its rollouts pair one to one
@@ -87,7 +87,6 @@ class Hosted:
         group: the worker group hosting it (any hashable label, equal for nodes of one group).
         inputs: the nodes its data inputs come from.
         model: the model it runs (None for a CPU node). trains: it trains ``model``.
-        checkpoints: it trains and writes checkpoints (``checkpoint_every > 0``).
         strategy: its parallel strategy (None: a CPU node, or not chosen yet).
         critic: it trains a scalar-head (value) model. samples: a generate node's ``n_samples``.
         routed: a weight route (``sync_weights``) reaches it.
@@ -99,7 +98,6 @@ class Hosted:
     inputs: tuple[str, ...] = ()
     model: str | None = None
     trains: bool = False
-    checkpoints: bool = False
     strategy: ParallelStrategy | None = None
     critic: bool = False
     samples: int = 1
@@ -204,11 +202,6 @@ def hosting_problem(nodes: list[Hosted]) -> tuple[str, str] | None:
                 and owner.group != n.group:
             return n.name, (f"stale-weights: it runs model '{n.model}', which '{owner.name}' trains in another worker "
                             f"group; place it with '{owner.name}' (time-share its mesh, '|')")
-    saving = next((n for n in nodes if n.checkpoints), None)
-    if saving is not None and len(steps) > 1:
-        return saving.name, (f"checkpoint-chain: checkpoints (train.checkpoint_every) with {len(steps)} step groups "
-                             f"(those of {', '.join(repr(_first(nodes, g)) for g in steps)}); a checkpoint holds one "
-                             "step group's models")
     return None
 
 
@@ -254,7 +247,7 @@ def workload_hosting(workload: Workload, group_of: dict[str, object],
         group = ("generation", host) if tasks[host].role == GENERATION else group_of[host]
         trains = bool(task and task.role == TRAINING)
         out.append(Hosted(name, lookup(op).grain, group, tuple(inputs.get(name, ())),
-                          task.model_name if task else None, trains, name in workload.checkpointing,
+                          task.model_name if task else None, trains,
                           strategies.get(name), trains and task.model.head == "scalar",
                           int(workload.node_attrs.get(name, {}).get("n_samples") or 1), name in routed))
     return out

@@ -74,7 +74,6 @@ class Workload:
         aliases: ``gen`` -> the generate node, ``train`` -> the policy's train_step.
         data_edges: ``(src, dst, kind, max_staleness)`` of every graph edge.
         ops: node -> op, for every graph node.
-        checkpointing: the trainers that write checkpoints (``checkpoint_every > 0``).
         node_attrs: device node -> its attributes (what ``compiler.executable`` reads of it).
         step_rows: the sequences a train_step takes per step when the plan runs, B x the generate
             node's ``n_samples`` (``compile.samples_per_prompt`` changes only the time model's);
@@ -91,7 +90,6 @@ class Workload:
     aliases: dict[str, str]
     data_edges: tuple[tuple[str, str, str, int | None], ...]
     ops: dict[str, str]
-    checkpointing: tuple[str, ...] = ()
     node_attrs: dict[str, dict] = dataclasses.field(default_factory=dict)
     step_rows: int = 0
 
@@ -185,7 +183,6 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
         aliases=aliases,
         data_edges=tuple((e.src, e.dst, e.kind, e.max_staleness) for e in graph.edges),
         ops={n.name: n.op for n in graph.nodes.values()},
-        checkpointing=tuple(n.name for n in trainers(graph) if (n.attrs or {}).get("checkpoint_every")),
         node_attrs={t.node: dict(graph.nodes[t.node].attrs) for t in tasks},
         step_rows=batch_groups * int(gen_attrs.get("n_samples") or 1),
     )

@@ -21,16 +21,26 @@ steps trained so far) and the rule that a half-written checkpoint is never used:
   bytes and xxHash64 (``files``: ``{path: {"bytes", "xxh64"}}``), and ``manifest_xxh64``, the
   xxHash64 of the rest (its JSON with sorted keys), so a changed manifest is caught too.
 
+A plan with several step groups (a chain, ``compiler.hosting``: e.g. a critic on a mesh of
+its own) checkpoints each group's *part* at the same version, each written by its own group
+as above: the policy trainer's group (``Topology.trainer``) writes ``version_<v>/`` and lists
+the other groups in its manifest (``parts``: their names, in chain order; absent for one
+step group, whose format is the one above); every other group writes
+``parts/<group>/version_<v>/`` (:func:`part_folder`), with its own models (a sub-folder
+named by each), ``trainer_state.pt`` and manifest. Version ``v`` is complete only when
+``version_<v>/`` and every part it lists are (:func:`incomplete`).
+
 A folder counts as complete only when its manifest parses, its own checksum holds, its
 ``version`` is the folder's, and every file it lists is there at its size and checksum
-(:func:`torn` says why not). A resume takes the newest complete one and names each newer
-folder it skips and why (:func:`latest_checkpoint`).
+(:func:`torn` says why not). A resume takes the newest complete version and names each newer
+one it skips and why (:func:`latest_checkpoint`).
 
 The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, then the
 folder is renamed to ``version_<v>`` (``os.replace``: atomic on one file system) and the
 parent fsync'ed. A write that fails (a full disk: ``ENOSPC``) removes the ``.tmp`` folder and
 raises :class:`CheckpointWriteError`, leaving every complete checkpoint as it was; only after
-a new one is complete are old ones rotated (:func:`rotate`, ``train.keep_checkpoints``).
+a new one is complete are old ones rotated (:func:`rotate`, ``train.keep_checkpoints``; in a
+chain by whichever group completes the version last, every part with its version).
 
 The generation replicas keep no state a checkpoint needs: their sampling generator is
 re-seeded from ``(seed, replica, version)`` whenever they load a version
@@ -58,6 +68,7 @@ STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_dcp"
 MANIFEST = "manifest.json"
 PREFIX = "version_"
+PARTS_DIR = "parts"
 
 
 class CheckpointWriteError(OSError):
@@ -82,8 +93,23 @@ class Checkpoint:
     version: int
 
     def manifest(self) -> dict:
-        """``manifest.json`` (module doc): ``version``, ``next_index``, ``strategies``, ``files``."""
+        """``manifest.json`` (module doc): ``version``, ``next_index``, ``strategies``, ``files``
+        (and ``parts`` in a chain)."""
         return json.loads((self.folder / MANIFEST).read_text())
+
+    def strategies(self) -> dict[str, str]:
+        """Each train_step's plan strategy, over the folder's manifest and its parts'."""
+        manifest = self.manifest()
+        out = dict(manifest.get("strategies", {}))
+        for group in manifest.get("parts", []):
+            out.update(json.loads((part_folder(self.folder, group) / MANIFEST).read_text()).get("strategies", {}))
+        return out
+
+
+def part_folder(checkpoint: Path, group: str) -> Path:
+    """Where step group ``group``'s part of checkpoint ``checkpoint`` (``<root>/version_<v>``)
+    lies in a chain (module doc): ``<root>/parts/<group>/version_<v>``."""
+    return checkpoint.parent / PARTS_DIR / group / checkpoint.name
 
 
 def read_state(folder: Path) -> dict:
@@ -148,7 +174,8 @@ def _manifest_digest(body: dict) -> str:
 
 
 def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict,
-                     next_index: int, strategies: dict[str, str] | None = None) -> Path:
+                     next_index: int, strategies: dict[str, str] | None = None,
+                     parts: tuple[str, ...] = ()) -> Path:
     """Write ``root/version_<version>`` atomically (module doc) and return it.
 
     Args:
@@ -157,6 +184,8 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
         next_index: the first admission index not yet trained (the manifest's).
         strategies: each train_step's plan strategy (e.g. ``{"train_step": "d2"}``; the
             manifest's, read by a resume on another allocation, ``runtime.run_setup``).
+        parts: the other step groups of a chain, whose parts complete this version (the
+            manifest's ``parts``, only when given: module doc).
 
     Raises:
         CheckpointWriteError: an ``OSError`` while writing (e.g. ``ENOSPC``); the ``.tmp``
@@ -176,7 +205,8 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync(path)
             files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh64": _xxh64(path)}
-        body = {"version": version, "next_index": next_index, "strategies": strategies or {}, "files": files}
+        body = {"version": version, "next_index": next_index, "strategies": strategies or {}, "files": files,
+                **({"parts": list(parts)} if parts else {})}
         (tmp / MANIFEST).write_text(json.dumps({**body, "manifest_xxh64": _manifest_digest(body)}, indent=1))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
@@ -237,30 +267,68 @@ def _versions(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def incomplete(folder: Path, checksums: bool = True) -> str | None:
+    """Why version folder ``folder`` is not complete with the parts its manifest lists (module
+    doc): :func:`torn` of the folder, or ``its part parts/<group>/version_<v>: <why>`` for the
+    first torn part; None when all are complete. ``checksums`` as for :func:`torn`."""
+    why = torn(folder, checksums)
+    if why is not None:
+        return why
+    try:
+        groups = json.loads((folder / MANIFEST).read_text()).get("parts", [])
+    except OSError:  # deleted meanwhile, by a rotation
+        return f"no {MANIFEST}"
+    for group in groups:
+        part = part_folder(folder, group)
+        why = torn(part, checksums)
+        if why is not None:
+            return f"its part {part.relative_to(folder.parent)}: {why}"
+    return None
+
+
 def rotate(root: Path, version: int, keep: int) -> list[Path]:
     """After ``version_<version>`` is complete, delete the ``version_<v>`` folders of ``root``
-    with ``v < version`` beyond the ``keep - 1`` newest complete ones (by manifest and sizes),
-    so ``keep`` complete checkpoints remain; ``keep = 0`` keeps all. Newer folders (left by an
-    attempt that died after its resume point) are not touched. Returns the deleted folders.
+    with ``v < version`` beyond the ``keep - 1`` newest complete ones (by manifest and sizes,
+    parts included: :func:`incomplete`), so ``keep`` complete checkpoints remain, and every
+    part folder (``parts/<group>/version_<v>``, ``v < version``) of a version not kept;
+    ``keep = 0`` keeps all. A ``version`` not complete yet (a chain's part still to come)
+    deletes nothing: the group completing it rotates. Newer folders (left by an attempt that
+    died after its resume point) are not touched. Two groups rotating at once delete each
+    folder once between them. Returns the folders deleted here.
 
     Raises:
         OSError: a folder cannot be deleted (names it).
     """
-    if keep <= 0:
+    if keep <= 0 or incomplete(root / f"{PREFIX}{version}", checksums=False) is not None:
         return []
-    kept, doomed = 1, []
+    kept, doomed = {version}, []
     for v, folder in _versions(root):
         if v >= version:
             continue
-        if kept < keep and torn(folder, checksums=False) is None:
-            kept += 1
+        if len(kept) < keep and incomplete(folder, checksums=False) is None:
+            kept.add(v)
             continue
-        try:
-            shutil.rmtree(folder)
-        except OSError as e:
-            raise OSError(f"cannot delete the old checkpoint {folder} (train.keep_checkpoints={keep}): {e}") from e
-        doomed.append(folder)
+        doomed += _delete(folder, keep)
+    groups = sorted(p for p in (root / PARTS_DIR).iterdir() if p.is_dir()) if (root / PARTS_DIR).is_dir() else []
+    for group in groups:
+        for v, folder in _versions(group):
+            if v < version and v not in kept:
+                doomed += _delete(folder, keep)
     return doomed
+
+
+def _delete(folder: Path, keep: int) -> list[Path]:
+    """``[folder]`` once deleted, ``[]`` when another group's rotation deleted it first.
+
+    Raises:
+        OSError: it cannot be deleted (names it and ``keep``)."""
+    try:
+        shutil.rmtree(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise OSError(f"cannot delete the old checkpoint {folder} (train.keep_checkpoints={keep}): {e}") from e
+    return [folder]
 
 
 def _size(folder: Path | None) -> int:
@@ -275,8 +343,13 @@ def _size(folder: Path | None) -> int:
 
 def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict, *, next_index: int,
                     strategies: dict[str, str], keep: int, last: Path | None,
-                    say: Callable[[str], None]) -> Path | None:
+                    say: Callable[[str], None], part: str | None = None,
+                    parts: tuple[str, ...] = ()) -> Path | None:
     """:func:`write_checkpoint`, then :func:`rotate` by ``keep`` (``train.keep_checkpoints``).
+
+    In a chain (module doc) ``part`` names the step group writing its part, under
+    ``root/parts/<part>`` (None: the policy trainer's group, at ``root``), and ``parts`` are
+    the other groups the trainer's manifest lists.
 
     A checkpoint that cannot be written does not stop training: it is said in one line to
     ``say``, naming the folder, the cause and ``last`` (the newest complete checkpoint, None:
@@ -287,13 +360,14 @@ def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], stat
     (:class:`CheckpointWriteError`: a full disk, a quota). Returns the written folder otherwise.
     """
     try:
+        where = root / PARTS_DIR / part if part else root
         need = _size(last)
         free = shutil.disk_usage(root).free if need else 0
         if need > free:
-            raise CheckpointWriteError(errno.ENOSPC, f"checkpoint {root / f'{PREFIX}{version}'} not written (ENOSPC: "
+            raise CheckpointWriteError(errno.ENOSPC, f"checkpoint {where / f'{PREFIX}{version}'} not written (ENOSPC: "
                                        f"{need / 2**20:.1f} MiB needed, as {last.name} holds, {free / 2**20:.1f} "
                                        "MiB free)")
-        final = write_checkpoint(root, version, fill, state, next_index, strategies)
+        final = write_checkpoint(where, version, fill, state, next_index, strategies, parts)
     except CheckpointWriteError as e:
         kept = f"{last} stays the last complete checkpoint" if last else "no complete checkpoint yet"
         say(f"{e.strerror}; {kept}; training goes on")
@@ -303,11 +377,12 @@ def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], stat
 
 
 def latest_checkpoint(run_dir: Path, say: Callable[[str], None] | None = None) -> Checkpoint | None:
-    """The complete checkpoint of ``run_dir`` with the highest version (None when there is
-    none); ``version_<v>.tmp`` folders are ignored and torn ones (:func:`torn`) skipped, each
-    named with its reason in one line to ``say`` (e.g. ``print`` to stderr)."""
+    """The complete checkpoint of ``run_dir`` with the highest version, parts included in a
+    chain (None when there is none); ``version_<v>.tmp`` folders are ignored and incomplete
+    ones (:func:`incomplete`) skipped, each named with its reason in one line to ``say``
+    (e.g. ``print`` to stderr)."""
     for version, folder in _versions(run_dir / "checkpoints"):
-        why = torn(folder)
+        why = incomplete(folder)
         if why is None:
             return Checkpoint(folder, version)
         if say is not None:

@@ -92,7 +92,7 @@ def check_resumable(plan: Plan, out_dir: Path, checkpoint: Checkpoint) -> list[s
     now = json.loads(plan.to_json())
     moved = (before.get("allocation"), before.get("cluster")) != (now.get("allocation"), now.get("cluster"))
     if program(before, ignored, placement=moved) == program(now, ignored, placement=moved):
-        return _reshards(before, now, checkpoint.manifest().get("strategies", {}))
+        return _reshards(before, now, checkpoint.strategies())
     diffs = _differences(program(before, ignored, placement=moved), program(now, ignored, placement=moved))
     diffs.sort(key=lambda d: not (d[0].startswith("run.") or ".attrs." in d[0]))  # what the user set first
     shown = "; ".join(f"{USER_KEYS.get(k, k)}: {a} in the run, {b} now" for k, a, b in diffs[:MAX_SHOWN])

@@ -22,7 +22,8 @@ on the channels' groups, each later one on step ``s``'s whole batch from the one
 one message ``("batch", s, items, values, stats, sent_us)`` carrying the step's ``B`` items,
 the batch values later groups read (``"node.port"``) and the train_steps' stats so far. Only
 the trainer (``Topology.trainer``) logs trajectories, evaluates and reports the step's
-metrics (with the stats of the step groups before it); each step group saves its own models.
+metrics (with the stats of the step groups before it); each step group saves its own models
+and writes and restores its own part of each checkpoint (``runtime.step_checkpoint``).
 
 A group a ``group`` node drops (a filter) is reported so the router resamples its slot; a
 late duplicate of a group already held (sent twice around a replica restart) is dropped and
@@ -110,7 +111,9 @@ class _Stage:
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
         self.checkpoints = StepCheckpoints(self.executors, self.batch_nodes, ctx.policy_name(),
                                            self.topo.batch_groups, int(ctx.plan.run.get("keep_checkpoints", 0)),
-                                           spec.group, Path(spec.resume) if spec.resume else None)
+                                           spec.group, Path(spec.resume) if spec.resume else None,
+                                           chain=tuple(g.name for g in self.topo.step_groups),
+                                           trainer=self.topo.trainer.name)
         self.trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
         chain = [g.name for g in self.topo.step_groups]
         at = chain.index(group.name) if group.name in chain else 0

@@ -46,7 +46,11 @@ group's step ``s`` waits only for indices ``< (s + 1) * B``, admissible at versi
 (above), and for the step groups before it, which wait for the same; so the trainer's step
 ``s`` and the version ``s + 1`` it publishes always come, and a step group after the trainer
 only lags it. Exactly-once: each step group puts every index in its buffer once (a step's
-batch reaches the next group as one message) and its buffer refuses a second. A forward-only
+batch reaches the next group as one message) and its buffer refuses a second. Across a
+resume (or every worker restarted) the same holds: every step group loads its own part of
+one version ``v``, complete in every part (``runtime.checkpoint``), so every buffer starts at
+step ``v``, the indices ``>= v * B`` are admitted again and the ones below are in no buffer;
+no group resumes from a version another group has not reached. A forward-only
 node of a trained model sits with that model's trainer (rule ``stale-weights``), so at step
 ``s`` it reads the model after ``s`` updates, as when everything ran in one process.
 

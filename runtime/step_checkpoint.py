@@ -8,6 +8,9 @@ one also its ``torch.distributed.checkpoint`` shards, ``SHARDED_DIR``) and optim
 the RNGs, the admission cursor ``version * B``, and the state of every batch node whose
 executor is ``areal_flow.ops.interfaces.Checkpointed`` (e.g. the replay buffer of
 ``ops.replay``), under its node's name in ``trainer_state.pt``. The runtime names no op.
+In a chain of step groups each group writes and restores its own part of a version (the
+policy trainer's group ``version_<v>/``, every other one ``parts/<group>/version_<v>/``:
+``runtime.checkpoint``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import sys
 from pathlib import Path
 
 from areal_flow.ops.interfaces import Checkpointed
-from runtime.checkpoint import SHARDED_DIR, capture_rng, model_folder, read_state, restore_rng, save_checkpoint
+from runtime.checkpoint import (SHARDED_DIR, capture_rng, model_folder, part_folder, read_state, restore_rng,
+                                save_checkpoint)
 
 
 class StepCheckpoints:
@@ -27,15 +31,25 @@ class StepCheckpoints:
         policy: the policy model's name (its weights at the folder's top level).
         batch_groups: prompt groups per step (``B``). keep: ``train.keep_checkpoints`` (0 = all).
         group: the group's name, for the one-line notes on stderr.
-        last: the newest complete checkpoint (a resumed run's), or None.
+        last: the newest complete checkpoint (a resumed run's, ``version_<v>``), or None.
+        chain: the plan's step groups in chain order; trainer: the policy trainer's group
+            (it writes ``version_<v>/``, listing the others as its parts; ``runtime.checkpoint``).
     """
 
     def __init__(self, executors: dict, batch_nodes: list, policy: str, batch_groups: int, keep: int, group: str,
-                 last: Path | None) -> None:
+                 last: Path | None, chain: tuple[str, ...] = (), trainer: str = "") -> None:
         self.executors, self.batch_nodes, self.policy = executors, batch_nodes, policy
-        self.batch_groups, self.keep, self.group, self.last = batch_groups, keep, group, last
+        self.part = group if len(chain) > 1 and group != trainer else None  # None: this group writes version_<v>
+        self.parts = tuple(g for g in chain if g != trainer) if self.part is None and len(chain) > 1 else ()
+        self.batch_groups, self.keep, self.group = batch_groups, keep, group
+        self.last = self.folder(last) if last is not None else None
         self.to_save: dict = {}  # train_step name -> its weights after a checkpointed step
         self.failures = 0  # writes that failed with an OSError (a full disk)
+
+    def folder(self, checkpoint: Path) -> Path:
+        """This group's part of checkpoint ``checkpoint`` (``version_<v>``): the folder itself,
+        or ``parts/<group>/version_<v>`` beside it for a step group other than the trainer's."""
+        return part_folder(checkpoint, self.part) if self.part else checkpoint
 
     def _trained(self) -> list:
         return [n for n in self.batch_nodes if n.trains]
@@ -66,7 +80,7 @@ class StepCheckpoints:
                  "executors": {name: ex.checkpoint_state() for name, ex in self._stateful().items()}}
         written = save_checkpoint(root, version, fill, state, next_index=version * self.batch_groups,
                                   strategies={n.name: n.strategy for n in nodes if n.strategy}, keep=self.keep,
-                                  last=self.last,
+                                  last=self.last, part=self.part, parts=self.parts,
                                   say=lambda line: print(f"areal-flow: {self.group}: {line}", file=sys.stderr,
                                                          flush=True))
         if written is None:
@@ -76,12 +90,14 @@ class StepCheckpoints:
         return True
 
     def restore(self, folder: Path) -> int:
-        """Load checkpoint ``folder`` into the train_step executors, the ``Checkpointed`` ones and
-        this process's RNGs; return its version (the next step).
+        """Load this group's part of checkpoint ``folder`` (``version_<v>``, :meth:`folder`) into
+        the train_step executors, the ``Checkpointed`` ones and this process's RNGs; return its
+        version (the next step).
 
         Raises:
             ValueError: a checkpointed executor whose node has no state in the checkpoint.
         """
+        folder = self.folder(folder)
         state = read_state(folder)
         saved = state.get("executors", {})
         for name, executor in self._stateful().items():

@@ -224,8 +224,7 @@ def _hosted(plan: Plan, group_of: dict[str, str]) -> list[Hosted]:
     """The plan's nodes as ``compiler.hosting`` sees them (the dataset and routes have no group)."""
     routed = {r.dst for r in plan.routes}
     return [Hosted(n.name, n.grain, group_of.get(n.name), tuple(src for src, _ in n.inputs.values()),
-                   n.model if n.strategy is not None else None, n.trains,
-                   n.trains and bool(n.attrs.get("checkpoint_every")), n.parallel,
+                   n.model if n.strategy is not None else None, n.trains, n.parallel,
                    n.trains and plan.models.get(n.model, {}).get("head", "lm") != "lm",
                    int(n.attrs.get("n_samples") or 1), n.name in routed) for n in plan.nodes]
 

@@ -188,7 +188,7 @@ def test_a_judge_given_other_than_one_prompt_per_sample_stops_naming_the_node(tm
 
 
 def _n(name, grain, group, *inputs, model=None, trains=False, samples=1, routed=False):
-    return Hosted(name, grain, group, inputs, model, trains, False, samples=samples, routed=routed)
+    return Hosted(name, grain, group, inputs, model, trains, samples=samples, routed=routed)
 
 
 JUDGED = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), _n("ask", GROUP, "G", "gen"),

@@ -179,8 +179,7 @@ def test_compile_refuses_a_critics_advantage_away_from_its_trainer(tmp_path):
     with pytest.raises(AllocationError, match=r"node 'advantage': stale-weights: .*'critic_step' trains"):
         _plan(tmp_path, "cluster.n_gpus_per_node=3",
               "compile.allocation=gen:d1 + train:d1 | advantage:d1 + critic_step:d1")
-    with pytest.raises(AllocationError, match=r"node 'train_step': checkpoint-chain: .*2 step groups"):
-        _plan(tmp_path, *OWN, "train.checkpoint_every=1")
+    assert _plan(tmp_path, *OWN, "train.checkpoint_every=1").allocation.startswith(OWN[1].split("=")[1])  # issue 24
 
 
 def test_run_refuses_it_before_any_process_starts(tmp_path):
@@ -213,8 +212,8 @@ def test_the_search_never_emits_a_layout_the_predicate_refuses(tmp_path, monkeyp
         _plan(tmp_path, "cluster.n_gpus_per_node=4")
 
 
-def _n(name, grain, group, *inputs, model=None, trains=False, checkpoints=False):
-    return Hosted(name, grain, group, inputs, model, trains, checkpoints)
+def _n(name, grain, group, *inputs, model=None, trains=False):
+    return Hosted(name, grain, group, inputs, model, trains)
 
 
 PPO = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), _n("rew", GROUP, "G", "gen"),
@@ -227,8 +226,6 @@ PPO = [_n("data", SOURCE, None), _n("gen", STREAM, "G", "data", model="pi"), _n(
     ({"adv": _n("adv", BATCH, "T", "gen", "rew", model="v")}, "adv", "stale-weights"),
     ({"rew": _n("rew", BATCH, "G", "gen")}, "rew", "batch-in-generation"),
     ({"rew": _n("rew", GROUP, "R", "adv")}, "rew", "later-group"),
-    ({"critic": _n("critic", BATCH, "C", "adv", model="v", trains=True, checkpoints=True)}, "critic",
-     "checkpoint-chain"),
 ])
 def test_each_rule_names_its_node(change, node, rule):
     nodes = [change.get(n.name, n) for n in PPO]
