@@ -5,7 +5,8 @@ version (``runtime.checkpoint``: the policy trainer's ``version_<v>/``, the crit
 driver is killed and resumed, ends with the uninterrupted run's policy and critic bit for
 bit, every sample trained once and every step once; a version whose critic part is torn is
 skipped for the one before, in one line, and the resume (local and Ray) reaches the same
-weights. Counts: 6 steps x B=2 groups x n=4 samples, by hand."""
+weights; so does a critic on 2 ranks of its own mesh, whose part holds its ranks' shards.
+Counts: 6 steps x B=2 groups x n=4 samples, by hand."""
 
 from __future__ import annotations
 
@@ -132,6 +133,36 @@ def test_a_killed_driver_resumes_every_group_from_its_part_bit_for_bit(tmp_path,
     assert _both_models_same(out, chain_whole)
     _exactly_once(out, k=0)
     assert _event_steps(out) == list(range(STEPS))
+
+
+@pytest.mark.slow
+def test_a_critic_on_two_ranks_of_its_own_mesh_resumes_its_sharded_part_bit_for_bit(tmp_path):
+    # the critic on 2 ranks of its own mesh (runtime.trainer_ranks): its part holds the ranks'
+    # DCP shards (critic/trainer_dcp); one bit flipped in a shard of the last version falls back
+    # to the version before, and the resume ends with the uninterrupted run's models bit for bit
+    two = [arg for arg in RUN if not arg.startswith(("cluster.", "compile."))]
+    two += ["cluster.n_gpus_per_node=4", "compile.allocation=gen:d1 + train:d1 + critic_step:d2"]
+    whole = tmp_path / "whole"
+    _finish(subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", *two, f"out_dir={tmp_path}",
+                              "name=whole"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    part = whole / f"checkpoints/parts/critic_step/version_{STEPS}"
+    assert json.loads((part / MANIFEST).read_text())["strategies"] == {"critic_step": "d2"}
+    shards = sorted((part / "critic/trainer_dcp").glob("*.distcp"))
+    assert len(shards) == 2  # one file a rank
+    out = tmp_path / "torn"
+    shutil.copytree(whole, out)
+    shard = out / shards[1].relative_to(whole)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    err = _finish(subprocess.Popen([sys.executable, "-m", "areal_flow.cli", "run", *two, f"out_dir={tmp_path}",
+                                    "name=torn", "--resume", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True))
+    assert f"skipping checkpoint {out}/checkpoints/version_{STEPS}: its part parts/critic_step/version_{STEPS}: " \
+           f"critic/trainer_dcp/{shards[1].name} fails its xxh64 checksum" in err, err[-3000:]
+    assert f"resuming {out} from version_{STEPS - 2} (step {STEPS - 2} of {STEPS})" in err
+    assert _both_models_same(out, whole)
+    _exactly_once(out, k=0)
 
 
 def _fill(folder: Path) -> None:
