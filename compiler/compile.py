@@ -68,7 +68,7 @@ def _pins(cfg: CompileConfig, model: CostModel) -> dict[str, ParallelStrategy]:
 
 
 def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, *, batch_groups: int,
-                 scheduler: str = "local") -> Plan:
+                 scheduler: str = "local", micro_batch_rows: int | None = None) -> Plan:
     """Place every node of ``graph`` on ``cluster_cfg`` and predict its step time.
 
     Args:
@@ -79,6 +79,9 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
             carries it on every data edge into a train_step.
         scheduler: ``scheduler.type`` the plan runs under; ``ray`` adds the rule
             ``ray-one-machine`` (``compiler.hosting``) to the search and the allocation.
+        micro_batch_rows: sequences per training micro-batch (``train.micro_batch_size``) when
+            ``compile_cfg.micro_batches`` is None: each strategy's micro-batches per DP rank are
+            ``ceil(sequences / dp / micro_batch_rows)``; None: the compiler chooses them.
 
     Returns:
         the best plan, with the other top-k allocations as ``alternatives``.
@@ -95,7 +98,7 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
     if isinstance(batch_groups, bool) or not isinstance(batch_groups, int) or batch_groups < 1:
         raise CompileConfigError(f"train.batch_size={batch_groups!r}: must be an int >= 1 (B, prompt groups per step)")
     workload = build_workload(graph, cfg, batch_groups)
-    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg, scheduler)
+    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg, scheduler, micro_batch_rows)
     pins = _pins(cfg, model)
     if cfg.allocation:
         chosen = evaluate(model, *resolve(cfg.allocation, model))

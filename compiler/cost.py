@@ -24,6 +24,8 @@ shards into it (``gather``: a ring all-gather of that copy over the mesh,
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from areal_flow.config_compile import ClusterConfig, CompileConfig
@@ -86,11 +88,14 @@ def _pow2_floor(n: int) -> int:
 class CostModel:
     """Memoized per-node costs for one workload, device kind, cluster and config; ``scheduler``
     is the runtime the plan is for (``scheduler.type``: ``local`` or ``ray``, whose placements
-    must also pass ``compiler.hosting.ray_hosting_problem``)."""
+    must also pass ``compiler.hosting.ray_hosting_problem``); ``micro_batch_rows``: sequences a
+    training micro-batch holds (``train.micro_batch_size``) when ``compile.micro_batches`` is
+    null, so each strategy's count per DP rank follows its ``dp``."""
 
     def __init__(self, workload: Workload, device: DeviceSpec, cluster: ClusterConfig, cfg: CompileConfig,
-                 scheduler: str = "local"):
+                 scheduler: str = "local", micro_batch_rows: int | None = None):
         self.workload = workload
+        self.micro_batch_rows = micro_batch_rows
         self.scheduler = scheduler
         self.device = device
         self.cluster = cluster
@@ -222,7 +227,7 @@ class CostModel:
         key = ("can_fit", task.node, s)
         if key not in self._costs:
             w, cfg = self.workload, self.cfg
-            m = cfg.micro_batches or self._most_micro_batches(s)
+            m = self._configured_micro_batches(s) or self._most_micro_batches(s)
             kw = dict(tokens_per_step=w.n_sequences * w.seq_len, micro_batches=m, dtype=cfg.dtype,
                       sharded=cfg.optimizer_sharding)
             mem = (training_memory(task.model, s, checkpointing=self.checkpointing, **kw)
@@ -237,6 +242,17 @@ class CostModel:
         return compute_s(task.model, size, n_sequences=w.n_sequences, seq_len=w.prompt_len + self.lengths.mean,
                          checkpointing=self.checkpointing, forward_only=task.role != TRAINING,
                          mfu=cfg.mfu, peak_flops=self.device.peak_flops)
+
+    def _configured_micro_batches(self, s: ParallelStrategy) -> int | None:
+        """Micro-batches per DP rank the config fixes under ``s``: ``compile.micro_batches``, else
+        from ``micro_batch_rows`` (``train.micro_batch_size``, sequences per micro-batch): the
+        rank's ``n_sequences / dp`` rows in micro-batches of at most that many, ``ceil(n / dp /
+        rows)``; None: the compiler chooses."""
+        if self.cfg.micro_batches is not None:
+            return self.cfg.micro_batches
+        if self.micro_batch_rows:
+            return max(1, math.ceil(self.workload.n_sequences / s.dp / self.micro_batch_rows))
+        return None
 
     def _most_micro_batches(self, s: ParallelStrategy) -> int:
         """Most micro-batches per DP rank: each holds at least one sequence (a power of two)."""
@@ -302,7 +318,7 @@ class CostModel:
             return {**times, "gather": gather} if whole else times
 
         whole, gather = self._whole_copy(task, s), self._gather_s(task, s)
-        m = micro_batches or cfg.micro_batches
+        m = micro_batches or self._configured_micro_batches(s)
         if m is None:  # the fastest power of two that fits; the fewest when none fits (for the error)
             most = self._most_micro_batches(s)
             m = 1 if memory(most).total <= self.usable else most  # the fewest that fit, else most

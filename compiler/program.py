@@ -23,9 +23,10 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 * ``compile.micro_batches`` from ``train.gradient_accumulation_steps`` when set (exactly that
   many per DP rank; each train_step's ``gradient_accumulation_steps`` attribute makes the
   compiler keep only the ``dp`` whose rows divide by it, ``compiler.executable``), else (when
-  null) from ``train.micro_batch_size``: the step's ``train.batch_size x n_samples`` sequences
-  in micro-batches of that many; the compiler writes the count per DP rank into the plan and
-  the trainer follows the plan;
+  null) from ``train.micro_batch_size``: each DP rank's ``train.batch_size x n_samples / dp``
+  sequences in micro-batches of at most that many (the count follows each strategy's ``dp``:
+  ``compile_plan``'s ``micro_batch_rows``); the compiler writes the count per DP rank into the
+  plan and the trainer follows the plan;
 * ``plan.run``: :class:`RunSpec` (name, folders, seed, steps, warm start, evaluation,
   scheduler, dtype);
 * ``plan.algorithms`` / ``plan.estimators``: the user-registered algorithms and estimators
@@ -83,8 +84,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:
-    """Micro-batches per DP rank of the train_steps: ``train.gradient_accumulation_steps`` when set,
-    else per step from ``train.micro_batch_size`` (at least 1).
+    """Micro-batches per DP rank of the train_steps from ``train.gradient_accumulation_steps``.
 
     Raises:
         CompileConfigError: ``train.gradient_accumulation_steps`` that divides no step's rows, or
@@ -95,8 +95,6 @@ def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:
     gens = graph.generators()
     samples = gens[0].attrs.get("n_samples", 1) if gens else 1
     rows, steps = cfg.train.batch_size * samples, cfg.train.gradient_accumulation_steps
-    if not steps:
-        return max(1, math.ceil(rows / cfg.train.micro_batch_size))
     if cfg.compile.micro_batches not in (None, steps):
         raise CompileConfigError(f"train.gradient_accumulation_steps={steps} and compile.micro_batches="
                                  f"{cfg.compile.micro_batches} both set the micro-batches per DP rank; keep one")
@@ -133,10 +131,10 @@ def compile_program(graph: Graph, cfg: ExperimentConfig):
     lower_attrs(graph, cfg)
     notes = lower_losses(graph, cfg.train.loss) + group_notes(graph)
     compile_cfg = dataclasses.replace(cfg.compile)
-    if compile_cfg.micro_batches is None or cfg.train.gradient_accumulation_steps:
+    if cfg.train.gradient_accumulation_steps:
         compile_cfg.micro_batches = micro_batches(cfg, graph)
     plan = compile_plan(graph, cfg.cluster, compile_cfg, batch_groups=cfg.train.batch_size,
-                        scheduler=cfg.scheduler.type)
+                        scheduler=cfg.scheduler.type, micro_batch_rows=cfg.train.micro_batch_size)
     run = dataclasses.asdict(RunSpec.from_config(cfg))
     algorithms, estimators = user_code(graph)
     plan_id = xxhash.xxh64(json.dumps([plan.id, run], sort_keys=True).encode()).hexdigest()

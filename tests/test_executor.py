@@ -168,10 +168,10 @@ def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
     assert all(v > -1e9 for v in _scalars(tmp_path / "two", "train/kl_ref_in_reward"))
 
 
-def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only():
+def test_a_critic_train_step_on_several_processes_joins_the_policy_ranks_or_has_its_own():
     """A dN critic on the policy train_step's mesh joins its worker group (its ranks:
-    ``test_parallel_critic``), and so does a tN one; on a multi-rank mesh of its own it is
-    refused, naming the node; under pp with tp the one predicate's rule ``critic-parallel``
+    ``test_parallel_critic``), and so does a tN one; on a multi-rank mesh of its own it is a
+    worker group of its own with its advantage node (its ranks: ``test_own_mesh``); under pp with tp the one predicate's rule ``critic-parallel``
     (compiler.executable) refuses it at compile and, for a hand-edited plan, before a run starts."""
     import dataclasses
 
@@ -188,9 +188,8 @@ def test_a_critic_train_step_on_several_processes_runs_on_the_policy_ranks_only(
     assert {"train_step", "critic_step"} <= set(group.nodes) and group.strategy.short() == "d2"
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=8", "compile.allocation=critic_step:d2 + train:d2 + gen:d1"])
-    with pytest.raises(AllocationError, match=r"node 'critic_step': critic-ranks: .*\(d2\) runs on the ranks of the "
-                                              "policy's train_step"):
-        compile_program(fl(cfg), cfg)  # compile refuses it (compiler.hosting), as a run would
+    group = build_topology(compile_program(fl(cfg), cfg)).groups["critic_step"]
+    assert group.nodes == ["advantage", "critic_step"] and group.strategy.short() == "d2"
     cfg = load_config(REPO / "graphs/arith_ppo.yaml",
                       [*TINY, "cluster.n_gpus_per_node=4", "compile.allocation=train:t2 | critic_step:t2 + gen:d1"])
     group = build_topology(compile_program(fl(cfg), cfg)).groups["train_step"]
