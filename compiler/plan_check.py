@@ -5,7 +5,7 @@ Owns the structural rules a runnable plan keeps (``Plan.from_dict`` and
 ``compiler.program.compile_program`` call :func:`check_plan`): node names unique; every
 input port names an existing node and one of its output ports; the data edges are exactly
 the nodes' input ports (an edge deleted or added by hand would make the drawing and the
-program disagree); every edge's ends exist; a bound ``k`` is an int >= 0 and ``B`` an int
+program disagree); a node's ``micro_batches`` is null or an int >= 1; every edge's ends exist; a bound ``k`` is an int >= 0 and ``B`` an int
 >= 1; every route goes from a train_step to a generator of the same model; two device nodes'
 meshes are the same devices (they time-share them) or none in common, and a generator shares
 a mesh with another device node exactly when the plan says ``colocated`` (the compiler budgeted
@@ -50,6 +50,10 @@ def check_plan(plan, error) -> None:
         raise error(f"plan: two nodes named '{dup}'")
     nodes = {n.name: n for n in plan.nodes}
     for node in plan.nodes:
+        m = node.micro_batches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise error(f"plan node '{node.name}': micro_batches={m!r} must be an int >= 1 (micro-batches per DP "
+                        "rank) or null")
         for port, source in node.inputs.items():
             if not (isinstance(source, (list, tuple)) and len(source) == 2 and all(isinstance(s, str) for s in source)):
                 raise error(f"plan node '{node.name}': input '{port}' must be [node, port], got {source!r}")

@@ -54,6 +54,11 @@ BROKEN = {  # hand edit -> the error's words
     "k not an int": (lambda d: _train_edge(d).update(max_staleness=1.5), "max_staleness=1.5 is not int | None"),
     "B zero": (lambda d: _train_edge(d).update(batch_groups=0),
                "plan edge advantage -> train_step: batch_groups=0 must be an int >= 1"),
+    "negative micro-batches": (lambda d: _node(d, "train_step").update(micro_batches=-3),
+                               "plan node 'train_step': micro_batches=-3 must be an int >= 1 (micro-batches per DP "
+                               "rank) or null"),
+    "zero micro-batches": (lambda d: _node(d, "train_step").update(micro_batches=0),
+                           "plan node 'train_step': micro_batches=0 must be an int >= 1"),
     "k lost": (lambda d: _train_edge(d).update(max_staleness=None),
                "plan edge advantage -> train_step: no max_staleness (k, the staleness bound)"),
     "B lost": (lambda d: _train_edge(d).update(batch_groups=None),
