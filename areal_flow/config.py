@@ -180,7 +180,7 @@ class TrainConfig:
     """Policy-loss knobs changed from the algorithm's defaults (fields of LossConfig), e.g. clip_eps_high: 0.28; the
     compiler merges them with the algorithm's defaults into each train_step's loss in the plan (attrs.loss)."""
     checkpoint_every: int = 0
-    """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from); 0 = only the final model."""
+    """Write a checkpoint to <out_dir>/<name>/checkpoints/version_<v>/ every this many steps and at the last step (the trained models, optimizer state, RNGs, data cursor; atomic; what resume continues from; a resume of a finished run says it is complete); 0 = only the final model."""
     keep_checkpoints: int = 0
     """Complete checkpoints kept: after a new one is complete, older ones beyond the newest this many are deleted
     (a torn one is never counted); 0 = keep all. May change on a resume."""

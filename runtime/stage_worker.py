@@ -219,7 +219,8 @@ class _Stage:
                     started = time.perf_counter()
                     buffer.take_batch(step)
                     batch_items = [items.pop(i) for i in range(step * topo.batch_groups, (step + 1) * topo.batch_groups)]
-                    checkpoint = bool(checkpoint_every) and (step + 1) % checkpoint_every == 0
+                    # every checkpoint_every steps and at the last step (a finished run resumes as complete)
+                    checkpoint = bool(checkpoint_every) and ((step + 1) % checkpoint_every == 0 or step + 1 == topo.steps)
                     with self.lease:  # a mesh time-shared with generation: one of them at a time
                         stats, advantage, values = self._batch_step(step, batch_items, publish=step + 1 < topo.steps,
                                                                     checkpoint=checkpoint, publishers=publishers)
