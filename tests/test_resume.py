@@ -70,9 +70,9 @@ def _finish(proc: subprocess.Popen, code: int = 0) -> str:
     return err
 
 
-def _kill_trainer_after(out: Path, step: int, killed: dict) -> None:
-    """Kill the process bound to the trainer's inbox once ``step`` is trained and the
-    checkpoint before it is complete; ``killed["lines"]``: trained samples it had logged."""
+def _kill_trainer_after(out: Path, step: int, killed: dict, inbox: str = "train_step-0") -> None:
+    """Kill the process bound to the trainer's inbox (or another worker group's ``inbox``) once
+    ``step`` is trained and a checkpoint is complete; ``killed["lines"]``: trained samples it had logged."""
     import psutil
 
     deadline, path = time.monotonic() + 400, out / "trajectories" / "trajectories.jsonl"
@@ -81,7 +81,7 @@ def _kill_trainer_after(out: Path, step: int, killed: dict) -> None:
         if lines >= (step + 1) * B * N and latest_checkpoint(out) is not None:
             for child in psutil.Process().children(recursive=True):
                 try:
-                    if any(str(c.laddr).endswith("train_step-0") for c in child.net_connections(kind="unix")):
+                    if any(str(c.laddr).endswith(inbox) for c in child.net_connections(kind="unix")):
                         child.kill()
                         killed.update(pid=child.pid, lines=lines)
                         return

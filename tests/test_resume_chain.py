@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from runtime.checkpoint import MANIFEST, latest_checkpoint, rotate, save_checkpoint, write_checkpoint
-from test_resume import B, N, STEPS, _event_steps, _exactly_once, _finish, _same, _weights
+from test_resume import B, N, STEPS, _event_steps, _exactly_once, _finish, _kill_trainer_after, _same, _weights
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = [str(REPO / "graphs/arith_ppo.py"), "cluster.n_gpus_per_node=3",
@@ -76,31 +76,12 @@ def test_each_step_group_writes_its_part_and_a_torn_critic_part_falls_back_to_th
     _exactly_once(out, k=0)
 
 
-def _kill_critic_after(out: Path, step: int, killed: dict) -> None:
-    """SIGKILL the process bound to the critic group's inbox once the trainer has logged
-    ``step``'s samples and a checkpoint is complete in every part."""
-    import psutil
-
-    deadline, path = time.monotonic() + 400, out / "trajectories" / "trajectories.jsonl"
-    while time.monotonic() < deadline:
-        lines = len(path.read_text().splitlines()) if path.is_file() else 0
-        if lines >= (step + 1) * B * N and latest_checkpoint(out) is not None:
-            for child in psutil.Process().children(recursive=True):
-                try:
-                    if any(str(c.laddr).endswith("critic_step-0") for c in child.net_connections(kind="unix")):
-                        child.kill()
-                        killed.update(pid=child.pid)
-                        return
-                except psutil.Error:
-                    continue
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 def test_a_killed_critic_worker_restarts_every_group_from_its_part_bit_for_bit(tmp_path, chain_whole):
     killed: dict = {}
     proc = _cli(tmp_path, "critic", "scheduler.max_restarts=1")
-    killer = threading.Thread(target=_kill_critic_after, args=(tmp_path / "critic", 2, killed), daemon=True)
+    killer = threading.Thread(target=_kill_trainer_after, args=(tmp_path / "critic", 2, killed, "critic_step-0"),
+                              daemon=True)
     killer.start()
     err = _finish(proc)
     killer.join(timeout=5)
