@@ -268,8 +268,10 @@ class BaseAlgorithm:
             loss = self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
             return loss if scaler is None else scaler.scaled(loss)
 
+        scored = mask.any(dim=0).nonzero()  # the step's first response column: no loss reads one before it
         self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
-                                     temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0)
+                                     temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0,
+                                     scored_from=int(scored[0]) if len(scored) else 0)
         if scaler is not None:
             scaler.unscale(self.optimizer)
         grad_norm = self.runner.clip_grad_norm(self.max_grad_norm)

@@ -85,14 +85,29 @@ class ModelRunner:
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
+                         scored_from: int = 0) -> None:
         """Accumulate the gradient of ``sum(loss_fn(mb, ...))`` over ``micro_batches`` (backward
-        after each one, inside its attention context: activation checkpointing recomputes there)."""
+        after each one, inside its attention context: activation checkpointing recomputes there).
+
+        ``scored_from``: the first column whose log-prob or entropy any loss reads (the step's
+        first response token). A padded micro-batch then computes the LM head only from column
+        ``scored_from - 1`` on (``transformers``' ``logits_to_keep``: the prompt's logits are
+        never needed, and with a large vocabulary they are most of the head's work, as TRL
+        scores only completion positions); the columns before hold log-prob and entropy 0.
+        The values of the columns kept are those of the whole row's logits."""
         for mb in micro_batches:
             inputs = mb.model_inputs(input_ids, attention_mask)
+            skip = 0 if mb.packed else max(0, min(scored_from - 1, mb.width - 1))
             with packed_attention(self.model) if mb.packed else nullcontext():
-                logits = model_logits(self.model, **inputs)
-                logp, entropy = token_outputs(logits, inputs["input_ids"], temperature, entropy_grad=entropy_grad)
+                if skip:
+                    logits = model_logits(self.model, **inputs, logits_to_keep=mb.width - skip)
+                    ids = inputs["input_ids"][:, skip:]
+                else:
+                    logits, ids = model_logits(self.model, **inputs), inputs["input_ids"]
+                logp, entropy = token_outputs(logits, ids, temperature, entropy_grad=entropy_grad)
+                if skip:
+                    logp, entropy = (torch.nn.functional.pad(t, (skip, 0)) for t in (logp, entropy))
                 loss_fn(mb, mb.unpack(logp), mb.unpack(entropy)).backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

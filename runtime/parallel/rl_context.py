@@ -80,7 +80,8 @@ class ContextRunner(ShardedRunner):
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
+                         scored_from: int = 0) -> None:
         """The step's gradient, one micro-batch at a time: chunk forward, whole-row loss, backward."""
         for mb in right_padded(self.same_count(micro_batches), attention_mask):
             logp, entropy = self._outputs(mb, input_ids, temperature, entropy_grad)

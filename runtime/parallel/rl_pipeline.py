@@ -138,7 +138,8 @@ class PipelineRunner(ShardedRunner):
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
+                         scored_from: int = 0) -> None:
         """The step's gradient through the pipeline schedule, ``loss_fn`` on the last stage; then
         the tied embedding's gradients summed and the experts' over their replicas."""
 

@@ -66,9 +66,11 @@ class ShardedRunner(ModelRunner):
         return super().logprobs(self.same_count(micro_batches), input_ids, attention_mask, temperature)
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool) -> None:
+                         loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
+                         scored_from: int = 0) -> None:
         """:meth:`ModelRunner.forward_backward` over as many micro-batches as every DP rank runs,
-        then the expert gradients summed over their replicas."""
+        then the expert gradients summed over their replicas. ``scored_from`` is ignored: the
+        parallel runners compute every position's logits (a sharded head is not sliced)."""
         super().forward_backward(self.same_count(micro_batches), input_ids, attention_mask, loss_fn,
                                  temperature=temperature, entropy_grad=entropy_grad)
         self.reduce_expert_gradients()
