@@ -15,9 +15,9 @@ from test_algorithms import make_batch, tiny_model
 torch.set_num_threads(1)
 
 
-def _run(model, batch, scored_from: int) -> tuple[list, dict]:
+def _run(model, batch, scored_from: int) -> tuple[list, dict, list]:
     """One forward/backward of every micro-batch (2 rows each) with a loss of every masked
-    log-prob and entropy; what the loss saw and the gradients."""
+    log-prob and entropy; what the loss saw, the gradients and the LM head's widths."""
     seen = []
     mask = batch["loss_mask"].bool()
 
@@ -26,11 +26,13 @@ def _run(model, batch, scored_from: int) -> tuple[list, dict]:
         seen.append((mb.rows, logp.detach()[m], entropy.detach()[m]))
         return (logp * m).sum() + 0.1 * (entropy * m).sum()
 
+    widths = []  # the positions the LM head ran on, per micro-batch
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
     runner = ModelRunner(model)
     micro = plan_micro_batches(batch["attention_mask"], micro_batch_size=2)
     runner.forward_backward(micro, batch["input_ids"], batch["attention_mask"], loss_fn, temperature=0.7,
                             entropy_grad=True, scored_from=scored_from)
-    return seen, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return seen, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, widths
 
 
 def test_the_head_from_the_first_scored_column_gives_the_whole_rows_values_and_gradients():
@@ -38,8 +40,10 @@ def test_the_head_from_the_first_scored_column_gives_the_whole_rows_values_and_g
     batch = make_batch(model)
     first = int(batch["loss_mask"].bool().any(dim=0).nonzero()[0])
     assert first > 1  # the prompts are longer than one token: columns 0..first-2 are skipped
-    whole, whole_grads = _run(copy.deepcopy(model), batch, 0)
-    part, part_grads = _run(copy.deepcopy(model), batch, first)
+    whole, whole_grads, whole_widths = _run(copy.deepcopy(model), batch, 0)
+    part, part_grads, part_widths = _run(copy.deepcopy(model), batch, first)
+    # the head ran on columns first - 1 .. w - 1 of each micro-batch of width w
+    assert part_widths == [w - (first - 1) for w in whole_widths]
     for (rows_a, logp_a, ent_a), (rows_b, logp_b, ent_b) in zip(whole, part, strict=True):
         assert rows_a == rows_b
         torch.testing.assert_close(logp_b, logp_a, rtol=1e-6, atol=1e-6)

@@ -12,6 +12,7 @@ sequence chunks on context-parallel ranks) and the loss code does not change.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -71,6 +72,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        # transformers' causal LMs take logits_to_keep; another model computes every position
+        self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float) -> torch.Tensor:
@@ -98,7 +101,7 @@ class ModelRunner:
         The values of the columns kept are those of the whole row's logits."""
         for mb in micro_batches:
             inputs = mb.model_inputs(input_ids, attention_mask)
-            skip = 0 if mb.packed else max(0, min(scored_from - 1, mb.width - 1))
+            skip = 0 if mb.packed or not self._keeps else max(0, min(scored_from - 1, mb.width - 1))
             with packed_attention(self.model) if mb.packed else nullcontext():
                 if skip:
                     logits = model_logits(self.model, **inputs, logits_to_keep=mb.width - skip)
