@@ -67,11 +67,11 @@ class NodeChoice:
         when one has no fitting strategy. Each takes its fastest (:meth:`best`), except that
         the policy's train_step and every critic's (``DeviceTask.critic``) take one strategy
         together (:meth:`tied`): on several devices a critic runs on the policy trainer's
-        ranks with its strategy (``compiler.hosting``'s ``critic-ranks``); without the
-        policy's train_step here, the search gives a critic one device (a multi-rank critic on
-        a mesh of its own runs, ``runtime.trainer_ranks``, when a user's allocation places
-        one; the search does not cost that layout). Exact for the objective:
-        it grows with the sum of their seconds, and nothing else depends on their strategies.
+        ranks with its strategy (``compiler.hosting``'s ``critic-ranks``); on a mesh without
+        the policy's train_step (``compiler.search``'s split layouts) a critic takes its own
+        fastest strategy, as ``runtime.trainer_ranks`` runs it on ranks of its own. Exact for
+        the objective: it grows with the sum of their seconds, and nothing else depends on
+        their strategies.
         """
         key = (tuple(t.node for t in tasks), size, shared)
         if key not in self._sides:
@@ -79,15 +79,15 @@ class NodeChoice:
             critics = [t for t in tasks if t.critic]
             costs: dict[str, NodeCost] | None = {}
             for t in tasks:
-                if t in critics or (t in policy and critics):
+                if policy and critics and (t in critics or t in policy):
                     continue
                 cost = self.best(t, size, shared)
                 if cost is None:
                     costs = None
                     break
                 costs[t.node] = cost
-            if costs is not None and critics:
-                tied = self.tied(policy + critics, size, shared) if policy or size == 1 else None
+            if costs is not None and policy and critics:
+                tied = self.tied(policy + critics, size, shared)
                 costs = None if tied is None else {**costs, **{t.node: c for t, c in zip(policy + critics, tied)}}
             self._sides[key] = costs
         return self._sides[key]

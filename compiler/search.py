@@ -3,9 +3,13 @@
 Owns the enumeration, over the strategies the runtime can run only (``CostModel.strategies``
 drops those ``compiler.executable`` refuses, so no candidate the runtime would refuse is
 ranked). Layouts: *colocated* (all device nodes time-share one aligned mesh, of every
-aligned size) and *disaggregated* (generation nodes on one mesh, training and inference
-nodes on a disjoint one, every pair of aligned sizes that packs onto the cluster). For each
-layout, strategies are chosen per node, exactly:
+aligned size), *disaggregated* (generation nodes on one mesh, training and inference
+nodes on a disjoint one, every pair of aligned sizes that packs onto the cluster) and, in a
+graph with a critic, *split* (generation, the policy's training side, and the critic's side
+-- its train_step and the nodes that read its values -- on three disjoint meshes, every
+triple of aligned sizes that packs: the two training sides run concurrently, ReaLHF style,
+so the step counts the slower of them). For each layout, strategies are chosen per node,
+exactly:
 
 - the objective (``compiler.step``) and its tie-breaker (the serial time) grow with every
   training-side node's seconds and do not otherwise depend on its strategy, so each
@@ -39,6 +43,7 @@ from compiler.cost import CostModel, NodeCost
 from compiler.errors import InfeasiblePlanError, shortfall
 from compiler.hosting import hosting_problem, ray_hosting_problem, workload_hosting
 from compiler.mesh import MeshError, MeshSpec, aligned_sizes, pack
+from compiler.split import split_layouts
 from compiler.step import Candidate, allocation_string, evaluate, same_machine, step_time
 from compiler.strategy import ParallelStrategy
 from compiler.workload import GENERATION, TRAINING, DeviceTask
@@ -126,6 +131,7 @@ class _Search(NodeChoice):
         return allocation_string(self.model.workload, groups)
 
 
+
 def _disaggregated_meshes(a: int, b: int, n_nodes: int, per_node: int) -> list[MeshSpec] | None:
     """``pack([a, b])``, with whole-machine pairs placed in closed form (machines
     ``0..a/per_node-1``, then the next ``b/per_node``), as first fit places them."""
@@ -143,9 +149,10 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     """The ``top_k`` best candidates, best first (step time, then allocation string).
 
     Layouts: colocated on every aligned size; disaggregated on every pair of aligned sizes
-    ``(a, b)`` that packs (generation on ``a``, training on ``b``). Pairs are skipped only
-    when they cannot enter the result, so the search stays exact (checked against brute
-    force in ``tests/test_compiler_search.py``):
+    ``(a, b)`` that packs (generation on ``a``, training on ``b``); with a critic, split on
+    every triple ``(a, b1, b2)`` that packs (the policy's side on ``b1``, the critic's on
+    ``b2``). Layouts are skipped only when they cannot enter the result, so the search stays
+    exact (checked against brute force in ``tests/test_compiler_search.py``):
 
     - bound: a pair's step is at least ``step(G_lb(a), T_floor(b), 0)``, where ``T_floor``
       is the training side's FLOPs at the assumed MFU and ``G_lb`` a cheap generation floor
@@ -159,7 +166,11 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
     - dominance: for a fixed ``a``, a whole-machine ``b`` is skipped when a larger
       whole-machine ``b'`` that fits beside ``a`` trains strictly faster: the weight sync of
       ``(a, b')`` is no slower (both cross the network; the trainers send ``dp`` copies over
-      more devices) and the objective grows with training and sync seconds.
+      more devices) and the objective grows with training and sync seconds;
+    - split triples: for each ``a``, the policy's sizes ``b1`` largest first until the bound
+      with its floor exceeds the threshold; for each ``(a, b1)``, the critic's sizes ``b2``
+      largest first until its floor exceeds the fastest critic side found for that pair
+      (``compiler.split``).
 
     Args:
         pins: node -> strategy fixed in advance (its mesh size follows).
@@ -314,6 +325,8 @@ def search(model: CostModel, pins: dict[str, ParallelStrategy], top_k: int) -> l
                 fastest = t if b % per == 0 else fastest
                 if step_time(g, t, 0.0, overlapped) <= threshold():
                     pair(a, b)
+    for groups_tasks, meshes in split_layouts(s, sizes, overlapped, threshold, generation_s, generation_lb):
+        add("disaggregated", groups_tasks, meshes)
     if not (model.device.one_engine_per_device and found["disaggregated"]):  # one engine each: colocate if must
         for size in sizes:  # a shared mesh's step is G + T + S, each node paying a swap
             if floor_s(size) + (generation_lb(size) if s.gen else 0.0) > threshold() or not trainable(size):

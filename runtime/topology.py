@@ -59,7 +59,8 @@ class WorkerGroup:
         kind: ``generation`` or ``stage``.
         nodes: the nodes it runs, in the graph's data order.
         strategy: the device node's strategy; replicas (generation) = ``dp``, ranks of a
-            multi-rank train_step = ``world_size``.
+            multi-rank train_step = ``world_size`` (the policy's, else the first train_step's:
+            a forward-only node on the mesh, e.g. the advantage reading a critic, runs on rank 0).
         upstream / downstream: names of the groups it receives from / sends to.
         batch_nodes: its ``batch``-grain nodes (a group with any is a step group).
         ranks: the processes of the policy's train_step it hosts (its world size; on Ray
@@ -163,6 +164,8 @@ def build_topology(plan: Plan) -> Topology:
         if node.trains and node.model == gen.model:
             group.strategy = node.parallel  # the policy trainer's ranks decide the group's processes
             group.ranks = node.parallel.world_size
+        elif node.trains and not any(plan.node(n).trains for n in group.nodes):
+            group.strategy = node.parallel  # a critic on a mesh of its own: its ranks (runtime.trainer_ranks)
         group.nodes.append(node.name)
         if node.grain == BATCH:
             group.batch_nodes.append(node.name)

@@ -83,10 +83,12 @@ def _all_strategies(task, size, per_node, n_sequences, model):
 
 
 def brute_force(graph, cluster, cfg, batch_groups):
-    """Best (step time, allocation) over every pair of disjoint aligned meshes and every
-    combination of per-node strategies that compiler.hosting runs (a critic on several ranks
-    shares the policy trainer's strategy), each costed by compiler.step.evaluate; ties break
-    on the serial time G + T + S, then the allocation string."""
+    """Best (step time, allocation) over every pair of disjoint aligned meshes (with a critic,
+    also every triple: generation, the policy's side, the critic's side: its train_step and
+    the advantage node that reads it) and every combination of per-node strategies that
+    compiler.hosting runs (a critic on several ranks of the policy trainer's mesh shares its
+    strategy), each costed by compiler.step.evaluate; ties break on the serial time
+    G + T + S, then the allocation string."""
     model = CostModel(build_workload(graph, cfg, batch_groups), device_spec(cluster.gpu), cluster, cfg)
     gen = [t for t in model.workload.tasks if t.role == GENERATION]
     train = [t for t in model.workload.tasks if t.role != GENERATION]
@@ -95,6 +97,12 @@ def brute_force(graph, cluster, cfg, batch_groups):
     for a, b in itertools.product(meshes, meshes):
         if not set(a.devices()) & set(b.devices()):
             layouts["disaggregated"].append(([gen, train], [a, b]))
+    critic_side = [t for t in train if t.model_name == "critic"]
+    if critic_side:
+        policy_side = [t for t in train if t not in critic_side]
+        for a, b, c in itertools.product(meshes, meshes, meshes):
+            if len(set(a.devices()) | set(b.devices()) | set(c.devices())) == a.size + b.size + c.size:
+                layouts["disaggregated"].append(([gen, policy_side, critic_side], [a, b, c]))
     found = {}
     for kind, options in layouts.items():
         found[kind] = []
@@ -169,8 +177,10 @@ def test_search_with_cp_matches_brute_force_on_a_long_context():
 
 
 def _every_layout(graph, cluster, cfg, batch_groups):
-    """(step, serial, allocation) of the best layout over every aligned size pair and every
-    colocated size, with no bound or dominance pruning (compiler.search._Search.layout on each)."""
+    """(step, serial, allocation) of the best layout over every aligned size pair, every
+    aligned size triple (generation, policy's side, critic's side) when the graph has a
+    critic, and every colocated size, with no bound or dominance pruning
+    (compiler.search._Search.layout on each)."""
     model = CostModel(build_workload(graph, cfg, batch_groups), device_spec(cluster.gpu), cluster, cfg)
     s = _Search(model, {})
     sizes = aligned_sizes(cluster.n_nodes, cluster.n_gpus_per_node)
@@ -183,6 +193,15 @@ def _every_layout(graph, cluster, cfg, batch_groups):
         result = s.layout([s.gen, s.train], meshes)
         if result is not None:
             found.append((result[0], result[1], s.label(result[2])))
+    critic_side = [t for t in s.train if t.model_name == "critic"]
+    for a, b, c in itertools.product(sizes, sizes, sizes) if critic_side else ():
+        try:
+            meshes = pack([a, b, c], cluster.n_nodes, cluster.n_gpus_per_node)
+        except MeshError:
+            continue
+        result = s.layout([s.gen, [t for t in s.train if t not in critic_side], critic_side], meshes)
+        if result is not None:
+            found.append((result[0], result[1], s.label(result[2])))
     for size in sizes:
         result = s.layout([s.gen + s.train], pack([size], cluster.n_nodes, cluster.n_gpus_per_node))
         if result is not None:
@@ -190,11 +209,12 @@ def _every_layout(graph, cluster, cfg, batch_groups):
     return min(found)
 
 
-@pytest.mark.parametrize("spec,mode,n_nodes", [("Qwen2.5-7B", "async", 8), ("Qwen2.5-7B", "sync", 8),
-                                              ("Qwen3-30B-A3B", "async", 8), ("Qwen3-30B-A3B", "async", 32),
-                                              ("Qwen2.5-72B", "sync", 32), ("Qwen3-30B-A3B", "sync", 32)])
-def test_pruned_search_equals_every_layout(spec, mode, n_nodes):
-    graph, cluster = grpo_graph(spec), ClusterConfig(n_nodes, 8, "H100")
+@pytest.mark.parametrize("spec,mode,n_nodes,critic", [
+    ("Qwen2.5-7B", "async", 8, False), ("Qwen2.5-7B", "sync", 8, False), ("Qwen3-30B-A3B", "async", 8, False),
+    ("Qwen3-30B-A3B", "async", 32, False), ("Qwen2.5-72B", "sync", 32, False), ("Qwen3-30B-A3B", "sync", 32, False),
+    ("Qwen2.5-7B", "async", 4, True), ("Qwen2.5-7B", "sync", 8, True)])
+def test_pruned_search_equals_every_layout(spec, mode, n_nodes, critic):
+    graph, cluster = grpo_graph(spec, critic), ClusterConfig(n_nodes, 8, "H100")
     cfg = CompileConfig(mode=mode)
     plan = compile_plan(graph, cluster, cfg, batch_groups=256)
     step, _, allocation = _every_layout(graph, cluster, cfg, 256)

@@ -53,6 +53,16 @@ def test_the_critic_takes_its_advantage_to_its_own_mesh_and_the_batch_flows_down
     assert topo.trainer.name == "train_step"  # it trains 'policy', the generator's model
 
 
+def test_a_critic_group_spawns_the_critic_steps_ranks_not_its_first_nodes(tmp_path):
+    # the advantage node comes first on the critic's mesh with a strategy of its own (forward-only:
+    # it runs on rank 0); the group's ranks are the critic's train_step's, d2 (2 processes)
+    plan = _plan(tmp_path, "cluster.n_gpus_per_node=4", "compile.allocation=gen:d1 + train:d1 + "
+                 "advantage:d1p2 | critic_step:d2")
+    group = build_topology(plan).groups["critic_step"]
+    assert group.nodes == ["advantage", "critic_step"]
+    assert group.strategy.short() == "d2"
+
+
 def test_the_local_and_ray_schedulers_choose_the_same_groups(tmp_path):
     from runtime.driver import reports, run_ends
     from runtime.launch import LocalScheduler
