@@ -314,9 +314,10 @@ class Graph:
                 if target is None:
                     continue  # reported as a missing node by the edge check
                 if not self._takes_weights(target.op) or target.model != node.model:
+                    what = f"of model '{target.model}'" if target.model else "with no model"
                     raise GraphError(
                         f"{node.where()}: target {target.where()} must be a generate or rollout node of model "
-                        f"'{node.model}' (it is {target.op} of model '{target.model}')"
+                        f"'{node.model}' (it is a {target.op} node {what})"
                     )
 
     # -- display --------------------------------------------------------------------

@@ -28,12 +28,13 @@ the other groups in its manifest (``parts``: their names, in chain order; absent
 step group, whose format is the one above); every other group writes
 ``parts/<group>/version_<v>/`` (:func:`part_folder`), with its own models (a sub-folder
 named by each), ``trainer_state.pt`` and manifest. Version ``v`` is complete only when
-``version_<v>/`` and every part it lists are (:func:`incomplete`).
+``version_<v>/`` and every part it lists are.
 
 A folder counts as complete only when its manifest parses, its own checksum holds, its
-``version`` is the folder's, and every file it lists is there at its size and checksum
-(:func:`torn` says why not). A resume takes the newest complete version and names each newer
-one it skips and why (:func:`latest_checkpoint`).
+``version`` is the folder's, and every file it lists is there at its size and checksum, and a
+version only when its parts are too (``runtime.checkpoint_integrity``: ``torn``,
+``incomplete``). A resume takes the newest complete version and names each newer one it
+skips and why (:func:`latest_checkpoint`).
 
 The write goes to ``version_<v>.tmp``, every file and the folder are fsync'ed, then the
 folder is renamed to ``version_<v>`` (``os.replace``: atomic on one file system) and the
@@ -62,13 +63,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
+
+from runtime.checkpoint_integrity import (MANIFEST, PARTS_DIR, PREFIX, incomplete, manifest_digest, part_folder,
+                                          versions, xxh64)
 
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "trainer_dcp"
-MANIFEST = "manifest.json"
-PREFIX = "version_"
-PARTS_DIR = "parts"
 
 
 class CheckpointWriteError(OSError):
@@ -104,12 +104,6 @@ class Checkpoint:
         for group in manifest.get("parts", []):
             out.update(json.loads((part_folder(self.folder, group) / MANIFEST).read_text()).get("strategies", {}))
         return out
-
-
-def part_folder(checkpoint: Path, group: str) -> Path:
-    """Where step group ``group``'s part of checkpoint ``checkpoint`` (``<root>/version_<v>``)
-    lies in a chain (module doc): ``<root>/parts/<group>/version_<v>``."""
-    return checkpoint.parent / PARTS_DIR / group / checkpoint.name
 
 
 def read_state(folder: Path) -> dict:
@@ -159,20 +153,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _xxh64(path: Path) -> str:
-    """Hex xxHash64 of the file at ``path`` (read in 4 MiB chunks)."""
-    h = xxhash.xxh64()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _manifest_digest(body: dict) -> str:
-    """Hex xxHash64 of a manifest without its ``manifest_xxh64`` (JSON, sorted keys)."""
-    return xxhash.xxh64(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], state: dict,
                      next_index: int, strategies: dict[str, str] | None = None,
                      parts: tuple[str, ...] = ()) -> Path:
@@ -204,10 +184,10 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync(path)
-            files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh64": _xxh64(path)}
+            files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh64": xxh64(path)}
         body = {"version": version, "next_index": next_index, "strategies": strategies or {}, "files": files,
                 **({"parts": list(parts)} if parts else {})}
-        (tmp / MANIFEST).write_text(json.dumps({**body, "manifest_xxh64": _manifest_digest(body)}, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps({**body, "manifest_xxh64": manifest_digest(body)}, indent=1))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
     except OSError as e:
@@ -224,72 +204,10 @@ def write_checkpoint(root: Path, version: int, fill: Callable[[Path], None], sta
     return final
 
 
-def torn(folder: Path, checksums: bool = True) -> str | None:
-    """Why ``folder`` is not a complete checkpoint (module doc), in a few words naming the
-    file; None when it is. ``checksums=False`` checks the manifest and the sizes only
-    (cheap: no file is read)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        return f"no {MANIFEST}"
-    except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
-        return f"{MANIFEST} unreadable ({type(e).__name__})"
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return f"{MANIFEST} is not a checkpoint manifest"
-    body = {k: v for k, v in manifest.items() if k != "manifest_xxh64"}
-    if "manifest_xxh64" not in manifest and all(isinstance(v, int) for v in manifest["files"].values()):
-        manifest["files"] = {name: {"bytes": size} for name, size in manifest["files"].items()}
-        checksums = False  # written before checksums were kept (sizes only): checked as it was then
-    elif manifest.get("manifest_xxh64") != _manifest_digest(body):
-        return f"{MANIFEST} fails its checksum"
-    if folder.name != f"{PREFIX}{manifest.get('version')}":
-        return f"{MANIFEST} is version {manifest.get('version')}'s"
-    for name, entry in manifest["files"].items():
-        path = folder / name
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != entry["bytes"]:
-            return f"{name} is {size} bytes, the manifest says {entry['bytes']}"
-        try:
-            if checksums and _xxh64(path) != entry["xxh64"]:
-                return f"{name} fails its xxh64 checksum"
-        except OSError as e:  # deleted meanwhile (a rotation), or a disk error
-            return f"{name} unreadable ({e.strerror or e})"
-    return None
-
-
-def _versions(root: Path) -> list[tuple[int, Path]]:
-    """``(v, folder)`` of every ``version_<v>`` folder of ``root`` (no ``.tmp``), newest first."""
-    found = [(int(f.name[len(PREFIX):]), f) for f in root.glob(f"{PREFIX}*")
-             if f.name[len(PREFIX):].isdigit() and f.is_dir()]
-    return sorted(found, reverse=True)
-
-
-def incomplete(folder: Path, checksums: bool = True) -> str | None:
-    """Why version folder ``folder`` is not complete with the parts its manifest lists (module
-    doc): :func:`torn` of the folder, or ``its part parts/<group>/version_<v>: <why>`` for the
-    first torn part; None when all are complete. ``checksums`` as for :func:`torn`."""
-    why = torn(folder, checksums)
-    if why is not None:
-        return why
-    try:
-        groups = json.loads((folder / MANIFEST).read_text()).get("parts", [])
-    except OSError:  # deleted meanwhile, by a rotation
-        return f"no {MANIFEST}"
-    for group in groups:
-        part = part_folder(folder, group)
-        why = torn(part, checksums)
-        if why is not None:
-            return f"its part {part.relative_to(folder.parent)}: {why}"
-    return None
-
-
 def rotate(root: Path, version: int, keep: int) -> list[Path]:
     """After ``version_<version>`` is complete, delete the ``version_<v>`` folders of ``root``
     with ``v < version`` beyond the ``keep - 1`` newest complete ones (by manifest and sizes,
-    parts included: :func:`incomplete`), so ``keep`` complete checkpoints remain, and every
+    parts included: ``incomplete``), so ``keep`` complete checkpoints remain, and every
     part folder (``parts/<group>/version_<v>``, ``v < version``) of a version not kept;
     ``keep = 0`` keeps all. A ``version`` not complete yet (a chain's part still to come)
     deletes nothing: the group completing it rotates. Newer folders (left by an attempt that
@@ -302,7 +220,7 @@ def rotate(root: Path, version: int, keep: int) -> list[Path]:
     if keep <= 0 or incomplete(root / f"{PREFIX}{version}", checksums=False) is not None:
         return []
     kept, doomed = {version}, []
-    for v, folder in _versions(root):
+    for v, folder in versions(root):
         if v >= version:
             continue
         if len(kept) < keep and incomplete(folder, checksums=False) is None:
@@ -311,7 +229,7 @@ def rotate(root: Path, version: int, keep: int) -> list[Path]:
         doomed += _delete(folder, keep)
     groups = sorted(p for p in (root / PARTS_DIR).iterdir() if p.is_dir()) if (root / PARTS_DIR).is_dir() else []
     for group in groups:
-        for v, folder in _versions(group):
+        for v, folder in versions(group):
             if v < version and v not in kept:
                 doomed += _delete(folder, keep)
     return doomed
@@ -379,9 +297,9 @@ def save_checkpoint(root: Path, version: int, fill: Callable[[Path], None], stat
 def latest_checkpoint(run_dir: Path, say: Callable[[str], None] | None = None) -> Checkpoint | None:
     """The complete checkpoint of ``run_dir`` with the highest version, parts included in a
     chain (None when there is none); ``version_<v>.tmp`` folders are ignored and incomplete
-    ones (:func:`incomplete`) skipped, each named with its reason in one line to ``say``
+    ones (``incomplete``) skipped, each named with its reason in one line to ``say``
     (e.g. ``print`` to stderr)."""
-    for version, folder in _versions(run_dir / "checkpoints"):
+    for version, folder in versions(run_dir / "checkpoints"):
         why = incomplete(folder)
         if why is None:
             return Checkpoint(folder, version)

@@ -59,9 +59,12 @@ class Scheduler(Protocol):
 
     Attributes:
         restart_how: how a dead replica comes back, for the console (``restarting it``).
+        start_how: what the console says while an attempt's workers start, ``{n}`` their number
+            (``starting {n} workers (torch, models)``).
     """
 
     restart_how: str
+    start_how: str
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         """Ready a new attempt: ``(inbox addresses by group name, plus "weights": the
@@ -168,7 +171,7 @@ class Driver:
         trainer, ends = f"{topo.trainer.name}/0", run_ends(topo)
         for spec in specs:
             self.scheduler.start(spec, topo.groups[spec.group])
-        logger.note(f"starting {len(specs)} workers (torch, models)")  # a hybrid worker: two in one process
+        logger.note(self.scheduler.start_how.format(n=len(specs)))
         done: dict = {}
         while not ends <= set(done):
             ended = self.scheduler.wait(POLL_S)

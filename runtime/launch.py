@@ -102,6 +102,10 @@ def _already_complete(setup: RunSetup) -> dict:
     return json.loads(summary.read_text()) if summary.is_file() else {}
 
 
+_HYBRID_START = "hybrid: generation and training time-share one process; starting the workers (torch, models)"
+"""The start line of an attempt with the hybrid worker (``runtime.hybrid``)."""
+
+
 def _time_shared(topo: Topology) -> list:
     """Meshes the plan gives to generation and to another worker group (``|`` in the
     allocation): their workers take turns through one lock (local scheduler)."""
@@ -172,6 +176,7 @@ class LocalScheduler:
         self.leases: dict = {}
         self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.socket_dir)
         self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", False) else None
+        self.start_how = _HYBRID_START if self.hybrid else "starting {n} workers (torch, models)"
         self.waiting: dict[str, WorkerSpec] = {}  # the hybrid worker's specs until both are given
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:

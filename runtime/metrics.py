@@ -7,6 +7,7 @@ on the terminal. It must not compute metrics that belong to a worker.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,6 +32,23 @@ def _tagged(metrics: dict) -> dict[str, float]:
     the tag of :data:`EXTRA_TAGS` for its keys."""
     return {EXTRA_TAGS.get(k, k if "/" in k else f"rl/{k}"): v for k, v in metrics.items()
             if isinstance(v, (int, float)) and k != "step"}
+
+
+PURGE_LINE = "Detected out of order event.step likely caused by a TensorFlow restart"
+"""How TensorBoard's event reader starts the warning it logs when it hides the events of an
+earlier attempt after a later attempt's start (``event_accumulator._Purge``)."""
+
+
+class _NoPurgeLines(logging.Filter):
+    """Drops TensorBoard's purge warning (:data:`PURGE_LINE`) from its ``tensorboard`` logger.
+
+    Harmless for our read: the purge is what we want (a resumed attempt's
+    ``SummaryWriter(purge_step=...)`` hides the events of steps it trains again; TensorBoard's
+    own display drops them the same way), not a sign of damage, yet it reads as an alarm on the
+    console of every resume after the first."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(PURGE_LINE)
 
 
 def _earlier_wall_s(out_dir: Path) -> float:
@@ -124,7 +142,12 @@ class RunLogger:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         events = EventAccumulator(str(self.out_dir), size_guidance={"scalars": 0})  # 0: keep every event
-        events.Reload()
+        quiet, tb_logger = _NoPurgeLines(), logging.getLogger("tensorboard")  # the reader's logger (tb_logging)
+        tb_logger.addFilter(quiet)  # this read only
+        try:
+            events.Reload()
+        finally:
+            tb_logger.removeFilter(quiet)
         held = {(tag, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
         for line in path.read_text().splitlines():
             metrics = json.loads(line)

@@ -106,7 +106,7 @@ class RayScheduler:
     pyzmq TCP channels between the actors' nodes, step metrics through a queue actor that
     outlives a dead trainer, a death noticed as Ray's ``RayActorError``."""
 
-    restart_how = "Ray restarts it"
+    restart_how, start_how = "Ray restarts it", "starting {n} workers (Ray actors: torch, models)"
 
     def __init__(self, setup: RunSetup, cfg, address: str = "local") -> None:
         self.setup, self.cfg, self.address = setup, cfg, address

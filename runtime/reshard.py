@@ -31,6 +31,7 @@ recomputed, so the loaded tensors equal the checkpoint's bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+
+ONE_PROCESS_LOAD = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"
+"""The start of the ``UserWarning`` ``dcp.load`` gives in a process without a process group (torch 2.13)."""
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """How several ranks save the optimizer: one entry per parameter and field (``state.<fqn>.exp_avg``,
@@ -135,7 +139,11 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     local = experts_as_dtensors(model, experts, model_state, optim_state)
     state = {"model": model_state, "optimizer": rename_parameters(optim_state, names)}
-    dcp.load(state, checkpoint_id=str(folder))  # no process group: DCP reads in this process alone
+    with warnings.catch_warnings():
+        # Harmless: without a process group (a one-process trainer resuming a multi-rank checkpoint)
+        # DCP warns that it loads in this process alone, which is what we want (even with no_dist=True).
+        warnings.filterwarnings("ignore", message=ONE_PROCESS_LOAD, category=UserWarning)
+        dcp.load(state, checkpoint_id=str(folder))
     back = {new: old for old, new in (names or {}).items()}
     set_state_dict(model, optimizer, model_state_dict=experts_as_local(state["model"], local),
                    optim_state_dict=experts_as_local(rename_parameters(state["optimizer"], back), local),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checkpoint import (MANIFEST, ResumeError, latest_checkpoint, read_state, resume_point, torn,
-                                write_checkpoint)
+from runtime.checkpoint import MANIFEST, ResumeError, latest_checkpoint, read_state, resume_point, write_checkpoint
+from runtime.checkpoint_integrity import torn
 from runtime.run_dir import rewind_run_dir
 from test_resume import _models, _plan
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.checkpoint import (MANIFEST, STATE_FILE, CheckpointWriteError, ResumeError, latest_checkpoint,
-                                resume_point, rotate, save_checkpoint, torn, write_checkpoint)
+                                resume_point, rotate, save_checkpoint, write_checkpoint)
+from runtime.checkpoint_integrity import torn
 
 FILES = {  # one of each kind a checkpoint holds (module doc of runtime.checkpoint), a few hundred bytes each
     "model.safetensors": bytes(range(256)) * 3,

@@ -93,7 +93,7 @@ class _Setup(RunSetup):
 class _Scripted:
     """A scheduler whose workers end as ``script`` says: one list of ends per ``wait`` call."""
 
-    restart_how = "restarting it"
+    restart_how, start_how = "restarting it", "starting {n} workers"
 
     def __init__(self, script, metrics=()):
         self.script, self.pending_metrics = list(script), list(metrics)

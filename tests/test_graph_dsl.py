@@ -148,8 +148,20 @@ def test_sync_weights_target_must_be_generate_of_same_model():
         ops.sync_weights(policy, to=rollout)
         return stats
 
-    with pytest.raises(GraphError, match=r"must be a generate or rollout node of model 'policy' \(it is generate of model 'actor'\)"):
+    with pytest.raises(GraphError, match=r"must be a generate or rollout node of model 'policy' \(it is a generate node of model 'actor'\)"):
         other_model(CFG)
+
+    @flow
+    def to_dataset(cfg):
+        policy = Model("policy", "tiny-arith")
+        prompts = ops.dataset(cfg.dataset)
+        rollout = ops.generate(policy, prompts)
+        stats = ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)))
+        ops.sync_weights(policy, to=prompts)
+        return stats
+
+    with pytest.raises(GraphError, match=r"must be a generate or rollout node of model 'policy' \(it is a dataset node with no model\)$"):
+        to_dataset(CFG)
 
 
 def test_sync_weights_before_train_step_is_an_error():

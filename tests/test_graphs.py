@@ -185,6 +185,23 @@ def test_value_model_layout_and_round_trip(tmp_path):
     assert torch.equal(ValueModel.load(tmp_path / "critic")(input_ids=ids, attention_mask=attn), values)
 
 
+def test_a_critic_loads_and_saves_without_transformers_progress_bars(tmp_path, capsys):
+    """Inside a run the critic's load and checkpoint must not draw transformers' "Loading weights"
+    / "Writing model shards" bars within the run's own; the switch is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    build_model("tiny-s", len(build_char_tokenizer())).save_pretrained(tmp_path / "policy")
+    hf_logging.enable_progress_bar()
+    capsys.readouterr()
+    ValueModel.from_policy(tmp_path / "policy").save(tmp_path / "critic")
+    ValueModel.load(tmp_path / "critic")
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err, err
+    assert hf_logging.is_progress_bar_enabled()  # on again after each call
+    build_model("tiny-s", len(build_char_tokenizer())).save_pretrained(tmp_path / "plain")
+    assert "Writing model shards" in capsys.readouterr().err  # the bar this test would see
+
+
 # -------------------------------------------------------------------- run tests
 def _scalars(out: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

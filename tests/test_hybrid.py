@@ -84,12 +84,16 @@ def test_in_process_weights_keep_versions_and_the_tensor_set():
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hybrid")
-    _finish(_cli(out, "one", *SHARED))
+    (out / "one.stderr").write_text(_finish(_cli(out, "one", *SHARED)))
     return out / "one"
 
 
 def test_one_process_trains_what_two_processes_do_bit_for_bit(hybrid_run, tmp_path, warm_cache):
-    _finish(_cli(tmp_path, "two", *SHARED, "scheduler.hybrid=false"))
+    two_err = _finish(_cli(tmp_path, "two", *SHARED, "scheduler.hybrid=false"))
+    one_err = (hybrid_run.parent / "one.stderr").read_text()  # the start line says what runs (the bar's note)
+    assert "hybrid: generation and training time-share one process; starting the workers" in one_err
+    assert "starting 2 workers" not in one_err and "time-share one process" not in two_err
+    assert "starting 2 workers (torch, models)" in two_err
     one = json.loads((hybrid_run / "summary.json").read_text())["workers"]
     two = json.loads((tmp_path / "two/summary.json").read_text())["workers"]
     assert one["generate/0"]["pid"] == one["train_step/0"]["pid"]  # one worker process

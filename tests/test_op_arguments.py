@@ -49,6 +49,22 @@ def test_knob_of_another_estimator_is_rejected_and_own_knobs_pass():
     assert graph.nodes["advantage"].attrs["lam"] == 0.95
 
 
+def test_misspelt_reward_fn_names_the_nearest_known_one():
+    def graph_with(fn):
+        @flow
+        def graph(cfg):
+            rollout = ops.generate(Model("policy", "tiny-arith"), ops.dataset(cfg.dataset))
+            return ops.reward(rollout, fn=fn)
+
+        return graph
+
+    with pytest.raises(GraphError, match=r"node 'reward' .*: unknown reward fn 'mathh'; did you mean 'math'\? "
+                                         r"known: arithmetic, gsm8k, math, longtail, reasoning_gym or a callable$"):
+        graph_with("mathh")(CFG)
+    with pytest.raises(GraphError, match=r"unknown reward fn 'zzz'; known: arithmetic, "):  # nothing near: no guess
+        graph_with("zzz")(CFG)
+
+
 def test_dataset_keys_and_task_are_checked_at_graph_build():
     @flow
     def graph(cfg):

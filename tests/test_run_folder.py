@@ -6,6 +6,7 @@ and of the folders earlier runs of the name were moved aside to only the newest
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -158,3 +159,31 @@ def test_a_resumed_logger_logs_the_steps_no_event_file_holds(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rl/reward")] == [(0, 0.5), (1, 0.75)]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, 1.0), (1, 0.75)]
+
+
+def test_a_second_resume_reads_the_purged_events_without_printing_tensorboards_purge_warning(tmp_path, caplog):
+    """Attempt A logged steps 0-3 and died after checkpoint 2; attempt B resumed at 2
+    (``purge_step=2``), flushed step 2 and died after checkpoint 4 with step 3 recorded only in
+    steps.jsonl. Attempt C's logger must see A's steps 2-3 as purged (as TensorBoard shows it) and
+    so log step 3 from steps.jsonl, without the reader's "out of order ... Purging" warning."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from runtime.metrics import RunLogger
+    from runtime.run_dir import STEPS_FILE
+
+    with SummaryWriter(log_dir=str(tmp_path), filename_suffix=".a") as a:
+        for step in range(4):
+            a.add_scalar("rl/reward", 0.0, step)
+    with SummaryWriter(log_dir=str(tmp_path), purge_step=2, filename_suffix=".b") as b:
+        b.add_scalar("rl/reward", 1.0, 2)
+    (tmp_path / STEPS_FILE).write_text("".join(json.dumps({"step": s, "reward": 1.0}) + "\n" for s in range(4)))
+    with caplog.at_level(logging.WARNING):
+        RunLogger(tmp_path, total_steps=6, show_progress=False, first_step=4).close()
+    assert not [r for r in caplog.records if "out of order" in r.getMessage()]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rl/reward")] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0)]
+    with caplog.at_level(logging.WARNING):  # the filter was this read's only: TensorBoard's own reads still warn
+        EventAccumulator(str(tmp_path)).Reload()
+    assert any(r.getMessage().startswith("Detected out of order event.step") for r in caplog.records)

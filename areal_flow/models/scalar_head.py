@@ -14,6 +14,8 @@ from typing import ClassVar
 import torch
 from transformers import AutoModel
 
+from areal_flow.models.quiet import no_progress_bars
+
 
 class ScalarHeadModel(torch.nn.Module):
     """Backbone (``AutoModel``: ``last_hidden_state [batch, seq, hidden]``) + scalar head.
@@ -41,7 +43,9 @@ class ScalarHeadModel(torch.nn.Module):
         Raises:
             OSError / ValueError: from ``transformers`` when ``folder`` holds no model.
         """
-        return cls(AutoModel.from_pretrained(folder, dtype=dtype), seed=seed)
+        with no_progress_bars():  # loaded inside a run (a critic's worker): no bar within the run's
+            backbone = AutoModel.from_pretrained(folder, dtype=dtype)
+        return cls(backbone, seed=seed)
 
     @classmethod
     def load(cls, folder: str | Path):
@@ -53,12 +57,14 @@ class ScalarHeadModel(torch.nn.Module):
         folder = Path(folder)
         if not (folder / cls.HEAD_FILE).is_file():
             raise FileNotFoundError(f"{folder}: no {cls.HEAD_FILE}; not a {cls.KIND} saved by {cls.__name__}.save")
-        model = cls(AutoModel.from_pretrained(folder, dtype=torch.float32))
+        with no_progress_bars():
+            model = cls(AutoModel.from_pretrained(folder, dtype=torch.float32))
         model.head.load_state_dict(torch.load(folder / cls.HEAD_FILE, weights_only=True))
         return model
 
     def save(self, folder: str | Path) -> None:
         """Write the backbone (``transformers`` format) and ``HEAD_FILE`` to ``folder``."""
         folder = Path(folder)
-        self.backbone.save_pretrained(folder)
+        with no_progress_bars():  # a checkpoint inside a run: no bar within the run's
+            self.backbone.save_pretrained(folder)
         torch.save(self.head.state_dict(), folder / self.HEAD_FILE)

@@ -22,6 +22,7 @@ the run stops when more than ``reward.max_failure_fraction`` of the last
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from areal_flow.tracing import Handle, Model, outputs, record
@@ -83,7 +84,7 @@ def reward(
 
     Raises:
         GraphError: both ``fn`` and ``model``, ``fn`` neither a known name
-            nor callable, a trainable reward model, or ``overlong`` not
+            nor callable (naming the nearest known name), a trainable reward model, or ``overlong`` not
             ``0 < L_cache <= L_max`` (naming the node and line).
     """
     if overlong is not None and not overlong[1]:
@@ -97,7 +98,9 @@ def reward(
     if model is not None and model.trainable:
         raise GraphError(f"{node.where()}: reward model '{model.name}' must be declared Model(..., trainable=False)")
     if fn is not None and not callable(fn) and fn not in REWARD_FNS:
-        raise GraphError(f"{node.where()}: unknown reward fn {fn!r}; known: {', '.join(REWARD_FNS)} or a callable")
+        near = difflib.get_close_matches(str(fn), list(REWARD_FNS), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise GraphError(f"{node.where()}: unknown reward fn {fn!r}; {hint}known: {', '.join(REWARD_FNS)} or a callable")
     if overlong is not None and (len(overlong) != 2 or not 0 < overlong[1] <= overlong[0]):
         raise GraphError(f"{node.where()}: overlong={tuple(overlong)!r}: expected (L_max, L_cache), 0 < L_cache <= L_max")
     return outputs(node, SPEC)

@@ -31,6 +31,7 @@ from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
+from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
 from compiler.plan import decode_value
 from runtime.nonfinite import NonFiniteGuard
@@ -239,7 +240,8 @@ class TrainStepExecutor:
 
         model, tokenizer = load_pretrained(self.settings.model_folder)
         model.load_state_dict(state if state is not None else self.state_dict(), strict=True)
-        model.save_pretrained(folder)
+        with no_progress_bars():  # a checkpoint or the final model: no "Writing model shards" bar within the run's
+            model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
     def optimizer_state(self) -> dict | None:
