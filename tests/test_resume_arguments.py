@@ -107,6 +107,31 @@ def test_resume_alone_of_a_folder_moved_aside_or_copied_runs_its_plan_where_it_i
             {k: v for k, v in plan.run.items() if k not in ("name", "out_dir")}  # nothing else changed
 
 
+def test_a_resume_with_the_graph_file_keeps_the_runs_allocation_on_the_same_cluster(tmp_path, monkeypatch):
+    """New-user trial: a run placed by ``compile.allocation`` and resumed with its graph file but
+    without that override was placed anew by the search (and resharded); verl/AReaL keep it."""
+    import argparse
+
+    import areal_flow.cli.run as cli_run
+
+    seen = []
+    monkeypatch.setattr(cli_run, "run_flow", lambda flow, cfg, config: seen.append(cfg.compile.allocation) or 0)
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "plan.json").write_text(_plan(tmp_path, "cluster.n_gpus_per_node=3",
+                                            "compile.allocation=train:d2 + gen:d1").to_json())
+
+    def resume(*overrides):
+        args = argparse.Namespace(plan=None, file=str(REPO / "graphs/arith_grpo.py"), resume=str(folder),
+                                  overrides=[*TINY, *overrides], config=None, flow=None)
+        assert cli_run.run_command(args) == 0
+        return seen.pop()
+
+    assert resume("cluster.n_gpus_per_node=3") == "train:d2 + gen:d1"  # the run's, not the search's
+    assert resume("cluster.n_gpus_per_node=2") is None  # another cluster: the search places it (reshards)
+    assert resume("cluster.n_gpus_per_node=3", "compile.allocation=train:d1 + gen:d2") == "train:d1 + gen:d2"
+
+
 def test_an_override_in_the_graph_files_place_is_named_as_one(tmp_path):
     """``areal-flow run --resume R train.steps=10``: argparse takes the override for the graph file."""
     import argparse

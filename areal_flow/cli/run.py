@@ -1,13 +1,14 @@
 """The ``areal-flow run`` command: a graph or a saved plan, and what ``--resume`` accepts.
 
-Owns the run command's argument checks (the ``--resume`` folder, and ``name``/``out_dir``
-taken from it); the run itself is the runtime's (``runtime.launch``).
+Owns the run command's argument checks (the ``--resume`` folder, and ``name``/``out_dir`` and
+the allocation taken from it); the run itself is the runtime's (``runtime.launch``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -77,8 +78,25 @@ def run_command(args: argparse.Namespace) -> int:
                     raise CLIError(f"--resume {args.resume} is the run folder of {key}={own}, but {key}={value} "
                                    f"was also given; drop {key}= (the run folder sets it)")
             cfg.name, cfg.out_dir = folder.name, str(folder.parent)
+            keep_allocation(cfg, folder)
         cfg.resume = args.resume
     return run_flow(flow, cfg, args.config)
+
+
+def keep_allocation(cfg, folder: Path) -> None:
+    """A resume with a graph file keeps the run's allocation: ``cfg.compile.allocation`` is set to
+    the folder's ``plan.json`` one when the config gives none and the cluster is the run's
+    (``cluster.gpu``, ``n_nodes``, ``n_gpus_per_node``), so a resume places the job where it ran
+    (as verl and AReaL resume it) instead of where today's search would (the plan the run prints
+    shows it). Another cluster, or ``compile.allocation=...``, places it anew (the checkpoint
+    reshards, docs/RESUME.md)."""
+    if cfg.compile.allocation:
+        return
+    saved = json.loads((folder / "plan.json").read_text())
+    cluster = {k: getattr(cfg.cluster, k) for k in ("gpu", "n_nodes", "n_gpus_per_node")}
+    if not saved.get("allocation") or {k: saved.get("cluster", {}).get(k) for k in cluster} != cluster:
+        return
+    cfg.compile.allocation = saved["allocation"]
 
 
 def resume_folder(arg: str) -> Path:
