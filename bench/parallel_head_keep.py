@@ -44,9 +44,9 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> 
 
 def _worker(rank: int, world_size: int, folder: str, text: str, batch: dict, args) -> dict[str, list[float]]:
     torch.set_num_threads(args.threads)
-    spec = TrainSettings(model_folder=folder, algorithm="grpo", loss=dataclasses.asdict(ALGORITHMS["grpo"].loss_config({})),
-                         lr=1e-6, weight_decay=0.0, max_grad_norm=1.0, micro_batch_size=args.micro_batch,
-                         temperature=1.0, seed=0)
+    loss = dataclasses.asdict(ALGORITHMS["grpo"].loss_config({}))
+    spec = TrainSettings(model_folder=folder, algorithm="grpo", loss=loss, lr=1e-6, weight_decay=0.0, max_grad_norm=1.0,
+                         micro_batch_size=args.micro_batch, temperature=1.0, seed=0)
     trainer = RankTrainer.build(spec, ParallelStrategy.parse(text))
     runner = trainer.algorithm.runner
     share = args.rows // trainer.strategy.dp

@@ -103,6 +103,7 @@ def test_head_from_the_first_scored_column_equals_whole_rows_on_two_ranks(runs, 
             torch.testing.assert_close(ent_b, ent_a, rtol=1e-6, atol=1e-6)
         assert whole["grads"].keys() == part["grads"].keys() and whole["grads"]
         for name, expected in whole["grads"].items():
-            torch.testing.assert_close(part["grads"][name], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(part["grads"][name], expected, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{name}: {m}")
     if text == "p2":  # the loss and the head ran on the last stage only
         assert not runs[0][text][0]["seen"] and runs[1][text][0]["seen"]
