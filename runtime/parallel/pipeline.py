@@ -66,7 +66,9 @@ class PipelineStageModel(nn.Module):
 
     ``forward(x)``: first stage ``x`` is ``input_ids`` ``[micro_batch, seq]``;
     later stages take hidden states ``[micro_batch, seq, hidden]``. The last
-    stage returns logits ``[micro_batch, seq, vocab]``, others hidden states.
+    stage returns logits ``[micro_batch, seq - head_from, vocab]`` of positions ``head_from``
+    on (the LM head runs on those alone, as ``transformers``' ``logits_to_keep``; default 0:
+    every position), others hidden states.
     """
 
     def __init__(self, causal_lm: nn.Module, is_first: bool, is_last: bool) -> None:
@@ -78,13 +80,14 @@ class PipelineStageModel(nn.Module):
         self.is_last = is_last
         self.tied_embeddings = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
         self.position_offset = 0  # first position of this rank's sequence chunk (context parallelism)
+        self.head_from = 0  # first position the last stage's LM head runs on (``rl_pipeline``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1]
         positions = torch.arange(self.position_offset, self.position_offset + seq, device=x.device).unsqueeze(0)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         hidden = self.model(**inputs, position_ids=positions, use_cache=False).last_hidden_state
-        return self.lm_head(hidden)
+        return self.lm_head(hidden[:, self.head_from:] if self.is_last else hidden)
 
 
 def split_stage(causal_lm: nn.Module, stage_index: int, layer_range: range, n_stages: int) -> PipelineStageModel:

@@ -16,6 +16,12 @@ once per cp rank (``parallel_trainer``).
 
 Widths are padded to a multiple of ``cp`` with padding tokens after the real ones (right
 padding: causal attention keeps them out of every real token's output).
+
+The LM head runs only from the step's first response column on (``scored_from``, as
+``ModelRunner.forward_backward``): a rank keeps the positions of its chunk from column
+``scored_from - 1`` on, and at least its chunk's last one (a chunk all prompt still runs its
+head on one position, so every rank's LM head takes part in the backward alike); the columns
+before hold 0, and the chunks keep their shape for the gather.
 """
 
 from __future__ import annotations
@@ -49,24 +55,30 @@ class ContextRunner(ShardedRunner):
         self.cp_group = parallel.mesh["cp"].get_group()
 
     def _outputs(self, mb: MicroBatch, input_ids: torch.Tensor, temperature: float,
-                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 entropy_grad: bool, scored_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole-row ``(log-probs, entropy)`` ``[b, w]`` of micro-batch ``mb`` (``token_outputs``'
-        layout), each rank computing its chunk."""
+        layout), each rank computing its chunk; the LM head only from column ``scored_from - 1``
+        on (the module docstring; 0 holds before it)."""
         ids = mb.take(input_ids)
         width = ids.shape[1]
         chunk = math.ceil(width / self.cp)
         padded = torch.nn.functional.pad(ids, (0, chunk * self.cp - width + 1))  # + the target after the last
         start = self.cp_rank * chunk
+        skip = min(max(0, scored_from - 1 - start), chunk - 1) if self._keeps else 0  # this chunk's columns skipped
+        keep = {"logits_to_keep": chunk - skip} if skip else {}
         positions = torch.arange(start, start + chunk, device=ids.device).unsqueeze(0)
-        logits = self.model(input_ids=padded[:, start : start + chunk], position_ids=positions, use_cache=False).logits
+        logits = self.model(input_ids=padded[:, start : start + chunk], position_ids=positions, use_cache=False,
+                            **keep).logits
         z = logits.float() / temperature
-        targets = padded[:, start + 1 : start + chunk + 1]  # position p predicts token p + 1
+        targets = padded[:, start + skip + 1 : start + chunk + 1]  # position p predicts token p + 1
         logp = torch.gather(z, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
         if entropy_grad:
             entropy = token_entropy(logits / temperature)
         else:
             with torch.no_grad():  # a metric: one row at a time, as ``model_runner``
                 entropy = torch.stack([token_entropy(logits[i].detach() / temperature) for i in range(len(mb.rows))])
+        if skip:
+            logp, entropy = (torch.nn.functional.pad(t, (skip, 0)) for t in (logp, entropy))
         whole = [gather_sequence(t, self.cp_group, self.cp_rank)[:, : width - 1] for t in (logp, entropy)]
         return tuple(torch.nn.functional.pad(t, (1, 0)) for t in whole)  # token t's value sits at t
 
@@ -82,8 +94,9 @@ class ContextRunner(ShardedRunner):
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
                          scored_from: int = 0) -> None:
-        """The step's gradient, one micro-batch at a time: chunk forward, whole-row loss, backward."""
+        """The step's gradient, one micro-batch at a time: chunk forward, whole-row loss, backward;
+        ``scored_from`` as :meth:`ModelRunner.forward_backward` (the LM head from there on)."""
         for mb in right_padded(self.same_count(micro_batches), attention_mask):
-            logp, entropy = self._outputs(mb, input_ids, temperature, entropy_grad)
+            logp, entropy = self._outputs(mb, input_ids, temperature, entropy_grad, scored_from)
             loss_fn(mb, logp, entropy).backward()
         self.reduce_expert_gradients()

@@ -21,6 +21,11 @@ longest row: right padding, which causal attention keeps out of every real token
 A new shape builds a new stage and schedule (no communication beyond a 1-element vote).
 Packed micro-batches (``train.pack_sequences``) run padded here, with the same values.
 
+The last stage runs the LM head only from the step's first response column on (``scored_from``,
+as ``ModelRunner.forward_backward``): the stage's ``head_from``, one column for every micro-batch
+of the step (the schedule's output shape is fixed), part of the schedule's shape. Every stage of
+a pipeline holds the same rows, so all agree on it.
+
 After the backward the tied embedding's two copies sum their gradients
 (``pipeline.sync_tied_embedding_grads``) and the gradient norm adds the stages' squares over
 the pipeline group (``grad_norm``), counting the tied matrix once.
@@ -61,35 +66,42 @@ class PipelineRunner(ShardedRunner):
         super().__init__(parallel)
         self.stage = parallel.module
         self.pp_group = parallel.mesh["pp"].get_group()
-        self._built: tuple[tuple[int, int, int], PipelineScheduleSingle] | None = None
+        # the schedules of the last two shapes: a step's no-grad log-probs (the head on every
+        # column) and its training pass (from the first response column) alternate
+        self._built: dict[tuple[int, int, int, int], PipelineScheduleSingle] = {}
         self._on_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- schedule
-    def _schedule(self, rows: int, width: int, n_micro: int, device: torch.device) -> PipelineScheduleSingle:
-        """The schedule for ``n_micro`` micro-batches of ``[rows, width]`` tokens (cached per shape)."""
-        key = (rows, width, n_micro)
-        if self._built is not None and self._built[0] == key:
-            return self._built[1]
+    def _schedule(self, rows: int, width: int, n_micro: int, head_from: int,
+                  device: torch.device) -> PipelineScheduleSingle:
+        """The schedule for ``n_micro`` micro-batches of ``[rows, width]`` tokens, the LM head from
+        column ``head_from`` on (cached per shape)."""
+        key = (rows, width, n_micro, head_from)
+        if key in self._built:
+            return self._built[key]
         stage, config = self.stage, self.stage.config
         dtype = next(stage.parameters()).dtype  # the residual stream: fp32 master weights, also under autocast
         # requires_grad: the activations (and so their gradients) cross the stage boundary
         hidden = torch.empty((rows, width, config.hidden_size), dtype=dtype, device="meta", requires_grad=True)
         inputs = torch.empty((rows, width), dtype=torch.int64, device="meta") if stage.is_first else hidden
-        outputs = torch.empty((rows, width, config.vocab_size), dtype=dtype, device="meta") if stage.is_last else hidden
+        outputs = (torch.empty((rows, width - head_from, config.vocab_size), dtype=dtype, device="meta")
+                   if stage.is_last else hidden)
         pp_mesh = self.parallel.mesh["pp"]
         pipeline_stage = PipelineStage(stage, pp_mesh.get_local_rank(), pp_mesh.size(), device, input_args=inputs,
                                        output_args=outputs, group=self.pp_group)
         schedule = Schedule1F1B(pipeline_stage, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
-        self._built = (key, schedule)
+        self._built = {**dict(list(self._built.items())[-1:]), key: schedule}
         return schedule
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function (last stage): ``target`` holds the micro-batch's row indices."""
         return self._on_logits(logits, target)
 
-    def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, fn: LogitsFn, *, train: bool) -> None:
+    def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, fn: LogitsFn, *, train: bool,
+             head_from: int = 0) -> None:
         """Run the schedule over ``micro_batches`` (padded layout); on the last stage ``fn(mb, logits
-        [b, w, vocab])`` gets each one's logits (its real rows, its own width) and returns its loss."""
+        [b, w - head_from, vocab])`` gets each one's logits (its real rows, its own width ``w``,
+        columns ``head_from`` on; ``head_from < w`` of every micro-batch) and returns its loss."""
         n_micro = len(micro_batches)
         if n_micro < self.parallel.strategy.pp:
             raise ValueError(f"the 1F1B schedule needs at least pp={self.parallel.strategy.pp} micro-batches, "
@@ -108,12 +120,13 @@ class PipelineRunner(ShardedRunner):
 
         def on_logits(logits: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
             mb = by_first_row[int(rows_of[0])]
-            return fn(mb, logits[: len(mb.rows), : mb.width])
+            return fn(mb, logits[: len(mb.rows), : mb.width - head_from])
 
-        schedule = self._schedule(rows, width, n_micro, device)
+        schedule = self._schedule(rows, width, n_micro, head_from, device)
         args = (stacked,) if self.stage.is_first else ()
         kwargs = dict(target=target if self.stage.is_last else None, return_outputs=False)
         self._on_logits = on_logits
+        self.stage.head_from = head_from
         try:
             if train:
                 schedule.step(*args, **kwargs)
@@ -141,13 +154,19 @@ class PipelineRunner(ShardedRunner):
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
                          scored_from: int = 0) -> None:
         """The step's gradient through the pipeline schedule, ``loss_fn`` on the last stage; then
-        the tied embedding's gradients summed and the experts' over their replicas."""
+        the tied embedding's gradients summed and the experts' over their replicas.
+        ``scored_from``: as :meth:`ModelRunner.forward_backward`; the last stage's LM head runs
+        from column ``scored_from - 1`` on (at most the narrowest micro-batch's last column)."""
+        padded = right_padded(micro_batches, attention_mask)
+        skip = max(0, min(scored_from - 1, min(mb.width for mb in padded) - 1))
 
         def loss(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            logp, entropy = token_outputs(logits, mb.take(input_ids), temperature, entropy_grad=entropy_grad)
+            logp, entropy = token_outputs(logits, mb.take(input_ids)[:, skip:], temperature, entropy_grad=entropy_grad)
+            if skip:  # the columns before hold 0, as ModelRunner's
+                logp, entropy = (torch.nn.functional.pad(t, (skip, 0)) for t in (logp, entropy))
             return loss_fn(mb, logp, entropy)
 
-        self._run(right_padded(micro_batches, attention_mask), input_ids, loss, train=True)
+        self._run(padded, input_ids, loss, train=True, head_from=skip)
         sync_tied_embedding_grads(self.stage, self.parallel.tied_group)
         self.reduce_expert_gradients()
 

@@ -69,10 +69,12 @@ class ShardedRunner(ModelRunner):
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
                          scored_from: int = 0) -> None:
         """:meth:`ModelRunner.forward_backward` over as many micro-batches as every DP rank runs,
-        then the expert gradients summed over their replicas. ``scored_from`` is ignored: the
-        parallel runners compute every position's logits (a sharded head is not sliced)."""
+        then the expert gradients summed over their replicas. ``scored_from`` as there: the
+        hidden states are sliced before the LM head, so a TP head (split by vocabulary, its
+        logits all-gathered) runs on the kept columns alone too; the TP ranks of a DP rank hold
+        the same rows, so their slices agree, and FSDP's and EP's collectives come before it."""
         super().forward_backward(self.same_count(micro_batches), input_ids, attention_mask, loss_fn,
-                                 temperature=temperature, entropy_grad=entropy_grad)
+                                 temperature=temperature, entropy_grad=entropy_grad, scored_from=scored_from)
         self.reduce_expert_gradients()
 
     def reduce_expert_gradients(self) -> None:
