@@ -172,6 +172,10 @@ class TrainConfig:
     attention stays inside each; areal_flow.algorithms.micro_batches). Same loss and gradient as padded."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Train steps of a linear warm-up of the learning rate to train.lr: step t (0-based) runs at
+    lr * min(1, (t + 1) / lr_warmup_steps), every train_step (policy and critic, one process or
+    several ranks; areal_flow.algorithms.lr_schedule); 0 = train.lr from the first step."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -332,6 +336,7 @@ class ExperimentConfig:
             raise ConfigError(f"scheduler.type={self.scheduler.type!r}: expected 'local' or 'ray'")
         for key, value in (("keep_old_runs", self.keep_old_runs), ("train.checkpoint_every", self.train.checkpoint_every),
                            ("train.keep_checkpoints", self.train.keep_checkpoints),
+                           ("train.lr_warmup_steps", self.train.lr_warmup_steps),
                            ("scheduler.max_restarts", self.scheduler.max_restarts),
                            ("scheduler.threads_per_worker", self.scheduler.threads_per_worker),
                            ("async.max_staleness", self.async_.max_staleness),

@@ -59,8 +59,8 @@ class RunSpec:
                    keep_checkpoints=cfg.train.keep_checkpoints)
 
 
-_TRAIN = ("lr", "weight_decay", "max_grad_norm", "loss", "checkpoint_every", "max_tokens_per_micro_batch",
-          "pack_sequences", "max_nonfinite_steps", "gradient_accumulation_steps")
+_TRAIN = ("lr", "lr_warmup_steps", "weight_decay", "max_grad_norm", "loss", "checkpoint_every",
+          "max_tokens_per_micro_batch", "pack_sequences", "max_nonfinite_steps", "gradient_accumulation_steps")
 _ENGINE = {"max_batch_size": "gen.max_batch_size", "engine_dtype": "gen.dtype",
            "engine_lm_head_dtype": "gen.lm_head_dtype"}
 LOWERED: dict[str, dict[str, str]] = {

@@ -11,7 +11,7 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests); ``rollout``
   gets the engine's three and the same failure budget (for its failed episodes);
   every trainer (``train_step``, or a user op with role ``training``) gets its optimizer
-  (``train.lr``, ``weight_decay``, ``max_grad_norm``), micro-batching
+  (``train.lr``, ``lr_warmup_steps``, ``weight_decay``, ``max_grad_norm``), micro-batching
   (``max_tokens_per_micro_batch``, ``pack_sequences``), ``checkpoint_every``,
   ``max_nonfinite_steps`` and its whole loss config (``loss``: the algorithm's defaults with
   ``train.loss``, and the off-policy correction for k >= 1: ``compiler.algorithms``); a rule
@@ -67,8 +67,8 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
                                   failure_window=cfg.reward.failure_window)
         elif node in steps:
             t = cfg.train
-            node.attrs.update(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                              checkpoint_every=t.checkpoint_every,
+            node.attrs.update(lr=t.lr, lr_warmup_steps=t.lr_warmup_steps, weight_decay=t.weight_decay,
+                              max_grad_norm=t.max_grad_norm, checkpoint_every=t.checkpoint_every,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
                               max_nonfinite_steps=t.max_nonfinite_steps,
                               gradient_accumulation_steps=t.gradient_accumulation_steps)

@@ -64,6 +64,7 @@ from transformers import AutoConfig
 
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
+from areal_flow.algorithms.lr_schedule import set_lr
 from compiler.strategy import ParallelStrategy
 from runtime.checkpoint import SHARDED_DIR, read_state
 from runtime.model_source import load_pretrained
@@ -280,6 +281,7 @@ def _follow(trainer: RankTrainer) -> None:
             continue
         trainer.algorithm.micro_batch_size = micro_batch_size(batch["input_ids"].shape[0], trainer.strategy.dp,
                                                               command["micro_batches"])
+        set_lr(trainer.algorithm.optimizer, command["lr"])  # rank 0's of this step (lr_schedule)
         dtype = command.get("dtype", torch.float32)  # rank 0's autocast (model.dtype), on every rank
         device = next(trainer.parallel.module.parameters()).device.type
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
@@ -307,6 +309,7 @@ def _follow_critic(critic: RankCritic, command: dict) -> None:
             critic.load_whole(checkpoint[1], read_state(Path(checkpoint[1]).parent)["optimizers"][checkpoint[2]])
         critic.gather_into(None)  # rank 0's whole copy gets the loaded weights
         return
+    set_lr(critic.optimizer, command["lr"])  # rank 0's of this step (lr_schedule)
     dtype = command.get("dtype", torch.float32)
     device = next(critic.module.parameters()).device.type
     with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):

@@ -351,8 +351,6 @@ class _Stage:
                     self.version = step + 1
                     stats["weights/sync_s"] = time.perf_counter() - started
                     stats["weights/bytes"] = float(publisher.published_bytes - sent)
-                if "lr" in node.attrs and node.model == self.ctx.policy_name():
-                    stats["lr"] = float(node.attrs["lr"])
                 if checkpoint:
                     self.checkpoints.to_save[node.name] = weights
         return stats, advantage, values

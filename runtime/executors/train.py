@@ -31,6 +31,7 @@ from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
+from areal_flow.algorithms.lr_schedule import set_lr, warmup_lr
 from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
 from compiler.plan import decode_value
@@ -63,6 +64,7 @@ class TrainSettings:
     Attributes:
         model_folder: version-0 weights. algorithm: registered name. loss: the plan's whole
         ``LossConfig`` (field -> value). lr / weight_decay / max_grad_norm: AdamW and clipping.
+        lr_warmup_steps: the linear warm-up of lr (``areal_flow.algorithms.lr_schedule``; 0 = off).
         micro_batch_size: sequences per forward/backward (recomputed each step from
         ``micro_batches``). micro_batches: the plan's micro-batches per DP rank
         (``NodePlan.micro_batches``: ``train.gradient_accumulation_steps`` when set).
@@ -89,6 +91,7 @@ class TrainSettings:
     user_algorithm: dict | None = None
     micro_batches: int = 1
     activation_checkpointing: bool = False
+    lr_warmup_steps: int = 0
 
     @classmethod
     def from_node(cls, node, ctx) -> "TrainSettings":
@@ -100,7 +103,12 @@ class TrainSettings:
                    max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
                    pack_sequences=a.get("pack_sequences", False),
                    user_algorithm=ctx.plan.algorithms.get(a["algorithm"]), micro_batches=node.micro_batches or 1,
-                   activation_checkpointing=node.activation_checkpointing)
+                   activation_checkpointing=node.activation_checkpointing,
+                   lr_warmup_steps=a.get("lr_warmup_steps", 0))
+
+    def lr_at(self, step: int) -> float:
+        """AdamW's learning rate at train step ``step`` (0-based; ``lr_schedule.warmup_lr``)."""
+        return warmup_lr(self.lr, self.lr_warmup_steps, step)
 
     def loss_config(self) -> LossConfig:
         """The plan's loss config of this node."""
@@ -178,16 +186,19 @@ class TrainStepExecutor:
         with phases, torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
             stats = self._step(batch, rows, info)
         stats = {**stats, **adv.stats, **self.monitor.check(info["step"], stats, adv)}
+        stats["critic_lr" if self.critic else "lr"] = self.settings.lr_at(info["step"])  # lr_schedule
         if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
             stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
         return {"stats": Stats(stats), "weights": Weights(self.state_dict() if info["publish"] else None)}
 
     def _step(self, batch: dict, rows: int, info: dict) -> dict:
+        lr = self.settings.lr_at(info["step"])  # the other ranks get it in the step's command
+        set_lr(self.ranks.algorithm.optimizer if self.ranks is not None else self.optimizer, lr)
         if self.critic:
-            stats = self._critic_step(batch, rows)
+            stats = self._critic_step(batch, rows, lr)
         elif self.ranks is not None:
             broadcast_command({"batch": batch, "gather": info["publish"], "micro_batches": self.micro_batches,
-                               "dtype": self.ctx.dtype})
+                               "dtype": self.ctx.dtype, "lr": lr})
             self.algorithm.micro_batch_size = micro_batch_size(rows, self.ranks.strategy.dp, self.micro_batches)
             stats = self.ranks.step(batch)
         else:
@@ -195,10 +206,10 @@ class TrainStepExecutor:
             stats = self.algorithm.update_parameters(batch)
         return stats
 
-    def _critic_step(self, batch: dict, rows: int) -> dict:
+    def _critic_step(self, batch: dict, rows: int, lr: float) -> dict:
         if self.rank_critic is not None:  # every rank steps on its rows, then rank 0's copy gets the weights
             broadcast_command({"batch": batch, "critic": True, "micro_batches": self.micro_batches,
-                               "dtype": self.ctx.dtype})
+                               "dtype": self.ctx.dtype, "lr": lr})
             stats = self.rank_critic.step(batch, self.micro_batches)
             self.rank_critic.gather_into(self.model)
             return stats
