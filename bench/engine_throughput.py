@@ -1,5 +1,6 @@
 """Generation throughput, side by side: the embedded engine (fp32, bf16, auto), HF
-``generate`` (fp32, bf16) and vLLM, with each rate as a fraction of the box's bf16 roofline.
+``generate`` (fp32, bf16) and vLLM (bf16, fp32), with each rate as a fraction of the box's
+bf16 roofline.
 
 Every engine gets the same model folder, the same prompts (task prompts through
 ``ops.generate.encode_prompt``, so chat-formatted for SmolLM2), the same sampling
@@ -18,8 +19,13 @@ Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermedia
 FLOP (Kaplan et al. 2020, sec. 2.1, forward pass; attention over the short context is
 left out), so ``roofline tokens/s = rate / (2 * parameters)`` and each row prints its
 tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
-running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``); its engine
-start-up time is printed separately.
+running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``), in each dtype of
+``--vllm-dtypes`` and in vLLM-CPU's deployed configuration by default: compiled graphs
+(``--vllm-eager`` for ``enforce_eager``), the worker in its own process with its OpenMP
+threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a 2-core box's
+worker one core and keeps the other for the engine core), a 1 GiB KV cache; one engine per
+dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
+separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch.
 
 Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
 or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
@@ -103,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all engines)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf-bf16", action="store_true", help="skip HF generate in bf16")
+    parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"], help="vLLM engines' dtypes")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled)")
+    parser.add_argument("--vllm-bind", default="auto",
+                        help="vLLM worker's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. auto, 0, 0-1); "
+                             "none: worker in this process, --threads unbound threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -124,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model {args.model}: built in code, random weights, character tokenizer; no vLLM (needs a folder)")
     elif not vllm:
         print("vllm: not importable in this interpreter (run with .venv-vllm/bin/python to include it)")
+    vllm_engines = _vllm_engines(args, folder, tokenizer) if vllm else {}
     for batch in args.batch:
         prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch)]
         n_tokens = batch * args.max_new_tokens
@@ -141,17 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, m in hf.items():
             runs[name] = (_hf_call(m, prompts, pad, 4, args.temperature, args.top_p, args.device),
                           _hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p, args.device))
-        vllm_engine = None
-        if vllm:
-            from runtime.engines.vllm_engine import VLLMEngine
-
-            start = time.perf_counter()
-            vllm_engine = VLLMEngine(folder, tokenizer, max_batch_size=batch, threads=args.threads)
-            print(f"vllm: engine start-up {time.perf_counter() - start:.1f} s")
-            runs["vLLM"] = (lambda: vllm_engine.generate(warm), lambda: vllm_engine.generate(requests))
+        for name, engine in vllm_engines.items():
+            runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         rates = _interleaved_rates(runs, n_tokens, args.repeats, sync)
-        if vllm_engine is not None:
-            vllm_engine.close()
         weight = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
         seconds = matmul_seconds(args.device, batch, [weight], (torch.bfloat16,), 20)[0]
         flops = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size / seconds
@@ -160,12 +164,33 @@ def main(argv: list[str] | None = None) -> None:
               f"{flops / 1e9:.0f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
         base, base_cpu = rates["HF generate float32"]
         for name, (rate, rate_cpu) in rates.items():
-            # vLLM decodes in its own process: this process's CPU time does not cover it
-            cpu = "" if name == "vLLM" else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
+            # a bound vLLM worker decodes in its own process: this process's CPU time does not cover it
+            cpu = "" if name.startswith("vLLM") else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
             print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
         if "HF generate bfloat16" in rates:  # like with like: both bf16
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
+        like = [f"embedded {d} / {name}: {rates[f'embedded {d}'][0] / rates[name][0]:.2f}x"
+                for name in vllm_engines for d in ("bfloat16", "float32") if name.startswith(f"vLLM {d}")]
+        if like:  # like with like: the same dtype on both sides
+            print("like for like (wall clock): " + " | ".join(like))
+    for engine in vllm_engines.values():
+        engine.close()
+
+
+def _vllm_engines(args, folder: str, tokenizer) -> dict:
+    """One started ``VLLMEngine`` per ``--vllm-dtypes`` entry, named by dtype and configuration."""
+    from runtime.engines.vllm_engine import VLLMEngine
+
+    bind = None if args.vllm_bind == "none" else args.vllm_bind
+    how = ("eager" if args.vllm_eager else "compiled") + (f", bound {bind}" if bind else ", in-process")
+    engines = {}
+    for dtype in args.vllm_dtypes:
+        start = time.perf_counter()
+        engines[f"vLLM {dtype} ({how})"] = VLLMEngine(folder, tokenizer, max_batch_size=max(args.batch), dtype=dtype,
+                                                      threads=args.threads, eager=args.vllm_eager, threads_bind=bind)
+        print(f"vllm {dtype} ({how}): engine start-up {time.perf_counter() - start:.1f} s")
+    return engines
 
 
 if __name__ == "__main__":

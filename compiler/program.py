@@ -7,9 +7,10 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``),
-  ``engine_lm_head_dtype`` (its final norm's and LM head's, ``gen.lm_head_dtype``)
+  ``engine_lm_head_dtype`` (its final norm's and LM head's, ``gen.lm_head_dtype``), ``vllm_compile``
+  (``gen.vllm_compile``: a vLLM engine compiles its model)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests); ``rollout``
-  gets the engine's three and the same failure budget (for its failed episodes);
+  gets the engine's four and the same failure budget (for its failed episodes);
   every trainer (``train_step``, or a user op with role ``training``) gets its optimizer
   (``train.lr``, ``lr_warmup_steps``, ``weight_decay``, ``max_grad_norm``), micro-batching
   (``max_tokens_per_micro_batch``, ``pack_sequences``), ``checkpoint_every``,
@@ -60,6 +61,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
             node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
             node.attrs.setdefault("engine_lm_head_dtype", cfg.gen.lm_head_dtype)
+            node.attrs.setdefault("vllm_compile", cfg.gen.vllm_compile)
             if node.op == "generate":
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)
             if node.op in ("generate", "rollout"):  # failed requests / episodes: the reward's failure fraction

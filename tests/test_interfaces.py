@@ -180,3 +180,43 @@ def test_every_built_in_executor_is_constructed_from_node_and_ctx():
         _check(cls, Trainer if op.spec.trains else kinds[op.grain])
         checked.add(op.name)
     assert checked >= {"generate", "rollout", "reward", "filter", "logprobs", "advantage", "train_step"}
+
+
+def test_gen_vllm_compile_reaches_vllm_engine_args(monkeypatch, tmp_path):
+    """``gen.vllm_compile`` is lowered onto the generator and ``build_engine`` turns it into
+    vLLM's ``enforce_eager=False``; ``threads_bind`` runs the worker in its own process, pinned."""
+    import argparse
+    import os
+
+    from areal_flow.cli import flow_config, load_flow
+    from compiler.program import lower_attrs
+    from runtime.engines.vllm_engine import VLLMEngine
+    from runtime.executors.generate import build_engine
+
+    seen = []
+
+    class LLMEngine:
+        model_config = SimpleNamespace(max_model_len=64)
+
+        @classmethod
+        def from_engine_args(cls, args):
+            seen.append(args)
+            return cls()
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(EngineArgs=lambda **kwargs: kwargs, LLMEngine=LLMEngine))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    flow = load_flow(REPO / "graphs/arith_grpo.py")
+    cfg = flow_config(flow, argparse.Namespace(config=None, overrides=["gen.engine=vllm", "gen.vllm_compile=true"]))
+    graph = flow(cfg)
+    lower_attrs(graph, cfg)
+    node = next(n for n in graph.nodes.values() if n.op == "generate")
+    assert node.attrs["vllm_compile"] is True
+    ctx = SimpleNamespace(seed=0, rank=0, folders={node.model: tmp_path}, tokenizer=TOK,
+                          plan=SimpleNamespace(run={"dtype": "float32"}), threads=1)
+    node.attrs["engine"] = "vllm"
+    build_engine(SimpleNamespace(attrs=node.attrs, model=node.model, concurrent=None), ctx)  # the plan's node
+    assert seen[-1]["enforce_eager"] is False and "distributed_executor_backend" not in seen[-1]
+    VLLMEngine(tmp_path, TOK, max_batch_size=2, threads_bind="0")  # eager by default
+    assert seen[-1]["enforce_eager"] is True and seen[-1]["distributed_executor_backend"] == "mp"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"

@@ -77,7 +77,16 @@ class VLLMEngine:
         dtype: parameter dtype, ``"float32"`` (matches the trainer on CPU) or ``"bfloat16"``.
         max_model_len: context length, tokens; None = the model's ``max_position_embeddings``.
         kv_cache_gib: KV cache size on CPU, GiB (sets ``VLLM_CPU_KVCACHE_SPACE`` if unset).
-        threads: torch threads of the engine on CPU.
+        threads: torch threads of the engine on CPU (in-process worker only: a bound worker
+            has one OpenMP thread per core of ``threads_bind``).
+        eager: True runs the model eagerly (``enforce_eager``); False lets vLLM trace it once
+            with dynamo and compile it with inductor (on CPU: its ``DYNAMO_TRACE_ONCE`` mode,
+            compiled on the first step of each batch shape; needs a C++ compiler).
+        threads_bind: None keeps vLLM's worker in this process (unbound threads; weights and
+            ``read_weights`` pass as Python objects); a core list such as ``"0"`` or ``"0-1"``
+            (or ``"auto"``) runs the worker in its own process with one OpenMP thread pinned
+            per listed core (``VLLM_CPU_OMP_THREADS_BIND``, vLLM's multiprocess executor), the
+            way vLLM's CPU docs deploy it.
         **engine_kwargs: further ``vllm.EngineArgs`` fields.
 
     Start-up takes 30-65 s on 2 CPU cores even for a tiny model (profiling and KV-cache
@@ -90,16 +99,20 @@ class VLLMEngine:
 
     def __init__(self, model_folder: str | Path, tokenizer, *, max_batch_size: int, seed: int = 0,
                  dtype: str = "float32", max_model_len: int | None = None, kv_cache_gib: int = 1,
-                 threads: int = 1, **engine_kwargs) -> None:
+                 threads: int = 1, eager: bool = True, threads_bind: str | None = None,
+                 **engine_kwargs) -> None:
         if max_batch_size < 1:
             raise ValueError(f"VLLMEngine: max_batch_size must be >= 1, got {max_batch_size}")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process core: see module docstring
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         torch.set_num_threads(threads)
+        if threads_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+            engine_kwargs.setdefault("distributed_executor_backend", "mp")
         from vllm import EngineArgs, LLMEngine
 
         args = EngineArgs(model=str(model_folder), dtype=dtype, seed=seed, max_num_seqs=max_batch_size,
-                          max_model_len=max_model_len, skip_tokenizer_init=True, enforce_eager=True,
+                          max_model_len=max_model_len, skip_tokenizer_init=True, enforce_eager=eager,
                           logprobs_mode="processed_logprobs", disable_log_stats=True, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self.tokenizer = tokenizer
