@@ -9,8 +9,10 @@ trainer's rank 0 in its stage worker's actor on one worker node, rank 1 in a ran
 ``bench/chaos_procs.py``'s: a whole worker node removed (its processes SIGKILLed, never the
 head's nor the one the bench's own Ray client is attached to; a fresh spare node is added at
 once, so the runtime can move the plan machine's devices there), a trainer rank host actor
-killed with ``ray.kill``, and an actor's worker process (``ray::WorkerActor``, the metrics
-queue's ``ray::_QueueActor``) SIGKILLed. Every one of them must be survived by the runtime
+killed with ``ray.kill``, an actor's worker process (``ray::WorkerActor``, the metrics
+queue's ``ray::_QueueActor``) SIGKILLed, and a trainer rank on Ray (a ``multiprocessing``
+spawn child of a ``ray::WorkerActor``: the ranks the stage worker's actor and the rank hosts
+start) SIGKILLed. Every one of them must be survived by the runtime
 (``bench/chaos.py`` resumes only a dead driver).
 
 Owns the cluster and these victims; what the runs left on it (named actors alive, placement
@@ -30,7 +32,7 @@ import psutil
 
 from bench.chaos_checks import ray_cluster_left
 
-NODE, RANK_HOST = "ray worker node", "trainer rank host"
+NODE, RANK_HOST, RAY_RANK = "ray worker node", "trainer rank host", "ray trainer rank"
 ACTOR_TITLES = {"ray::WorkerActor": "ray worker actor", "ray::_QueueActor": "ray metrics queue"}
 NAMESPACE = "areal_flow"
 NODE_ARGS = {"num_cpus": 1, "resources": {"gpu_slot": 1}, "node_ip_address": "127.0.0.1"}
@@ -51,6 +53,19 @@ def draw(rng: random.Random, victims: Mapping[str, Sequence], allowed: str) -> t
         return None
     kind = rng.choice(kinds)
     return kind, rng.choice(list(victims[kind]))
+
+
+def _spawn_children(actor: psutil.Process) -> list[psutil.Process]:
+    """The trainer ranks an actor started (``multiprocessing`` spawn children: the rank host's
+    ranks, ``runtime/ray_ranks.py``); its resource tracker and compile workers are not."""
+    found = []
+    for c in actor.children():
+        try:
+            if "spawn_main" in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.Error:
+            continue
+    return found
 
 
 class RayNodes:
@@ -88,6 +103,7 @@ class RayNodes:
             kind = next((k for prefix, k in ACTOR_TITLES.items() if title.startswith(prefix)), "")
             if kind:
                 found[kind].append(p)
+        found[RAY_RANK] = [c for a in found["ray worker actor"] for c in _spawn_children(a)]
         return found
 
     def victims(self, run: str) -> dict[str, list]:
