@@ -25,7 +25,9 @@ running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``), in eac
 threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a 2-core box's
 worker one core and keeps the other for the engine core), a 1 GiB KV cache; one engine per
 dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
-separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch.
+separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch; the
+embedded engine runs its LM head in fp32 by default (``gen.lm_head_dtype``, for accurate
+behavior log-probs), so its bf16 engine is also timed with a bf16 head, as vLLM computes it.
 
 Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
 or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
@@ -145,9 +147,12 @@ def main(argv: list[str] | None = None) -> None:
         requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
         warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
         runs = {}
-        for dtype in ("float32", "bfloat16", "auto"):
-            engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device)
-            name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "")
+        # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
+        for dtype, head in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "engine"), ("auto", "float32")):
+            engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
+                                      head_dtype=head)
+            name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
+                + (", bf16 head" if head == "engine" else "")
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
@@ -166,12 +171,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, (rate, rate_cpu) in rates.items():
             # a bound vLLM worker decodes in its own process: this process's CPU time does not cover it
             cpu = "" if name.startswith("vLLM") else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
-            print(f"{name:34s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
+            print(f"{name:40s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
         if "HF generate bfloat16" in rates:  # like with like: both bf16
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
-        like = [f"embedded {d} / {name}: {rates[f'embedded {d}'][0] / rates[name][0]:.2f}x"
-                for name in vllm_engines for d in ("bfloat16", "float32") if name.startswith(f"vLLM {d}")]
+        like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
+                for d, ours in (("bfloat16", "embedded bfloat16, bf16 head"), ("bfloat16", "embedded bfloat16"),
+                                ("float32", "embedded float32")) if name.startswith(f"vLLM {d}")]
         if like:  # like with like: the same dtype on both sides
             print("like for like (wall clock): " + " | ".join(like))
     for engine in vllm_engines.values():
