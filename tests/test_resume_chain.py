@@ -10,6 +10,7 @@ Counts: 6 steps x B=2 groups x n=4 samples, by hand."""
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -148,6 +149,42 @@ def test_a_critic_on_two_ranks_of_its_own_mesh_resumes_its_sharded_part_bit_for_
 
 def _fill(folder: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"w" * 64)
+
+
+def test_a_full_disk_during_one_part_only_leaves_the_version_torn_and_training_on(tmp_path):
+    """Written directly (no run): the trainer's part of version 3 is written, then the disk is
+    full while the critic group (``c``) writes its part. The critic's group says so in one line
+    naming its folder and its last complete part; nothing of the failed part is left; version 3
+    is skipped at resume for version 2 (naming the missing part) and rotates nothing; version 4,
+    written in full once there is room, completes the chain and rotates as usual (keep = 2)."""
+    root, said = tmp_path / "checkpoints", []
+
+    def full(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"w" * 16)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def save(v: int, part: str | None, fill=_fill, last=None):
+        return save_checkpoint(root, v, fill, {"version": v}, next_index=v, strategies={}, keep=2, last=last,
+                               say=said.append, part=part, parts=() if part else ("c",))
+
+    for v in (1, 2):
+        save(v, None)
+        last_c = save(v, "c")
+    save(3, None)
+    assert save(3, "c", fill=full, last=last_c) is None
+    assert said == [f"checkpoint {root}/parts/c/version_3 not written (ENOSPC: No space left on device); removed "
+                    f"version_3.tmp; {root}/parts/c/version_2 stays the last complete checkpoint; training goes on"]
+    assert sorted(p.name for p in (root / "parts/c").iterdir()) == ["version_1", "version_2"]  # no .tmp left
+    assert sorted(p.name for p in root.glob("version_*")) == ["version_1", "version_2", "version_3"]
+    lines: list[str] = []
+    assert latest_checkpoint(tmp_path, say=lines.append).version == 2
+    assert lines == [f"skipping checkpoint {root}/version_3: its part parts/c/version_3: no manifest.json; "
+                     "falling back to the one before"]
+    save(4, None)
+    save(4, "c", last=last_c)  # version 4 complete: keep = 2 keeps versions 4 and 2, the torn 3 goes
+    assert sorted(p.name for p in root.glob("version_*")) == ["version_2", "version_4"]
+    assert sorted(p.name for p in (root / "parts/c").iterdir()) == ["version_2", "version_4"]
+    assert latest_checkpoint(tmp_path).version == 4 and len(said) == 1
 
 
 def test_a_version_is_complete_only_with_every_part_and_rotation_keeps_whole_versions(tmp_path):
