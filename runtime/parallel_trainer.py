@@ -48,11 +48,8 @@ refused before any process starts by the compiler's one predicate, ``compiler.ex
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,13 +251,6 @@ class RankTrainer:
                                   read_state(Path(folder))["optimizers"][node], names)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this rank when the trainer process that spawned it dies (so a
-    launcher terminating the trainer leaves no rank blocked in a collective)."""
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def _follow(trainer: RankTrainer) -> None:
     """A rank other than 0: step on every broadcast batch until the ``None`` command."""
     while (command := broadcast_command(None)) is not None:
@@ -319,7 +309,6 @@ def _follow_critic(critic: RankCritic, command: dict) -> None:
 
 def _rank_main(rank: int, world_size: int, settings: TrainSettings, strategy: ParallelStrategy, device_type: str,
                lead, args, critic: TrainSettings | None) -> object:
-    _die_with_parent()
     trainer = RankTrainer.build(settings, strategy, device_type, critic)
     if rank == 0:
         return lead(trainer, *args)

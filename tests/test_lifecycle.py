@@ -50,6 +50,41 @@ def test_an_orphan_that_asks_too_late_signals_itself():
     assert proc.returncode == -signal.SIGUSR1
 
 
+def _sleep_rank(rank: int, world_size: int) -> None:
+    """A rank's work that outlasts the test: only its launcher's death can end it in time."""
+    time.sleep(600)
+
+
+def test_ranks_whose_launcher_died_while_they_started_end_on_their_own():
+    """The launcher (``spawn_workers``, as a trainer starts its ranks) exits 1 s after spawning,
+    while its two ranks are still importing, before they could ask for a parent-death signal.
+    Found by bench/chaos.py (a driver killed at start-up left the ranks in the rendezvous for
+    its timeout); a rank's entry now checks its parent, so both end within the import time."""
+    mark = f"rank-orphans-{os.getpid()}-{time.time_ns()}"
+    launcher = ("import os, sys, threading; sys.path.insert(0, 'tests'); from test_lifecycle import _sleep_rank; "
+                "from runtime.parallel.launch import spawn_workers; threading.Timer(1.0, os._exit, (0,)).start(); "
+                "spawn_workers(_sleep_rank, 2, timeout_s=600)")
+    subprocess.run([sys.executable, "-c", launcher], env={**ENV, "RANK_ORPHANS_MARK": mark}, cwd=REPO, timeout=120)
+
+    def orphans() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("RANK_ORPHANS_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    assert orphans(), "the launcher's ranks were not started"  # still importing
+    deadline = time.monotonic() + 90
+    while (left := orphans()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for p in left:
+        p.kill()
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]
+
+
 RUN = ["train.steps=200", "train.batch_size=2", "gen.n_samples=4", "warm_start.steps=10", "eval.enabled=false",
        "train.checkpoint_every=1"]
 

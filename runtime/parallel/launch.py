@@ -13,6 +13,7 @@ config *before* any process starts, so a bad strategy costs no process start.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from compiler.strategy import ParallelStrategy
 from runtime.channel_auth import check_secret, new_secret
+from runtime.lifecycle import die_with_parent
 from runtime.parallel.signed_objects import set_secret
 from runtime.parallel.validate import validate_strategy_for_model
 
@@ -85,6 +87,10 @@ def _worker_entry(
     local: int, fn: WorkerFn, world_size: int, span: RankSpan, backend: str, timeout_s: float, args: tuple,
     out_dir: str, secret: bytes,
 ) -> None:
+    # A rank does not outlive the process that spawned it, even one that died while this rank was
+    # still importing (before the kernel's parent-death signal was asked for): it would wait in
+    # the rendezvous below until its timeout (found by bench/chaos.py: a driver killed at start-up).
+    die_with_parent(multiprocessing.parent_process().pid)
     set_secret(secret)
     rank = span.first + local
     os.environ.update(MASTER_ADDR=span.master, MASTER_PORT=str(span.port), RANK=str(rank), WORLD_SIZE=str(world_size),
