@@ -53,7 +53,7 @@ from compiler.hosting import ray_machine_problem
 from compiler.plan import Plan
 from runtime.checkpoint import latest_checkpoint
 from runtime.driver import DIED, OK, Driver, WorkerEnd, reports
-from runtime.restarts import HostLost, ReportsLost, WorkerFailed
+from runtime.restarts import HostLost, ReportsLost, StageDied, WorkerFailed
 from runtime.ray_exits import exit_cause
 from runtime.parallel.launch import RankKilled
 from runtime.ray_ranks import RankHosts, actor_names, rank_specs, spans_machines
@@ -245,6 +245,9 @@ class RayScheduler:
         Raises:
             NodeLost: a plan machine's node is gone and no spare node can stand in.
             ClusterMismatchError: actors on other machines with channels bound to loopback.
+            StageDied: an actor died while starting, every node alive (killed, a crash): the
+                driver restarts every worker from the last checkpoint, within ``scheduler.max_restarts``.
+            RayActorError: an actor's ``__init__`` raised.
         """
         topo, gen = self.setup.topo, self.setup.topo.generation
         if self.sink is None:
@@ -263,6 +266,12 @@ class RayScheduler:
                 break
             except HostLost:
                 self.stop(wait=True)
+            except RayActorError as exc:  # killed while starting, every node alive: a restart, counted
+                if exc.actor_init_failed:  # its own __init__ raised: a bug or a bad setting, not a death
+                    raise
+                self.stop(wait=True)
+                name = next((n for n, a in self.actors.items() if a._actor_id.hex() == exc.actor_id), exc.actor_id)
+                raise StageDied(name, f"{exit_cause(exc)}, while the actors started", 0) from None
         threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or 1  # 0: one per actor's CPU
         return addresses, free_tcp_endpoint(host, self.held), threads
 

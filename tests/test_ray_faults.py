@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,8 +32,6 @@ class _Setup:
     """The parts of ``RunSetup`` that ``Restarts`` reads: plan.run, topology's B, the folder."""
 
     def __init__(self, out_dir: Path, max_restarts: int, batch_groups: int = 2) -> None:
-        from types import SimpleNamespace
-
         self.plan = SimpleNamespace(run={"scheduler": {"max_restarts": max_restarts}})
         self.topo = SimpleNamespace(batch_groups=batch_groups, steps=6)
         self.out_dir, self.checkpoint = out_dir, None
@@ -139,6 +138,51 @@ def test_an_actor_dead_while_starting_with_a_node_not_yet_marked_dead_is_a_lost_
     monkeypatch.setattr(rs, "NODE_DEAD_S", 60.0)
     with pytest.raises(RayActorError, match="creation task"):  # raised at once, its own error
         scheduler._get(["ref"])
+
+
+def test_an_actor_killed_while_the_actors_start_is_a_restart_not_the_runs_end():
+    """Issue 26's chaos bench (three nodes, k = 0): the trainer's rank host killed with ``ray.kill``
+    31.6 s in, while the attempt's actors started: the driver's first call to them raised Ray's
+    ``ActorDiedError`` and the run ended with Ray's traceback. Now the attempt's actors are
+    stopped and the dead actor is named in a ``StageDied``, which the driver turns into a restart
+    of every worker from the last checkpoint, counted against ``scheduler.max_restarts``. An
+    actor whose ``__init__`` raised still ends the run with its own error."""
+    pytest.importorskip("ray")
+    from ray.exceptions import RayActorError
+
+    import runtime.ray_scheduler as rs
+    from runtime.restarts import StageDied
+
+    class Handle:
+        def __init__(self, hex_id: str) -> None:
+            self._actor_id = SimpleNamespace(hex=lambda: hex_id)
+
+    scheduler = object.__new__(rs.RayScheduler)
+    scheduler.setup = SimpleNamespace(topo=SimpleNamespace(generation=None, groups={}))
+    scheduler.sink = object()  # the metrics queue, started by an earlier attempt
+    scheduler.actors = {"run/generate/0": Handle("aa01"), "run/train_step/0@n1": Handle("bb02")}
+    stopped: list[bool] = []
+    scheduler.stop = lambda wait: stopped.append(wait)
+    scheduler._replace_lost_nodes = scheduler._start_actors = lambda: None
+    words = ("The actor died unexpectedly before finishing this task.\n\tclass_name: WorkerActor\n"
+             "\tname: run/train_step/0@n1\nThe actor is dead because it was killed by `ray.kill`.")  # Ray 2.60's
+
+    def killed():
+        raise RayActorError(actor_id="bb02", error_msg=words)
+
+    scheduler._bind_host = killed
+    with pytest.raises(StageDied) as died:
+        scheduler.addresses()
+    assert str(died.value) == "run/train_step/0@n1 died (killed by `ray.kill`, while the actors started)"
+    assert died.value.admitted == 0 and stopped == [True]
+
+    def init_failed():
+        raise RayActorError(actor_id="bb02", error_msg="error raised in its creation task", actor_init_failed=True)
+
+    scheduler._bind_host = init_failed
+    with pytest.raises(RayActorError, match="creation task"):
+        scheduler.addresses()
+    assert stopped == [True]  # nothing more stopped: the error ends the run
 
 
 def test_a_rank_ended_by_a_signal_on_a_rank_host_is_the_trainers_death(monkeypatch):
