@@ -50,7 +50,7 @@ from runtime.hybrid import hybrid_pair, in_memory_weights, run_hybrid, why_not_h
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
 from runtime.placement import place_process, worker_devices
 from runtime.run_setup import RunSetup
-from runtime.socket_dir import new_socket_dir, remove_socket_dir
+from runtime.owned_dir import SOCKETS, new_owned_dir, remove_owned_dir
 from runtime.stage_worker import run_stage_worker
 from runtime.topology import Topology, WorkerGroup
 from runtime.workers import WorkerSpec, run_generation_replica
@@ -174,15 +174,15 @@ class LocalScheduler:
         self.procs: dict[str, mp.Process] = {}
         self.results = self.reports = None
         self.leases: dict = {}
-        self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.socket_dir)
+        self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.owned_dir)
         self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", False) else None
         self.start_how = _HYBRID_START if self.hybrid else "starting {n} workers (torch, models)"
         self.waiting: dict[str, WorkerSpec] = {}  # the hybrid worker's specs until both are given
 
     def addresses(self) -> tuple[dict[str, list[str]], str, int]:
         topo = self.setup.topo
-        remove_socket_dir(self.sock)  # an attempt stopped by a restart: its folder is done
-        sock = self.sock = new_socket_dir()
+        remove_owned_dir(self.sock)  # an attempt stopped by a restart: its folder is done
+        sock = self.sock = new_owned_dir(SOCKETS)
         addresses = {g.name: [f"ipc://{sock}/{g.name}-{r}" for r in range(g.replicas)] for g in topo.groups.values()}
         addresses["weights"] = [f"ipc://{sock}/weights-{r}" for r in range(topo.generation.replicas)]
         if self.hybrid:
@@ -262,7 +262,7 @@ class LocalScheduler:
             if p.is_alive():
                 p.terminate()
                 p.join()
-        remove_socket_dir(self.sock)
+        remove_owned_dir(self.sock)
         self.sock = None
 
     def release(self) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from compiler.strategy import ParallelStrategy
 from runtime.channel_auth import check_secret, new_secret
 from runtime.lifecycle import die_with_parent
+from runtime.owned_dir import RANKS, new_owned_dir, remove_owned_dir
 from runtime.parallel.signed_objects import set_secret
 from runtime.parallel.validate import validate_strategy_for_model
 
@@ -120,7 +120,8 @@ def spawn_workers(
     Each process has ``torch.distributed`` initialised (``init_process_group``
     over a free 127.0.0.1 port, or ``span``'s address) before ``fn`` runs and destroyed after it.
     Return values travel back through files in a temporary folder (a pipe
-    would block on payloads over its 64 KiB buffer).
+    would block on payloads over its 64 KiB buffer), removed after the ranks end, or by the
+    next launcher on this machine if this process was SIGKILLed (``runtime.owned_dir``).
 
     Args:
         fn: a module-level (picklable) function; its return value must be
@@ -152,7 +153,8 @@ def spawn_workers(
         raise ValueError(f"ranks {span.first}..{span.first + span.count - 1}: outside a group of {world_size}")
     backend = backend or default_backend()
     secret = new_secret() if secret is None else check_secret(secret, "spawn_workers")
-    with tempfile.TemporaryDirectory(prefix="areal_flow_workers_") as out_dir:
+    out_dir = new_owned_dir(RANKS)  # swept by a later launcher if this process is SIGKILLed
+    try:
         try:
             mp.start_processes(
                 _worker_entry,
@@ -169,6 +171,8 @@ def spawn_workers(
             raise WorkerError("\n".join(details) or str(exc)) from exc
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
                 for rank in range(span.first, span.first + span.count)]
+    finally:
+        remove_owned_dir(out_dir)
 
 
 def launch_strategy(
