@@ -4,18 +4,21 @@ first response column (``scored_from``), side by side: on 2 CPU ranks (gloo) or 
 Each strategy (``--strategies``, e.g. ``d2`` FSDP, ``p2`` 1F1B pipeline, ``t2`` TP, ``c2`` Ulysses)
 builds the policy through ``RankTrainer.build`` (the runner ``areal-flow run`` gives the algorithm)
 from ``--model`` (a published shape built in code with random weights, e.g. ``SmolLM2-135M``, or a
-tiny preset); ``one`` runs the one-process ``ModelRunner`` (the default trainer's) on
-``2 x --threads`` threads, the two ranks' cores. It times one pass (``--pass``) over the step's
-micro-batches: ``forward-backward`` (``runner.forward_backward``, a GRPO-like token-sum loss, no
-entropy bonus) or ``logprobs`` (``runner.logprobs``: the no-grad log-prob pass of M2PO's proximal
-policy and the reference model), on ``--rows`` sequences of ``--prompt`` prompt and
-``--response`` response tokens (the chat job's shape by default: ``graphs/arith_chat_grpo``),
-split over the DP ranks, ``--micro-batch`` rows per micro-batch, in each of ``--dtypes`` (fp32, or
-bf16 autocast over the fp32 weights as ``model.dtype=bfloat16`` trains). The variants (dtype x
-head) alternate round by round (the order flipping each round), so they share the machine's load;
-a time is rank 0's wall clock between two barriers. Run: ``python bench/parallel_head_keep.py``
-(``--strategies p2 --rounds 1`` for a quick look; ``--pass logprobs --strategies one,d2,p2
---dtypes fp32,bf16`` for the log-prob pass). Prints the load average at each round.
+tiny preset); ``one`` runs the one-process ``ModelRunner`` (the default trainer's) on ``--threads``
+threads, as one rank (at load 9 on this 2-core box 2 threads ran a tiny model's pass 50-100x
+slower than 1). It times one pass (``--pass``) over the step's micro-batches: ``forward-backward``
+(``runner.forward_backward``, a GRPO-like token-sum loss, no entropy bonus) or ``logprobs``
+(``runner.logprobs``: the no-grad log-prob pass of M2PO's proximal policy and the reference
+model), on ``--rows`` sequences of ``--prompt`` prompt and ``--response`` response tokens (the
+chat job's shape by default: ``graphs/arith_chat_grpo``), split over the DP ranks,
+``--micro-batch`` rows per micro-batch, in each of ``--dtypes`` (fp32, or bf16 autocast over the
+fp32 weights as ``model.dtype=bfloat16`` trains). The variants (dtype x head) alternate round by
+round (the order flipping each round), so they share the machine's load; a time is rank 0's wall
+clock between two barriers, and the CPU time of every rank's process summed
+(``time.process_time``: the steadier figure on a loaded box, as a shared core's wall clock counts
+the other jobs' turns). Run: ``python bench/parallel_head_keep.py`` (``--strategies p2 --rounds
+1`` for a quick look; ``--pass logprobs --strategies one,d2,p2 --dtypes fp32,bf16`` for the
+log-prob pass). Prints the load average at each round (with rank 0's own CPU time).
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def make_batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> 
 
 
 def timed_rounds(runner: ModelRunner, model: torch.nn.Module, local: dict, n_tokens: float, args, text: str,
-                 sync: Callable[[], None], verbose: bool) -> dict[str, list[float]]:
-    """Seconds of ``args.pass_`` over ``local``'s rows (``[rows, T]`` tensors) per variant
-    ``"<dtype>, <head>"``, one list entry per round, after one warm-up call of each variant
+                 sync: Callable[[], None], verbose: bool) -> dict[str, list[tuple[float, float]]]:
+    """``(wall, CPU)`` seconds of ``args.pass_`` over ``local``'s rows (``[rows, T]`` tensors) per
+    variant ``"<dtype>, <head>"``, one list entry per round, after one warm-up call of each variant
     (allocator, oneDNN primitives, the pipeline's schedules); ``sync`` brackets each call."""
     micro = plan_micro_batches(local["attention_mask"], micro_batch_size=args.micro_batch)
     ids, attn, mask = local["input_ids"], local["attention_mask"], local["loss_mask"]
@@ -63,9 +66,9 @@ def timed_rounds(runner: ModelRunner, model: torch.nn.Module, local: dict, n_tok
     def loss_fn(mb, logp, entropy):
         return -(logp * mb.take(mask)).sum() / n_tokens
 
-    def seconds(dtype: torch.dtype, scored_from: int) -> float:
+    def seconds(dtype: torch.dtype, scored_from: int) -> tuple[float, float]:
         sync()
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             if args.pass_ == "logprobs":
                 runner.logprobs(micro, ids, attn, 1.0, scored_from)
@@ -74,23 +77,26 @@ def timed_rounds(runner: ModelRunner, model: torch.nn.Module, local: dict, n_tok
                                         scored_from=scored_from)
         sync()
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - begin
+        return time.perf_counter() - begin, time.process_time() - begin_cpu
 
     variants = {f"{name}, {head}": (DTYPES[name], scored_from) for name in args.dtypes.split(",")
                 for head, scored_from in zip(HEADS, (0, args.prompt))}
     for variant in variants.values():
         seconds(*variant)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
         for name in list(variants) if round_ % 2 == 0 else list(reversed(variants)):
             times[name].append(seconds(*variants[name]))
         if verbose:
-            print(f"  [{text} round {round_ + 1}] " + "  ".join(f"{n}: {times[n][-1]:.2f} s" for n in variants)
-                  + f"  load {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+            last = "  ".join(f"{n}: {times[n][-1][0]:.2f} s (this process {times[n][-1][1]:.2f} s CPU)"
+                             for n in variants)
+            print(f"  [{text} round {round_ + 1}] {last}  load {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+                  flush=True)
     return times
 
 
-def _worker(rank: int, world_size: int, folder: str, text: str, batch: dict, args) -> dict[str, list[float]]:
+def _worker(rank: int, world_size: int, folder: str, text: str, batch: dict,
+            args) -> dict[str, list[tuple[float, float]]]:
     torch.set_num_threads(args.threads)
     loss = dataclasses.asdict(ALGORITHMS["grpo"].loss_config({}))
     spec = TrainSettings(model_folder=folder, algorithm="grpo", loss=loss, lr=1e-6, weight_decay=0.0, max_grad_norm=1.0,
@@ -103,13 +109,14 @@ def _worker(rank: int, world_size: int, folder: str, text: str, batch: dict, arg
                         args, text, dist.barrier, rank == 0)
 
 
-def report(text: str, times: dict[str, list[float]]) -> None:
-    """Per dtype: the fastest round of each head, their ratio and every round's pair."""
+def report(text: str, times: dict[str, list[tuple[float, float]]]) -> None:
+    """Per dtype and clock (wall, CPU): the fastest round of each head, their ratio, every round's pair."""
     for name in dict.fromkeys(variant.split(", ")[0] for variant in times):
-        whole, part = times[f"{name}, {HEADS[0]}"], times[f"{name}, {HEADS[1]}"]
-        rounds = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(whole, part))
-        print(f"{text} {name}: every column {min(whole):.2f} s, from the response {min(part):.2f} s (fastest of "
-              f"each), {min(whole) / min(part):.2f}x; rounds: {rounds}")
+        for clock, label in enumerate(("wall", "CPU")):
+            whole, part = ([t[clock] for t in times[f"{name}, {head}"]] for head in HEADS)
+            rounds = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(whole, part))
+            print(f"{text} {name} {label}: every column {min(whole):.2f} s, from the response {min(part):.2f} s "
+                  f"(fastest of each), {min(whole) / min(part):.2f}x; rounds: {rounds}")
 
 
 def main() -> None:
@@ -130,17 +137,19 @@ def main() -> None:
     batch = make_batch(args.rows, args.prompt, args.response, model.config.vocab_size, args.seed)
     print(f"{args.model}: {args.rows} rows of {args.prompt} prompt + {args.response} response tokens, "
           f"{args.micro_batch} rows per micro-batch, {args.pass_}, {args.dtypes}, 2 ranks x {args.threads} threads "
-          f"(gloo) or one process x {2 * args.threads}, {args.rounds} interleaved rounds, {os.cpu_count()} cores")
+          f"(gloo) or one process, {args.rounds} interleaved rounds, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         for text in args.strategies.split(","):
             if text == "one":
-                torch.set_num_threads(2 * args.threads)
+                torch.set_num_threads(args.threads)
                 times = timed_rounds(ModelRunner(model), model, batch, float(batch["loss_mask"].sum()), args, text,
                                      lambda: None, True)
             else:
-                times = spawn_workers(_worker, 2, (folder, text, batch, args), backend="gloo", timeout_s=1800)[0]
+                ranks = spawn_workers(_worker, 2, (folder, text, batch, args), backend="gloo", timeout_s=1800)
+                times = {name: [(wall, sum(rank[name][i][1] for rank in ranks))  # rank 0's wall, all ranks' CPU
+                                for i, (wall, _) in enumerate(ranks[0][name])] for name in ranks[0]}
             report(text, times)
 
 
