@@ -1,6 +1,7 @@
 """The one-process model runner computes the LM head only from the step's first scored column
-(``areal_flow.algorithms.model_runner``, ``scored_from``): the log-probs and entropy the loss reads
-and the gradients equal those of the whole row's logits."""
+(``areal_flow.algorithms.model_runner``, ``scored_from``) in both passes: the log-probs and entropy
+the loss reads and the gradients, and the no-grad log-probs (M2PO's proximal policy, the reference
+model's) on the scored positions, equal those of the whole row's logits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import copy
 
 import torch
 
+from areal_flow.algorithms.base import BaseAlgorithm
+from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.micro_batches import plan_micro_batches
 from areal_flow.algorithms.model_runner import ModelRunner
 from test_algorithms import make_batch, tiny_model
@@ -51,3 +54,43 @@ def test_the_head_from_the_first_scored_column_gives_the_whole_rows_values_and_g
     assert whole_grads.keys() == part_grads.keys()
     for name in whole_grads:  # fp32: the same sums, rows of the head's matmul taken fewer at a time
         torch.testing.assert_close(part_grads[name], whole_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def _head_widths(*models) -> list[int]:
+    """The positions each LM head call of ``models`` runs on, in call order (filled as they run)."""
+    widths = []
+    for model in models:
+        model.lm_head.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    return widths
+
+
+def test_no_grad_logprobs_from_the_first_scored_column_equal_the_whole_rows_on_the_scored_positions():
+    model = tiny_model()
+    batch = make_batch(model)
+    first = int(batch["loss_mask"].bool().any(dim=0).nonzero()[0])
+    micro = plan_micro_batches(batch["attention_mask"], micro_batch_size=2)
+    widths = _head_widths(model)
+    runner = ModelRunner(model)
+    whole = runner.logprobs(micro, batch["input_ids"], batch["attention_mask"], 0.7)
+    whole_widths, widths[:] = list(widths), []
+    part = runner.logprobs(micro, batch["input_ids"], batch["attention_mask"], 0.7, scored_from=first)
+    assert widths == [w - (first - 1) for w in whole_widths]  # columns first - 1 .. w - 1
+    scored = batch["attention_mask"].bool()
+    scored[:, :first] = False  # every real token from the first scored column on
+    assert bool((batch["loss_mask"].bool() <= scored).all())
+    torch.testing.assert_close(part[scored], whole[scored], rtol=1e-6, atol=1e-6)
+    assert not part[:, :first].any()  # the columns before hold 0
+
+
+def test_an_m2po_step_with_a_reference_model_runs_every_lm_head_from_the_first_scored_column():
+    model = tiny_model().train()
+    batch = make_batch(model)
+    first = int(batch["loss_mask"].bool().any(dim=0).nonzero()[0])
+    ref = copy.deepcopy(model)
+    widths = _head_widths(model, ref)
+    algorithm = BaseAlgorithm(LossConfig(policy_loss="m2po", kl_coef=0.1), model,
+                              torch.optim.SGD(model.parameters(), lr=1.0), micro_batch_size=2, max_grad_norm=1e6,
+                              ref_model=ref)
+    algorithm.update_parameters(batch)
+    kept = [mb.width - (first - 1) for mb in plan_micro_batches(batch["attention_mask"], micro_batch_size=2)]
+    assert widths == kept * 3  # the proximal log-probs, the reference's, the training pass

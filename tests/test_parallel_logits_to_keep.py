@@ -1,8 +1,9 @@
 """The multi-rank runners compute the LM head only from the step's first scored column
 (``scored_from``: ``rl_runner`` under dp / tp / ep, ``rl_pipeline``'s last stage, ``rl_context``'s
-sequence chunks): on 2 ranks (gloo, CPU) the log-probs and entropy the loss reads and every rank's
-gradients equal those of the same runner on whole rows (``scored_from=0``), and the head runs on
-the columns the formula gives.
+sequence chunks) in both passes: on 2 ranks (gloo, CPU) the log-probs and entropy the loss reads,
+every rank's gradients and the no-grad log-probs (``runner.logprobs``) on the scored positions
+equal those of the same runner on whole rows (``scored_from=0``), and the head runs on the
+columns the formula gives.
 
 Tolerances (as ``test_model_runner``: the two runs differ only in how many rows the head's
 matmul takes at once, fp32): values rtol = atol = 1e-6, gradients rtol 1e-5, atol 1e-7.
@@ -42,8 +43,10 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _pass(folder, text: str, batch: dict, scored_from: int) -> dict:
-    """One forward/backward of this rank's rows through its runner with a loss of every masked
-    log-prob and entropy: what the loss saw, this rank's full gradients, the head's widths."""
+    """The no-grad log-probs of this rank's rows, then one forward/backward through the same runner
+    with a loss of every masked log-prob and entropy: the log-probs ``[rows, T]`` and their scored
+    positions (real tokens from column FIRST on), what the loss saw, this rank's full gradients,
+    the head's widths in each pass."""
     trainer = RankTrainer.build(settings(folder, "grpo"), ParallelStrategy.parse(text))
     module, runner = trainer.parallel.module, trainer.algorithm.runner
     share = len(LENGTHS) // trainer.strategy.dp
@@ -61,9 +64,14 @@ def _pass(folder, text: str, batch: dict, scored_from: int) -> dict:
         module.lm_head.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[-2]))
     assert int(mask.any(dim=0).nonzero()[0]) == FIRST
     micro = plan_micro_batches(local["attention_mask"], micro_batch_size=2)
+    logprobs = runner.logprobs(micro, local["input_ids"], local["attention_mask"], 0.7, scored_from)
+    logprob_widths, widths[:] = list(widths), []
     runner.forward_backward(micro, local["input_ids"], local["attention_mask"], loss_fn, temperature=0.7,
                             entropy_grad=True, scored_from=scored_from)
+    scored = local["attention_mask"].bool()
+    scored[:, :FIRST] = False
     return {"seen": seen, "widths": widths, "grads": dict(full_named_tensors(module, grads=True)),
+            "logprobs": logprobs, "scored": scored, "logprob_widths": logprob_widths,
             "cp_rank": trainer.parallel.coordinate["cp"]}
 
 
@@ -79,13 +87,14 @@ def runs(tmp_path_factory):
     return spawn_workers(_worker, 2, (folders, _batch()), backend="gloo")
 
 
-def _expected_widths(text: str, whole: dict) -> list[int]:
-    """The head's widths from the first scored column on, by hand: column FIRST - 1 on of each
-    micro-batch of width w (the pipeline's stacked width: its step's columns), and under cp of
-    each rank's chunk of c columns starting at cp_rank * c (at least the chunk's last one)."""
+def _expected_widths(text: str, whole_widths: list[int], cp_rank: int) -> list[int]:
+    """The head's widths from the first scored column on, by hand, from its widths on whole rows:
+    column FIRST - 1 on of each micro-batch of width w (the pipeline's stacked width: its step's
+    columns), and under cp of each rank's chunk of c columns starting at cp_rank * c (at least the
+    chunk's last one)."""
     if text == "c2":
-        return [c - min(max(0, FIRST - 1 - whole["cp_rank"] * c), c - 1) for c in whole["widths"]]
-    return [w - (FIRST - 1) for w in whole["widths"]]
+        return [c - min(max(0, FIRST - 1 - cp_rank * c), c - 1) for c in whole_widths]
+    return [w - (FIRST - 1) for w in whole_widths]
 
 
 @pytest.mark.slow
@@ -93,7 +102,7 @@ def _expected_widths(text: str, whole: dict) -> list[int]:
 def test_head_from_the_first_scored_column_equals_whole_rows_on_two_ranks(runs, text):
     for rank, per_rank in enumerate(runs):
         whole, part = per_rank[text]
-        assert part["widths"] == _expected_widths(text, whole), rank
+        assert part["widths"] == _expected_widths(text, whole["widths"], whole["cp_rank"]), rank
         assert sum(part["widths"]) < sum(whole["widths"]) or not whole["widths"]
         assert len(whole["seen"]) == len(part["seen"])
         for (rows_a, logp_a, ent_a), (rows_b, logp_b, ent_b) in zip(whole["seen"], part["seen"], strict=True):
@@ -107,3 +116,20 @@ def test_head_from_the_first_scored_column_equals_whole_rows_on_two_ranks(runs, 
                                        msg=lambda m: f"{name}: {m}")
     if text == "p2":  # the loss and the head ran on the last stage only
         assert not runs[0][text][0]["seen"] and runs[1][text][0]["seen"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", list(CASES))
+def test_no_grad_logprobs_from_the_first_scored_column_equal_whole_rows_on_two_ranks(runs, text):
+    for rank, per_rank in enumerate(runs):
+        whole, part = per_rank[text]
+        assert part["logprob_widths"] == _expected_widths(text, whole["logprob_widths"], whole["cp_rank"]), rank
+        assert sum(part["logprob_widths"]) < sum(whole["logprob_widths"]) or not whole["logprob_widths"]
+        scored = whole["scored"]
+        torch.testing.assert_close(part["logprobs"][scored], whole["logprobs"][scored], rtol=1e-6, atol=1e-6)
+        if text != "c2":  # the columns before hold 0 (under cp an all-prompt chunk's last position still runs)
+            assert not part["logprobs"][:, :FIRST].any()
+    holds_head = [1] if text == "p2" else [0, 1]  # the pipeline's log-probs are filled on its last stage only
+    for rank, per_rank in enumerate(runs):
+        logprobs, scored = per_rank[text][1]["logprobs"], per_rank[text][1]["scored"]
+        assert bool(logprobs[scored].ne(0).all()) == (rank in holds_head), rank

@@ -140,13 +140,15 @@ class BaseAlgorithm:
         return plan_micro_batches(attention_mask, micro_batch_size=self.micro_batch_size,
                                   max_tokens=self.max_tokens_per_micro_batch, pack=self.pack_sequences)
 
-    def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored_from: int = 0) -> torch.Tensor:
         """Reference-model log-probs ``[batch, seq]`` (no grad), e.g. to fold KL into the
-        reward (``kl_in_reward``). Raises ``ValueError`` without a ``ref_model``."""
+        reward (``kl_in_reward``); ``scored_from`` as ``ModelRunner.logprobs`` (the LM head from
+        column ``scored_from - 1`` on, 0 before ``scored_from``). Raises ``ValueError`` without a
+        ``ref_model``."""
         if self.ref_model is None:
             raise ValueError(f"algorithm {self.name!r}: ref_logprobs needs ref_model")
         return ModelRunner(self.ref_model).logprobs(self._micro_batches(attention_mask), input_ids, attention_mask,
-                                                    self.temperature)
+                                                    self.temperature, scored_from)
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Critic values ``[batch, seq]`` float32 (no grad), for GAE before the update."""
@@ -236,13 +238,15 @@ class BaseAlgorithm:
             n_seqs=local_seqs if n_seqs is None else n_seqs,
             norm_length=cfg.loss_agg_norm_length or norm_length or max(longest, 1),
         )
+        scored = mask.any(dim=0).nonzero()  # the step's first response column: no loss reads one before it
+        scored_from = int(scored[0]) if len(scored) else 0  # every pass runs the LM head from there on
         # The proximal policy is the one before this step's update (AReaL eq. 5): the current
         # weights. A step makes one optimizer update after every micro-batch's forward, so the
         # training forward's own log-probs (detached) are the proximal ones; only M2PO, whose
         # mask needs the whole batch before the first micro-batch, recomputes them up front.
         proximal = None
         if cfg.policy_loss == "m2po":
-            proximal = self.runner.logprobs(self._micro_batches(attn), ids, attn, self.temperature)
+            proximal = self.runner.logprobs(self._micro_batches(attn), ids, attn, self.temperature, scored_from)
         m2po_keep = None
         if cfg.policy_loss == "m2po":
             m2po_keep = m2po_keep_mask(proximal - behavior, mask, cfg.m2po_threshold)
@@ -251,7 +255,7 @@ class BaseAlgorithm:
             if "ref_logprobs" in batch:
                 ref = batch["ref_logprobs"].float()
             elif self.ref_model is not None:
-                ref = self.ref_logprobs(ids, attn)
+                ref = self.ref_logprobs(ids, attn, scored_from)
             else:
                 raise ValueError("kl_coef > 0 with kl_in_reward=False needs batch['ref_logprobs'] or a ref_model")
 
@@ -268,10 +272,9 @@ class BaseAlgorithm:
             loss = self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
             return loss if scaler is None else scaler.scaled(loss)
 
-        scored = mask.any(dim=0).nonzero()  # the step's first response column: no loss reads one before it
         self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
                                      temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0,
-                                     scored_from=int(scored[0]) if len(scored) else 0)
+                                     scored_from=scored_from)
         if scaler is not None:
             scaler.unscale(self.optimizer)
         grad_norm = self.runner.clip_grad_norm(self.max_grad_norm)

@@ -63,6 +63,30 @@ def token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: fl
             token_entropy_from_logits(logits, temperature, with_grad=entropy_grad))
 
 
+def head_skip(scored_from: int, width: int) -> int:
+    """Leading columns of a ``width``-column row whose logits no loss needs when ``scored_from``
+    is the first column whose log-prob or entropy any loss reads: ``scored_from - 1`` (position
+    ``t`` predicts token ``t + 1``), at most ``width - 1`` (the head runs on one column at least),
+    0 for ``scored_from <= 1``. The LM head then runs on columns ``head_skip`` to ``width - 1``
+    alone (``transformers``' ``logits_to_keep = width - head_skip``); the one rule every runner's
+    passes (training and no-grad log-probs) keep by."""
+    return max(0, min(scored_from - 1, width - 1))
+
+
+def kept_token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, skip: int, *,
+                       entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log-probs, entropy)``, both ``[batch, seq]`` float32 (:func:`token_outputs`' layout), of
+    ``input_ids [batch, seq]`` from ``logits [batch, seq - skip, vocab]``: those of columns ``skip``
+    on alone (:func:`head_skip`); columns ``0..skip`` hold 0. ``entropy_grad`` as
+    :func:`token_outputs`; None: the log-probs alone (the entropy is None, never computed)."""
+    ids = input_ids[:, skip:]
+    if entropy_grad is None:
+        values = (logprobs_from_logits(logits, ids, temperature), None)
+    else:
+        values = token_outputs(logits, ids, temperature, entropy_grad=entropy_grad)
+    return tuple(None if t is None else torch.nn.functional.pad(t, (skip, 0)) for t in values)
+
+
 class ModelRunner:
     """Forward and backward passes of ``model`` on this process, one micro-batch at a time.
 
@@ -75,16 +99,30 @@ class ModelRunner:
         # transformers' causal LMs take logits_to_keep; another model computes every position
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
 
+    def _outputs(self, mb: MicroBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                 scored_from: int, entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log-probs, entropy)`` ``[b, w]`` of micro-batch ``mb`` of the step batch (``input_ids``,
+        ``attention_mask`` ``[B, T]``), as :func:`kept_token_outputs`; a padded micro-batch runs the
+        LM head from column :func:`head_skip` on (a packed one, or a model without
+        ``logits_to_keep``, on every column). Runs inside the caller's attention context."""
+        inputs = mb.model_inputs(input_ids, attention_mask)
+        skip = head_skip(scored_from, mb.width) if self._keeps and not mb.packed else 0
+        logits = model_logits(self.model, **inputs, logits_to_keep=mb.width - skip if skip else 0)
+        values = kept_token_outputs(logits, inputs["input_ids"], temperature, skip, entropy_grad=entropy_grad)
+        return tuple(None if t is None else mb.unpack(t) for t in values)
+
     def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 temperature: float) -> torch.Tensor:
-        """No-grad log-probs ``[B, T]`` float32 of the step batch ``input_ids [B, T]``."""
+                 temperature: float, scored_from: int = 0) -> torch.Tensor:
+        """No-grad log-probs ``[B, T]`` float32 of the step batch ``input_ids [B, T]``.
+        ``scored_from`` as :meth:`forward_backward`: a padded micro-batch runs the LM head only from
+        column ``scored_from - 1`` on and holds 0 up to it; the columns from ``scored_from`` on hold
+        the whole row's values."""
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for mb in micro_batches:
-                inputs = mb.model_inputs(input_ids, attention_mask)
                 with packed_attention(self.model) if mb.packed else nullcontext():
-                    logits = model_logits(self.model, **inputs)
-                mb.put(out, mb.unpack(logprobs_from_logits(logits, inputs["input_ids"], temperature)))
+                    logp, _ = self._outputs(mb, input_ids, attention_mask, temperature, scored_from, None)
+                mb.put(out, logp)
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -95,23 +133,14 @@ class ModelRunner:
 
         ``scored_from``: the first column whose log-prob or entropy any loss reads (the step's
         first response token). A padded micro-batch then computes the LM head only from column
-        ``scored_from - 1`` on (``transformers``' ``logits_to_keep``: the prompt's logits are
-        never needed, and with a large vocabulary they are most of the head's work, as TRL
-        scores only completion positions); the columns before hold log-prob and entropy 0.
-        The values of the columns kept are those of the whole row's logits."""
+        ``scored_from - 1`` on (:func:`head_skip`, ``transformers``' ``logits_to_keep``: the
+        prompt's logits are never needed, and with a large vocabulary they are most of the head's
+        work, as TRL scores only completion positions); the columns before hold log-prob and
+        entropy 0. The values of the columns kept are those of the whole row's logits."""
         for mb in micro_batches:
-            inputs = mb.model_inputs(input_ids, attention_mask)
-            skip = 0 if mb.packed or not self._keeps else max(0, min(scored_from - 1, mb.width - 1))
             with packed_attention(self.model) if mb.packed else nullcontext():
-                if skip:
-                    logits = model_logits(self.model, **inputs, logits_to_keep=mb.width - skip)
-                    ids = inputs["input_ids"][:, skip:]
-                else:
-                    logits, ids = model_logits(self.model, **inputs), inputs["input_ids"]
-                logp, entropy = token_outputs(logits, ids, temperature, entropy_grad=entropy_grad)
-                if skip:
-                    logp, entropy = (torch.nn.functional.pad(t, (skip, 0)) for t in (logp, entropy))
-                loss_fn(mb, mb.unpack(logp), mb.unpack(entropy)).backward()
+                logp, entropy = self._outputs(mb, input_ids, attention_mask, temperature, scored_from, entropy_grad)
+                loss_fn(mb, logp, entropy).backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradient of every parameter to global L2 norm ``max_norm``; returns the

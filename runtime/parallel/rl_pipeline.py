@@ -6,12 +6,12 @@ a time: the step's micro-batches (the plan's count per DP rank, rows in batch or
 stacked into one ``[n * rows, width]`` batch that the schedule splits back into ``n`` equal
 micro-batches, and the target the schedule hands the loss is each micro-batch's row indices.
 The last stage turns the logits of a micro-batch into its log-probs and entropy
-(``model_runner.token_outputs``) and calls the algorithm's loss on them
+(``model_runner.kept_token_outputs``) and calls the algorithm's loss on them
 (``BaseAlgorithm``'s, whichever algorithm: the loss never sees the pipeline), and the schedule
 back-propagates that loss through the stages (1F1B: Narayanan et al. 2019, PipeDream-Flush: at
-most ``pp`` micro-batches' activations in flight on the first stage). Log-probs without gradient (M2PO's proximal policy, for its mask) run the
-same schedule forward only (``schedule.eval``), the last stage writing each micro-batch's
-log-probs into a ``[B, T]`` tensor.
+most ``pp`` micro-batches' activations in flight on the first stage). Log-probs without gradient
+(M2PO's proximal policy, for its mask) run the same schedule forward only (``schedule.eval``),
+the last stage writing each micro-batch's log-probs into a ``[B, T]`` tensor.
 
 Why the micro-batches are padded to one shape: the schedule's stages exchange activations of a
 fixed shape, given to ``PipelineStage`` up front (its static mode: no trial forward and
@@ -21,10 +21,11 @@ longest row: right padding, which causal attention keeps out of every real token
 A new shape builds a new stage and schedule (no communication beyond a 1-element vote).
 Packed micro-batches (``train.pack_sequences``) run padded here, with the same values.
 
-The last stage runs the LM head only from the step's first response column on (``scored_from``,
-as ``ModelRunner.forward_backward``): the stage's ``head_from``, one column for every micro-batch
-of the step (the schedule's output shape is fixed), part of the schedule's shape. Every stage of
-a pipeline holds the same rows, so all agree on it.
+In both passes the last stage runs the LM head only from the step's first response column on
+(``scored_from``, as ``ModelRunner``'s passes; ``model_runner.head_skip``): the stage's
+``head_from``, one column for every micro-batch of the step (the schedule's output shape is
+fixed), part of the schedule's shape. Every stage of a pipeline holds the same rows, so all agree
+on it, and a step's two passes share one schedule.
 
 After the backward the tied embedding's two copies sum their gradients
 (``pipeline.sync_tied_embedding_grads``) and the gradient norm adds the stages' squares over
@@ -41,14 +42,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from areal_flow.algorithms.micro_batches import MicroBatch
-from areal_flow.algorithms.model_runner import MicroBatchLoss, token_outputs
-from areal_flow.models.logprobs import logprobs_from_logits
+from areal_flow.algorithms.model_runner import MicroBatchLoss, head_skip, kept_token_outputs
 from runtime.parallel.apply import ParallelModel
 from runtime.parallel import signed_objects
 from runtime.parallel.pipeline import sync_tied_embedding_grads, tied_embedding
 from runtime.parallel.rl_runner import ShardedRunner, right_padded
 
-LogitsFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
+ValuesFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``fn(mb, log-probs [b, w], entropy [b, w] or None) -> 0-dim loss`` of micro-batch ``mb`` (last stage)."""
 
 
 class PipelineRunner(ShardedRunner):
@@ -66,8 +67,7 @@ class PipelineRunner(ShardedRunner):
         super().__init__(parallel)
         self.stage = parallel.module
         self.pp_group = parallel.mesh["pp"].get_group()
-        # the schedules of the last two shapes: a step's no-grad log-probs (the head on every
-        # column) and its training pass (from the first response column) alternate
+        # the schedules of the last two shapes (a step's no-grad log-probs and training pass share one)
         self._built: dict[tuple[int, int, int, int], PipelineScheduleSingle] = {}
         self._on_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -97,11 +97,14 @@ class PipelineRunner(ShardedRunner):
         """The schedule's loss function (last stage): ``target`` holds the micro-batch's row indices."""
         return self._on_logits(logits, target)
 
-    def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, fn: LogitsFn, *, train: bool,
-             head_from: int = 0) -> None:
-        """Run the schedule over ``micro_batches`` (padded layout); on the last stage ``fn(mb, logits
-        [b, w - head_from, vocab])`` gets each one's logits (its real rows, its own width ``w``,
-        columns ``head_from`` on; ``head_from < w`` of every micro-batch) and returns its loss."""
+    def _run(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             fn: ValuesFn, *, temperature: float, scored_from: int, entropy_grad: bool | None, train: bool) -> None:
+        """Run the schedule over ``micro_batches`` (run padded: ``right_padded``), the last stage's
+        LM head from column ``head_skip(scored_from, the narrowest width)`` on; on the last stage
+        ``fn`` gets each one's values (``kept_token_outputs`` of its real rows, its own width ``w``)
+        and returns its loss. ``train``: ``schedule.step`` (backward too), else ``schedule.eval``."""
+        micro_batches = right_padded(micro_batches, attention_mask)
+        head_from = head_skip(scored_from, min(mb.width for mb in micro_batches))
         n_micro = len(micro_batches)
         if n_micro < self.parallel.strategy.pp:
             raise ValueError(f"the 1F1B schedule needs at least pp={self.parallel.strategy.pp} micro-batches, "
@@ -120,7 +123,9 @@ class PipelineRunner(ShardedRunner):
 
         def on_logits(logits: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
             mb = by_first_row[int(rows_of[0])]
-            return fn(mb, logits[: len(mb.rows), : mb.width - head_from])
+            kept = logits[: len(mb.rows), : mb.width - head_from]
+            return fn(mb, *kept_token_outputs(kept, mb.take(input_ids), temperature, head_from,
+                                              entropy_grad=entropy_grad))
 
         schedule = self._schedule(rows, width, n_micro, head_from, device)
         args = (stacked,) if self.stage.is_first else ()
@@ -138,16 +143,18 @@ class PipelineRunner(ShardedRunner):
 
     # ------------------------------------------------------------- the runner
     def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 temperature: float) -> torch.Tensor:
+                 temperature: float, scored_from: int = 0) -> torch.Tensor:
         """No-grad log-probs ``[B, T]`` float32, filled on the last stage (zeros on the others,
-        which never read them: the loss runs on the last stage)."""
+        which never read them: the loss runs on the last stage). ``scored_from``: as
+        :meth:`forward_backward` (0 up to column ``scored_from - 1``)."""
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
 
-        def record(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            mb.put(out, logprobs_from_logits(logits, mb.take(input_ids), temperature))
-            return logits.new_zeros(())
+        def record(mb: MicroBatch, logp: torch.Tensor, _: None) -> torch.Tensor:
+            mb.put(out, logp)
+            return logp.new_zeros(())
 
-        self._run(right_padded(micro_batches, attention_mask), input_ids, record, train=False)
+        self._run(micro_batches, input_ids, attention_mask, record, temperature=temperature, scored_from=scored_from,
+                  entropy_grad=None, train=False)
         return out
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -156,17 +163,10 @@ class PipelineRunner(ShardedRunner):
         """The step's gradient through the pipeline schedule, ``loss_fn`` on the last stage; then
         the tied embedding's gradients summed and the experts' over their replicas.
         ``scored_from``: as :meth:`ModelRunner.forward_backward`; the last stage's LM head runs
-        from column ``scored_from - 1`` on (at most the narrowest micro-batch's last column)."""
-        padded = right_padded(micro_batches, attention_mask)
-        skip = max(0, min(scored_from - 1, min(mb.width for mb in padded) - 1))
-
-        def loss(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            logp, entropy = token_outputs(logits, mb.take(input_ids)[:, skip:], temperature, entropy_grad=entropy_grad)
-            if skip:  # the columns before hold 0, as ModelRunner's
-                logp, entropy = (torch.nn.functional.pad(t, (skip, 0)) for t in (logp, entropy))
-            return loss_fn(mb, logp, entropy)
-
-        self._run(padded, input_ids, loss, train=True, head_from=skip)
+        from column ``scored_from - 1`` on (at most the narrowest micro-batch's last column), the
+        columns before hold 0, as ``ModelRunner``'s."""
+        self._run(micro_batches, input_ids, attention_mask, loss_fn, temperature=temperature, scored_from=scored_from,
+                  entropy_grad=entropy_grad, train=True)
         sync_tied_embedding_grads(self.stage, self.parallel.tied_group)
         self.reduce_expert_gradients()
 

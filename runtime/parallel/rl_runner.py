@@ -61,9 +61,10 @@ class ShardedRunner(ModelRunner):
         return split_to_count(micro_batches, int(count))
 
     def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 temperature: float) -> torch.Tensor:
-        """:meth:`ModelRunner.logprobs` over as many micro-batches as every DP rank runs."""
-        return super().logprobs(self.same_count(micro_batches), input_ids, attention_mask, temperature)
+                 temperature: float, scored_from: int = 0) -> torch.Tensor:
+        """:meth:`ModelRunner.logprobs` (``[B, T]`` float32) over as many micro-batches as every DP
+        rank runs; ``scored_from`` as :meth:`forward_backward` (the LM head from there on)."""
+        return super().logprobs(self.same_count(micro_batches), input_ids, attention_mask, temperature, scored_from)
 
     def forward_backward(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          loss_fn: MicroBatchLoss, *, temperature: float, entropy_grad: bool,
