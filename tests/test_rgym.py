@@ -4,6 +4,7 @@ own ``score_answer``, the errors, and a few RL steps through the CLI."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +12,7 @@ from areal_flow.config import ConfigError, DatasetConfig
 from areal_flow.ops.reward import REWARD_FNS
 from areal_flow.tasks.catalog import build_task
 from areal_flow.tasks.rgym import PREFIX, ReasoningGymTask, buggy_target, encode_reference, reward, task_names
+from runtime.model_source import check_models
 from runs import REPO, cli_run, records
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
@@ -173,8 +175,13 @@ def test_held_out_answers_are_classified_right_buggy_or_other():
 
 def test_a_buggy_teacher_needs_two_term_arithmetic():
     task = ReasoningGymTask("leg_counting", seed=1)
-    with pytest.raises(ValueError, match=r"teacher_bug_rate=0.5 needs entries .* none of its 20 warm-start rows"):
+    with pytest.raises(ValueError, match=r"teacher_bug_rate=0.5 needs entries .* none of 20 rows drawn"):
         task.demonstrations(20, seed=1, bug_rate=0.5)
+    plan = SimpleNamespace(run={"seed": 1, "warm_start": {"teacher_bug_rate": 0.5}},
+                           models={"policy": {"spec": "tiny-arith", "head": "lm"}})
+    with pytest.raises(ConfigError, match=r"model 'policy' \(tiny-arith\) .* none of 200 rows drawn"):
+        check_models(plan, task)  # before the run folder is touched
+    check_models(plan, ReasoningGymTask("chain_sum", seed=1, options=CHAIN))
     assert task.demonstrations(20, seed=1) == task.train_problems(20, seed=1)
     with pytest.raises(ValueError, match=r"bug_rate must be in \[0, 1\], got 1.5"):
         task.demonstrations(20, seed=1, bug_rate=1.5)

@@ -317,8 +317,8 @@ class ReasoningGymTask:
                     row["target"] = bug
         if bug_rate and rows and not eligible:
             raise ValueError(f"{self.name}: warm_start.teacher_bug_rate={bug_rate} needs entries whose expression is "
-                             "two non-negative integers joined by + or - (basic_arithmetic, chain_sum); none of its "
-                             f"{n} warm-start rows is one; set warm_start.teacher_bug_rate=0")
+                             "two non-negative integers joined by + or - (basic_arithmetic, chain_sum); none of "
+                             f"{n} rows drawn is one; set warm_start.teacher_bug_rate=0")
         return rows
 
     def test_set(self, n: int = 500) -> list[dict]:
