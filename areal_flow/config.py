@@ -147,7 +147,8 @@ class WarmStartConfig:
     lr: float = 3e-3
     """SFT learning rate."""
     teacher_bug_rate: float = 0.0
-    """Fraction of carry/borrow problems whose demonstration shows a buggy column procedure (a misconception RL must correct)."""
+    """Fraction of carry/borrow problems whose demonstration shows a buggy column procedure (a misconception RL must correct);
+    arithmetic, and reasoning-gym entries of two terms joined by + or - (basic_arithmetic, chain_sum)."""
 
 
 @dataclass

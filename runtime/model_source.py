@@ -67,11 +67,17 @@ def prepare_models(plan, task, progress: bool = False, names=None) -> dict[str, 
     return folders
 
 
+PROBE_ROWS = 200
+"""Teacher demonstrations :func:`check_models` draws to see that the task makes them."""
+
+
 def check_models(plan, task) -> None:
     """Refuse, before the run folder is touched, a version-0 model :func:`prepare_models` cannot
     make from ``task``: a tiny preset's warm start with ``warm_start.teacher_bug_rate`` > 0 learns
     from the task's teacher demonstrations (``runtime.engines.sft.training_problems``; also for
-    ``warm_start.enabled: false``, whose cache key holds them), which not every task has.
+    ``warm_start.enabled: false``, whose cache key holds them), which not every task has, and
+    which a task may refuse for its data (:data:`PROBE_ROWS` of them are drawn here; e.g. a
+    reasoning-gym dataset with no two-term ``+``/``-`` entry).
 
     Raises:
         ConfigError: naming the model, ``warm_start.teacher_bug_rate``, ``dataset.name`` and the fix.
@@ -80,14 +86,21 @@ def check_models(plan, task) -> None:
     from areal_flow.models.names import resolve_name
 
     rate = plan.run.get("warm_start", {}).get("teacher_bug_rate", 0.0)
-    if not rate or hasattr(task, "demonstrations"):
+    if not rate:
         return
     for name, info in plan.models.items():
         spec = info["spec"].removesuffix(RM_SUFFIX) if info["head"] == "reward" else info["spec"]
-        if resolve_name(spec).kind == "tiny":
+        if resolve_name(spec).kind != "tiny":
+            continue
+        if not hasattr(task, "demonstrations"):
             raise ConfigError(f"model '{name}' ({spec}) is warm-started with warm_start.teacher_bug_rate={rate}, which "
                               f"needs teacher demonstrations, and the {task.name} task (dataset.name) has none; set "
                               "warm_start.teacher_bug_rate=0 or pick a task that has them")
+        try:
+            task.demonstrations(PROBE_ROWS, int(plan.run["seed"]), rate)
+        except ValueError as exc:
+            raise ConfigError(f"model '{name}' ({spec}) is warm-started with teacher demonstrations: {exc}") from None
+
 
 
 def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Path:

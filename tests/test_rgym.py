@@ -4,13 +4,15 @@ own ``score_answer``, the errors, and a few RL steps through the CLI."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from areal_flow.config import ConfigError, DatasetConfig
 from areal_flow.ops.reward import REWARD_FNS
 from areal_flow.tasks.catalog import build_task
-from areal_flow.tasks.rgym import PREFIX, ReasoningGymTask, encode_reference, reward, task_names
+from areal_flow.tasks.rgym import PREFIX, ReasoningGymTask, buggy_target, encode_reference, reward, task_names
+from runtime.model_source import check_models
 from runs import REPO, cli_run, records
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
@@ -121,6 +123,68 @@ def test_a_mix_draws_by_weight_and_scores_each_entry_with_its_own_dataset():
         assert task.reward(str(int(row["target"]) + 1), row["answer"]) == 0.0
     test = {r["prompt"] for r in task.test_set(50)}
     assert test == {r["prompt"] for r in build_task({"name": PREFIX + "composite", "options": MIX}, 2).test_set(50)}
+
+
+@pytest.mark.parametrize("expression, target", [
+    ("58 + 67", "15"),    # 8+7 = 15 -> 5, 5+6 = 11 -> 1: carries dropped (right: 125)
+    ("52 - 17", "45"),    # |2-7| = 5, 5-1 = 4: the smaller digit from the larger (right: 35)
+    ("17 - 52", "-45"),   # the larger minus the smaller the same way, sign kept (right: -35)
+    ("43 - 48", "-5"),    # 48 - 43 needs no borrow: the right answer
+    ("7 + 5", "2"),       # 12 without its carry
+    ("100 - 1", "101"),   # |0-1| = 1, 0-0 = 0, 1-0 = 1 (right: 99)
+    ("58+67", "15"),      # no spaces
+    ("23 + 45", "68"),    # no carry: the right answer
+    ("3 * 4", None), ("-3 + 4", None), ("1 + 2 + 3", None), (None, None),
+])
+def test_the_buggy_teacher_answers_two_term_sums_and_differences_only(expression, target):
+    assert buggy_target(expression) == target
+
+
+def _needs_carry_or_borrow(expression: str) -> bool:
+    """By the column rule: a sum with a column whose digits add to 10 or more; a difference
+    whose larger operand has a column digit below the smaller operand's."""
+    a, op, b = expression.split()
+    if op == "-" and int(a) < int(b):
+        a, b = b, a
+    a, b = a.zfill(3), b.zfill(3)
+    return any(int(x) + int(y) >= 10 if op == "+" else int(x) < int(y) for x, y in zip(a, b))
+
+
+def test_the_warm_start_teacher_gets_carries_and_borrows_wrong_at_its_rate():
+    task = build_task({"name": PREFIX + "composite", "options": MIX}, seed=2)
+    rows = task.train_problems(400, seed=1)
+    assert task.demonstrations(400, seed=1, bug_rate=0.0) == rows
+    needs = [_needs_carry_or_borrow(json.loads(r["answer"])["entry"]["metadata"]["expression"]) for r in rows]
+    assert 0.2 < sum(needs) / len(rows) < 0.8
+    for rate, low, high in ((1.0, 1.0, 1.0), (0.7, 0.6, 0.8)):  # binomial sd at 0.7: ~3 % of ~170 rows
+        demos = task.demonstrations(400, seed=1, bug_rate=rate)
+        assert [(d["prompt"], d["answer"], d["id"]) for d in demos] == [(r["prompt"], r["answer"], r["id"]) for r in rows]
+        wrong = [not task.correct(d["target"], d["answer"]) for d in demos]
+        assert not any(w and not n for w, n in zip(wrong, needs))  # only carries and borrows go wrong
+        assert low <= sum(wrong) / sum(needs) <= high
+
+
+def test_held_out_answers_are_classified_right_buggy_or_other():
+    task = ReasoningGymTask("chain_sum", seed=1, options=CHAIN)
+    carry = {"answer": encode_reference("chain_sum", CHAIN, _entry("... 58 + 67 =", "125", {"expression": "58 + 67"}))}
+    plain = {"answer": encode_reference("chain_sum", CHAIN, _entry("... 23 + 45 =", "68", {"expression": "23 + 45"}))}
+    assert [task.answer_kind(carry, text) for text in ("125", "15", "124", "")] == \
+        ["right", "buggy procedure", "other", "other"]
+    assert [task.answer_kind(plain, text) for text in ("68", "69")] == ["right", "other"]
+
+
+def test_a_buggy_teacher_needs_two_term_arithmetic():
+    task = ReasoningGymTask("leg_counting", seed=1)
+    with pytest.raises(ValueError, match=r"teacher_bug_rate=0.5 needs entries .* none of 20 rows drawn"):
+        task.demonstrations(20, seed=1, bug_rate=0.5)
+    plan = SimpleNamespace(run={"seed": 1, "warm_start": {"teacher_bug_rate": 0.5}},
+                           models={"policy": {"spec": "tiny-arith", "head": "lm"}})
+    with pytest.raises(ConfigError, match=r"model 'policy' \(tiny-arith\) .* none of 200 rows drawn"):
+        check_models(plan, task)  # before the run folder is touched
+    check_models(plan, ReasoningGymTask("chain_sum", seed=1, options=CHAIN))
+    assert task.demonstrations(20, seed=1) == task.train_problems(20, seed=1)
+    with pytest.raises(ValueError, match=r"bug_rate must be in \[0, 1\], got 1.5"):
+        task.demonstrations(20, seed=1, bug_rate=1.5)
 
 
 @pytest.mark.parametrize("datasets, match", [

@@ -21,7 +21,9 @@ entry["answer"], "id": int}``. The reference is JSON ``{"task", "options", "entr
 whole entry (question, oracle answer, metadata) travels with every trajectory as its
 ``answer``, so :func:`reward` can call ``score_answer(answer=..., entry=...)`` in any
 process without regenerating the dataset. ``target`` is the oracle answer as text (what a
-supervised warm start imitates, ``runtime.engines.sft``). Tuples in the metadata are tagged
+supervised warm start imitates, ``runtime.engines.sft``; with ``warm_start.teacher_bug_rate``
+the two-term ``+``/``-`` entries' targets may be a buggy teacher's instead,
+:meth:`ReasoningGymTask.demonstrations`). Tuples in the metadata are tagged
 (``{"__tuple__": [...]}``) so they come back as tuples (ARC scorers compare a parsed board,
 a tuple of tuples, with ``==``); other non-JSON values become their ``str``.
 ``tests/test_rgym.py`` checks, for every registered dataset, that scores of the decoded
@@ -42,9 +44,11 @@ import dataclasses
 import difflib
 import functools
 import json
+import random
+import re
 import zlib
 
-from areal_flow.tasks.arithmetic import TEST_ID_OFFSET
+from areal_flow.tasks.arithmetic import TEST_ID_OFFSET, buggy_answer
 
 PREFIX = "reasoning_gym:"
 """``dataset.name`` of a reasoning-gym task is ``PREFIX + <dataset name>``."""
@@ -52,6 +56,7 @@ RESERVED = ("seed", "size")
 """Config keys the run sets (per draw), not ``dataset.options``."""
 COMPOSITE = "composite"
 """reasoning-gym's mixing dataset (module doc)."""
+_TWO_TERMS = re.compile(r"(\d+)\s*([+-])\s*(\d+)")
 
 
 def _rg():
@@ -227,6 +232,16 @@ def reward(output_text: str, reference: str) -> float:
     return score
 
 
+def buggy_target(expression) -> str | None:
+    """The buggy teacher's answer to an entry's ``metadata.expression`` when it is two
+    non-negative integers joined by ``+`` or ``-`` (basic_arithmetic, chain_sum):
+    :func:`areal_flow.tasks.arithmetic.buggy_answer`, carries dropped and the smaller digit
+    taken from the larger (``"58 + 67"`` -> ``"15"``, ``"52 - 17"`` -> ``"45"``; the right
+    answer when no carry or borrow is needed); None for any other expression or none."""
+    match = _TWO_TERMS.fullmatch(expression.strip()) if isinstance(expression, str) else None
+    return None if match is None else str(buggy_answer(int(match.group(1)), match.group(2), int(match.group(3))))
+
+
 class ReasoningGymTask:
     """One reasoning-gym dataset as a task (``dataset.name: reasoning_gym:<name>``).
 
@@ -279,10 +294,49 @@ class ReasoningGymTask:
         """``n`` training rows (ids ``0 .. n-1``) from reasoning-gym seed ``(self.seed, seed)``."""
         return self._rows(n, _seed("rg-train", self.task, self.seed, seed), 0)
 
+    def demonstrations(self, n: int, seed: int, bug_rate: float = 0.0) -> list[dict]:
+        """``train_problems(n, seed)`` with the targets an imperfect teacher writes (the warm
+        start's ``warm_start.teacher_bug_rate``): a row whose entry is a two-term ``+``/``-``
+        expression gets, with probability ``bug_rate``, :func:`buggy_target` as its ``target``
+        (wrong only where a carry or borrow is needed); other rows keep the oracle answer.
+        Every row's ``answer`` (the reference the reward scores) stays the entry.
+
+        Raises:
+            ValueError: ``bug_rate`` outside ``[0, 1]``, or > 0 while no row is such an expression.
+        """
+        if not 0.0 <= bug_rate <= 1.0:
+            raise ValueError(f"bug_rate must be in [0, 1], got {bug_rate}")
+        rng = random.Random(f"rg-teacher:{self.task}:{self.seed}:{seed}")
+        rows, eligible = self.train_problems(n, seed), 0
+        for row in rows:
+            metadata = json.loads(row["answer"], object_hook=_unpack)["entry"].get("metadata") or {}
+            bug = buggy_target(metadata.get("expression"))
+            if bug is not None:
+                eligible += 1
+                if rng.random() < bug_rate:
+                    row["target"] = bug
+        if bug_rate and rows and not eligible:
+            raise ValueError(f"{self.name}: warm_start.teacher_bug_rate={bug_rate} needs entries whose expression is "
+                             "two non-negative integers joined by + or - (basic_arithmetic, chain_sum); none of "
+                             f"{n} rows drawn is one; set warm_start.teacher_bug_rate=0")
+        return rows
+
     def test_set(self, n: int = 500) -> list[dict]:
         """``n`` fixed held-out rows, ids ``TEST_ID_OFFSET + i``; ``test_set(m)``, ``m < n``,
         is a prefix of ``test_set(n)`` (a reasoning-gym entry depends on its seed and index only)."""
         return self._rows(n, _seed("rg-test", self.task, self.seed), TEST_ID_OFFSET)
+
+    ANSWER_KINDS = ("right", "buggy procedure", "other")
+
+    def answer_kind(self, problem: dict, output_text: str) -> str:
+        """Classify one answer (the run's summary counts the held-out greedy ones): ``"right"``
+        (:meth:`correct`), ``"buggy procedure"`` (the :func:`buggy_target` of a two-term entry that
+        needs a carry or borrow: the warm-start teacher's misconception) or ``"other"``."""
+        if self.correct(output_text, problem["answer"]):
+            return "right"
+        entry = json.loads(problem["answer"], object_hook=_unpack)["entry"]
+        bug = buggy_target((entry.get("metadata") or {}).get("expression"))
+        return "buggy procedure" if bug not in (None, str(entry["answer"])) and extract(output_text) == bug else "other"
 
     @staticmethod
     def reward(output_text: str, answer: str) -> float:

@@ -52,7 +52,8 @@ class SFTConfig:
         seed: seeds the problem draw, the model init and the batch order.
         teacher_bug_rate: fraction of the problems needing a carry or borrow whose
             demonstrated answer follows a buggy column procedure
-            (``ArithmeticTask.demonstrations``); for a multi-turn task, the fraction of
+            (``ArithmeticTask.demonstrations``; two-term ``+``/``-`` reasoning-gym entries:
+            ``ReasoningGymTask.demonstrations``); for a multi-turn task, the fraction of
             sloppy scripted dialogues (e.g. ``SupportDeskTask.demonstrations``); 0 = a
             perfect teacher.
     """
