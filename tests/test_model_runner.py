@@ -94,3 +94,29 @@ def test_an_m2po_step_with_a_reference_model_runs_every_lm_head_from_the_first_s
     algorithm.update_parameters(batch)
     kept = [mb.width - (first - 1) for mb in plan_micro_batches(batch["attention_mask"], micro_batch_size=2)]
     assert widths == kept * 3  # the proximal log-probs, the reference's, the training pass
+
+
+def test_the_reference_models_node_runs_the_head_from_the_groups_first_response_column():
+    """``ops.logprobs`` (a frozen reference's log-probs): prompts of 3 and 5 tokens, responses of
+    4 and 2, right-padded to 7 columns: the head runs on columns 2..6 (5 positions) and each
+    response token's log-prob equals the whole row's (``token_logprobs`` on every column)."""
+    from types import SimpleNamespace
+
+    from areal_flow.models.logprobs import token_logprobs
+    from areal_flow.ops.logprobs import LogprobsExecutor
+    from areal_flow.types import Trajectory
+
+    model = tiny_model().eval()
+    group = [Trajectory("0:0", 0, [5, 6, 7], [8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop"),
+             Trajectory("0:1", 0, [5, 9, 6, 8, 7], [12, 13], [0.0] * 2, [0] * 2, "stop")]
+    ctx = SimpleNamespace(model=lambda name: model, pad_id=0)
+    node = SimpleNamespace(name="ref_logprobs", model="ref", attrs={"temperature": 0.7})
+    widths = _head_widths(model)
+    got = LogprobsExecutor(node, ctx).run({"rollouts": group}, {})["logprobs"]
+    assert widths == [5]
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [5, 9, 6, 8, 7, 12, 13]])
+    with torch.no_grad():
+        whole = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)
+    assert len(got[0]) == 4 and len(got[1]) == 2
+    torch.testing.assert_close(torch.tensor(got[0]), whole[0, 3:7], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got[1]), whole[1, 5:7], rtol=1e-6, atol=1e-6)

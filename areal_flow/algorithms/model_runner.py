@@ -73,6 +73,12 @@ def head_skip(scored_from: int, width: int) -> int:
     return max(0, min(scored_from - 1, width - 1))
 
 
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (``transformers``' causal LMs do);
+    another model computes every position and gets :func:`head_skip` 0."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def kept_token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, skip: int, *,
                        entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log-probs, entropy)``, both ``[batch, seq]`` float32 (:func:`token_outputs`' layout), of
@@ -96,8 +102,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        # transformers' causal LMs take logits_to_keep; another model computes every position
-        self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._keeps = takes_logits_to_keep(model)
 
     def _outputs(self, mb: MicroBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
                  scored_from: int, entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:

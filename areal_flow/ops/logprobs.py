@@ -40,24 +40,36 @@ def logprobs(model: Model, rollouts: Handle, *, temperature: float = 1.0, name: 
 
 
 class LogprobsExecutor:
-    """Worker side (grain ``group``): ``{"logprobs": Logprobs}``, ``[n][response_len]``."""
+    """Worker side (grain ``group``): ``{"logprobs": Logprobs}``, ``[n][response_len]``.
+
+    One no-grad pass of the group's rows (right-padded, ``[n, T]``); the LM head runs only from
+    the column before the group's earliest response token on (``transformers``'
+    ``logits_to_keep``, the rule of ``areal_flow.algorithms.model_runner.head_skip``, as the
+    trainer's own log-prob pass): the prompt's logits are never read."""
 
     def __init__(self, node, ctx) -> None:
+        from areal_flow.algorithms.model_runner import takes_logits_to_keep
+
         self.node = node
         self.model = ctx.model(node.model)
         self.temperature = node.attrs["temperature"]
         self.pad_id = ctx.pad_id
+        self.keeps = takes_logits_to_keep(self.model)
 
     def run(self, inputs: dict, info: dict) -> dict:
         import torch
 
-        from areal_flow.models.logprobs import token_logprobs
+        from areal_flow.algorithms.model_runner import head_skip, kept_token_outputs
         from areal_flow.batching import pad_tokens
+        from areal_flow.models.logprobs import model_logits
 
         group = inputs["rollouts"]
         ids, attn = pad_tokens(group, self.pad_id)
+        width = ids.shape[1]
+        skip = head_skip(min(len(t.prompt_ids) for t in group), width) if self.keeps else 0
         with torch.no_grad():
-            lp = token_logprobs(self.model, ids, attn, temperature=self.temperature)
+            logits = model_logits(self.model, ids, attn, logits_to_keep=width - skip if skip else 0)
+            lp, _ = kept_token_outputs(logits, ids, self.temperature, skip, entropy_grad=None)
         out = []
         for row, t in enumerate(group):
             p = len(t.prompt_ids)
