@@ -222,3 +222,20 @@ def test_rg_graph_runs_a_few_steps_through_the_cli(tmp_path):
         assert row["reward"] == reward(row["output_text"], row["meta"]["answer"])
     summary = json.loads((tmp_path / "rg_grpo" / "summary.json").read_text())
     assert 0.0 <= summary["accuracy_before"] <= 1.0
+
+
+def test_the_rows_are_the_same_whatever_the_order_of_the_options_keys():
+    """A plan.json stores the dataset's options with sorted keys, the yaml in its own order: the
+    rows (and so the warm start's cache key, which hashes them) must not differ, or a run
+    started from its plan.json (``--plan``, ``areal-flow eval``) trains a second warm start.
+    Found with the composite dataset of graphs/rg_mix.yaml."""
+    from runtime.engines.sft import SFTConfig, warm_start_key
+
+    forward = dict(SMALL)
+    backward = dict(reversed(list(SMALL.items())))
+    assert list(forward) != list(backward)
+    a = build_task({"name": PREFIX + "basic_arithmetic", "options": forward}, seed=3)
+    b = build_task({"name": PREFIX + "basic_arithmetic", "options": backward}, seed=3)
+    assert a.train_problems(4, seed=4) == b.train_problems(4, seed=4)
+    config = SFTConfig(steps=10, batch_size=4, lr=1e-3, seed=3)
+    assert warm_start_key(a, "tiny-arith", config) == warm_start_key(b, "tiny-arith", config)

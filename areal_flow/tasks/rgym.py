@@ -189,8 +189,10 @@ def _unpack(obj: dict):
 
 
 def encode_reference(task: str, options: dict, entry: dict) -> str:
-    """The reference JSON of a row (module doc)."""
-    return json.dumps(_pack({"task": task, "options": options, "entry": entry}), default=str)
+    """The reference JSON of a row (module doc), keys sorted: the same text whether ``options``
+    came from the yaml or from a plan.json (which stores keys sorted), so the warm start's rows
+    and their cache key do not depend on where the run's plan came from."""
+    return json.dumps(_pack({"task": task, "options": options, "entry": entry}), default=str, sort_keys=True)
 
 
 def extract(output_text: str) -> str:
