@@ -140,6 +140,14 @@ def test_a_rewound_folder_keeps_the_step_metrics_before_the_checkpoint_and_drops
     assert (traj / "trajectories.jsonl").read_text() == '{"step": 0, "staleness": 0}\n'
 
 
+def _as_written_earlier(folder: Path, suffix: str, seconds: int) -> None:
+    """Rename ``folder``'s one event file ending in ``suffix`` as a file written ``seconds`` ago.
+    TensorBoard reads a folder's files in name order, and two writers of one process in one
+    second differ only by a counter (".9" sorts after ".10" once earlier tests made writers)."""
+    (written,) = [f for f in folder.glob("events.out.tfevents.*") if f.name.endswith(suffix) and "earlier" not in f.name]
+    written.rename(folder / f"events.out.tfevents.{int(time.time()) - seconds}.earlier{suffix}")
+
+
 def test_a_resumed_logger_logs_the_steps_no_event_file_holds(tmp_path):
     """Issue 26: a driver SIGKILLed before its TensorBoard writer flushed step 1 (or before the
     trainer's report of it arrived): the resumed run's logger logs step 1 from steps.jsonl,
@@ -152,6 +160,7 @@ def test_a_resumed_logger_logs_the_steps_no_event_file_holds(tmp_path):
 
     with SummaryWriter(log_dir=str(tmp_path)) as earlier:  # the killed driver's events: step 0 only
         earlier.add_scalar("rl/reward", 0.5, 0)
+    _as_written_earlier(tmp_path, "", 60)
     steps = [{"step": s, "reward": 0.5 + s / 4, "train/loss": 1.0 - s / 4, "staleness": [0, 1]} for s in range(3)]
     (tmp_path / STEPS_FILE).write_text("".join(json.dumps(m) + "\n" for m in steps))
     RunLogger(tmp_path, total_steps=4, show_progress=False, first_step=2).close()
@@ -175,8 +184,10 @@ def test_a_second_resume_reads_the_purged_events_without_printing_tensorboards_p
     with SummaryWriter(log_dir=str(tmp_path), filename_suffix=".a") as a:
         for step in range(4):
             a.add_scalar("rl/reward", 0.0, step)
+    _as_written_earlier(tmp_path, ".a", 120)
     with SummaryWriter(log_dir=str(tmp_path), purge_step=2, filename_suffix=".b") as b:
         b.add_scalar("rl/reward", 1.0, 2)
+    _as_written_earlier(tmp_path, ".b", 60)
     (tmp_path / STEPS_FILE).write_text("".join(json.dumps({"step": s, "reward": 1.0}) + "\n" for s in range(4)))
     with caplog.at_level(logging.WARNING):
         RunLogger(tmp_path, total_steps=6, show_progress=False, first_step=4).close()
