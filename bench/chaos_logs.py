@@ -8,7 +8,6 @@ docs/RESUME.md's, the console lines are ``runtime/restarts.py``'s.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -59,14 +58,7 @@ def restart_said(lines: list[str]) -> str:
 
 def event_steps(run_dir: Path, tag: str = "rl/reward") -> list[int]:
     """The steps TensorBoard shows for ``tag`` over every event file of the run (all kept)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from runtime.metrics import read_events
 
-    reader_log = logging.getLogger("tensorboard")  # its "out of order ... Purging" warning per resumed attempt:
-    level = reader_log.level                         # expected here (runtime/metrics.py's reader hides it too)
-    reader_log.setLevel(logging.ERROR)
-    try:
-        acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-        acc.Reload()
-    finally:
-        reader_log.setLevel(level)
+    acc = read_events(run_dir)
     return [e.step for e in acc.Scalars(tag)]

@@ -51,6 +51,22 @@ class _NoPurgeLines(logging.Filter):
         return not record.getMessage().startswith(PURGE_LINE)
 
 
+def read_events(folder: Path):
+    """Every event file of ``folder`` read as TensorBoard shows it (an ``EventAccumulator``,
+    reloaded, every scalar event kept), without its purge warning (:class:`_NoPurgeLines`,
+    filtered for this read only)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every event
+    quiet, tb_logger = _NoPurgeLines(), logging.getLogger("tensorboard")  # the reader's logger (tb_logging)
+    tb_logger.addFilter(quiet)
+    try:
+        events.Reload()
+    finally:
+        tb_logger.removeFilter(quiet)
+    return events
+
+
 def _earlier_wall_s(out_dir: Path) -> float:
     """The RL seconds of a run folder's earlier attempts (:data:`WALL_FILE`; 0 without one)."""
     try:
@@ -139,15 +155,7 @@ class RunLogger:
         path = self.out_dir / STEPS_FILE
         if not path.is_file():
             return
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(str(self.out_dir), size_guidance={"scalars": 0})  # 0: keep every event
-        quiet, tb_logger = _NoPurgeLines(), logging.getLogger("tensorboard")  # the reader's logger (tb_logging)
-        tb_logger.addFilter(quiet)  # this read only
-        try:
-            events.Reload()
-        finally:
-            tb_logger.removeFilter(quiet)
+        events = read_events(self.out_dir)
         held = {(tag, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
         for line in path.read_text().splitlines():
             metrics = json.loads(line)

@@ -102,7 +102,6 @@ def check_models(plan, task) -> None:
             raise ConfigError(f"model '{name}' ({spec}) is warm-started with teacher demonstrations: {exc}") from None
 
 
-
 def _initial_folder(spec: str, ws: dict, seed: int, task, progress: bool) -> Path:
     """The version-0 folder of ``spec``, resolved by ``areal_flow.models.names.resolve_name``
     (as the compiler resolves it): a tiny preset (any case) is warm-started, anything else

@@ -155,22 +155,21 @@ def spawn_workers(
     secret = new_secret() if secret is None else check_secret(secret, "spawn_workers")
     out_dir = new_owned_dir(RANKS)  # swept by a later launcher if this process is SIGKILLed
     try:
-        try:
-            mp.start_processes(
-                _worker_entry,
-                args=(fn, world_size, span, backend, timeout_s, args, out_dir, secret),
-                nprocs=span.count,
-                join=True,
-                start_method="spawn",
-            )
-        except ProcessException as exc:
-            if isinstance(exc, ProcessExitedException) and exc.exit_code < 0:  # the first to end was killed
-                raise RankKilled(span.first + exc.error_index, -exc.exit_code) from exc  # (the others' follow)
-            errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
-            details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
-            raise WorkerError("\n".join(details) or str(exc)) from exc
+        mp.start_processes(
+            _worker_entry,
+            args=(fn, world_size, span, backend, timeout_s, args, out_dir, secret),
+            nprocs=span.count,
+            join=True,
+            start_method="spawn",
+        )
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
                 for rank in range(span.first, span.first + span.count)]
+    except ProcessException as exc:
+        if isinstance(exc, ProcessExitedException) and exc.exit_code < 0:  # the first to end was killed
+            raise RankKilled(span.first + exc.error_index, -exc.exit_code) from exc  # (the others' follow)
+        errors = sorted(name for name in os.listdir(out_dir) if name.endswith(".err"))
+        details = [f"{name[:-4]}:\n" + open(os.path.join(out_dir, name)).read() for name in errors]
+        raise WorkerError("\n".join(details) or str(exc)) from exc
     finally:
         remove_owned_dir(out_dir)
 
