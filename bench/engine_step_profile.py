@@ -17,7 +17,7 @@ of each per round, best of ``--steps``); prints the first call's wall time (the 
 the logits' max difference and the number of graphs dynamo built after further steps at
 other row counts and positions (it must not grow: no recompile per step).
 
-Run: ``.venv/bin/python bench/engine_step_profile.py [--rows 32 64] [--dtype bfloat16] [--compile]``.
+Run: ``.venv/bin/python bench/engine_step_profile.py [--rows 32 64] [--dtype bfloat16] [--cpu-kernels off on] [--compile]``.
 This is a benchmark, not a test: it asserts nothing.
 """
 
@@ -27,6 +27,7 @@ import argparse
 import collections
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -40,9 +41,9 @@ from runtime.engines.sampling import sample  # noqa: E402
 _OPS = ("rms_norm", "add_rms_norm", "rope_split", "silu_mul")
 
 
-def _step(dec, ids, lengths, gen):
+def _step(dec, ids, lengths, gen, kernels=None):
     logits = dec.decode(ids, lengths)
-    return sample(logits, torch.ones(len(ids)), torch.ones(len(ids)), gen)
+    return sample(logits, torch.ones(len(ids)), torch.ones(len(ids)), gen, kernels)
 
 
 def _breakdown(dec, ids, lengths, steps: int) -> None:
@@ -64,10 +65,14 @@ def _breakdown(dec, ids, lengths, steps: int) -> None:
 
     patches = [(decoder, "_linear", "matrix products"),
                (decoder.F, "scaled_dot_product_attention", "attention (SDPA)"),
-               *((layer_ops, name, name) for name in _OPS)]
+               *((dec.ops, name, name) for name in _OPS)]
+    kernels = dec.kernels  # the draw's kernel too (the engine passes it to sample)
+    if dec.kernels is not None:  # gen.cpu_kernels: the decoder reaches the attention kernel as an attribute
+        dec.kernels = types.SimpleNamespace(decode_attention=dec.kernels.decode_attention)
+        patches[1] = (dec.kernels, "decode_attention", "attention (kernel)")
     saved = [getattr(mod, attr) for mod, attr, _ in patches]
     gen = torch.Generator().manual_seed(0)
-    _step(dec, ids, lengths, gen)
+    _step(dec, ids, lengths, gen, kernels)
     total = 0.0
     try:
         for mod, attr, name in patches:
@@ -76,7 +81,7 @@ def _breakdown(dec, ids, lengths, steps: int) -> None:
             start = time.thread_time()
             logits = dec.decode(ids, lengths)
             mid = time.thread_time()
-            sample(logits, torch.ones(len(ids)), torch.ones(len(ids)), gen)
+            sample(logits, torch.ones(len(ids)), torch.ones(len(ids)), gen, kernels)
             seconds["sampling"] += time.thread_time() - mid
             total += time.thread_time() - start
     finally:
@@ -136,22 +141,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--span", type=int, default=80, help="cache entries each row attends to")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cpu-kernels", nargs="+", default=["off", "on"],
+                        help="gen.cpu_kernels values to profile, one after another")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd layer_ops")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, _ = load_model(args.model)
     dtype = getattr(torch, args.dtype)
     for rows in args.rows:
-        dec = decoder.KVDecoder(model, dtype, rows)
-        dec.reserve(rows, args.span + 1)
-        tokens = torch.randint(model.config.vocab_size, (rows, args.span), generator=torch.Generator().manual_seed(0))
-        ids, lengths = tokens[:, -1], torch.full((rows,), args.span - 1)
-        print(f"\n{args.model}, {args.dtype}, {rows} rows attending to {args.span} cache entries, 1 thread")
-        with torch.inference_mode():
-            dec.prefill(tokens[:, :-1].tolist(), 0)  # the cache of span - 1 random tokens a row
-            _breakdown(dec, ids, lengths, args.steps)
-            if args.compile:
-                _compiled_vs_eager(dec, ids, lengths, args.steps)
+        for kernels in args.cpu_kernels:
+            dec = decoder.KVDecoder(model, dtype, rows, cpu_kernels=kernels)
+            dec.reserve(rows, args.span + 1)
+            tokens = torch.randint(model.config.vocab_size, (rows, args.span), generator=torch.Generator().manual_seed(0))
+            ids, lengths = tokens[:, -1], torch.full((rows,), args.span - 1)
+            print(f"\n{args.model}, {args.dtype}, {rows} rows attending to {args.span} cache entries, 1 thread, "
+                  f"gen.cpu_kernels={kernels}")
+            with torch.inference_mode():
+                dec.prefill(tokens[:, :-1].tolist(), 0)  # the cache of span - 1 random tokens a row
+                _breakdown(dec, ids, lengths, args.steps)
+                if args.compile:
+                    _compiled_vs_eager(dec, ids, lengths, args.steps)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
 
 * node attributes: ``generate`` gets ``max_batch_size`` (engine slots, ``gen.max_batch_size``),
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``),
-  ``engine_lm_head_dtype`` (its final norm's and LM head's, ``gen.lm_head_dtype``), ``vllm_compile``
+  ``engine_lm_head_dtype`` (its final norm's and LM head's, ``gen.lm_head_dtype``),
+  ``engine_cpu_kernels`` (its fused CPU kernels, ``gen.cpu_kernels``), ``vllm_compile``
   (``gen.vllm_compile``: a vLLM engine compiles its model)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests); ``rollout``
   gets the engine's four and the same failure budget (for its failed episodes);
@@ -61,6 +62,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             node.attrs.setdefault("max_batch_size", cfg.gen.max_batch_size)
             node.attrs.setdefault("engine_dtype", cfg.gen.dtype)
             node.attrs.setdefault("engine_lm_head_dtype", cfg.gen.lm_head_dtype)
+            node.attrs.setdefault("engine_cpu_kernels", cfg.gen.cpu_kernels)
             node.attrs.setdefault("vllm_compile", cfg.gen.vllm_compile)
             if node.op == "generate":
                 node.attrs.setdefault("interruptible", cfg.gen.interruptible)

@@ -29,18 +29,50 @@ the packed product against ``F.linear``: bf16 1.28x (32 rows) and 1.59x (64 rows
 fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``.
 
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
-embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention by
-``F.scaled_dot_product_attention`` with the module's ``scaling``; the residual stream is
+embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention with the module's
+``scaling`` by ``F.scaled_dot_product_attention`` (prefill, and decode with ``gen.cpu_kernels=off``) or,
+in a CPU decode step, the fused kernel of ``runtime.engines.cpu_kernels`` (fp32 scores, softmax and sums); the
+elementwise parts by ``runtime.engines.layer_ops`` (PyTorch's ops, or its ``FusedOps``); the residual stream is
 kept in the engine dtype, the final norm and the LM head run in ``head_dtype`` (the last residual
 cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
-from runtime.engines import layer_ops
+from runtime.engines import cpu_kernels, layer_ops
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_kernels(mode: str, device: torch.device, dtype: torch.dtype):
+    """The fused CPU kernels (``torch.ops.areal_flow``) for ``gen.cpu_kernels=mode``, or None for
+    PyTorch's ops.
+
+    Raises:
+        ValueError: ``mode="on"`` where the kernels cannot run (not CPU, not fp32 / bf16, or their
+            build failed: the message names ``gen.cpu_kernels`` and the cause), or an unknown mode.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"gen.cpu_kernels={mode!r}: expected auto, on or off")
+    if mode == "off":
+        return None
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        if mode == "on":
+            raise ValueError(f"gen.cpu_kernels=on: the fused kernels run on CPU in float32 or bfloat16; this engine "
+                             f"is {device.type}, {dtype}")
+        return None
+    try:
+        return cpu_kernels.load()
+    except RuntimeError as e:
+        if mode == "on":
+            raise ValueError(f"gen.cpu_kernels=on: {e}") from e
+        log.warning("gen.cpu_kernels=auto: the fused CPU kernels are unavailable, using PyTorch's ops (%s)", e)
+        return None
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
@@ -109,13 +141,16 @@ class KVDecoder:
         dtype: engine dtype of the packed weights and the KV cache.
         max_rows: most sequences in the cache (the engine's ``max_batch_size``).
         head_dtype: dtype of the final norm and the LM head; None = ``dtype``.
+        cpu_kernels: ``gen.cpu_kernels``: ``"auto"`` (the fused CPU kernels of ``runtime.engines.cpu_kernels``
+            where they can run, else PyTorch's ops), ``"on"`` or ``"off"``.
 
     Raises:
-        ValueError: unsupported architecture (names the model class or config field).
+        ValueError: unsupported architecture (names the model class or config field), or
+            ``cpu_kernels="on"`` where the kernels cannot run.
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int,
-                 head_dtype: torch.dtype | None = None) -> None:
+                 head_dtype: torch.dtype | None = None, cpu_kernels: str = "auto") -> None:
         cfg = model.config
         base = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -136,6 +171,8 @@ class KVDecoder:
         self.max_len = cfg.max_position_embeddings
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.kernels = _cpu_kernels(cpu_kernels, model.lm_head.weight.device, dtype)
+        self.ops = layer_ops if self.kernels is None else layer_ops.FusedOps(self.kernels)
         self.pack()
 
     def pack(self) -> None:
@@ -190,23 +227,23 @@ class KVDecoder:
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rows, t, _ = h.shape
-        x = layer_ops.rms_norm(h, self.layers[0].ln1, self.layers[0].eps1)
+        x = self.ops.rms_norm(h, self.layers[0].ln1, self.layers[0].eps1)
         for i, w in enumerate(self.layers):
             qkv = _linear(x, w.wqkv, w.bqkv)
-            q, k, v = layer_ops.rope_split(qkv, cos, sin, self.n_heads, self.n_kv, w.qn, w.kn, w.qk_eps)
+            q, k, v = self.ops.rope_split(qkv, cos, sin, self.n_heads, self.n_kv, w.qn, w.kn, w.qk_eps)
             o = attend(i, q, k, v, w.scaling)
             attn_out = _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
-            h, x = layer_ops.add_rms_norm(h, attn_out, w.ln2, w.eps2)
+            h, x = self.ops.add_rms_norm(h, attn_out, w.ln2, w.eps2)
             if w.moe is None:
-                mlp_out = _linear(layer_ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
+                mlp_out = _linear(self.ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
             else:  # in the block's own dtype (routing, top-k experts, weighted sum), back in the engine's
                 mlp_out = w.moe(x.to(w.moe.gate.weight.dtype)).to(x.dtype)
             # the residual add meets the next layer's input norm, or the final norm after the last layer
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if nxt is not None:
-                h, x = layer_ops.add_rms_norm(h, mlp_out, nxt.ln1, nxt.eps1)
+                h, x = self.ops.add_rms_norm(h, mlp_out, nxt.ln1, nxt.eps1)
             else:  # the final norm, in the LM head's dtype
-                x = layer_ops.rms_norm((h + mlp_out).to(self.head_dtype), self.norm, self.norm_eps)
+                x = self.ops.rms_norm((h + mlp_out).to(self.head_dtype), self.norm, self.norm_eps)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -245,9 +282,10 @@ class KVDecoder:
         Returns logits ``[A, vocab]`` fp32."""
         a = last_ids.shape[0]
         cap = self.keys[0].shape[2]
-        span = int(lengths.max()) + 1
         device = last_ids.device
-        mask = (torch.arange(span, device=device)[None, :] <= lengths[:, None])[:, None, None, :]
+        if self.kernels is None:
+            span = int(lengths.max()) + 1
+            mask = (torch.arange(span, device=device)[None, :] <= lengths[:, None])[:, None, None, :]
         # flat index of (row r, kv head j, position lengths[r]) in a [rows * kv * cap, hd] view
         heads = torch.arange(a, device=device)[:, None] * self.n_kv + torch.arange(self.n_kv, device=device)
         flat = (heads * cap + lengths[:, None]).reshape(-1)
@@ -259,8 +297,12 @@ class KVDecoder:
             # GQA as grouped queries: the g query heads of kv head j (heads j*g .. j*g+g-1, the
             # order enable_gqa's repeat_interleave gives) are a length-g query of that head, so
             # no key/value is copied per query head (CPU: 5x faster at 64 rows, 9/3 heads).
-            out = F.scaled_dot_product_attention(q.reshape(a, self.n_kv, -1, self.head_dim), kc[:a, :, :span],
-                                                 vc[:a, :, :span], attn_mask=mask, scale=scale)
+            grouped = q.reshape(a, self.n_kv, -1, self.head_dim)
+            if self.kernels is not None:  # all rows x kv heads in one call, reading the cache in place
+                out = self.kernels.decode_attention(grouped.contiguous(), kc, vc, lengths, scale)
+            else:
+                out = F.scaled_dot_product_attention(grouped, kc[:a, :, :span], vc[:a, :, :span], attn_mask=mask,
+                                                     scale=scale)
             return out.reshape(a, -1, 1, self.head_dim)
 
         x = self._layers(F.embedding(last_ids[:, None], self.embed), lengths[:, None], attend)

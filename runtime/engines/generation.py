@@ -167,17 +167,21 @@ class GenerationEngine:
             (``bench/engine_logprob_accuracy.py``, docs/PERFORMANCE.md "bf16 engine"): it
             removes about a third of the bf16 engine's mean error; the rest comes from the
             bf16 weights and the bf16 residual stream and KV cache.
+        cpu_kernels: ``gen.cpu_kernels``, ``"auto"`` / ``"on"`` / ``"off"``
+            (``runtime.engines.decoder.KVDecoder``).
 
     Thread safety: ``submit``, ``step`` and ``update_weights`` take one lock, so a weight
     update issued from another thread waits for the current step and lands between steps.
 
     Raises:
-        ValueError: unsupported architecture, ``max_batch_size < 1``, or an unknown ``dtype`` or
-            ``head_dtype`` (names ``gen.dtype`` / ``gen.lm_head_dtype``).
+        ValueError: unsupported architecture, ``max_batch_size < 1``, an unknown ``dtype`` or
+            ``head_dtype`` (names ``gen.dtype`` / ``gen.lm_head_dtype``), or
+            ``cpu_kernels="on"`` where the fused kernels cannot run (names ``gen.cpu_kernels``).
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0,
-                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "float32") -> None:
+                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "float32",
+                 cpu_kernels: str = "auto") -> None:
         if max_batch_size < 1:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.to(device).eval()
@@ -193,7 +197,7 @@ class GenerationEngine:
         self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
         self.head_dtype = torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("engine",)) \
             if str(head_dtype).lower() != "engine" else self.dtype
-        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype)
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()
@@ -258,7 +262,8 @@ class GenerationEngine:
             temps = torch.tensor([p.temperature for p in params], device=self.device)
             top_p = torch.tensor([p.top_p for p in params], device=self.device)
             # one source (decode or prefill) in most steps: skip the copy of [rows, vocab] fp32
-            ids, logps = sample(logits[0] if len(logits) == 1 else torch.cat(logits), temps, top_p, self._gen)
+            ids, logps = sample(logits[0] if len(logits) == 1 else torch.cat(logits), temps, top_p, self._gen,
+                                self._dec.kernels)
             return self._record(rows, ids.tolist(), logps.tolist())
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:

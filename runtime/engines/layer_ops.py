@@ -1,8 +1,8 @@
 """The elementwise parts of the embedded engine's decoder layer: RMSNorm, residual add,
 rotary embedding, SiLU gate.
 
-Owns these functions; the decoder (``runtime.engines.decoder``) calls them between its
-matrix products and attention. Each residual add is followed by the next norm (the next
+Owns these functions, and ``FusedOps``, the same by the fused CPU kernels; the decoder
+(``runtime.engines.decoder``) calls one or the other between its matrix products and attention. Each residual add is followed by the next norm (the next
 sublayer's, or the final norm after the last layer), so a layer makes two calls of
 ``add_rms_norm`` and none of a bare norm.
 
@@ -65,3 +65,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for the packed ``gate_up [rows, T, 2 * intermediate]`` -> ``[rows, T, intermediate]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class FusedOps:
+    """The functions above by the fused CPU kernels (``runtime.engines.cpu_kernels``): one pass and one
+    rounding each instead of 3-8 PyTorch ops (``csrc/layer_kernels.cpp``; same formulas). The decoder
+    uses this in place of the module (``gen.cpu_kernels``). Inputs must be CPU fp32 / bf16 tensors;
+    Qwen3's per-head q/k norm and the once-a-step bare norm keep the PyTorch versions.
+
+    Args:
+        kernels: ``torch.ops.areal_flow`` from ``runtime.engines.cpu_kernels.load()``.
+    """
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As :func:`rms_norm` (the first layer's and the final norm: twice a step)."""
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        """As :func:`add_rms_norm`: ``(h + delta, rms_norm(h + delta))``, each ``[rows, T, hidden]``."""
+        return tuple(self.kernels.add_rms_norm(h.contiguous(), delta.contiguous(), weight, eps))
+
+    def rope_split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float):
+        """As :func:`rope_split` (same arguments and results; ``q`` and ``k`` come back contiguous)."""
+        if q_norm is not None:
+            return rope_split(qkv, cos, sin, n_heads, n_kv, q_norm, k_norm, qk_eps)
+        rows, t, width = qkv.shape
+        hd = width // (n_heads + 2 * n_kv)
+        q, k = self.kernels.rope(qkv.contiguous(), cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(),
+                                 n_heads, n_kv)
+        v = qkv[..., (n_heads + n_kv) * hd:].view(rows, t, n_kv, hd).transpose(1, 2)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """As :func:`silu_mul`: ``[rows, T, 2 * intermediate]`` -> ``[rows, T, intermediate]``."""
+        return self.kernels.silu_mul(gate_up.contiguous())

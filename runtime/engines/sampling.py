@@ -46,7 +46,7 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return (b * _BLOCK + j).squeeze(-1)
 
 
-def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: torch.Generator):
+def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: torch.Generator, kernels=None):
     """Draw one token per row of ``logits [R, vocab]`` (fp32).
 
     Args:
@@ -55,6 +55,11 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: 
         top_p: ``[R]`` nucleus mass in ``(0, 1]`` (Holtzman et al. 2020, sec. 3.1): the
             smallest set of most likely tokens whose mass reaches ``top_p`` is kept.
         gen: the engine's random generator.
+        kernels: ``torch.ops.areal_flow`` (``runtime.engines.cpu_kernels``) or None. Given, CPU
+            logits and no row with ``top_p < 1``: the same draw by its ``sample`` kernel (two passes
+            a row, ``csrc/sampling.cpp``), from the same two uniforms a row taken from ``gen`` in the
+            same order, so the generator advances alike; its sums run in another order, so a draw
+            can differ where a uniform falls within rounding of a block or entry boundary.
 
     Returns:
         ``(ids [R] int64, logprobs [R] fp32)``: the behavior log-prob is
@@ -68,6 +73,13 @@ def sample(logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, gen: 
     float64 ``log_softmax`` 4.7e-7 (``log_softmax`` in fp32: 4.4e-6).
     """
     greedy = temps == 0
+    if kernels is not None and logits.device.type == "cpu" and not bool((top_p < 1).any()):
+        rows = logits.shape[0]
+        if bool(greedy.all()):
+            u = torch.zeros(rows, 2)
+        else:  # as _draw takes them: the block's uniform for every row, then the entry's
+            u = torch.cat([torch.rand(rows, 1, generator=gen), torch.rand(rows, 1, generator=gen)], dim=1)
+        return kernels.sample(logits.contiguous(), temps, u)
     scaled = logits if bool((temps == 1).all()) else logits / torch.where(greedy, 1.0, temps)[:, None]
     # log_softmax(x)[i] = x[i] - max(x) - log(sum(exp(x - max(x)))): one exp pass gives both the
     # unnormalised probabilities the draw needs and the normaliser of the log-prob.

@@ -1,0 +1,193 @@
+// One decode step's attention for the embedded engine on CPU: every (row, KV head) pair's g
+// grouped query heads against that head's first len+1 cached keys and values, in one call.
+//
+// Why a kernel: a decode step's attention is rows x kv_heads tiny problems (SmolLM2-135M at 32
+// rows: 96 problems a layer, each a 3-query x ~80-key product); ATen's SDPA and batched matmul
+// pay ~5 us a problem in set-up whatever the path (docs/PERFORMANCE.md). Here each problem is a
+// few hundred fp32 vector operations with no allocation.
+//
+// Numerics: scores, softmax and the weighted sum in fp32 (the bf16 inputs widened exactly);
+// softmax as exp(s - max) / sum (Vaswani et al. 2017, eq. 1, with the usual max shift). The
+// output is rounded once to the input dtype.
+//
+// Layouts (all contiguous):
+//   q      [rows, kv_heads, g, hd]     the grouped queries (query head j*g + i is (j, i))
+//   keys   [cap_rows, kv_heads, cap, hd]  the decoder's cache; row r's positions 0 .. lens[r]
+//   values [cap_rows, kv_heads, cap, hd]
+//   lens   [rows] int64: row r attends to cache positions 0 .. lens[r] (inclusive)
+//   out    [rows, kv_heads, g, hd]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "vec16.h"
+
+namespace {
+
+using namespace areal_flow;
+
+// One (row, KV head) problem: n keys, g queries, head dim hd. s is scratch of g * n floats.
+template <typename T>
+void problem_portable(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t g, int64_t hd, float scale,
+                      float* s) {
+  std::vector<float> qf(g * hd), acc(g * hd, 0.f);
+  for (int64_t e = 0; e < g * hd; ++e) qf[e] = widen(qp[e]) * scale;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < g; ++i) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < hd; ++d) dot += qf[i * hd + d] * widen(kp[t * hd + d]);
+      s[i * n + t] = dot;
+    }
+  for (int64_t i = 0; i < g; ++i) {
+    float* si = s + i * n;
+    const float top = *std::max_element(si, si + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (si[t] = std::exp(si[t] - top));
+    for (int64_t t = 0; t < n; ++t) si[t] /= sum;
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < g; ++i)
+      for (int64_t d = 0; d < hd; ++d) acc[i * hd + d] += s[i * n + t] * widen(vp[t * hd + d]);
+  for (int64_t e = 0; e < g * hd; ++e) op[e] = narrow<T>(acc[e]);
+}
+
+#ifdef AREAL_FLOW_AVX512
+constexpr int kMaxChunks = 16;  // head_dim <= 256
+constexpr int kMaxGroup = 16;   // query heads per KV head
+
+constexpr int64_t kAhead = 8;  // rows prefetched ahead of use
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t hd) {
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+template <typename T>
+void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t g, int64_t hd, float scale,
+                    float* s) {
+  const int64_t chunks = (hd + 15) / 16;
+  __m512 q[kMaxGroup][kMaxChunks], acc[kMaxGroup][kMaxChunks];
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < g; ++i)
+    for (int64_t c = 0; c < chunks; ++c) {
+      q[i][c] = _mm512_mul_ps(load16(qp + i * hd + c * 16, chunk_mask(c, hd)), vs);
+      acc[i][c] = _mm512_setzero_ps();
+    }
+  for (int64_t t = 0; t < n; ++t) {  // scores: one key row loaded once for the g queries
+    prefetch_row(kp + std::min(t + kAhead, n - 1) * hd, hd);  // the cache streams from memory: ~1.5x with these
+    prefetch_row(vp + t * hd, hd);
+    __m512 k[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kp + t * hd + c * 16, chunk_mask(c, hd));
+    for (int64_t i = 0; i < g; ++i) {
+      __m512 dot = _mm512_mul_ps(q[i][0], k[0]);
+      for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[i][c], k[c], dot);
+      s[i * n + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  const int64_t blocks = (n + 15) / 16;
+  for (int64_t i = 0; i < g; ++i) {  // softmax of each query's n scores
+    float* si = s + i * n;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < blocks; ++b)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), chunk_mask(b, n), si + b * 16));
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __mmask16 m = chunk_mask(b, n);
+      const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, si + b * 16);
+      const __m512 e = exp16(_mm512_sub_ps(x, vtop));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+      _mm512_mask_storeu_ps(si + b * 16, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __mmask16 m = chunk_mask(b, n);
+      _mm512_mask_storeu_ps(si + b * 16, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, si + b * 16), inv));
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {  // weighted sum of the value rows
+    prefetch_row(vp + std::min(t + kAhead, n - 1) * hd, hd);
+    __m512 v[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(vp + t * hd + c * 16, chunk_mask(c, hd));
+    for (int64_t i = 0; i < g; ++i) {
+      const __m512 w = _mm512_set1_ps(s[i * n + t]);
+      for (int64_t c = 0; c < chunks; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+    }
+  }
+  for (int64_t i = 0; i < g; ++i)
+    for (int64_t c = 0; c < chunks; ++c) store16(op + i * hd + c * 16, acc[i][c], chunk_mask(c, hd));
+}
+#endif
+
+template <typename T>
+void attend(const T* q, const T* keys, const T* values, const int64_t* lens, T* out, int64_t rows,
+            int64_t kv, int64_t g, int64_t cap, int64_t hd, float scale) {
+#ifdef AREAL_FLOW_AVX512
+  const bool wide = hd <= 16 * kMaxChunks && g <= kMaxGroup;
+#else
+  const bool wide = false;
+#endif
+  at::parallel_for(0, rows * kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = lens[p / kv] + 1;
+      s.resize(g * n);
+      const T *qp = q + p * g * hd, *kp = keys + p * cap * hd, *vp = values + p * cap * hd;
+      T* op = out + p * g * hd;
+#ifdef AREAL_FLOW_AVX512
+      if (wide) {
+        problem_avx512(qp, kp, vp, op, n, g, hd, scale, s.data());
+        continue;
+      }
+#endif
+      problem_portable(qp, kp, vp, op, n, g, hd, scale, s.data());
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attention: q [rows, kv, g, hd], keys/values [cap_rows, kv, cap, hd]; got q ",
+              q.sizes(), ", keys ", keys.sizes(), ", values ", values.sizes());
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(),
+              "decode_attention: q, keys and values must be contiguous");
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "decode_attention: q, keys and values must share a dtype");
+  const int64_t rows = q.size(0), kv = q.size(1), g = q.size(2), hd = q.size(3), cap = keys.size(2);
+  TORCH_CHECK(keys.size(1) == kv && keys.size(3) == hd && keys.size(0) >= rows,
+              "decode_attention: cache ", keys.sizes(), " does not match q ", q.sizes());
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == rows, "decode_attention: lens [rows] int64");
+  const at::Tensor lc = lens.contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lp[r] >= 0 && lp[r] < cap, "decode_attention: row ", r, "'s length ", lp[r], " is outside 0 .. ",
+                cap - 1, " (the cache's capacity)");
+  }
+  at::Tensor out = at::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), lp,
+                  out.data_ptr<float>(), rows, kv, g, cap, hd, sc);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), keys.data_ptr<c10::BFloat16>(),
+                          values.data_ptr<c10::BFloat16>(), lp,
+                          out.data_ptr<c10::BFloat16>(), rows, kv, g, cap, hd, sc);
+  } else {
+    TORCH_CHECK(false, "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(areal_flow, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lens, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+}
