@@ -117,10 +117,14 @@ class GenerationConfig:
     0.31-0.81 nats; fp32: 9e-6; docs/PERFORMANCE.md, "bf16 engine"), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight."""
-    lm_head_dtype: str = "float32"
-    """Embedded engine's final norm and LM head (the product that makes the logits): float32 (default), engine
-    (gen.dtype's), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in bf16 and the
-    last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md, "bf16 engine")."""
+    lm_head_dtype: str = "auto"
+    """Embedded engine's final norm and LM head (the product that makes the logits): auto (default: mixed for a
+    bfloat16 engine where mixed runs, else float32), float32, engine
+    (gen.dtype's), mixed (the norm in fp32, the product on AMX with bf16 inputs and weights and fp32 sums and logits:
+    no bf16 rounding of the logits, half the bytes of float32; CPUs with AMX and gen.cpu_kernels loaded, float32
+    elsewhere with a warning), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in
+    bf16 and the last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md,
+    "bf16 engine" and "Fused CPU kernels")."""
     cpu_kernels: str = "auto"
     """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
     SiLU gate; built once per machine with the system C++ compiler): auto (default: used where the engine runs on
@@ -378,6 +382,7 @@ class ExperimentConfig:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
         if self.gen.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"gen.cpu_kernels={self.gen.cpu_kernels!r}: expected one of {', '.join(CPU_KERNELS)}")
-        if self.gen.lm_head_dtype.lower() != "engine" and self.gen.lm_head_dtype.lower() not in DTYPES:
-            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected engine or one of "
+        if self.gen.lm_head_dtype.lower() not in ("auto", "engine", "mixed") and \
+                self.gen.lm_head_dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected auto, engine, mixed or one of "
                               f"{', '.join(DTYPES)}")

@@ -14,6 +14,8 @@ decoupled form: Hilton et al. 2022, eq. 4). Variants:
 * ``bf16``: ``gen.dtype=bfloat16 gen.lm_head_dtype=engine`` (weights, KV cache, residual
   stream, final norm and LM head in bf16; logits cast to fp32 for sampling);
 * ``bf16+fp32head``: ``gen.dtype=bfloat16`` (the final norm and LM head in fp32);
+* ``bf16+mixedhead``: ``gen.dtype=bfloat16 gen.lm_head_dtype=mixed`` (the final norm in fp32, the
+  LM head on AMX with bf16 inputs and weights and fp32 sums and logits; float32 without AMX);
 * ``bf16-weights`` (a diagnostic, no config): the fp32 engine on a copy of the model whose
   weights were rounded to bf16, which isolates the weights' rounding from the activations'
   and the KV cache's.
@@ -43,7 +45,8 @@ from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
 
 VARIANTS = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "engine"),
-            "bf16+fp32head": ("bfloat16", "float32"), "bf16-weights": ("float32", "float32")}
+            "bf16+fp32head": ("bfloat16", "float32"), "bf16+mixedhead": ("bfloat16", "mixed"),
+            "bf16-weights": ("float32", "float32")}
 """variant -> (gen.dtype, gen.lm_head_dtype); bf16-weights also rounds the model's weights to bf16."""
 
 

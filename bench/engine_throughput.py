@@ -27,7 +27,8 @@ worker one core and keeps the other for the engine core), a 1 GiB KV cache; one 
 dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
 separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch; the
 embedded engine runs its LM head in fp32 by default (``gen.lm_head_dtype``, for accurate
-behavior log-probs), so its bf16 engine is also timed with a bf16 head, as vLLM computes it, and
+behavior log-probs), so its bf16 engine is also timed with a bf16 head, as vLLM computes it, with the
+mixed head (``gen.lm_head_dtype=mixed``: bf16 inputs and weights, fp32 sums and logits, on AMX), and
 without its fused CPU kernels (``gen.cpu_kernels=off``: PyTorch's SDPA and elementwise ops).
 
 Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
@@ -151,12 +152,14 @@ def main(argv: list[str] | None = None) -> None:
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
         # gen.cpu_kernels=off: the engine without its fused CPU kernels (PyTorch's SDPA and elementwise ops)
         for dtype, head, kernels in (("float32", "float32", "auto"), ("bfloat16", "float32", "auto"),
-                                     ("bfloat16", "engine", "auto"), ("bfloat16", "float32", "off"),
+                                     ("bfloat16", "engine", "auto"), ("bfloat16", "mixed", "auto"),
+                                     ("bfloat16", "float32", "off"),
                                      ("auto", "float32", "auto")):
             engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
                                       head_dtype=head, cpu_kernels=kernels)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
-                + (", bf16 head" if head == "engine" else "") + (", CPU kernels off" if kernels == "off" else "")
+                + {"engine": ", bf16 head", "mixed": ", mixed head"}.get(head, "") \
+                + (", CPU kernels off" if kernels == "off" else "")
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
         like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
-                for d, ours in (("bfloat16", "embedded bfloat16, bf16 head"), ("bfloat16", "embedded bfloat16"),
+                for d, ours in (("bfloat16", "embedded bfloat16, bf16 head"), ("bfloat16", "embedded bfloat16, mixed head"),
+                                ("bfloat16", "embedded bfloat16"),
                                 ("float32", "embedded float32")) if name.startswith(f"vLLM {d}")]
         if "embedded bfloat16, CPU kernels off" in rates:
             print(f"embedded bfloat16, CPU kernels on / off (wall clock): "

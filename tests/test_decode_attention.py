@@ -211,3 +211,60 @@ def test_sample_kernel_follows_the_softmax_and_never_draws_a_zero_probability_to
     # uniforms at the top of [0, 1): the last positive entry, never the -inf padding after it
     top = kernels.sample(logits, torch.ones(1), torch.tensor([[0.9999999, 0.9999999]]))[0]
     assert int(top) == 699
+
+
+def _amx_or_skip():
+    kernels = cpu_kernels.load()
+    try:
+        kernels.lm_head(torch.zeros(1, 32), kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16)), 16)
+    except RuntimeError as e:
+        pytest.skip(f"no AMX LM head on this CPU: {e}")
+    return kernels
+
+
+@pytest.mark.parametrize("rows, vocab, hidden", [(1, 16, 32), (17, 70, 40), (64, 1000, 64), (80, 333, 96)])
+def test_amx_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidden):
+    # partial row tiles (17, 80), vocabularies not a multiple of 16, hidden dims padded to 32
+    kernels = _amx_or_skip()
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(vocab, hidden, generator=gen).bfloat16()
+    x = torch.randn(rows, hidden, generator=gen)
+    got = kernels.lm_head(x, kernels.pack_lm_head(w), vocab)
+    want = x.bfloat16().double() @ w.double().T  # bf16 products are exact; only the fp32 sums round
+    assert got.dtype == torch.float32 and got.shape == (rows, vocab)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_amx_head_removes_the_bf16_rounding_of_large_logits():
+    # LM logits are large because hidden states align with their tokens' rows: w_n = noise + s_n x
+    # gives logits ~ s_n |x|^2 (~30 here). A bf16 product rounds each to 8 bits (error up to
+    # 2^-9 * 30 ~ 0.06); the AMX head rounds only x and w, whose errors in the sum are ~sqrt(576)
+    # products of size ~0.05 * 2^-9 each, ~20x smaller.
+    kernels = _amx_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 576, generator=gen)
+    w = 0.05 * torch.randn(2000, 576, generator=gen) + 0.05 * torch.randn(2000, 1, generator=gen) * x[:1]
+    exact = x.double() @ w.double().T
+    err_mixed = (kernels.lm_head(x, kernels.pack_lm_head(w.bfloat16()), 2000).double() - exact).abs().max()
+    err_bf16 = (torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).double() - exact).abs().max()
+    assert exact[0].abs().max() > 20 and err_bf16 > 0.03
+    assert err_mixed < err_bf16 / 3
+
+
+def test_engine_with_mixed_head_matches_the_fp32_head():
+    _amx_or_skip()
+    model = _model(4)
+    logps = {}
+    for head in ("float32", "mixed"):
+        dec = GenerationEngine(model, TOK, max_batch_size=8, dtype="bfloat16", head_dtype=head)._dec
+        assert dec.mixed_head == (head == "mixed")
+        logps[head] = _teacher_forced_logits(dec)
+    assert (logps["mixed"] - logps["float32"]).abs().max() < 0.1  # bf16 rounding of the head's inputs only
+
+
+def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
+    model = _model(0)
+    with caplog.at_level("WARNING"):
+        dec = KVDecoder(model, torch.bfloat16, 4, torch.float32, cpu_kernels="off", mixed_head=True)
+    assert not dec.mixed_head and dec.head_dtype == torch.float32
+    assert "gen.lm_head_dtype=mixed: the AMX head cannot run here" in caplog.text

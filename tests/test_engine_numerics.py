@@ -8,6 +8,7 @@ import torch
 
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
 from runtime.engines import precision
+from runtime.engines.decoder import KVDecoder
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
 from test_generation import TOK, _full_recompute_greedy, _model, _req
@@ -194,10 +195,14 @@ def test_fp32_lm_head_adds_no_bf16_error_to_the_logits():
 
 
 def test_lm_head_dtype_names_are_checked():
-    with pytest.raises(ValueError, match="gen.lm_head_dtype='int8': expected engine or one of"):
+    with pytest.raises(ValueError, match="gen.lm_head_dtype='int8': expected auto or engine or mixed or one of"):
         GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="int8")
     with pytest.raises(ConfigError, match="gen.lm_head_dtype"):
         ExperimentConfig(gen=GenerationConfig(lm_head_dtype="half-ish"))
     engine = GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="engine")
     assert engine.head_dtype is torch.bfloat16 and engine._dec.head.dtype is torch.bfloat16
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16").head_dtype is torch.float32
+    # auto (the default): the mixed head for a bf16 engine where the AMX kernel runs, never for an fp32 one
+    amx = KVDecoder(_model(0), torch.bfloat16, 2, torch.float32, mixed_head=None).mixed_head
+    assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16")._dec.mixed_head == amx
+    assert not GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="float32")._dec.mixed_head

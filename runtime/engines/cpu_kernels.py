@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.cpp", CSRC / "layer_kernels.cpp", CSRC / "sampling.cpp")
+SOURCES = (CSRC / "decode_attention.cpp", CSRC / "layer_kernels.cpp", CSRC / "sampling.cpp", CSRC / "lm_head.cpp")
 _HEADERS = (CSRC / "vec16.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

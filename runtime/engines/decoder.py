@@ -143,6 +143,11 @@ class KVDecoder:
         head_dtype: dtype of the final norm and the LM head; None = ``dtype``.
         cpu_kernels: ``gen.cpu_kernels``: ``"auto"`` (the fused CPU kernels of ``runtime.engines.cpu_kernels``
             where they can run, else PyTorch's ops), ``"on"`` or ``"off"``.
+        mixed_head: True (``gen.lm_head_dtype=mixed``): the LM head by the AMX kernel
+            (``csrc/lm_head.cpp``: the fp32 final norm's output and the head weights rounded to
+            bf16, fp32 sums and logits) where the CPU kernels are loaded and the CPU has AMX;
+            elsewhere the ``head_dtype`` product, with a warning. None (``auto``): the same but
+            quietly. False: the ``head_dtype`` product.
 
     Raises:
         ValueError: unsupported architecture (names the model class or config field), or
@@ -150,7 +155,8 @@ class KVDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_rows: int,
-                 head_dtype: torch.dtype | None = None, cpu_kernels: str = "auto") -> None:
+                 head_dtype: torch.dtype | None = None, cpu_kernels: str = "auto",
+                 mixed_head: bool | None = False) -> None:
         cfg = model.config
         base = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -169,11 +175,27 @@ class KVDecoder:
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.max_len = cfg.max_position_embeddings
+        self.vocab = model.lm_head.weight.shape[0]
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.kernels = _cpu_kernels(cpu_kernels, model.lm_head.weight.device, dtype)
         self.ops = layer_ops if self.kernels is None else layer_ops.FusedOps(self.kernels)
+        self.mixed_head = mixed_head is not False and self._amx_head_runs(warn=mixed_head is True)
         self.pack()
+
+    def _amx_head_runs(self, warn: bool) -> bool:
+        """Whether the AMX LM head kernel runs here (a one-row product tried once); ``warn``: say why not."""
+        why = "gen.cpu_kernels did not load the CPU kernels"
+        if self.kernels is not None:
+            try:
+                self.kernels.lm_head(torch.zeros(1, 32), self.kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16)),
+                                     16)
+                return True
+            except RuntimeError as e:
+                why = str(e).splitlines()[0]
+        if warn:
+            log.warning("gen.lm_head_dtype=mixed: the AMX head cannot run here (%s); the LM head runs in float32", why)
+        return False
 
     def pack(self) -> None:
         """(Re)build the packed weights from the model's current parameters."""
@@ -182,7 +204,10 @@ class KVDecoder:
             self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
             head = self.model.lm_head.weight
             same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr() and self.head_dtype == self.dtype
-            self.head = _pack_weight(self.embed if same else head.detach().to(self.head_dtype), self.max_rows)
+            if self.mixed_head:
+                self.head = self.kernels.pack_lm_head(head.detach().to(torch.bfloat16))
+            else:
+                self.head = _pack_weight(self.embed if same else head.detach().to(self.head_dtype), self.max_rows)
             bias = self.model.lm_head.bias
             self.head_bias = None if bias is None else bias.detach().to(self.head_dtype)
             self.norm = self.base.norm.weight.detach().to(self.head_dtype)
@@ -248,6 +273,9 @@ class KVDecoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """LM head on the final-normed ``x [rows, hidden]`` -> fp32 logits ``[rows, vocab]``."""
+        if self.mixed_head:
+            logits = self.kernels.lm_head(x, self.head, self.vocab)
+            return logits if self.head_bias is None else logits + self.head_bias
         return _linear(x, self.head, self.head_bias).float()
 
     def prefill(self, seqs: list[list[int]], first_row: int) -> torch.Tensor:

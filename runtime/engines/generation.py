@@ -166,7 +166,10 @@ class GenerationEngine:
             rounding of their own), ``"engine"`` (``dtype``'s) or a dtype name. Measured
             (``bench/engine_logprob_accuracy.py``, docs/PERFORMANCE.md "bf16 engine"): it
             removes about a third of the bf16 engine's mean error; the rest comes from the
-            bf16 weights and the bf16 residual stream and KV cache.
+            bf16 weights and the bf16 residual stream and KV cache. ``"mixed"``: the final norm in
+            fp32, then the product on AMX with bf16 inputs and weights and fp32 sums and logits
+            (``runtime.engines.decoder.KVDecoder``'s ``mixed_head``; float32 where it cannot run).
+            ``"auto"`` (default): ``"mixed"`` for a bf16 engine where it runs, else ``"float32"``.
         cpu_kernels: ``gen.cpu_kernels``, ``"auto"`` / ``"on"`` / ``"off"``
             (``runtime.engines.decoder.KVDecoder``).
 
@@ -180,7 +183,7 @@ class GenerationEngine:
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int, device: str = "cpu", seed: int = 0,
-                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "float32",
+                 dtype: str | torch.dtype = "float32", head_dtype: str | torch.dtype = "auto",
                  cpu_kernels: str = "auto") -> None:
         if max_batch_size < 1:
             raise ValueError(f"GenerationEngine: max_batch_size must be >= 1, got {max_batch_size}")
@@ -195,9 +198,12 @@ class GenerationEngine:
         self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
         # gen.dtype=auto: the measured fp32 / 16-bit decode-step time ratio behind the choice
         self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
-        self.head_dtype = torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("engine",)) \
-            if str(head_dtype).lower() != "engine" else self.dtype
-        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels)
+        word = str(head_dtype).lower()
+        self.head_dtype = self.dtype if word == "engine" else torch.float32 if word in ("mixed", "auto") else \
+            torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("auto", "engine", "mixed"))
+        # auto: the mixed head for a bf16 engine where it runs, quietly; an fp32 engine keeps its fp32 head
+        mixed = True if word == "mixed" else None if word == "auto" and self.dtype == torch.bfloat16 else False
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels, mixed_head=mixed)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()

@@ -76,7 +76,9 @@ def _decode_step_seconds(model, device: str, rows: int, dtypes: tuple[torch.dtyp
     seconds and ``max_rounds`` rounds (small models get many samples against noise)."""
     from runtime.engines.decoder import KVDecoder
 
-    decoders = [KVDecoder(model, d, rows, torch.float32) for d in dtypes]  # LM head fp32: gen.lm_head_dtype's default
+    # the LM head as gen.lm_head_dtype's default (auto) runs it: fp32, or for bf16 the mixed head where it runs
+    decoders = [KVDecoder(model, d, rows, torch.float32, mixed_head=None if d == torch.bfloat16 else False)
+                for d in dtypes]
     ids = torch.randint(model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0)).to(device)
     lengths = torch.full((rows,), 32, device=device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)

@@ -233,7 +233,7 @@ def build_engine(node, ctx):
     model, _ = load_pretrained(folder, dtype=ctx.dtype)
     device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
     return GenerationEngine(model, ctx.tokenizer, max_batch_size=slots, device=device, seed=seed,
-                            dtype=a.get("engine_dtype", "float32"), head_dtype=a.get("engine_lm_head_dtype", "float32"),
+                            dtype=a.get("engine_dtype", "float32"), head_dtype=a.get("engine_lm_head_dtype", "auto"),
                             cpu_kernels=a.get("engine_cpu_kernels", "auto"))
 
 
