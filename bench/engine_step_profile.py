@@ -27,7 +27,6 @@ import argparse
 import collections
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -39,6 +38,17 @@ from runtime.engines import decoder, layer_ops  # noqa: E402
 from runtime.engines.sampling import sample  # noqa: E402
 
 _OPS = ("rms_norm", "add_rms_norm", "rope_split", "silu_mul")
+
+
+class _Forward:
+    """The decoder's kernels with ``decode_attention`` an attribute of its own (so it can be timed)."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels = kernels
+        self.decode_attention = kernels.decode_attention
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
 
 
 def _step(dec, ids, lengths, gen, kernels=None):
@@ -63,12 +73,13 @@ def _breakdown(dec, ids, lengths, steps: int) -> None:
                 inside[0] = False
         return run
 
-    patches = [(decoder, "_linear", "matrix products"),
+    patches = [(decoder, "_linear", "matrix products (layers)"),
                (decoder.F, "scaled_dot_product_attention", "attention (SDPA)"),
                *((dec.ops, name, name) for name in _OPS)]
+    patches.append((dec, "_logits", "LM head"))  # fp32, bf16 or the mixed AMX head, apart from the layers'
     kernels = dec.kernels  # the draw's kernel too (the engine passes it to sample)
     if dec.kernels is not None:  # gen.cpu_kernels: the decoder reaches the attention kernel as an attribute
-        dec.kernels = types.SimpleNamespace(decode_attention=dec.kernels.decode_attention)
+        dec.kernels = _Forward(dec.kernels)
         patches[1] = (dec.kernels, "decode_attention", "attention (kernel)")
     saved = [getattr(mod, attr) for mod, attr, _ in patches]
     gen = torch.Generator().manual_seed(0)
@@ -150,12 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     for rows in args.rows:
         for kernels in args.cpu_kernels:
-            dec = decoder.KVDecoder(model, dtype, rows, cpu_kernels=kernels)
+            # the LM head as gen.lm_head_dtype=auto runs it: fp32 logits (for bf16 the mixed head on AMX)
+            dec = decoder.KVDecoder(model, dtype, rows, torch.float32, cpu_kernels=kernels,
+                                    mixed_head=None if dtype == torch.bfloat16 else False)
             dec.reserve(rows, args.span + 1)
             tokens = torch.randint(model.config.vocab_size, (rows, args.span), generator=torch.Generator().manual_seed(0))
             ids, lengths = tokens[:, -1], torch.full((rows,), args.span - 1)
+            head = "mixed (AMX)" if dec.mixed_head else "fp32"
             print(f"\n{args.model}, {args.dtype}, {rows} rows attending to {args.span} cache entries, 1 thread, "
-                  f"gen.cpu_kernels={kernels}")
+                  f"gen.cpu_kernels={kernels}, LM head {head}")
             with torch.inference_mode():
                 dec.prefill(tokens[:, :-1].tolist(), 0)  # the cache of span - 1 random tokens a row
                 _breakdown(dec, ids, lengths, args.steps)

@@ -25,11 +25,12 @@ running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``), in eac
 threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a 2-core box's
 worker one core and keeps the other for the engine core), a 1 GiB KV cache; one engine per
 dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
-separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch; the
-embedded engine runs its LM head in fp32 by default (``gen.lm_head_dtype``, for accurate
-behavior log-probs), so its bf16 engine is also timed with a bf16 head, as vLLM computes it, with the
-mixed head (``gen.lm_head_dtype=mixed``: bf16 inputs and weights, fp32 sums and logits, on AMX), and
-without its fused CPU kernels (``gen.cpu_kernels=off``: PyTorch's SDPA and elementwise ops).
+separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch. The
+embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engine's LM head on AMX
+with bf16 inputs and weights and fp32 sums and logits where the CPU has AMX, else in fp32, for
+accurate behavior log-probs; ``gen.cpu_kernels=auto``: the fused CPU kernels), then with one
+setting changed at a time: the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
+as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them).
 
 Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
 or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
@@ -150,16 +151,18 @@ def main(argv: list[str] | None = None) -> None:
         warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
         runs = {}
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
-        # gen.cpu_kernels=off: the engine without its fused CPU kernels (PyTorch's SDPA and elementwise ops)
-        for dtype, head, kernels in (("float32", "float32", "auto"), ("bfloat16", "float32", "auto"),
-                                     ("bfloat16", "engine", "auto"), ("bfloat16", "mixed", "auto"),
-                                     ("bfloat16", "float32", "off"),
-                                     ("auto", "float32", "auto")):
+        # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX runs it, gen.cpu_kernels=auto),
+        # then one setting changed at a time; "CPU kernels off, fp32 head" is the engine before the kernels
+        for dtype, head, kernels in (("float32", "auto", "auto"), ("bfloat16", "auto", "auto"),
+                                     ("bfloat16", "float32", "auto"), ("bfloat16", "engine", "auto"),
+                                     ("bfloat16", "float32", "off"), ("auto", "auto", "auto")):
             engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
                                       head_dtype=head, cpu_kernels=kernels)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
-                + {"engine": ", bf16 head", "mixed": ", mixed head"}.get(head, "") \
-                + (", CPU kernels off" if kernels == "off" else "")
+                + (", CPU kernels off" if kernels == "off" else "") \
+                + {"engine": ", bf16 head", "float32": ", fp32 head"}.get(head, "")
+            if head == "auto" and engine.dtype == torch.bfloat16:
+                print(f"{name}: LM head {'mixed (AMX)' if engine._dec.mixed_head else 'fp32'}")
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
@@ -183,12 +186,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
         like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
-                for d, ours in (("bfloat16", "embedded bfloat16, bf16 head"), ("bfloat16", "embedded bfloat16, mixed head"),
-                                ("bfloat16", "embedded bfloat16"),
+                for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, fp32 head"),
+                                ("bfloat16", "embedded bfloat16, bf16 head"),
                                 ("float32", "embedded float32")) if name.startswith(f"vLLM {d}")]
-        if "embedded bfloat16, CPU kernels off" in rates:
-            print(f"embedded bfloat16, CPU kernels on / off (wall clock): "
-                  f"{rates['embedded bfloat16'][0] / rates['embedded bfloat16, CPU kernels off'][0]:.2f}x")
+        if "embedded bfloat16, CPU kernels off, fp32 head" in rates:
+            print(f"embedded bfloat16, CPU kernels on / off, both fp32 head (wall clock): "
+                  f"{rates['embedded bfloat16, fp32 head'][0] / rates['embedded bfloat16, CPU kernels off, fp32 head'][0]:.2f}x"
+                  f"; defaults / kernels off and fp32 head (the engine before the kernels): "
+                  f"{rates['embedded bfloat16'][0] / rates['embedded bfloat16, CPU kernels off, fp32 head'][0]:.2f}x")
         if like:  # like with like: the same dtype on both sides
             print("like for like (wall clock): " + " | ".join(like))
     for engine in vllm_engines.values():

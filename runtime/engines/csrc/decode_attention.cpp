@@ -185,9 +185,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// 16 where the kernels were built with their AVX-512 paths, 1 for the plain C++ loops.
+int64_t simd_lanes() {
+#ifdef AREAL_FLOW_AVX512
+  return 16;
+#else
+  return 1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(areal_flow, m) {
+  m.def("simd_lanes() -> int", TORCH_FN(simd_lanes));
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lens, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

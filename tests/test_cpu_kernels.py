@@ -4,6 +4,10 @@ against layer_ops' PyTorch versions and hand-computed values, their errors, and 
 choice (``gen.cpu_kernels``)."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +272,18 @@ def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
         dec = KVDecoder(model, torch.bfloat16, 4, torch.float32, cpu_kernels="off", mixed_head=True)
     assert not dec.mixed_head and dec.head_dtype == torch.float32
     assert "gen.lm_head_dtype=mixed: the AMX head cannot run here" in caplog.text
+
+
+@pytest.mark.slow
+def test_portable_paths_without_avx512_pass_the_same_checks(tmp_path):
+    # a build for x86-64-v3 (AVX2, no AVX-512) compiles the kernels' plain C++ loops; it runs in its own
+    # process (one build of the ops a process) against this file's formula and hand-computed checks
+    env = {**os.environ, cpu_kernels.MARCH_ENV: "x86-64-v3", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    checks = "formula or hand_computed or sample_kernel or one_key or errors_name"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    lanes = subprocess.run([sys.executable, "-c", "from runtime.engines import cpu_kernels; "
+                            "print(cpu_kernels.load().simd_lanes())"], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).parents[1])
+    assert lanes.stdout.split() == ["1"], lanes.stderr[-2000:]  # the plain loops, not the AVX-512 paths
