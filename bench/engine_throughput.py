@@ -189,11 +189,11 @@ def main(argv: list[str] | None = None) -> None:
                 for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, fp32 head"),
                                 ("bfloat16", "embedded bfloat16, bf16 head"),
                                 ("float32", "embedded float32")) if name.startswith(f"vLLM {d}")]
-        if "embedded bfloat16, CPU kernels off, fp32 head" in rates:
+        before = rates.get("embedded bfloat16, CPU kernels off, fp32 head")
+        if before is not None:
             print(f"embedded bfloat16, CPU kernels on / off, both fp32 head (wall clock): "
-                  f"{rates['embedded bfloat16, fp32 head'][0] / rates['embedded bfloat16, CPU kernels off, fp32 head'][0]:.2f}x"
-                  f"; defaults / kernels off and fp32 head (the engine before the kernels): "
-                  f"{rates['embedded bfloat16'][0] / rates['embedded bfloat16, CPU kernels off, fp32 head'][0]:.2f}x")
+                  f"{rates['embedded bfloat16, fp32 head'][0] / before[0]:.2f}x; defaults / kernels off and fp32 head "
+                  f"(the engine before the kernels): {rates['embedded bfloat16'][0] / before[0]:.2f}x")
         if like:  # like with like: the same dtype on both sides
             print("like for like (wall clock): " + " | ".join(like))
     for engine in vllm_engines.values():

@@ -188,8 +188,8 @@ class KVDecoder:
         why = "gen.cpu_kernels did not load the CPU kernels"
         if self.kernels is not None:
             try:
-                self.kernels.lm_head(torch.zeros(1, 32), self.kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16)),
-                                     16)
+                packed = self.kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16))
+                self.kernels.lm_head(torch.zeros(1, 32), packed, 16)
                 return True
             except RuntimeError as e:
                 why = str(e).splitlines()[0]

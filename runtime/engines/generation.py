@@ -203,7 +203,8 @@ class GenerationEngine:
             torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("auto", "engine", "mixed"))
         # auto: the mixed head for a bf16 engine where it runs, quietly; an fp32 engine keeps its fp32 head
         mixed = True if word == "mixed" else None if word == "auto" and self.dtype == torch.bfloat16 else False
-        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels, mixed_head=mixed)
+        self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels,
+                              mixed_head=mixed)
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.RLock()
         self._waiting: deque[_Sequence] = deque()

@@ -2,9 +2,9 @@
 rotary embedding, SiLU gate.
 
 Owns these functions, and ``FusedOps``, the same by the fused CPU kernels; the decoder
-(``runtime.engines.decoder``) calls one or the other between its matrix products and attention. Each residual add is followed by the next norm (the next
-sublayer's, or the final norm after the last layer), so a layer makes two calls of
-``add_rms_norm`` and none of a bare norm.
+(``runtime.engines.decoder``) calls one or the other between its matrix products and attention.
+Each residual add is followed by the next norm (the next sublayer's, or the final norm after the
+last layer), so a layer makes two calls of ``add_rms_norm`` and none of a bare norm.
 
 Formulas: RMSNorm ``weight * x / sqrt(mean(x^2) + eps)`` computed in fp32 (Zhang & Sennrich
 2019, eq. 4; as ``transformers``' ``Qwen2RMSNorm`` / ``LlamaRMSNorm``), rotary embedding
