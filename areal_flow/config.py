@@ -128,8 +128,9 @@ class GenerationConfig:
     cpu_kernels: str = "auto"
     """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
     SiLU gate; built once per machine with the system C++ compiler): auto (default: used where the engine runs on
-    CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why), on (the
-    kernels or a clear error) or off (PyTorch's ops: SDPA and layer_ops). Measured: docs/PERFORMANCE.md, "Fused CPU
+    CPU in bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the build failed; an
+    fp32 engine keeps PyTorch's ops, whose numerics the resumed-run tests pin down), on (the kernels, fp32 too, or a
+    clear error) or off (PyTorch's ops: SDPA and layer_ops). Measured: docs/PERFORMANCE.md, "Fused CPU
     kernels"."""
 
 

@@ -183,8 +183,16 @@ def test_kernel_mode_where_it_cannot_run_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", {"error": "building the CPU kernels failed: no compiler"})
     with pytest.raises(ValueError, match="gen.cpu_kernels=on: building the CPU kernels failed: no compiler"):
         KVDecoder(model, torch.float32, 4, cpu_kernels="on")
-    dec = KVDecoder(model, torch.float32, 4)  # auto falls back to PyTorch's ops
+    dec = KVDecoder(model, torch.bfloat16, 4)  # auto falls back to PyTorch's ops
     assert dec.kernels is None and dec.ops is layer_ops
+
+
+def test_auto_runs_the_kernels_for_bf16_and_keeps_pytorch_ops_for_fp32():
+    _kernels()
+    model = _model(0)
+    assert KVDecoder(model, torch.bfloat16, 4).kernels is not None
+    assert KVDecoder(model, torch.float32, 4).kernels is None  # the reference numerics an fp32 run keeps
+    assert KVDecoder(model, torch.float32, 4, cpu_kernels="on").kernels is not None
 
 
 def test_config_rejects_an_unknown_cpu_kernels_value():

@@ -198,10 +198,12 @@ def test_critic_on_ranks_matches_single_process(critic_steps):
         for key in STATS:
             assert got["stats"][key] == pytest.approx(expected["stats"][key], rel=LOSS_RTOL), (step, key)
     assert_update_matches(first, ref)  # gradients, then the weights within the Adam error bound
-    # the second step starts from weights within that bound (observed <= 6e-7): its gradients
-    # still within the gradient tolerances (observed <= 3e-8)
+    # the second step starts from weights within that bound (observed <= 6e-7), so its gradients
+    # differ by that much more than the first's: observed <= 3e-8 on a Zen 4 CPU, but 2.1e-7 on 7 of
+    # 8,192 elements of the MoE critic (d2e2) on an AMX CPU (the same test at c9ee050 too), so the
+    # absolute tolerance of the second step is 4x the first's
     for name, expected in reference[1]["grads"].items():
-        torch.testing.assert_close(parallel[1]["grads"][name], expected, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        torch.testing.assert_close(parallel[1]["grads"][name], expected, rtol=GRAD_RTOL, atol=4 * GRAD_ATOL)
     for got in parallel:  # rank 0's whole copy (GAE's values, the saved critic) is the ranks' weights
         assert got["whole"].keys() == got["state"].keys()
         assert all(torch.equal(got["whole"][k], got["state"][k]) for k in got["state"])
