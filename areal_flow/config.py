@@ -31,6 +31,8 @@ from areal_flow.graph import DEFAULT_MAX_STALENESS
 
 CPU_KERNELS = ("auto", "on", "off")
 """The values of ``gen.cpu_kernels``."""
+LM_HEAD_WORDS = ("auto", "engine", "mixed")
+"""The values of ``gen.lm_head_dtype`` besides a dtype's spelling."""
 
 
 @dataclass
@@ -383,7 +385,6 @@ class ExperimentConfig:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
         if self.gen.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"gen.cpu_kernels={self.gen.cpu_kernels!r}: expected one of {', '.join(CPU_KERNELS)}")
-        if self.gen.lm_head_dtype.lower() not in ("auto", "engine", "mixed") and \
-                self.gen.lm_head_dtype.lower() not in DTYPES:
-            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected auto, engine, mixed or one of "
-                              f"{', '.join(DTYPES)}")
+        if self.gen.lm_head_dtype.lower() not in LM_HEAD_WORDS and self.gen.lm_head_dtype.lower() not in DTYPES:
+            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected {', '.join(LM_HEAD_WORDS)} or "
+                              f"one of {', '.join(DTYPES)}")

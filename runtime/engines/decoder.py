@@ -44,6 +44,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from areal_flow.config import CPU_KERNELS
 from runtime.engines import cpu_kernels, layer_ops
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def _cpu_kernels(mode: str, device: torch.device, dtype: torch.dtype):
         ValueError: ``mode="on"`` where the kernels cannot run (not CPU, not fp32 / bf16, or their
             build failed: the message names ``gen.cpu_kernels`` and the cause), or an unknown mode.
     """
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"gen.cpu_kernels={mode!r}: expected auto, on or off")
+    if mode not in CPU_KERNELS:
+        raise ValueError(f"gen.cpu_kernels={mode!r}: expected one of {', '.join(CPU_KERNELS)}")
     if mode == "off" or (mode == "auto" and dtype == torch.float32):
         return None  # auto: an fp32 engine keeps PyTorch's ops, the reference numerics (see the config key)
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):

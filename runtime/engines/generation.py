@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.config import LM_HEAD_WORDS
 from areal_flow.dtypes import torch_dtype
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import auto_speedup, engine_dtype
@@ -200,7 +201,7 @@ class GenerationEngine:
         self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
         word = str(head_dtype).lower()
         self.head_dtype = self.dtype if word == "engine" else torch.float32 if word in ("mixed", "auto") else \
-            torch_dtype(head_dtype, "gen.lm_head_dtype", extra=("auto", "engine", "mixed"))
+            torch_dtype(head_dtype, "gen.lm_head_dtype", extra=LM_HEAD_WORDS)
         # auto: the mixed head for a bf16 engine where it runs, quietly; an fp32 engine keeps its fp32 head
         mixed = True if word == "mixed" else None if word == "auto" and self.dtype == torch.bfloat16 else False
         self._dec = KVDecoder(self.model, self.dtype, max_batch_size, self.head_dtype, cpu_kernels,

@@ -172,16 +172,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   }
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat) {
-    attend<float>(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), lp,
-                  out.data_ptr<float>(), rows, kv, g, cap, hd, sc);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), keys.data_ptr<c10::BFloat16>(),
-                          values.data_ptr<c10::BFloat16>(), lp,
-                          out.data_ptr<c10::BFloat16>(), rows, kv, g, cap, hd, sc);
-  } else {
-    TORCH_CHECK(false, "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
-  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp, out.data_ptr<T>(), rows, kv, g, cap,
+              hd, sc);
+  });
   return out;
 }
 

@@ -28,15 +28,6 @@ void check_float(const at::Tensor& t, const char* what) {
               t.scalar_type());
 }
 
-// fn(float{}) or fn(c10::BFloat16{}): the element type as a generic lambda's argument type.
-template <typename Fn>
-void dispatch(at::ScalarType dtype, Fn&& fn) {
-  if (dtype == at::kFloat)
-    fn(float{});
-  else
-    fn(c10::BFloat16{});
-}
-
 template <typename T>
 void add_rms_norm_row(const T* h, const T* d, const T* w, T* out_h, T* out_x, int64_t n, float eps) {
   float ss = 0.f;

@@ -2,6 +2,7 @@
 // AVX-512 (F, BW, VL) 16-lane loads and stores of either dtype and a 16-lane exp.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -13,6 +14,16 @@ inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }  // exact: the bits shifted up
 template <typename T>
 inline T narrow(float x) { return static_cast<T>(x); }  // bf16: round to nearest even (c10)
+
+// fn(float{}) for fp32, else fn(c10::BFloat16{}) (callers check the dtype first): the element type
+// as a generic lambda's argument type.
+template <typename Fn>
+void dispatch(c10::ScalarType dtype, Fn&& fn) {
+  if (dtype == c10::ScalarType::Float)
+    fn(float{});
+  else
+    fn(c10::BFloat16{});
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AREAL_FLOW_AVX512 1
