@@ -189,9 +189,14 @@ class TrainConfig:
     0 = micro_batch_size sequences. Sequences are grouped longest first into micro-batches whose computed
     tokens stay within it (padded: rows x longest row; packed: the sum). Must be >= the longest prompt +
     response; with several DP ranks it is refused (each rank must run as many micro-batches as the others)."""
-    pack_sequences: bool = False
+    pack_sequences: bool = True
     """Pack each micro-batch's sequences into one row without padding (position ids restart per sequence,
-    attention stays inside each; areal_flow.algorithms.micro_batches). Same loss and gradient as padded."""
+    attention stays inside each; areal_flow.algorithms.micro_batches), as AReaL and verl train. Same loss and
+    gradient as padded; false = padded rows (pipeline and context parallelism run padded either way)."""
+    shared_prefix: bool = True
+    """With pack_sequences: rows of a micro-batch that begin with the same tokens (a GRPO group's prompt) run them
+    once, each row's own tail attending to them (Prefix Grouper's shared-prefix forward;
+    areal_flow.algorithms.shared_prefix). Same log-probs and gradient as running each row whole."""
     lr: float = 1e-3
     """AdamW learning rate."""
     lr_warmup_steps: int = 0

@@ -60,7 +60,7 @@ class RunSpec:
 
 
 _TRAIN = ("lr", "lr_warmup_steps", "weight_decay", "max_grad_norm", "loss", "checkpoint_every",
-          "max_tokens_per_micro_batch", "pack_sequences", "max_nonfinite_steps", "gradient_accumulation_steps")
+          "max_tokens_per_micro_batch", "pack_sequences", "shared_prefix", "max_nonfinite_steps", "gradient_accumulation_steps")
 _ENGINE = {"max_batch_size": "gen.max_batch_size", "engine_dtype": "gen.dtype",
            "engine_lm_head_dtype": "gen.lm_head_dtype", "engine_cpu_kernels": "gen.cpu_kernels",
            "vllm_compile": "gen.vllm_compile"}

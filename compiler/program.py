@@ -74,6 +74,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             node.attrs.update(lr=t.lr, lr_warmup_steps=t.lr_warmup_steps, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, checkpoint_every=t.checkpoint_every,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, pack_sequences=t.pack_sequences,
+                              shared_prefix=t.shared_prefix,
                               max_nonfinite_steps=t.max_nonfinite_steps,
                               gradient_accumulation_steps=t.gradient_accumulation_steps)
         elif node.op == "reward" and node.attrs.get("fn") is not None:

@@ -8,6 +8,7 @@ from test_algorithms import VARIANTS, make_batch, run, tiny_model
 from areal_flow.algorithms.config import LOSS_AGG_MODES, LossConfig
 from areal_flow.algorithms.micro_batches import plan_micro_batches, split_to_count, trimmed_width
 from areal_flow.models.logprobs import token_logprobs
+from areal_flow.models.packed_attention import packed_attention
 
 
 def _mask(lengths, width):
@@ -26,8 +27,11 @@ def test_packed_layout_by_hand():
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
     assert inputs["attention_mask"] is None
     assert mb.tokens == 6 and mb.width == 3
-    # Unpacked back to [3 rows, width 3], zero after each row's length.
-    assert mb.unpack(torch.tensor([[1.0, 2, 3, 4, 5, 6]])).tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+    # Each (row, column) maps back to its packed position; columns after a row's length are not real.
+    index, real = mb.token_index(torch.device("cpu"))
+    assert index.tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
+    assert real.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+    assert [(g.start, g.end, g.branches) for g in mb.attention_groups()] == [(0, 3, ()), (3, 4, ()), (4, 6, ())]
     out = torch.full((3, 4), -1.0)
     mb.put(out, mb.take(torch.arange(12.0).view(3, 4)))
     assert out.tolist() == [[0, 1, 2, -1], [4, 5, 6, -1], [8, 9, 10, -1]]
@@ -90,7 +94,10 @@ def test_packed_logprobs_equal_padded_ones():
     with torch.no_grad():
         padded = token_logprobs(model, ids, attn)
         (mb,) = plan_micro_batches(attn, micro_batch_size=5, pack=True)
-        packed = mb.unpack(token_logprobs(model, **mb.model_inputs(ids, attn)))
+        with packed_attention(model, mb.attention_groups()):
+            flat = token_logprobs(model, **mb.model_inputs(ids, attn))
+        index, real = mb.token_index(ids.device)
+        packed = flat[0][index] * real
     valid = attn.bool().clone()
     valid[:, 0] = False  # a packed row's first token follows the previous sequence: never a valid log-prob
     width = packed.shape[1]
@@ -157,14 +164,15 @@ def test_a_run_trains_with_packed_token_budget_micro_batches(tmp_path, warm_cach
 
 
 def test_packed_attention_stays_inside_each_sequence():
-    from areal_flow.models.packed_attention import NAME, packed_attention, packed_sdpa
+    from areal_flow.models.packed_attention import NAME, PackedGroup, packed_sdpa
 
     torch.set_num_threads(1)
     model = tiny_model()
     seqs = [[3, 5, 7], [4], [9, 2, 6, 8]]  # each alone is the reference: nothing may leak between them
     ids = torch.tensor([sum(seqs, [])])
     positions = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
-    with torch.no_grad(), packed_attention(model):
+    groups = (PackedGroup(0, 3), PackedGroup(3, 4), PackedGroup(4, 8))
+    with torch.no_grad(), packed_attention(model, groups):
         assert model.config._attn_implementation == NAME  # the layers run packed_sdpa, not transformers' mask
         packed = token_logprobs(model, ids, None, position_ids=positions)[0]
     assert model.config._attn_implementation == "sdpa"  # restored after the context
@@ -176,7 +184,11 @@ def test_packed_attention_stays_inside_each_sequence():
         start += len(seq)
     q = torch.zeros(2, 4, 3, 8)
     with pytest.raises(ValueError, match="one packed row"):
-        packed_sdpa(model, q, q, q, None, position_ids=torch.zeros(2, 3, dtype=torch.long))
+        packed_sdpa(model, q, q, q, None)  # outside packed_attention: no groups
+    with packed_attention(model, (PackedGroup(0, 3),)), pytest.raises(ValueError, match="2 rows of 3"):
+        packed_sdpa(model, q, q, q, None)
+    with packed_attention(model, (PackedGroup(0, 2),)), pytest.raises(ValueError, match="groups ending at 2"):
+        packed_sdpa(model, q[:1], q[:1], q[:1], None)
 
 
 def test_packed_update_with_activation_checkpointing_equals_padded():

@@ -49,6 +49,8 @@ class BaseAlgorithm:
         max_tokens_per_micro_batch: token budget of one forward/backward pass (dynamic
             micro-batches, ``algorithms.micro_batches``); 0 = ``micro_batch_size`` rows.
         pack_sequences: run the policy's forward passes on packed rows (no padding).
+        shared_prefix: with ``pack_sequences``, rows of a micro-batch that begin with the same
+            tokens run them once (``algorithms.shared_prefix``; same log-probs and gradient).
         max_grad_norm: global L2 norm the gradient is clipped to.
         temperature: sampling temperature; logits are divided by it so recomputed
             log-probs match the behavior log-probs of the engine.
@@ -99,6 +101,7 @@ class BaseAlgorithm:
         ref_model: torch.nn.Module | None = None,
         max_tokens_per_micro_batch: int = 0,
         pack_sequences: bool = False,
+        shared_prefix: bool = False,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
@@ -126,6 +129,7 @@ class BaseAlgorithm:
         self.ref_model = ref_model
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.pack_sequences = pack_sequences
+        self.shared_prefix = shared_prefix
         self.runner = ModelRunner(model)
         self.loss_scaler: LossScaler | None = None  # made at the first step under fp16 autocast
         self.critic_loss_scaler: LossScaler | None = None  # the critic's, likewise
@@ -135,10 +139,11 @@ class BaseAlgorithm:
         step = self.micro_batch_size
         return [slice(i, min(i + step, batch_size)) for i in range(0, batch_size, step)]
 
-    def _micro_batches(self, attention_mask: torch.Tensor) -> list[MicroBatch]:
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
         """The policy's micro-batches of this step (``algorithms.micro_batches``)."""
         return plan_micro_batches(attention_mask, micro_batch_size=self.micro_batch_size,
-                                  max_tokens=self.max_tokens_per_micro_batch, pack=self.pack_sequences)
+                                  max_tokens=self.max_tokens_per_micro_batch, pack=self.pack_sequences,
+                                  input_ids=input_ids if self.shared_prefix else None)
 
     def ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored_from: int = 0) -> torch.Tensor:
         """Reference-model log-probs ``[batch, seq]`` (no grad), e.g. to fold KL into the
@@ -147,8 +152,8 @@ class BaseAlgorithm:
         ``ref_model``."""
         if self.ref_model is None:
             raise ValueError(f"algorithm {self.name!r}: ref_logprobs needs ref_model")
-        return ModelRunner(self.ref_model).logprobs(self._micro_batches(attention_mask), input_ids, attention_mask,
-                                                    self.temperature, scored_from)
+        return ModelRunner(self.ref_model).logprobs(self._micro_batches(input_ids, attention_mask), input_ids,
+                                                    attention_mask, self.temperature, scored_from)
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Critic values ``[batch, seq]`` float32 (no grad), for GAE before the update."""
@@ -246,7 +251,7 @@ class BaseAlgorithm:
         # mask needs the whole batch before the first micro-batch, recomputes them up front.
         proximal = None
         if cfg.policy_loss == "m2po":
-            proximal = self.runner.logprobs(self._micro_batches(attn), ids, attn, self.temperature, scored_from)
+            proximal = self.runner.logprobs(self._micro_batches(ids, attn), ids, attn, self.temperature, scored_from)
         m2po_keep = None
         if cfg.policy_loss == "m2po":
             m2po_keep = m2po_keep_mask(proximal - behavior, mask, cfg.m2po_threshold)
@@ -272,7 +277,7 @@ class BaseAlgorithm:
             loss = self._micro_batch_loss(batch, mb, logp, entropy, mask, behavior, prox, keep, ref_mb, norm, metrics)
             return loss if scaler is None else scaler.scaled(loss)
 
-        self.runner.forward_backward(self._micro_batches(attn), ids, attn, micro_batch_loss,
+        self.runner.forward_backward(self._micro_batches(ids, attn), ids, attn, micro_batch_loss,
                                      temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0,
                                      scored_from=scored_from)
         if scaler is not None:

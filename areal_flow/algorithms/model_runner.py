@@ -108,13 +108,47 @@ class ModelRunner:
                  scored_from: int, entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(log-probs, entropy)`` ``[b, w]`` of micro-batch ``mb`` of the step batch (``input_ids``,
         ``attention_mask`` ``[B, T]``), as :func:`kept_token_outputs`; a padded micro-batch runs the
-        LM head from column :func:`head_skip` on (a packed one, or a model without
-        ``logits_to_keep``, on every column). Runs inside the caller's attention context."""
+        LM head from column :func:`head_skip` on, a packed one (:meth:`_packed_outputs`) on the
+        positions that predict a scored token alone. Runs inside the caller's attention context."""
+        if mb.packed:
+            return self._packed_outputs(mb, input_ids, attention_mask, temperature, scored_from, entropy_grad)
         inputs = mb.model_inputs(input_ids, attention_mask)
-        skip = head_skip(scored_from, mb.width) if self._keeps and not mb.packed else 0
+        skip = head_skip(scored_from, mb.width) if self._keeps else 0
         logits = model_logits(self.model, **inputs, logits_to_keep=mb.width - skip if skip else 0)
-        values = kept_token_outputs(logits, inputs["input_ids"], temperature, skip, entropy_grad=entropy_grad)
-        return tuple(None if t is None else mb.unpack(t) for t in values)
+        return kept_token_outputs(logits, inputs["input_ids"], temperature, skip, entropy_grad=entropy_grad)
+
+    def _packed_outputs(self, mb: MicroBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        temperature: float, scored_from: int,
+                        entropy_grad: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_outputs` of a packed micro-batch. Token ``(row, c)`` is predicted by the
+        packed position of token ``(row, c - 1)`` (``MicroBatch.token_index``): for a branch's
+        first own token that is its root's position, shared by the root's other branches. The LM
+        head runs on those positions alone (each once; ``transformers``' ``logits_to_keep`` as an
+        index tensor), for columns ``max(scored_from, 1)`` on; other columns hold 0."""
+        inputs = mb.model_inputs(input_ids, attention_mask)
+        device = input_ids.device
+        index, real = mb.token_index(device)
+        pred = torch.nn.functional.pad(index[:, :-1], (1, 0))  # [b, w]: position predicting each token
+        cols = torch.arange(mb.width, device=device)
+        scored = real & (cols >= max(scored_from, 1))
+        if self._keeps:
+            keep = torch.unique(pred[scored]) if bool(scored.any()) else pred.new_zeros(1)
+            logits = model_logits(self.model, **inputs, logits_to_keep=keep)[0]
+            at = torch.searchsorted(keep, pred).clamp(max=len(keep) - 1)  # [b, w] row of logits
+        else:
+            logits, at = model_logits(self.model, **inputs)[0], pred
+        z = logits.float() / temperature  # [K, V]
+        targets = mb.take(input_ids)
+        logp = torch.where(scored, z[at, targets] - torch.logsumexp(z, dim=-1)[at], 0.0)
+        if entropy_grad is None:
+            return logp, None
+        if entropy_grad:
+            per_row = token_entropy(z)
+        else:
+            with torch.no_grad():
+                step = entropy_rows_per_chunk(1, z.shape[-1])
+                per_row = torch.cat([token_entropy(z[i:i + step].detach()) for i in range(0, len(z), step)])
+        return logp, torch.where(scored, per_row[at], 0.0)
 
     def logprobs(self, micro_batches: list[MicroBatch], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float, scored_from: int = 0) -> torch.Tensor:
@@ -125,7 +159,7 @@ class ModelRunner:
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with torch.no_grad():
             for mb in micro_batches:
-                with packed_attention(self.model) if mb.packed else nullcontext():
+                with packed_attention(self.model, mb.attention_groups()) if mb.packed else nullcontext():
                     logp, _ = self._outputs(mb, input_ids, attention_mask, temperature, scored_from, None)
                 mb.put(out, logp)
         return out
@@ -143,7 +177,7 @@ class ModelRunner:
         work, as TRL scores only completion positions); the columns before hold log-prob and
         entropy 0. The values of the columns kept are those of the whole row's logits."""
         for mb in micro_batches:
-            with packed_attention(self.model) if mb.packed else nullcontext():
+            with packed_attention(self.model, mb.attention_groups()) if mb.packed else nullcontext():
                 logp, entropy = self._outputs(mb, input_ids, attention_mask, temperature, scored_from, entropy_grad)
                 loss_fn(mb, logp, entropy).backward()
 

@@ -43,17 +43,18 @@ def model_logits(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
-    logits_to_keep: int = 0,
+    logits_to_keep: int | torch.Tensor = 0,
 ) -> torch.Tensor:
     """The logits ``[batch, seq, vocab]`` (the model's dtype) of ``model`` on ``input_ids``;
     arguments and errors as :func:`token_logprobs`. ``logits_to_keep > 0``: only the last that
     many positions' logits, ``[batch, logits_to_keep, vocab]`` (the LM head runs on those alone;
-    ``transformers``' causal-LM argument of that name)."""
+    ``transformers``' causal-LM argument of that name); a 1-D index tensor: those positions'
+    logits, ``[batch, len(logits_to_keep), vocab]``."""
     if attention_mask is None and position_ids is None:
         raise ValueError("token_logprobs: packed rows (attention_mask=None) need position_ids")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    keep = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    keep = {"logits_to_keep": logits_to_keep} if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep else {}
     if attention_mask is None:  # packed (no KV cache: a scoring pass; transformers' own packed mask needs none)
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **keep).logits
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **keep).logits

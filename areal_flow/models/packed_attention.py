@@ -1,70 +1,123 @@
-"""Causal attention inside each sequence of a packed row: one SDPA call per sequence.
+"""Causal attention inside each sequence of a packed row, shared prefixes included.
 
 Owns the attention the policy's forward uses on packed rows (``areal_flow.algorithms.
 micro_batches``). ``transformers``' own SDPA path builds a block-diagonal ``[L, L]`` mask for a
 packed row and computes all ``L^2`` scores (quadratic in the row, not in its sequences);
-here each sequence ``[s, e)`` of the row attends causally to itself only
-(``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)``), so the cost is
-the sum of ``n^2`` over its sequences, as in varlen flash attention. The implementation is
-registered with ``transformers.AttentionInterface`` when :func:`packed_attention` is first
-entered (not at import) and only selected inside that context.
+here the row is cut into :class:`PackedGroup` s and each attends to itself only, one
+``torch.nn.functional.scaled_dot_product_attention`` call per group, so the cost is the sum of
+``n^2`` over the groups, as in varlen flash attention. A group is one sequence (causal,
+``is_causal=True``) or a *root* sequence followed by *branches* that continue the root's first
+``q`` tokens (``areal_flow.algorithms.shared_prefix``): a branch token attends to those ``q``
+root tokens and causally to its own branch (a boolean ``[n, n]`` mask of the group). The
+implementation is registered with ``transformers.AttentionInterface`` when
+:func:`packed_attention` is first entered (not at import) and only selected inside that
+context, which also says where the groups are.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
 NAME = "areal_flow_packed_sdpa"
 """The ``config._attn_implementation`` name of this attention."""
 
 
+@dataclass(frozen=True)
+class PackedGroup:
+    """Tokens ``[start, end)`` of a packed row that attend among themselves only.
+
+    Attributes:
+        start / end: the group's span of the packed row, tokens.
+        branches: ``(offset, shared)`` of each branch, in order: it starts ``offset`` tokens
+            after ``start`` and continues the root's first ``shared`` tokens (its positions are
+            ``shared, shared + 1, ...``). The root is ``[start, start + first offset)``
+            (the whole group without branches).
+    """
+
+    start: int
+    end: int
+    branches: tuple[tuple[int, int], ...] = ()
+
+
+@functools.lru_cache(maxsize=64)
+def group_mask(group: PackedGroup, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` bool, True where query token ``i`` of ``group`` (``n`` tokens) may attend to key
+    token ``j``: ``j`` is in ``i``'s own sequence (root or branch) and not after it, or ``j`` is one
+    of the root's first ``shared`` tokens of ``i``'s branch."""
+    n = group.end - group.start
+    bounds = [0, *(o for o, _ in group.branches), n]
+    seg = torch.cat([torch.full((e - s,), k) for k, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    shared = torch.tensor([0, *(q for _, q in group.branches)])
+    pos = torch.cat([torch.arange(q, q + e - s) for q, s, e in zip(shared.tolist(), bounds, bounds[1:])])
+    own = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    from_root = (seg[None, :] == 0) & (pos[None, :] < shared[seg][:, None])
+    return (own | from_root).to(device)
+
+
+_GROUPS: ContextVar[tuple[PackedGroup, ...] | None] = ContextVar("areal_flow_packed_groups", default=None)
+
+
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of a packed row, called by a ``transformers`` attention layer.
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a packed row, called by a ``transformers`` attention layer inside
+    :func:`packed_attention` (which gives the row's groups).
 
     Args:
         query: ``[1, heads, L, head_dim]``; key / value: ``[1, kv_heads, L, head_dim]``.
         attention_mask: None (``transformers`` builds none for an implementation without a
             mask function).
-        position_ids: ``[1, L]``, 0 where each sequence starts and +1 per token inside it.
         dropout / scaling: the layer's (dropout is 0 for the policy: models train without it).
 
     Returns:
         ``([1, L, heads, head_dim], None)``, the layout ``transformers``' SDPA path returns.
 
     Raises:
-        ValueError: more than one row, no ``position_ids``, or an attention mask.
+        ValueError: outside :func:`packed_attention`, more than one row, an attention mask, or
+            groups that do not cover the row's ``L`` tokens.
     """
-    if query.shape[0] != 1 or position_ids is None or attention_mask is not None:
-        raise ValueError(f"{NAME}: needs one packed row [1, L] with position_ids and no attention mask "
-                         f"(got {query.shape[0]} rows, position_ids {position_ids is not None}, "
-                         f"mask {attention_mask is not None})")
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
-    bounds = zip(starts, starts[1:] + [query.shape[2]])
+    groups = _GROUPS.get()
+    length = query.shape[2]
+    if groups is None or query.shape[0] != 1 or attention_mask is not None or groups[-1].end != length:
+        raise ValueError(f"{NAME}: needs one packed row [1, L] inside packed_attention(model, groups) with groups "
+                         f"covering its L tokens and no attention mask (got {query.shape[0]} rows of {length}, "
+                         f"groups ending at {groups[-1].end if groups else None}, mask {attention_mask is not None})")
     gqa = query.shape[1] != key.shape[1]
-    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout if module.training else 0.0,
-        is_causal=True, scale=scaling, enable_gqa=gqa) for s, e in bounds], dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    p = dropout if module.training else 0.0
+    out = []
+    for g in groups:
+        s, e = g.start, g.end
+        mask = group_mask(g, query.device) if g.branches else None
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask, dropout_p=p,
+            is_causal=mask is None, scale=scaling, enable_gqa=gqa))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
 @contextmanager
-def packed_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the context, ``model``'s attention layers run :func:`packed_sdpa`.
+def packed_attention(model: torch.nn.Module, groups: tuple[PackedGroup, ...]) -> Iterator[None]:
+    """Inside the context, ``model``'s attention layers run :func:`packed_sdpa` over ``groups``
+    (``MicroBatch.attention_groups``: the packed row's sequences, in order, covering it).
 
     Args:
         model: a ``transformers`` model whose layers read ``model.config._attn_implementation``.
+        groups: the packed row's attention groups.
     """
+    from transformers import AttentionInterface
+
     AttentionInterface.register(NAME, packed_sdpa)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME
+    token = _GROUPS.set(tuple(groups))
     try:
         yield
     finally:
+        _GROUPS.reset(token)
         config._attn_implementation = previous

@@ -71,8 +71,8 @@ class TrainSettings:
         activation_checkpointing: the plan's choice for the node (``compile.activation_checkpointing``:
         on, off or the compiler's when auto); every rank recomputes its layers in the backward pass.
         temperature: of the sampler. seed: initialisation seed.
-        max_tokens_per_micro_batch / pack_sequences: ``train.*`` of the same names (the
-        policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
+        max_tokens_per_micro_batch / pack_sequences / shared_prefix: ``train.*`` of the same names
+        (the policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
         user_algorithm: the plan's encoded class of a user-registered algorithm (None: built in),
         so a rank process that never read the graph file builds it too.
     """
@@ -88,6 +88,7 @@ class TrainSettings:
     seed: int
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False
+    shared_prefix: bool = False
     user_algorithm: dict | None = None
     micro_batches: int = 1
     activation_checkpointing: bool = False
@@ -101,7 +102,7 @@ class TrainSettings:
                    lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
                    temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
                    max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
-                   pack_sequences=a.get("pack_sequences", False),
+                   pack_sequences=a.get("pack_sequences", False), shared_prefix=a.get("shared_prefix", False),
                    user_algorithm=ctx.plan.algorithms.get(a["algorithm"]), micro_batches=node.micro_batches or 1,
                    activation_checkpointing=node.activation_checkpointing,
                    lr_warmup_steps=a.get("lr_warmup_steps", 0))
@@ -119,7 +120,8 @@ class TrainSettings:
         cls = decode_value(self.user_algorithm) if self.user_algorithm is not None else get_algorithm(self.algorithm)
         return cls(self.loss_config(), model, optimizer, micro_batch_size=self.micro_batch_size,
                    max_grad_norm=self.max_grad_norm, temperature=self.temperature,
-                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch, pack_sequences=self.pack_sequences)
+                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch, pack_sequences=self.pack_sequences,
+                   shared_prefix=self.shared_prefix)
 
 
 def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
