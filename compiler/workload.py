@@ -78,6 +78,11 @@ class Workload:
         step_rows: the sequences a train_step takes per step when the plan runs, B x the generate
             node's ``n_samples`` (``compile.samples_per_prompt`` changes only the time model's);
             0 = ``n_sequences``.
+        samples_per_prompt: trajectories per prompt group (``n_sequences / B``).
+        shared_prompt_nodes: train_steps of a generator's model whose packed micro-batches run a
+            group's prompt once (``train.pack_sequences`` and ``train.shared_prefix`` lowered into
+            their attributes; ``areal_flow.algorithms.shared_prefix``): their time model counts
+            ``prompt_len / samples_per_prompt`` prompt tokens a sequence.
     """
 
     graph_name: str
@@ -92,6 +97,8 @@ class Workload:
     ops: dict[str, str]
     node_attrs: dict[str, dict] = dataclasses.field(default_factory=dict)
     step_rows: int = 0
+    samples_per_prompt: int = 1
+    shared_prompt_nodes: frozenset[str] = frozenset()
 
     @property
     def seq_len(self) -> int:
@@ -172,6 +179,9 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
     if not new_tokens:
         raise CompileConfigError("compile.max_new_tokens is null and no generate node sets max_new_tokens")
     device_nodes = {t.node for t in tasks}
+    policies = {g.model for g in gens}
+    shared = frozenset(n.name for n in trainers(graph) if n.model in policies and int(samples) > 1
+                       and n.attrs.get("pack_sequences") and n.attrs.get("shared_prefix"))
     return Workload(
         graph_name=graph.name,
         tasks=tuple(tasks),
@@ -185,6 +195,8 @@ def build_workload(graph, cfg: CompileConfig, batch_groups: int) -> Workload:
         ops={n.name: n.op for n in graph.nodes.values()},
         node_attrs={t.node: dict(graph.nodes[t.node].attrs) for t in tasks},
         step_rows=batch_groups * int(gen_attrs.get("n_samples") or 1),
+        samples_per_prompt=int(samples),
+        shared_prompt_nodes=shared,
     )
 
 

@@ -185,3 +185,51 @@ def test_token_budget_keeps_sharing_rows_together_by_hand():
     # budget 20: [0..4] is 17 tokens -> A; [5, 6] 7 -> B (17 + 7 > 20)
     mbs = plan_micro_batches(attn, micro_batch_size=1, max_tokens=20, pack=True, input_ids=ids)
     assert [mb.rows for mb in mbs] == [(0, 1, 2, 3, 4), (5, 6)] and [mb.tokens for mb in mbs] == [17, 7]
+
+
+def test_the_time_model_counts_a_shared_prompt_once():
+    # 4 samples a prompt of 8 tokens, 8-token responses: a sequence computes 8 / 4 + 8 = 10 tokens
+    # shared, 16 not; the compute floor is n_seq x seq x 3 x (2 N + 2 x layers x seq x heads x
+    # head_dim) FLOP (compiler.timing's model) = 2N + 2 x 2 x seq x 2 x 4 = 2N + 32 seq a token, so
+    # its ratio is (10 (2N + 320)) / (16 (2N + 512)).
+    from areal_flow.config_compile import ClusterConfig, CompileConfig, LengthDistConfig
+    from compiler.cost import CostModel
+    from compiler.hardware import DeviceSpec
+    from compiler.models import ModelSpec
+    from compiler.workload import TRAINING, DeviceTask, Workload
+
+    dense = ModelSpec("dense", n_layers=2, hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, vocab=10, intermediate=16)
+    device = DeviceSpec("d", peak_flops=1e12, memory_bytes=1e12, hbm_bandwidth=1e30, intra_node_bandwidth=1e30,
+                        inter_node_bandwidth=1e30, host_bandwidth=1e30, collective_latency_s=0.0)
+    task = DeviceTask("train_step", "train_step", TRAINING, "policy", dense)
+    cfg = CompileConfig(length_dist=LengthDistConfig(kind="fixed", mean=1.0))
+
+    def floor(shared):
+        w = Workload("g", (task,), {}, n_sequences=32, prompt_len=8, new_tokens=8, staleness=1, aliases={},
+                     data_edges=(), ops={"train_step": "train_step"}, samples_per_prompt=4,
+                     shared_prompt_nodes=frozenset({"train_step"} if shared else ()))
+        model = CostModel(w, device, ClusterConfig(1, 1, "H100"), cfg)
+        return model.trained_seq_len(task), model.compute_floor(task, 1)
+
+    (seq_on, on), (seq_off, off) = floor(True), floor(False)
+    assert (seq_on, seq_off) == (10, 16)
+    n2 = 2 * dense.n_active_params
+    assert on / off == pytest.approx(10 * (n2 + 320) / (16 * (n2 + 512)), rel=1e-9)
+
+
+@pytest.mark.parametrize("knobs, shared", [([], True), (["train.shared_prefix=false"], False),
+                                           (["train.pack_sequences=false"], False), (["gen.n_samples=1"], False)])
+def test_the_plan_marks_the_policy_train_step_that_shares_prompts(knobs, shared):
+    from pathlib import Path
+
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+    from compiler.program import lower_attrs
+    from compiler.workload import build_workload
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "graphs" / "arith_grpo.yaml", knobs)
+    graph = load_flow(repo / "graphs" / "arith_grpo.py")(cfg)
+    lower_attrs(graph, cfg)
+    w = build_workload(graph, cfg.compile, cfg.train.batch_size)
+    assert w.shared_prompt_nodes == (frozenset({w.aliases["train"]}) if shared else frozenset())
