@@ -28,8 +28,10 @@ memory).
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
-needs: workers start with ``OMP_WAIT_POLICY=PASSIVE``, the hybrid worker too (each of its
-two threads has an OpenMP team of its own, and the box is shared: docs/PERFORMANCE.md). ``scheduler.threads_per_worker`` > 0
+needs: workers start with ``OMP_WAIT_POLICY=PASSIVE`` and a short spin before the sleep
+(``GOMP_SPINCOUNT``, :data:`OMP_SPIN`: without it every parallel region wakes its threads from
+sleep, 3x the tiny job's 2-thread train step), the hybrid worker too (each of its two threads has
+an OpenMP team of its own, and the box is shared: docs/PERFORMANCE.md). ``scheduler.threads_per_worker`` > 0
 sets every worker's threads instead.
 """
 
@@ -148,17 +150,28 @@ def _filed(results, spec, work, placed: dict) -> bool:
         return False
 
 
+OMP_SPIN = "10000"
+"""``GOMP_SPINCOUNT`` of a worker: an idle OpenMP thread spins this many rounds (tens of
+microseconds) before it sleeps. With 0 (what ``PASSIVE`` alone gives) every parallel region
+wakes its threads from sleep: the tiny main job's 2-thread train step took 191 ms against 59-63 ms
+with this spin (``bench/train_throughput.py``-style step, quiet box, docs/PERFORMANCE.md), while
+a waiting worker's threads still leave the cores to the other within the spin."""
+
+
 @contextlib.contextmanager
 def _passive_omp():
-    """Idle OpenMP threads of a waiting worker sleep (``OMP_WAIT_POLICY=PASSIVE`` unless set)
-    in the processes started inside."""
-    previous = os.environ.get("OMP_WAIT_POLICY")
-    os.environ["OMP_WAIT_POLICY"] = previous or "PASSIVE"
+    """Idle OpenMP threads of a waiting worker sleep after a short spin (``OMP_WAIT_POLICY=PASSIVE``
+    and ``GOMP_SPINCOUNT`` = :data:`OMP_SPIN`, each unless set) in the processes started inside."""
+    defaults = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OMP_SPIN}
+    previous = {k: os.environ.get(k) for k in defaults}
+    for key, value in defaults.items():
+        os.environ[key] = previous[key] or value
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ["OMP_WAIT_POLICY"]
+        for key, value in previous.items():
+            if value is None:
+                del os.environ[key]
 
 
 class LocalScheduler:
