@@ -187,7 +187,8 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = 0
     """Token budget of one forward/backward micro-batch (dynamic micro-batches, as AReaL's max_tokens_per_mb);
     0 = micro_batch_size sequences. Sequences are grouped longest first into micro-batches whose computed
-    tokens stay within it (padded: rows x longest row; packed: the sum). Must be >= the longest prompt +
+    tokens stay within it (padded: rows x longest row; packed: the sum; with shared_prefix, rows sharing a prefix
+    are kept together and the prefix counts once). Must be >= the longest prompt +
     response; with several DP ranks it is refused (each rank must run as many micro-batches as the others)."""
     pack_sequences: bool = True
     """Pack each micro-batch's sequences into one row without padding (position ids restart per sequence,

@@ -177,12 +177,13 @@ class CostModel:
             self._strategies[key] = found
         return self._strategies[key]
 
-    def trained_seq_len(self, task: DeviceTask) -> float:
-        """Tokens a training-side ``task`` computes per sequence on average: the prompt budget plus
-        the mean response; a node that runs a group's prompt once
-        (``Workload.shared_prompt_nodes``) counts ``prompt_len / samples_per_prompt`` of it."""
+    def trained_seq_len(self, task: DeviceTask, s: ParallelStrategy) -> float:
+        """Tokens a training-side ``task`` computes per sequence on average under ``s``: the prompt
+        budget plus the mean response; a node that runs a group's prompt once
+        (``Workload.shared_prompt_nodes``) counts ``prompt_len / samples_per_prompt`` of it, except
+        under pp or cp, whose runners train padded rows (``runtime.parallel.rl_runner.right_padded``)."""
         w = self.workload
-        shared = task.node in w.shared_prompt_nodes
+        shared = task.node in w.shared_prompt_nodes and s.pp == 1 and s.cp == 1
         return (w.prompt_len / w.samples_per_prompt if shared else w.prompt_len) + self.lengths.mean
 
     def time_floor(self, task: DeviceTask, s: ParallelStrategy) -> float:
@@ -194,7 +195,7 @@ class CostModel:
         if key not in self._costs:
             w, cfg = self.workload, self.cfg
             times = training_time(
-                task.model, s, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task), micro_batches=1,
+                task.model, s, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task, s), micro_batches=1,
                 dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
                 forward_only=task.role != TRAINING, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,
@@ -245,9 +246,10 @@ class CostModel:
 
     def compute_floor(self, task: DeviceTask, size: int) -> float:
         """A lower bound on a training-side node's seconds on ``size`` devices under any
-        strategy: its FLOPs at the assumed MFU (``compiler.timing.compute_s``)."""
+        strategy: its FLOPs at the assumed MFU (``compiler.timing.compute_s``; the shortest trained
+        sequence, a strategy without pp and cp's)."""
         w, cfg = self.workload, self.cfg
-        return compute_s(task.model, size, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task),
+        return compute_s(task.model, size, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task, ParallelStrategy()),
                          checkpointing=self.checkpointing, forward_only=task.role != TRAINING,
                          mfu=cfg.mfu, peak_flops=self.device.peak_flops)
 
@@ -318,7 +320,7 @@ class CostModel:
 
         def time(m: int) -> dict:
             times = training_time(
-                task.model, s, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task), micro_batches=m,
+                task.model, s, n_sequences=w.n_sequences, seq_len=self.trained_seq_len(task, s), micro_batches=m,
                 dtype=cfg.dtype, sharded=cfg.optimizer_sharding, checkpointing=self.checkpointing,
                 forward_only=forward_only, mfu=cfg.mfu, links=self.links, mesh_spans_nodes=self._spans(s),
                 overlap=cfg.fsdp_overlap,

@@ -104,6 +104,16 @@ def test_packed_logprobs_equal_padded_ones():
     torch.testing.assert_close(packed[valid[:, :width]], padded[:, :width][valid[:, :width]], atol=1e-5, rtol=1e-5)
 
 
+def assert_same_update(reference, d_ref, metrics, deltas, label):
+    """An update (``test_algorithms.run``'s metrics and parameter deltas) equals the reference one:
+    the loss and its metrics, and every parameter's change (a gradient was there to compare)."""
+    for key in ("loss", "policy_loss", "clip_frac", "entropy", "importance_weight_mean", "kl_behavior_current"):
+        assert metrics[key] == pytest.approx(reference[key], abs=1e-5, rel=1e-4), (key, label)
+    assert reference["grad_norm"] > 0
+    for a, b in zip(d_ref, deltas):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("variant", ["ppo", "decoupled", "kl_entropy"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_packed_and_token_budget_updates_equal_padded(mode, variant):
@@ -116,12 +126,7 @@ def test_packed_and_token_budget_updates_equal_padded(mode, variant):
     # Rows hold 5, 5, 3, 9 and 3 tokens: a budget of 12 tokens makes 3 micro-batches either way.
     for kw in (dict(pack_sequences=True), dict(pack_sequences=True, max_tokens_per_micro_batch=12),
                dict(max_tokens_per_micro_batch=12)):
-        m, d, _ = run(cfg, model, batch, mbs=5, **kw)
-        for key in ("loss", "policy_loss", "clip_frac", "entropy", "importance_weight_mean", "kl_behavior_current"):
-            assert m[key] == pytest.approx(reference[key], abs=1e-5, rel=1e-4), (key, kw)
-        assert reference["grad_norm"] > 0
-        for a, b in zip(d_ref, d):
-            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+        assert_same_update(reference, d_ref, *run(cfg, model, batch, mbs=5, **kw)[:2], kw)
 
 
 def test_config_keys_reach_the_trainer_and_bad_values_are_named():

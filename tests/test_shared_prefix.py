@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from test_algorithms import VARIANTS, run, tiny_model
+from test_micro_batches import assert_same_update
 
 from areal_flow.algorithms.config import LOSS_AGG_MODES, LossConfig
 from areal_flow.algorithms.model_runner import ModelRunner
@@ -164,12 +165,8 @@ def test_shared_prefix_update_equals_padded(mode, variant):
     reference, d_ref, _ = run(cfg, model, batch, mbs=7)  # padded, every row whole
     # one micro-batch; three (groups cut apart); a token budget of 12 (clusters cut, test below)
     for kw in (dict(mbs=7), dict(mbs=3), dict(mbs=1, max_tokens_per_micro_batch=12)):
-        m, d, _ = run(cfg, model, batch, pack_sequences=True, shared_prefix=True, **kw)
-        for key in ("loss", "policy_loss", "clip_frac", "entropy", "importance_weight_mean", "kl_behavior_current"):
-            assert m[key] == pytest.approx(reference[key], abs=1e-5, rel=1e-4), (key, kw)
-        assert reference["grad_norm"] > 0
-        for a, b in zip(d_ref, d):
-            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+        assert_same_update(reference, d_ref, *run(cfg, model, batch, pack_sequences=True, shared_prefix=True, **kw)[:2],
+                           kw)
 
 
 def test_token_budget_keeps_sharing_rows_together_by_hand():
@@ -196,6 +193,7 @@ def test_the_time_model_counts_a_shared_prompt_once():
     from compiler.cost import CostModel
     from compiler.hardware import DeviceSpec
     from compiler.models import ModelSpec
+    from compiler.strategy import ParallelStrategy
     from compiler.workload import TRAINING, DeviceTask, Workload
 
     dense = ModelSpec("dense", n_layers=2, hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, vocab=10, intermediate=16)
@@ -209,10 +207,12 @@ def test_the_time_model_counts_a_shared_prompt_once():
                      data_edges=(), ops={"train_step": "train_step"}, samples_per_prompt=4,
                      shared_prompt_nodes=frozenset({"train_step"} if shared else ()))
         model = CostModel(w, device, ClusterConfig(1, 1, "H100"), cfg)
-        return model.trained_seq_len(task), model.compute_floor(task, 1)
+        return model.trained_seq_len(task, ParallelStrategy()), model.compute_floor(task, 1), model
 
-    (seq_on, on), (seq_off, off) = floor(True), floor(False)
+    (seq_on, on, model), (seq_off, off, _) = floor(True), floor(False)
     assert (seq_on, seq_off) == (10, 16)
+    # pp and cp train padded rows (runtime.parallel.rl_runner.right_padded): every prompt counts
+    assert model.trained_seq_len(task, ParallelStrategy(pp=2)) == model.trained_seq_len(task, ParallelStrategy(cp=2)) == 16
     n2 = 2 * dense.n_active_params
     assert on / off == pytest.approx(10 * (n2 + 320) / (16 * (n2 + 512)), rel=1e-9)
 

@@ -217,17 +217,17 @@ def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int, m
             raise ValueError(f"sequence packing needs right-padded rows (real tokens first); row {holes[0]} has "
                              f"padding inside its first {lengths[holes[0]]} tokens")
     rows = list(range(len(lengths)))
-    share = pack and input_ids is not None
+    ids = input_ids if pack else None  # shared prefixes: packed rows only
     if max_tokens == 0:
         bins = [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
-        return [_micro_batch(b, lengths, pack, input_ids if share else None) for b in bins]
+        return [_micro_batch(b, lengths, pack, ids) for b in bins]
     too_long = [r for r in rows if lengths[r] > max_tokens]
     if too_long:
         r = too_long[0]
         raise ValueError(f"row {r} has {lengths[r]} tokens, more than train.max_tokens_per_micro_batch="
                          f"{max_tokens}; raise the budget to at least the longest prompt + response")
-    if share:
-        return _shared_bins(lengths, input_ids, max_tokens)
+    if ids is not None:
+        return _shared_bins(lengths, ids, max_tokens)
     bins: list[list[int]] = []  # first-fit decreasing: each bin's first row is its longest
     for r in sorted(rows, key=lambda i: -lengths[i]):
         for b in bins:
@@ -237,7 +237,7 @@ def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int, m
                 break
         else:
             bins.append([r])
-    return [_micro_batch(b, lengths, pack, input_ids if share else None) for b in bins]
+    return [_micro_batch(b, lengths, pack, None) for b in bins]
 
 
 def _shared_bins(lengths: list[int], input_ids: torch.Tensor, max_tokens: int) -> list[MicroBatch]:
