@@ -118,7 +118,9 @@ class GenerationConfig:
     stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2: mean 0.034, max
     0.31-0.81 nats; fp32: 9e-6; docs/PERFORMANCE.md, "bf16 engine"), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
-    log-probs only enter the capped behavior importance weight."""
+    log-probs only enter the capped behavior importance weight. A 16-bit engine gets the weight matrices of an update
+    in its dtype (half their bytes; auto: when model.dtype is 16-bit; vectors and the LM head as trained), as each
+    sync_weights' weights_dtype says (areal_flow.dtypes.weights_dtype, runtime.weights.cast_on_wire)."""
     lm_head_dtype: str = "auto"
     """Embedded engine's final norm and LM head (the product that makes the logits): auto (default: mixed for a
     bfloat16 engine where mixed runs, else float32), float32, engine

@@ -28,13 +28,15 @@ What both sides share (built once here, from the run's own config):
   top-k, ``gen.max_new_tokens`` new tokens.
 
 Precision, two pairs (``--gen-dtype``, ``--trl-bf16``; the chat job runs both by default):
-fp32 vs fp32 (areal-flow ``gen.dtype=float32``: engine, trainer and optimizer fp32; TRL
-``bf16=False``: everything fp32) and each side's fast setting (areal-flow ``gen.dtype=auto``, the
-chat yaml's: the engine decodes in bf16 with the final norm + LM head fp32 when its bf16 step is
->= 1.3x fp32's at start-up, else fp32, it prints which; the trainer stays fp32; TRL ``bf16=True``:
-weights, gradients and AdamW fp32, every forward, generation included, under
-``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in
-the dtypes autocast chose). The main job runs fp32 only (its yaml's engine dtype).
+fp32 vs fp32 (areal-flow ``gen.dtype=float32``, which also sets ``model.dtype=float32``: engine,
+trainer and optimizer fp32; TRL ``bf16=False``: everything fp32) and each side's fast setting
+(areal-flow ``gen.dtype=auto``, the chat yaml's: the engine decodes in bf16 with the final norm +
+LM head fp32 when its bf16 step is >= 1.3x fp32's at start-up, else fp32, it prints which; the
+trainer as ``model.dtype`` says: the yaml's fp32, or under bf16 autocast with fp32 master weights
+and AdamW with ``--trainer-dtype bfloat16``, its weights then sent to the engine in bf16; TRL
+``bf16=True``: weights, gradients and AdamW fp32, every forward, generation included, under
+``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in the
+dtypes autocast chose). The main job runs fp32 only (its yaml's dtypes).
 
 TRL at its best CPU configuration (each choice is the faster of its options here, or the one
 that keeps the work equal): ``gradient_checkpointing=False`` (TRL defaults to True, which
@@ -58,7 +60,7 @@ every round (``--repeats``) so a change of machine load hits all alike; medians 
 seed. The load average is printed at every run.
 
     python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
-        [--trl-threads 0,1] [--trl-bf16 0,1] [--repeats R] [--no-eval] [key=value ...]
+        [--trainer-dtype float32,bfloat16] [--trl-threads 0,1] [--trl-bf16 0,1] [--repeats R] [--no-eval] [key=value ...]
 
 ``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
 greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:
@@ -250,7 +252,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seeds", default="1", help="comma-separated run seeds (each its own warm start)")
     parser.add_argument("--k", help="areal-flow async.max_staleness values to run (default: main 2,0, chat 1); a "
                         "trailing h (0h): generation and training time-share one mesh in ONE process (runtime.hybrid)")
-    parser.add_argument("--gen-dtype", help="areal-flow gen.dtype values (default: main the yaml's, chat float32,auto)")
+    parser.add_argument("--gen-dtype", help="areal-flow gen.dtype values; float32 also sets model.dtype=float32 "
+                        "(default: main the yaml's, chat float32,auto)")
+    parser.add_argument("--trainer-dtype", default="", help="areal-flow model.dtype values (the trainer's autocast "
+                        "dtype; default: the yaml's, float32 with --gen-dtype float32)")
     parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
     parser.add_argument("--trl-bf16", help="TRL bf16 values, 0/1 (default: main 0, chat 0,1)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
@@ -267,7 +272,8 @@ def main(argv: list[str]) -> None:
     ks = split(args.k if args.k is not None else job.k)
     runs = variants(ks, split(args.gen_dtype if args.gen_dtype is not None else job.gen_dtype) or [""],
                     [int(t) for t in split(args.trl_threads)],
-                    [t == "1" for t in split(args.trl_bf16 if args.trl_bf16 is not None else job.trl_bf16)])
+                    [t == "1" for t in split(args.trl_bf16 if args.trl_bf16 is not None else job.trl_bf16)],
+                    tuple(split(args.trainer_dtype)) or ("",))
     labels = [v.label for v in runs]
     results: dict[tuple[int, str], list[dict]] = {}
     print(f"vs_trl: job {args.job} ({job.graph}), {steps} steps, seeds {args.seeds}, variants {labels}, "
@@ -300,10 +306,12 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
     if v.side == "trl":
         knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
         return pool.submit(run_trl, folder, problems, test, task, knobs).result()
-    dtype = [f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []
+    train = v.train_dtype or ("float32" if v.gen_dtype.lower() in ("float32", "fp32") else "")  # the fp32 pair
+    dtype = [*([f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []), *([f"model.dtype={train}"] if train else [])]
     return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
                      [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype,
-                      f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}_s{seed}", *(HYBRID if v.k.endswith("h") else ())])
+                      f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}{v.train_dtype}_s{seed}",
+                      *(HYBRID if v.k.endswith("h") else ())])
 
 
 def run_line(v: Variant, r: dict) -> str:

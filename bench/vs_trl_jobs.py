@@ -49,6 +49,8 @@ class Variant:
         side: ``"areal"`` or ``"trl"``.
         k: areal-flow ``async.max_staleness``, a trailing ``h`` = one hybrid process.
         gen_dtype: areal-flow ``gen.dtype`` override (``""``: the yaml's).
+        train_dtype: areal-flow ``model.dtype`` override (``""``: the yaml's; ``gen_dtype``
+            float32 alone sets it to float32 too, the fp32 pair).
         threads: TRL torch intra-op threads (0 = torch's default, every core).
         bf16: TRL ``bf16`` (autocast of its forward passes to bf16 on CPU).
     """
@@ -57,20 +59,25 @@ class Variant:
     side: str
     k: str = ""
     gen_dtype: str = ""
+    train_dtype: str = ""
     threads: int = 0
     bf16: bool = False
 
 
-def variants(ks: list[str], gen_dtypes: list[str], trl_threads: list[int], trl_bf16: list[bool]) -> list[Variant]:
-    """Every areal-flow (k x gen.dtype) and TRL (threads x bf16) combination, areal-flow first.
+def variants(ks: list[str], gen_dtypes: list[str], trl_threads: list[int], trl_bf16: list[bool],
+             train_dtypes: tuple[str, ...] = ("",)) -> list[Variant]:
+    """Every areal-flow (k x gen.dtype x model.dtype) and TRL (threads x bf16) combination,
+    areal-flow first.
 
-    A dtype enters the label only when it is set (``"areal k=1 auto"``; ``"areal k=2"`` runs the
-    yaml's), TRL's precision always (``"TRL fp32"``, ``"TRL t=1 bf16"``).
+    A dtype enters the label only when it is set (``"areal k=1 auto"``, ``"areal k=1 auto
+    train=bfloat16"``; ``"areal k=2"`` runs the yaml's), TRL's precision always (``"TRL fp32"``,
+    ``"TRL t=1 bf16"``).
 
     Raises:
         ValueError: no variant at all.
     """
-    out = [Variant(f"areal k={k}" + (f" {d}" if d else ""), "areal", k=k, gen_dtype=d) for k in ks for d in gen_dtypes]
+    out = [Variant(f"areal k={k}" + (f" {d}" if d else "") + (f" train={t}" if t else ""), "areal", k=k, gen_dtype=d,
+                   train_dtype=t) for k in ks for d in gen_dtypes for t in train_dtypes]
     out += [Variant("TRL" + (f" t={t}" if t else "") + (" bf16" if b else " fp32"), "trl", threads=t, bf16=b)
             for t in trl_threads for b in trl_bf16]
     if not out:

@@ -9,7 +9,9 @@ plan.json`` followed by ``areal-flow run --plan plan.json`` runs exactly what
   ``interruptible`` (``gen.interruptible``), ``engine_dtype`` (the embedded engine's dtype, ``gen.dtype``),
   ``engine_lm_head_dtype`` (its final norm's and LM head's, ``gen.lm_head_dtype``),
   ``engine_cpu_kernels`` (its fused CPU kernels, ``gen.cpu_kernels``), ``vllm_compile``
-  (``gen.vllm_compile``: a vLLM engine compiles its model)
+  (``gen.vllm_compile``: a vLLM engine compiles its model); a ``sync_weights`` gets these too and
+  ``weights_dtype``, the dtype the weights travel in to its generator
+  (``areal_flow.dtypes.weights_dtype`` of that generator's ``engine_dtype`` and ``model.dtype``)
   and ``reward.max_failure_fraction`` / ``failure_window`` (for its failed requests); ``rollout``
   gets the engine's four and the same failure budget (for its failed episodes);
   every trainer (``train_step``, or a user op with role ``training``) gets its optimizer
@@ -49,6 +51,7 @@ import math
 import xxhash
 
 from areal_flow.config import ExperimentConfig
+from areal_flow.dtypes import DTYPES, weights_dtype
 from areal_flow.graph import Graph
 from compiler.lowering import RunSpec
 from compiler.workload import trainers
@@ -86,6 +89,13 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
             episodes = graph.source_of(node.name, "rollouts", "rollout")
             if episodes is not None:  # the per-turn discount of the episodes' returns
                 node.attrs.setdefault("gamma", episodes.attrs["gamma"])
+    for node in graph.nodes.values():  # after the loop: the generator's engine_dtype is lowered
+        if node.op == "sync_weights":
+            engines = [graph.nodes[e.dst].attrs.get("engine_dtype", cfg.gen.dtype)
+                       for e in graph.edges if e.src == node.name]
+            given = node.attrs.get("weights_dtype")
+            node.attrs["weights_dtype"] = DTYPES[given.lower()] if given else \
+                weights_dtype(engines[0] if engines else "float32", cfg.model.dtype)
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:

@@ -55,8 +55,8 @@ from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.trainer_ranks import rank_settings, run_trainer_ranks
 from runtime.weights_in_process import open_publisher
 from runtime.writer_fence import check as check_fence, claim as claim_fence
-from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, worker_context,
-                             worker_group)
+from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, wire_dtype,
+                             worker_context, worker_group)
 
 def run_stage_worker(spec: WorkerSpec, report=None, lease=None) -> dict:
     """A non-generation worker group (module doc); ``report(metrics)`` gets each step's
@@ -171,6 +171,7 @@ class _Stage:
         for node in self.batch_nodes:
             if node.trains and node.name in self.spec.routes and self.version > 0:
                 publisher = open_publisher(address, secret=self.spec.secret, snapshot=self.topo.max_staleness > 0,
+                                           dtype=wire_dtype(self.ctx.plan, node.name),
                                            linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
@@ -195,7 +196,8 @@ class _Stage:
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
         start = buffer.next_step = self.version = self.checkpoints.restore(Path(self.spec.resume)) if self.spec.resume else 0
         items: dict[int, GroupItem] = {}
-        publishers = {ts: open_publisher(addrs, secret=self.spec.secret, snapshot=topo.max_staleness > 0)
+        publishers = {ts: open_publisher(addrs, secret=self.spec.secret, snapshot=topo.max_staleness > 0,
+                                         dtype=wire_dtype(self.ctx.plan, ts))
                       for ts, addrs in self.spec.routes.items()}  # mem://: in this process (runtime.hybrid)
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).trains), default=0)

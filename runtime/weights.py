@@ -16,7 +16,8 @@ tensor larger than that travels alone). One bucket = one four-frame ZeroMQ messa
   one, is dropped before its header is parsed, and counted (``rejected``);
 * frame 2, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
-  ``payload_bytes`` and ``checksum`` (xxHash64 of the payload);
+  ``payload_bytes``, ``checksum`` (xxHash64 of the payload) and ``aliases`` (``{name: name
+  sent}`` for tied tensors, which travel once: :func:`tied`);
 * frame 3, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
 
 Tensors are copied once into the payload (a snapshot, so an optimizer step right after
@@ -105,9 +106,49 @@ def split_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> 
     return buckets
 
 
-def _pack(names: list[str], state_dict: Mapping[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
-    """Copy the named tensors into one uint8 payload; return (layout header, payload)."""
-    tensors = [state_dict[n].detach().to("cpu") for n in names]
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same tensor: storage, offset, shape, stride, dtype."""
+    return t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+HEAD = "lm_head.weight"
+"""The state-dict name (suffix) of a causal LM's output embedding (Hugging Face's)."""
+
+
+def cast_on_wire(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> frozenset[str]:
+    """The names whose tensors a weight channel sends in ``dtype``: floating matrices and larger
+    (every product's weights, which an engine of that dtype holds in it), not vectors (norm
+    scales, biases: an engine may keep its final norm in fp32, at a few KB) and not the output
+    embedding (``*lm_head.weight``, and a tensor tied to it): an engine may keep its LM head in
+    fp32 (``gen.lm_head_dtype``), and a tied input embedding then loads from the head's exact
+    values. Empty for ``dtype=None``."""
+    if dtype is None:
+        return frozenset()
+    head = {_identity(t) for n, t in state_dict.items() if n.endswith(HEAD)}
+    return frozenset(n for n, t in state_dict.items() if t.is_floating_point() and t.dim() >= 2
+                     and t.dtype != dtype and _identity(t) not in head)
+
+
+def tied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: the earlier name}`` for each tensor that is an earlier one, storage, offset, shape,
+    stride and dtype alike (a tied input and output embedding): sent once, the receiver points
+    both names at it (:meth:`WeightSubscriber._materialize`)."""
+    seen: dict[tuple, str] = {}
+    out = {}
+    for name, t in state_dict.items():
+        key = _identity(t)
+        if t.numel() and key in seen:
+            out[name] = seen[key]
+        else:
+            seen.setdefault(key, name)
+    return out
+
+
+def _pack(names: list[str], state_dict: Mapping[str, torch.Tensor], cast: frozenset[str] = frozenset(),
+          dtype: torch.dtype | None = None) -> tuple[dict, torch.Tensor]:
+    """Copy the named tensors (those in ``cast`` cast to ``dtype``: :func:`cast_on_wire`) into one
+    uint8 payload; return (layout header, payload)."""
+    tensors = [state_dict[n].detach().to("cpu", dtype if n in cast else None) for n in names]
     offsets, nbytes, total = [], [], 0
     for t in tensors:
         offsets.append(total)
@@ -141,6 +182,10 @@ class WeightPublisher:
         linger_s: seconds :meth:`close` waits to deliver queued buckets.
         tamper: test-only fault injection, ``tamper(header, payload_uint8_ndarray)`` runs
             after the checksum is computed and may mutate the payload in place.
+        dtype: the wire dtype of the weight matrices (:func:`cast_on_wire`; ``None``: each
+            tensor's own). A 16-bit engine holds its layers in its dtype, so sending them in it
+            halves their bytes to pack, hash, sign and receive at no loss (the plan's
+            ``weights_dtype``, ``compiler.program``).
     """
 
     def __init__(
@@ -153,6 +198,7 @@ class WeightPublisher:
         send_timeout_s: float = 60.0,
         linger_s: float = DEFAULT_LINGER_S,
         tamper: Callable[[dict, np.ndarray], None] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -161,6 +207,7 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
+        self.dtype = dtype
         self._ctx = zmq.Context()  # own context: close() terminates it to flush the queues
         self._socks = []
         for addr in self.addresses:
@@ -184,11 +231,13 @@ class WeightPublisher:
         """
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
-        buckets = split_buckets(state_dict, self.bucket_bytes)
+        aliases = tied(state_dict)
+        sent = {n: t for n, t in state_dict.items() if n not in aliases}
+        buckets, cast = split_buckets(sent, self.bucket_bytes), cast_on_wire(state_dict, self.dtype)
         for b, names in enumerate(buckets):
-            header, payload = _pack(names, state_dict)
+            header, payload = _pack(names, state_dict, cast, self.dtype)
             data = payload.numpy()
-            header.update(version=version, bucket=b, n_buckets=len(buckets),
+            header.update(version=version, bucket=b, n_buckets=len(buckets), aliases=aliases,
                           checksum=xxhash.xxh64(data).intdigest())
             if self._tamper is not None:
                 self._tamper(header, data)
@@ -365,6 +414,9 @@ class WeightSubscriber(VersionedSubscriber):
                                                 header["offsets"], header["nbytes"]):
                 dtype = _dtype_from_name(dt, f"weight version {version} parameter {name!r}")
                 out[name] = buf[off:off + nb].view(dtype).view(shape)
+        for name, same in parts[min(parts)][0].get("aliases", {}).items():  # tied tensors, sent once
+            if same in out:  # else the tensor set check names the missing one
+                out[name] = out[same]
         return out
 
     def poll(self) -> tuple[int, dict[str, torch.Tensor]] | None:

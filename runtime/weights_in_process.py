@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from runtime.weight_set import TensorSet
-from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, check_publishable
+from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, cast_on_wire, check_publishable
 
 SCHEME = "mem://"
 _SLOTS: dict[str, _Slot] = {}
@@ -53,13 +53,15 @@ def _inproc(address: str) -> str:
     return "inproc://" + address.removeprefix(SCHEME)
 
 
-def open_publisher(address: str | Sequence[str], *, secret: bytes, snapshot: bool = True, **kwargs):
+def open_publisher(address: str | Sequence[str], *, secret: bytes, snapshot: bool = True,
+                   dtype: torch.dtype | None = None, **kwargs):
     """A publisher to ``address`` (one or several): an :class:`InProcessPublisher` when every
-    address is ``mem://``, else ``runtime.weights.WeightPublisher(address, secret=secret, **kwargs)``."""
+    address is ``mem://``, else ``runtime.weights.WeightPublisher(address, secret=secret, dtype=dtype, **kwargs)``;
+    ``dtype``: the weight matrices are handed over in it (``runtime.weights.cast_on_wire``; ``None``: as they are)."""
     addresses = [address] if isinstance(address, str) else list(address)
     if addresses and all(a.startswith(SCHEME) for a in addresses):
-        return InProcessPublisher(addresses, snapshot=snapshot)
-    return WeightPublisher(address, secret=secret, **kwargs)
+        return InProcessPublisher(addresses, snapshot=snapshot, dtype=dtype)
+    return WeightPublisher(address, secret=secret, dtype=dtype, **kwargs)
 
 
 def open_subscriber(address: str, *, secret: bytes):
@@ -69,10 +71,11 @@ def open_subscriber(address: str, *, secret: bytes):
 
 class InProcessPublisher:
     """Trainer side (module doc); the interface of ``runtime.weights.WeightPublisher`` that the
-    trainer uses. ``published_bytes`` counts the tensor bytes handed over (per subscriber)."""
+    trainer uses. ``published_bytes`` counts the tensor bytes handed over (per subscriber);
+    ``dtype`` as ``WeightPublisher``'s (a cast tensor is a copy, so it is its snapshot)."""
 
-    def __init__(self, addresses: list[str], *, snapshot: bool) -> None:
-        self.addresses, self.snapshot = addresses, snapshot
+    def __init__(self, addresses: list[str], *, snapshot: bool, dtype: torch.dtype | None = None) -> None:
+        self.addresses, self.snapshot, self.dtype = addresses, snapshot, dtype
         self._slots = [_slot(a) for a in addresses]
         self._socks = []
         for a in addresses:
@@ -94,7 +97,9 @@ class InProcessPublisher:
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
         check_publishable(state_dict)
-        state = {n: (t.detach().clone() if self.snapshot else t.detach()) for n, t in state_dict.items()}
+        cast = cast_on_wire(state_dict, self.dtype)  # a cast copies; an uncast tensor is the trainer's own
+        state = {n: t.detach().to(self.dtype) if n in cast else t.detach().clone() if self.snapshot else t.detach()
+                 for n, t in state_dict.items()}
         for slot, sock in zip(self._slots, self._socks):
             with slot.lock:
                 slot.overwritten += slot.latest is not None

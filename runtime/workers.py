@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from areal_flow.dtypes import torch_dtype
 from areal_flow.ops.function import FunctionExecutor
 from areal_flow.ops.interfaces import Executor, StreamExecutor
 from areal_flow.ops.registry import STREAM, lookup
@@ -241,6 +242,20 @@ def sync_node(plan: Plan, end: str) -> str:
     (a trainer or a generator): the name of the weight spans (``"weights"`` when it has none)."""
     return next((e.dst if e.src == end else e.src for e in plan.edges if e.kind == "weights" and end in (e.src, e.dst)),
                 "weights")
+
+
+def wire_dtype(plan: Plan, trainer: str) -> torch.dtype | None:
+    """The dtype trainer ``trainer``'s floating weights are published in: the ``weights_dtype``
+    its ``sync_weights`` nodes carry (``compiler.program``) when they all name one, else None
+    (each tensor's own; also for a plan written before that attribute).
+
+    Raises:
+        ValueError: a ``weights_dtype`` that names no dtype (naming the node).
+    """
+    syncs = {e.dst for e in plan.edges if e.kind == "weights" and e.src == trainer}
+    dtypes = {torch_dtype(n.attrs["weights_dtype"], f"plan node '{n.name}': weights_dtype") if "weights_dtype" in n.attrs
+              else None for n in plan.nodes if n.name in syncs}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def worker_group(spec: WorkerSpec):

@@ -117,6 +117,34 @@ def test_weight_round_trip_fp32_bf16_int64(weight_pair):
     assert sub.poll() is None  # nothing new
 
 
+def test_weight_matrices_travel_in_the_wire_dtype_vectors_and_the_lm_head_as_they_are(weight_pair):
+    pub, sub = weight_pair(dtype=torch.bfloat16)
+    state = {**_state(0), "lm_head.weight": torch.randn(50, 8)}
+    pub.publish(state, version=1)
+    _, got = sub.wait(1, timeout_s=5)
+    for name in ("embed.weight", "transposed"):  # matrices: cast, rounded to nearest even as .to() rounds
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], state[name].to(torch.bfloat16)), name
+    for name in ("scale", "lm_head.weight", "layer.norm", "pos_ids"):  # 0-/1-D, the output embedding, bf16, ints
+        assert got[name].dtype == state[name].dtype and torch.equal(got[name], state[name]), name
+    # bytes by hand, each tensor padded to 64: embed 50*8*2 = 800 -> 832; norm 8*2 = 16 -> 64; ids 12*8 = 96 -> 128;
+    # scale 4 -> 64; transposed 24*2 = 48 -> 64; head 50*8*4 = 1600
+    assert pub.published_bytes == 832 + 64 + 128 + 64 + 64 + 1600
+
+
+def test_tied_tensors_travel_once_and_arrive_under_both_names(weight_pair):
+    pub, sub = weight_pair(dtype=torch.bfloat16)
+    embed = torch.randn(50, 8)
+    state = {"model.embed_tokens.weight": embed, "layer": torch.randn(4, 4), "lm_head.weight": embed,
+             "view": embed[:10]}  # a view of part of it is no tie
+    pub.publish(state, version=1)
+    _, got = sub.wait(1, timeout_s=5)
+    assert list(got) == ["model.embed_tokens.weight", "layer", "view", "lm_head.weight"]
+    assert got["lm_head.weight"] is got["model.embed_tokens.weight"] and torch.equal(got["lm_head.weight"], embed)
+    assert got["view"].dtype == torch.bfloat16  # part of the head's storage is not the head: cast
+    # embed fp32 once 1600 + layer bf16 32 -> 64 + view bf16 10*8*2 = 160 -> 192
+    assert pub.published_bytes == 1600 + 64 + 192
+
+
 def test_split_buckets_by_hand():
     state = {
         "a": torch.zeros(100),  # 400 B → 448 aligned to 64

@@ -210,3 +210,33 @@ def test_lm_head_dtype_names_are_checked():
     amx = "amx_bf16" in cpu.split() and shutil.which(os.environ.get("CXX", "c++")) is not None
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16")._dec.mixed_head == amx
     assert not GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="float32")._dec.mixed_head
+
+
+def test_weights_travel_in_the_16_bit_engine_dtype_or_a_16_bit_trainers_under_auto():
+    from areal_flow.dtypes import weights_dtype
+
+    assert weights_dtype("bf16", "float32") == "bfloat16"  # the engine casts to bf16 on load anyway
+    assert weights_dtype("float16", "bfloat16") == "float16"
+    assert weights_dtype("float32", "bfloat16") == "float32"  # an fp32 engine gets fp32
+    assert weights_dtype("auto", "bf16") == "bfloat16"
+    assert weights_dtype("auto", "float32") == "float32"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], None),  # the main job: fp32 engine, fp32 trainer -> float32, each tensor's own
+    (["gen.dtype=bfloat16"], torch.bfloat16),
+    (["gen.dtype=auto", "model.dtype=bfloat16"], torch.bfloat16),
+    (["gen.dtype=auto"], None),
+])
+def test_the_plan_names_the_weights_dtype_and_the_trainer_publishes_in_it(overrides, expected):
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+    from compiler.program import compile_program
+    from runtime.workers import wire_dtype
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "graphs/arith_grpo.yaml", ["eval.enabled=false", *overrides])
+    plan = compile_program(load_flow(repo / "graphs/arith_grpo.py")(cfg), cfg)
+    sync = next(n for n in plan.nodes if n.op == "sync_weights")
+    assert sync.attrs["weights_dtype"] == str(expected or torch.float32).removeprefix("torch.")
+    assert wire_dtype(plan, "train_step") is (expected or torch.float32)

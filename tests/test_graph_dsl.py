@@ -126,6 +126,22 @@ def test_data_cycle_without_staleness_is_a_deadlock():
     g.validate()
 
 
+def test_sync_weights_takes_a_weights_dtype_and_names_a_bad_one():
+    def graph(dtype):
+        @flow
+        def g(cfg):
+            policy = Model("policy", "tiny-arith")
+            rollout = ops.generate(policy, ops.dataset(cfg.dataset))
+            stats = ops.train_step(policy, ops.advantage(rollout, ops.reward(rollout)))
+            ops.sync_weights(policy, to=rollout, weights_dtype=dtype)
+            return stats
+        return g(CFG)
+
+    assert graph("bf16").nodes["sync_weights"].attrs == {"weights_dtype": "bf16"}
+    with pytest.raises(GraphError, match=r"sync_weights.*test_graph_dsl.py:\d+.*weights_dtype='int8': expected one of float32"):
+        graph("int8")
+
+
 def test_sync_weights_target_must_be_generate_of_same_model():
     @flow
     def bad_target(cfg):

@@ -74,7 +74,21 @@ def test_in_process_weights_keep_versions_and_the_tensor_set():
     copied.publish({"w": w}, 5)
     w.add_(100)  # the trainer steps after publishing (k >= 1): the version keeps what was published
     assert sub.wait(5, timeout_s=1)[1]["w"][0, 1].item() == 1.0
-    for end in (shared, copied, sub):
+    half_sub = open_subscriber("mem://test/weights-1", secret=b"k")
+    half = InProcessPublisher(["mem://test/weights-1"], snapshot=True, dtype=torch.bfloat16)
+    tied, steps = torch.randn(4, 3), torch.arange(3)
+    sent = tied.clone()
+    half.publish({"embed_tokens.weight": tied, "w": w + 0.001, "norm": w[0] + 0.001, "lm_head.weight": tied,
+                  "steps": steps}, 1)
+    steps.add_(5)
+    tied.add_(1)  # copied (snapshot) though not cast
+    got = half_sub.wait(1, timeout_s=1)[1]
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], (w + 0.001).to(torch.bfloat16))
+    assert got["norm"].dtype == torch.float32 and torch.equal(got["norm"], w[0] + 0.001)  # a vector: as it is
+    assert torch.equal(got["embed_tokens.weight"], sent) and torch.equal(got["lm_head.weight"], sent)  # tied: fp32
+    assert got["steps"].tolist() == [0, 1, 2]
+    assert half.published_bytes == 6 * 2 + 3 * 4 + 2 * 12 * 4 + 3 * 8
+    for end in (shared, copied, half, sub, half_sub):
         end.close()
     wire = open_publisher("ipc:///tmp/af-hybrid-test", secret=b"k" * 16, linger_s=0)
     assert isinstance(wire, WeightPublisher)

@@ -68,3 +68,9 @@ def test_chat_job_prompts_and_reward_match_the_generator():
     text = trl_prompt(tok, question, shared["chat_template"])
     assert text.startswith("<|im_start|>system\n") and text.endswith(f"{question}<|im_end|>\n<|im_start|>assistant\n")
     assert tok(text=text)["input_ids"] == encode_prompt(tok, question)  # TRL's tokenization = the generator's ids
+
+
+def test_trainer_dtypes_multiply_the_areal_variants_and_name_themselves():
+    runs = variants(["1"], ["auto"], [0], [True], ("float32", "bfloat16"))
+    assert [v.label for v in runs] == ["areal k=1 auto train=float32", "areal k=1 auto train=bfloat16", "TRL bf16"]
+    assert [v.train_dtype for v in runs[:2]] == ["float32", "bfloat16"]

@@ -9,6 +9,7 @@ sampling with the version it has until newer weights arrive.
 
 from __future__ import annotations
 
+from areal_flow.dtypes import DTYPES
 from areal_flow.tracing import Handle, Model, current_graph, record
 from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, ROUTE, OpDef, define, op_function
@@ -23,14 +24,24 @@ OP = define(OpDef(SPEC, ROUTE, CPU))
 
 
 @op_function
-def sync_weights(model: Model, *, to: Handle, name: str | None = None) -> None:
+def sync_weights(model: Model, *, to: Handle, weights_dtype: str | None = None, name: str | None = None) -> None:
     """Declare that ``model``'s new weights go to the generator that produced ``to``.
 
+    Args:
+        weights_dtype: the dtype the weight matrices travel in (float32, bfloat16, float16, any
+            spelling of ``model.dtype``; vectors and the LM head keep theirs:
+            ``runtime.weights.cast_on_wire``); None: the compiler derives it from the generator's
+            ``gen.dtype`` and ``model.dtype`` (``areal_flow.dtypes.weights_dtype``: 16-bit where the
+            engine decodes in 16 bits, which halves those bytes at no loss).
+
     Raises:
-        GraphError: no trainer of ``model`` (``train_step``) was declared before this call, or
-            ``to`` is not a handle (naming the node and line).
+        GraphError: no trainer of ``model`` (``train_step``) was declared before this call, ``to``
+            is not a handle, or ``weights_dtype`` is no dtype (naming the node and line).
     """
-    node = record(SPEC, {}, model=model, name=name)
+    node = record(SPEC, {}, model=model, attrs={} if weights_dtype is None else {"weights_dtype": weights_dtype},
+                  name=name)
+    if weights_dtype is not None and str(weights_dtype).lower() not in DTYPES:
+        raise GraphError(f"{node.where()}: weights_dtype={weights_dtype!r}: expected one of {', '.join(DTYPES)}")
     graph = current_graph()
     if not isinstance(to, Handle):
         raise GraphError(f"{node.where()}: 'to' must be the rollouts handle of a generate node, got {to!r}")
