@@ -17,24 +17,30 @@ HALF = ("bfloat16", "float16")
 """The 16-bit dtype names."""
 
 
-def weights_dtype(engine_dtype: str, train_dtype: str) -> str:
+def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedded", device: str = "cpu") -> str:
     """The dtype a trainer's weight matrices travel in to an engine (a ``sync_weights`` node's
     ``weights_dtype``, written by ``compiler.program``; which tensors count as matrices:
-    ``runtime.weights.cast_on_wire``): the engine's own when it is 16-bit (it holds its layers in
-    that dtype, so sending them in it changes nothing it computes with and moves half the bytes
-    of fp32); for ``gen.dtype=auto`` (decided at engine start) the trainer's when ``model.dtype``
-    is 16-bit (its forward already rounds every product's weights to it under autocast; an
-    engine that chose fp32 then decodes with layers rounded so); float32 otherwise.
+    ``runtime.weights.cast_on_wire``): the dtype the engine holds its layers in when that is
+    16-bit and known before it starts, so sending them in it changes nothing the engine computes
+    with and moves half the bytes of fp32; float32 otherwise.
+
+    * the embedded engine: ``gen.dtype`` when 16-bit; for ``auto`` (decided at engine start: bf16
+      on CPU, fp16 on CUDA, or fp32) that 16-bit type when the trainer's ``model.dtype`` is it
+      (its forward already rounds every product's weights to it under autocast; an engine that
+      chose fp32 then decodes with layers rounded so);
+    * vLLM, which runs in ``model.dtype``: that dtype when 16-bit.
 
     Args:
         engine_dtype: ``gen.dtype`` (any spelling, or ``auto``). train_dtype: ``model.dtype``.
+        engine: the generate node's engine (embedded or vllm). device: cpu or cuda.
     """
-    engine, train = DTYPES.get(str(engine_dtype).lower()), DTYPES.get(str(train_dtype).lower())
-    if engine in HALF:
-        return engine
-    if str(engine_dtype).lower() == "auto" and train in HALF:
-        return train
-    return "float32"
+    spelled, train = str(engine_dtype).lower(), DTYPES.get(str(train_dtype).lower())
+    if engine == "vllm":
+        return train if train in HALF else "float32"
+    if DTYPES.get(spelled) in HALF:
+        return DTYPES[spelled]
+    auto_half = "float16" if device == "cuda" else "bfloat16"
+    return train if spelled == "auto" and train == auto_half else "float32"
 
 
 def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):

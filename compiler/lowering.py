@@ -77,6 +77,12 @@ LOWERED: dict[str, dict[str, str]] = {
 """Op -> node attribute -> the config key it is lowered from (:func:`lower_attrs`; a dataset
 node's attributes are ``dataset.*``): what a plan's attribute is checked against."""
 
+DERIVED: dict[str, tuple[str, ...]] = {"sync_weights": ("weights_dtype",)}
+"""Op -> attributes ``lower_attrs`` derives from several config keys rather than lowers from one
+(``weights_dtype``: ``gen.dtype``, ``model.dtype``, the engine and the device,
+``areal_flow.dtypes.weights_dtype``); each is also an argument of the op, so a plan's value is
+checked by the argument's type and, by ``compiler.plan_check``, as a dtype."""
+
 RUN_CONFIG_KEYS: dict[str, str] = {
     "name": "name", "out_dir": "out_dir", "seed": "seed", "steps": "train.steps", "dtype": "model.dtype",
     "keep_old_runs": "keep_old_runs", "keep_checkpoints": "train.keep_checkpoints",

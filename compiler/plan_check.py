@@ -102,7 +102,8 @@ def check_config_types(plan, error) -> None:
     import areal_flow.ops  # noqa: F401  (registers the built-in ops' functions)
     from areal_flow.config_load import key_type
     from areal_flow.ops.registry import argument_types
-    from compiler.lowering import LOWERED, RUN_CONFIG_KEYS
+    from areal_flow.dtypes import DTYPES
+    from compiler.lowering import DERIVED, LOWERED, RUN_CONFIG_KEYS
     from compiler.plan_types import fits, type_name
 
     sections = {k.split(".")[0] for k in RUN_CONFIG_KEYS if "." in k}
@@ -135,6 +136,9 @@ def check_config_types(plan, error) -> None:
                 continue
             if not fits(value, hint_type):
                 raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not {type_name(hint_type)} ({via})")
+            if attr in DERIVED.get(node.op, ()) and attr.endswith("dtype") and value is not None \
+                    and str(value).lower() not in DTYPES:
+                raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not a dtype (one of {', '.join(DTYPES)})")
 
 
 def _check_run(plan, error) -> None:

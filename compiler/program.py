@@ -91,11 +91,11 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
                 node.attrs.setdefault("gamma", episodes.attrs["gamma"])
     for node in graph.nodes.values():  # after the loop: the generator's engine_dtype is lowered
         if node.op == "sync_weights":
-            engines = [graph.nodes[e.dst].attrs.get("engine_dtype", cfg.gen.dtype)
-                       for e in graph.edges if e.src == node.name]
-            given = node.attrs.get("weights_dtype")
-            node.attrs["weights_dtype"] = DTYPES[given.lower()] if given else \
-                weights_dtype(engines[0] if engines else "float32", cfg.model.dtype)
+            gens = [graph.nodes[e.dst].attrs for e in graph.edges if e.src == node.name]
+            given, device = node.attrs.get("weights_dtype"), "cpu" if cfg.cluster.gpu.lower() == "cpu" else "cuda"
+            node.attrs["weights_dtype"] = DTYPES[given.lower()] if given else "float32" if not gens else \
+                weights_dtype(gens[0].get("engine_dtype", cfg.gen.dtype), cfg.model.dtype,
+                              engine=gens[0].get("engine", "embedded"), device=device)
 
 
 def micro_batches(cfg: ExperimentConfig, graph: Graph) -> int:

@@ -38,19 +38,26 @@ NODE_PLACEMENT = ("mesh", "memory", "times", "micro_batches")
 ``micro_batches`` counts per DP rank). A generation node's ``concurrent`` is not: it must stay."""
 
 
+TRANSPORT = ("weights_dtype",)
+"""Node attributes a resumed run may change: how weights travel, not what is trained (a plan
+written before ``weights_dtype`` existed resumes under one that has it)."""
+
+
 def program(data: dict, ignored_run: tuple[str, ...], placement: bool) -> dict:
     """The parts of a plan (as JSON) a resume must keep: all but ``id``, ``run`` keys in
-    ``ignored_run`` and, with ``placement``, what the allocation decides (:data:`PLACEMENT`,
-    :data:`NODE_PLACEMENT`, the train_steps' strategies, the routes' meshes and costs, the
-    cluster's size)."""
+    ``ignored_run``, node attributes in :data:`TRANSPORT` and, with ``placement``, what the
+    allocation decides (:data:`PLACEMENT`, :data:`NODE_PLACEMENT`, the train_steps' strategies,
+    the routes' meshes and costs, the cluster's size)."""
     run = {k: v for k, v in data.get("run", {}).items() if k not in ignored_run}
-    kept = {**{k: v for k, v in data.items() if k != "id"}, "run": run}
+    nodes = [{**n, "attrs": {k: v for k, v in n["attrs"].items() if k not in TRANSPORT}} if "attrs" in n else n
+             for n in data.get("nodes", [])]
+    kept = {**{k: v for k, v in data.items() if k != "id"}, "run": run, "nodes": nodes}
     if not placement:
         return kept
     kept = {k: v for k, v in kept.items() if k not in PLACEMENT}
     kept["cluster"] = {k: v for k, v in data.get("cluster", {}).items() if k not in ("n_gpus_per_node", "n_nodes")}
     kept["nodes"] = [{k: v for k, v in n.items() if k not in NODE_PLACEMENT and
-                      not (k == "strategy" and n.get("role") == TRAINING)} for n in data.get("nodes", [])]
+                      not (k == "strategy" and n.get("role") == TRAINING)} for n in nodes]
     kept["routes"] = [{k: v for k, v in r.items() if k in ("src", "dst", "replicas")} for r in data.get("routes", [])]
     return kept
 

@@ -115,29 +115,44 @@ HEAD = "lm_head.weight"
 """The state-dict name (suffix) of a causal LM's output embedding (Hugging Face's)."""
 
 
-def cast_on_wire(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> frozenset[str]:
+def head_names(state_dict: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The output embedding's names: ``*lm_head.weight`` and every tensor that is it or equals it
+    (a tied input embedding, also where a copy to CPU or a gather across ranks lost the tie;
+    one ``torch.equal`` per tensor of the head's shape and dtype)."""
+    heads = [t for n, t in state_dict.items() if n.endswith(HEAD)]
+    return frozenset(n for n, t in state_dict.items() if n.endswith(HEAD) or any(
+        _identity(t) == _identity(h) or (t.shape == h.shape and t.dtype == h.dtype and t.device == h.device
+                                         and torch.equal(t, h)) for h in heads))
+
+
+def cast_on_wire(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                 heads: frozenset[str] | None = None) -> frozenset[str]:
     """The names whose tensors a weight channel sends in ``dtype``: floating matrices and larger
     (every product's weights, which an engine of that dtype holds in it), not vectors (norm
     scales, biases: an engine may keep its final norm in fp32, at a few KB) and not the output
-    embedding (``*lm_head.weight``, and a tensor tied to it): an engine may keep its LM head in
-    fp32 (``gen.lm_head_dtype``), and a tied input embedding then loads from the head's exact
-    values. Empty for ``dtype=None``."""
+    embedding (:func:`head_names`, or ``heads`` when computed): an engine may keep its LM head in
+    fp32 (``gen.lm_head_dtype``), and a tied input embedding is the same tensor. Empty for
+    ``dtype=None``."""
     if dtype is None:
         return frozenset()
-    head = {_identity(t) for n, t in state_dict.items() if n.endswith(HEAD)}
+    heads = head_names(state_dict) if heads is None else heads
     return frozenset(n for n, t in state_dict.items() if t.is_floating_point() and t.dim() >= 2
-                     and t.dtype != dtype and _identity(t) not in head)
+                     and t.dtype != dtype and n not in heads)
 
 
-def tied(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """``{name: the earlier name}`` for each tensor that is an earlier one, storage, offset, shape,
-    stride and dtype alike (a tied input and output embedding): sent once, the receiver points
-    both names at it (:meth:`WeightSubscriber._materialize`)."""
+def tied(state_dict: Mapping[str, torch.Tensor], heads: frozenset[str] = frozenset()) -> dict[str, str]:
+    """``{name: the earlier name}`` for each tensor that is an earlier one (storage, offset, shape,
+    stride and dtype alike), and for each of ``heads`` (:func:`head_names`: equal values) after
+    the first: sent once, the receiver points both names at one tensor
+    (:meth:`WeightSubscriber._materialize`)."""
     seen: dict[tuple, str] = {}
+    first_head = next((n for n in state_dict if n in heads), None)
     out = {}
     for name, t in state_dict.items():
         key = _identity(t)
-        if t.numel() and key in seen:
+        if name in heads and name != first_head:
+            out[name] = first_head
+        elif t.numel() and key in seen:
             out[name] = seen[key]
         else:
             seen.setdefault(key, name)
@@ -231,9 +246,13 @@ class WeightPublisher:
         """
         if version <= self.version:
             raise ValueError(f"weight versions must increase: got {version} after {self.version}")
-        aliases = tied(state_dict)
-        sent = {n: t for n, t in state_dict.items() if n not in aliases}
-        buckets, cast = split_buckets(sent, self.bucket_bytes), cast_on_wire(state_dict, self.dtype)
+        check_publishable(state_dict)
+        heads = head_names(state_dict)
+        aliases = tied(state_dict, heads)
+        cast = cast_on_wire(state_dict, self.dtype, heads)
+        sizes = {n: torch.empty(t.shape, dtype=self.dtype, device="meta") if n in cast else t  # buckets by wire bytes
+                 for n, t in state_dict.items() if n not in aliases}
+        buckets = split_buckets(sizes, self.bucket_bytes)
         for b, names in enumerate(buckets):
             header, payload = _pack(names, state_dict, cast, self.dtype)
             data = payload.numpy()

@@ -253,8 +253,8 @@ def wire_dtype(plan: Plan, trainer: str) -> torch.dtype | None:
         ValueError: a ``weights_dtype`` that names no dtype (naming the node).
     """
     syncs = {e.dst for e in plan.edges if e.kind == "weights" and e.src == trainer}
-    dtypes = {torch_dtype(n.attrs["weights_dtype"], f"plan node '{n.name}': weights_dtype") if "weights_dtype" in n.attrs
-              else None for n in plan.nodes if n.name in syncs}
+    dtypes = {torch_dtype(n.attrs["weights_dtype"], f"plan node '{n.name}': weights_dtype")
+              if n.attrs.get("weights_dtype") is not None else None for n in plan.nodes if n.name in syncs}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 

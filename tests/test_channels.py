@@ -143,6 +143,12 @@ def test_tied_tensors_travel_once_and_arrive_under_both_names(weight_pair):
     assert got["view"].dtype == torch.bfloat16  # part of the head's storage is not the head: cast
     # embed fp32 once 1600 + layer bf16 32 -> 64 + view bf16 10*8*2 = 160 -> 192
     assert pub.published_bytes == 1600 + 64 + 192
+    pub, sub = weight_pair(dtype=torch.bfloat16)
+    copied = {"model.embed_tokens.weight": embed.clone(), "lm_head.weight": embed.clone()}  # a tie lost in a copy
+    pub.publish(copied, version=1)
+    _, got = sub.wait(1, timeout_s=5)
+    assert got["lm_head.weight"] is got["model.embed_tokens.weight"] and got["lm_head.weight"].dtype == torch.float32
+    assert pub.published_bytes == 1600  # sent once, in fp32
 
 
 def test_split_buckets_by_hand():

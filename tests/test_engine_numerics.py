@@ -220,6 +220,10 @@ def test_weights_travel_in_the_16_bit_engine_dtype_or_a_16_bit_trainers_under_au
     assert weights_dtype("float32", "bfloat16") == "float32"  # an fp32 engine gets fp32
     assert weights_dtype("auto", "bf16") == "bfloat16"
     assert weights_dtype("auto", "float32") == "float32"
+    assert weights_dtype("auto", "bf16", device="cuda") == "float32"  # auto picks fp16 there
+    assert weights_dtype("auto", "float16", device="cuda") == "float16"
+    assert weights_dtype("bfloat16", "float32", engine="vllm") == "float32"  # vLLM runs in model.dtype
+    assert weights_dtype("float32", "bfloat16", engine="vllm") == "bfloat16"
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -92,6 +92,8 @@ BROKEN = {  # hand edit -> the error's words
                               "plan nodes 'generate' and 'train_step' share mesh n0:g0, but the plan is not colocated "
                               "(allocation 'gen:d1 + train:d1')"),
     "mesh lost": (lambda d: _node(d, "generate").pop("mesh"), "plan node 'generate' is missing field 'mesh'"),
+    "weights in no dtype": (lambda d: _node(d, "sync_weights")["attrs"].update(weights_dtype="int8"),
+                            "plan node 'sync_weights': weights_dtype='int8' is not a dtype (one of float32"),
 }
 
 

@@ -219,3 +219,17 @@ def test_the_cli_names_a_folder_that_is_not_the_runs_in_one_line(tmp_path):
                                                     f"checkpoint under {tmp_path / 'exp/checkpoints'} (train."
                                                     "checkpoint_every > 0 writes them; resume=auto starts fresh "
                                                     "instead)\n")
+
+
+def test_a_run_written_before_weights_dtype_resumes_and_another_program_still_does_not(tmp_path):
+    from runtime.run_setup import RunSetup
+
+    run_dir = RunSetup.create(_plan(tmp_path), show_progress=False).out_dir
+    write_checkpoint(run_dir / "checkpoints", 2, _models, {"version": 2}, next_index=4)
+    old = json.loads((run_dir / "plan.json").read_text())
+    sync = next(n for n in old["nodes"] if n["op"] == "sync_weights")
+    assert sync["attrs"].pop("weights_dtype") == "float32"  # as a plan of an earlier version was written
+    (run_dir / "plan.json").write_text(json.dumps(old))
+    assert RunSetup.create(_plan(tmp_path), show_progress=False, resume="auto").checkpoint.version == 2
+    with pytest.raises(ResumeError, match=r"differ in .*lr"):
+        RunSetup.create(_plan(tmp_path, "train.lr=0.5"), show_progress=False, resume="auto")
