@@ -120,7 +120,7 @@ class GenerationConfig:
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight. A 16-bit engine gets the weight matrices of an update
     in its dtype (half their bytes; auto: when model.dtype is 16-bit; vectors and the LM head as trained), as each
-    sync_weights' weights_dtype says (areal_flow.dtypes.weights_dtype, runtime.weights.cast_on_wire)."""
+    sync_weights' weights_dtype says (areal_flow.dtypes.weights_dtype, runtime.weight_wire.cast_on_wire)."""
     lm_head_dtype: str = "auto"
     """Embedded engine's final norm and LM head (the product that makes the logits): auto (default: mixed for a
     bfloat16 engine where mixed runs, else float32), float32, engine

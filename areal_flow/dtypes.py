@@ -20,7 +20,7 @@ HALF = ("bfloat16", "float16")
 def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedded", device: str = "cpu") -> str:
     """The dtype a trainer's weight matrices travel in to an engine (a ``sync_weights`` node's
     ``weights_dtype``, written by ``compiler.program``; which tensors count as matrices:
-    ``runtime.weights.cast_on_wire``): the dtype the engine holds its layers in when that is
+    ``runtime.weight_wire.cast_on_wire``): the dtype the engine holds its layers in when that is
     16-bit and known before it starts, so sending them in it changes nothing the engine computes
     with and moves half the bytes of fp32; float32 otherwise.
 

@@ -17,7 +17,7 @@ tensor larger than that travels alone). One bucket = one four-frame ZeroMQ messa
 * frame 2, JSON header: ``version``, ``bucket`` (index), ``n_buckets``, per tensor
   ``names`` / ``shapes`` / ``dtypes`` / ``offsets`` / ``nbytes`` (bytes into the payload),
   ``payload_bytes``, ``checksum`` (xxHash64 of the payload) and ``aliases`` (``{name: name
-  sent}`` for tied tensors, which travel once: :func:`tied`);
+  sent}`` for tied tensors, which travel once: ``runtime.weight_wire.tied``);
 * frame 3, payload: the raw tensor bytes, each tensor starting on a 64-byte boundary.
 
 Tensors are copied once into the payload (a snapshot, so an optimizer step right after
@@ -47,6 +47,7 @@ import xxhash
 import zmq
 
 from runtime.channel_auth import Signer, Verifier
+from runtime.weight_wire import cast_on_wire, head_names, tied
 from runtime.channels import DEFAULT_LINGER_S, bind_socket, close_bound
 from runtime.weight_set import TensorSet, TensorSetError, check_tensor_set, tensor_set
 
@@ -106,62 +107,9 @@ def split_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> 
     return buckets
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    """What makes two tensors the same tensor: storage, offset, shape, stride, dtype."""
-    return t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
-
-
-HEAD = "lm_head.weight"
-"""The state-dict name (suffix) of a causal LM's output embedding (Hugging Face's)."""
-
-
-def head_names(state_dict: Mapping[str, torch.Tensor]) -> frozenset[str]:
-    """The output embedding's names: ``*lm_head.weight`` and every tensor that is it or equals it
-    (a tied input embedding, also where a copy to CPU or a gather across ranks lost the tie;
-    one ``torch.equal`` per tensor of the head's shape and dtype)."""
-    heads = [t for n, t in state_dict.items() if n.endswith(HEAD)]
-    return frozenset(n for n, t in state_dict.items() if n.endswith(HEAD) or any(
-        _identity(t) == _identity(h) or (t.shape == h.shape and t.dtype == h.dtype and t.device == h.device
-                                         and torch.equal(t, h)) for h in heads))
-
-
-def cast_on_wire(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
-                 heads: frozenset[str] | None = None) -> frozenset[str]:
-    """The names whose tensors a weight channel sends in ``dtype``: floating matrices and larger
-    (every product's weights, which an engine of that dtype holds in it), not vectors (norm
-    scales, biases: an engine may keep its final norm in fp32, at a few KB) and not the output
-    embedding (:func:`head_names`, or ``heads`` when computed): an engine may keep its LM head in
-    fp32 (``gen.lm_head_dtype``), and a tied input embedding is the same tensor. Empty for
-    ``dtype=None``."""
-    if dtype is None:
-        return frozenset()
-    heads = head_names(state_dict) if heads is None else heads
-    return frozenset(n for n, t in state_dict.items() if t.is_floating_point() and t.dim() >= 2
-                     and t.dtype != dtype and n not in heads)
-
-
-def tied(state_dict: Mapping[str, torch.Tensor], heads: frozenset[str] = frozenset()) -> dict[str, str]:
-    """``{name: the earlier name}`` for each tensor that is an earlier one (storage, offset, shape,
-    stride and dtype alike), and for each of ``heads`` (:func:`head_names`: equal values) after
-    the first: sent once, the receiver points both names at one tensor
-    (:meth:`WeightSubscriber._materialize`)."""
-    seen: dict[tuple, str] = {}
-    first_head = next((n for n in state_dict if n in heads), None)
-    out = {}
-    for name, t in state_dict.items():
-        key = _identity(t)
-        if name in heads and name != first_head:
-            out[name] = first_head
-        elif t.numel() and key in seen:
-            out[name] = seen[key]
-        else:
-            seen.setdefault(key, name)
-    return out
-
-
 def _pack(names: list[str], state_dict: Mapping[str, torch.Tensor], cast: frozenset[str] = frozenset(),
           dtype: torch.dtype | None = None) -> tuple[dict, torch.Tensor]:
-    """Copy the named tensors (those in ``cast`` cast to ``dtype``: :func:`cast_on_wire`) into one
+    """Copy the named tensors (those in ``cast`` cast to ``dtype``: ``runtime.weight_wire.cast_on_wire``) into one
     uint8 payload; return (layout header, payload)."""
     tensors = [state_dict[n].detach().to("cpu", dtype if n in cast else None) for n in names]
     offsets, nbytes, total = [], [], 0
@@ -197,7 +145,7 @@ class WeightPublisher:
         linger_s: seconds :meth:`close` waits to deliver queued buckets.
         tamper: test-only fault injection, ``tamper(header, payload_uint8_ndarray)`` runs
             after the checksum is computed and may mutate the payload in place.
-        dtype: the wire dtype of the weight matrices (:func:`cast_on_wire`; ``None``: each
+        dtype: the wire dtype of the weight matrices (``runtime.weight_wire``; ``None``: each
             tensor's own). A 16-bit engine holds its layers in its dtype, so sending them in it
             halves their bytes to pack, hash, sign and receive at no loss (the plan's
             ``weights_dtype``, ``compiler.program``).

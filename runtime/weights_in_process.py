@@ -28,7 +28,8 @@ import torch
 import zmq
 
 from runtime.weight_set import TensorSet
-from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, cast_on_wire, check_publishable
+from runtime.weight_wire import cast_on_wire
+from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, check_publishable
 
 SCHEME = "mem://"
 _SLOTS: dict[str, _Slot] = {}
@@ -57,7 +58,7 @@ def open_publisher(address: str | Sequence[str], *, secret: bytes, snapshot: boo
                    dtype: torch.dtype | None = None, **kwargs):
     """A publisher to ``address`` (one or several): an :class:`InProcessPublisher` when every
     address is ``mem://``, else ``runtime.weights.WeightPublisher(address, secret=secret, dtype=dtype, **kwargs)``;
-    ``dtype``: the weight matrices are handed over in it (``runtime.weights.cast_on_wire``; ``None``: as they are)."""
+    ``dtype``: the weight matrices are handed over in it (``runtime.weight_wire.cast_on_wire``; ``None``: as they are)."""
     addresses = [address] if isinstance(address, str) else list(address)
     if addresses and all(a.startswith(SCHEME) for a in addresses):
         return InProcessPublisher(addresses, snapshot=snapshot, dtype=dtype)

@@ -30,7 +30,7 @@ def sync_weights(model: Model, *, to: Handle, weights_dtype: str | None = None, 
     Args:
         weights_dtype: the dtype the weight matrices travel in (float32, bfloat16, float16, any
             spelling of ``model.dtype``; vectors and the LM head keep theirs:
-            ``runtime.weights.cast_on_wire``); None: the compiler derives it from the generator's
+            ``runtime.weight_wire.cast_on_wire``); None: the compiler derives it from the generator's
             ``gen.dtype`` and ``model.dtype`` (``areal_flow.dtypes.weights_dtype``: 16-bit where the
             engine decodes in 16 bits, which halves those bytes at no loss).
 
