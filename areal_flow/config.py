@@ -114,13 +114,15 @@ class GenerationConfig:
     """Embedded engine's weights and KV cache: float32, bfloat16, float16 or auto (spellings as model.dtype).
     auto times one decode step in fp32 and in bf16 (fp16 on CUDA) at engine start and takes the 16-bit type
     when it is >= 1.3x faster (runtime/engines/precision.py): SmolLM2-135M on this AMX CPU gets bf16 (its graphs'
-    yaml set auto), the main job's 1 M model does not (its bf16 engine measured 0.52x as fast). Logits and sampling
+    yaml set auto); the main job's 1 M model is near the line (measured 0.52x once, 2.17x on 2026-12-06), so its
+    yaml keeps float32. Logits and sampling
     stay fp32, but bf16 behavior log-probs differ from the trainer's fp32 recomputation (SmolLM2: mean 0.034, max
     0.31-0.81 nats; fp32: 9e-6; docs/PERFORMANCE.md, "bf16 engine"), so use bf16/auto with
     train.loss.use_decoupled_loss=true, where the trainer's recomputation is the PPO reference and behavior
     log-probs only enter the capped behavior importance weight. A 16-bit engine gets the weight matrices of an update
-    in its dtype (half their bytes; auto: when model.dtype is 16-bit; vectors and the LM head as trained), as each
-    sync_weights' weights_dtype says (areal_flow.dtypes.weights_dtype, runtime.weight_wire.cast_on_wire)."""
+    in its dtype (half their bytes; auto: the dtype the engine chose, which it announces to the trainer at start;
+    vectors and the LM head as trained), as each sync_weights' weights_dtype says (areal_flow.dtypes.weights_dtype,
+    runtime.weight_wire.cast_on_wire)."""
     lm_head_dtype: str = "auto"
     """Embedded engine's final norm and LM head (the product that makes the logits): auto (default: mixed for a
     bfloat16 engine where mixed runs, else float32), float32, engine

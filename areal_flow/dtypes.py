@@ -16,18 +16,33 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 HALF = ("bfloat16", "float16")
 """The 16-bit dtype names."""
 
+ENGINE = "engine"
+"""The ``weights_dtype`` that defers to the engine: each generation replica announces the dtype
+its engine chose at start (``gen.dtype=auto``) to the trainer, whose weight matrices then go to
+it in that dtype (float32 until it has; ``runtime.workers.announce_engine_dtype``)."""
+
+
+def wire_dtype_name(value) -> str | None:
+    """A ``weights_dtype`` value's canonical name (a :data:`DTYPES` name, or :data:`ENGINE`), None
+    for anything else."""
+    spelled = str(value).lower()
+    return ENGINE if spelled == ENGINE else DTYPES.get(spelled)
+
 
 def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedded", device: str = "cpu") -> str:
     """The dtype a trainer's weight matrices travel in to an engine (a ``sync_weights`` node's
     ``weights_dtype``, written by ``compiler.program``; which tensors count as matrices:
     ``runtime.weight_wire.cast_on_wire``): the dtype the engine holds its layers in when that is
     16-bit and known before it starts, so sending them in it changes nothing the engine computes
-    with and moves half the bytes of fp32; float32 otherwise.
+    with and moves half the bytes of fp32; :data:`ENGINE` when only the engine will know;
+    float32 otherwise.
 
     * the embedded engine: ``gen.dtype`` when 16-bit; for ``auto`` (decided at engine start: bf16
       on CPU, fp16 on CUDA, or fp32) that 16-bit type when the trainer's ``model.dtype`` is it
       (its forward already rounds every product's weights to it under autocast; an engine that
-      chose fp32 then decodes with layers rounded so);
+      chose fp32 then decodes with layers rounded so), else :data:`ENGINE` (the dtype the
+      engine announces: a bf16 engine gets bf16 matrices, which it would have rounded the
+      trainer's fp32 ones to anyway, an fp32 engine fp32 ones);
     * vLLM, which runs in ``model.dtype``: that dtype when 16-bit.
 
     Args:
@@ -39,8 +54,10 @@ def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedde
         return train if train in HALF else "float32"
     if DTYPES.get(spelled) in HALF:
         return DTYPES[spelled]
+    if spelled != "auto":
+        return "float32"
     auto_half = "float16" if device == "cuda" else "bfloat16"
-    return train if spelled == "auto" and train == auto_half else "float32"
+    return train if train == auto_half else ENGINE
 
 
 def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):

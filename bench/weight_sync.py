@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.channel_auth import new_secret  # noqa: E402
 from runtime.channels import free_tcp_address, ipc_address  # noqa: E402
-from runtime.weights import WeightPublisher, WeightSubscriber  # noqa: E402
+from runtime.weight_subscriber import WeightSubscriber  # noqa: E402
+from runtime.weights import WeightPublisher  # noqa: E402
 
 N_TENSORS = 24
 

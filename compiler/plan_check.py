@@ -102,7 +102,7 @@ def check_config_types(plan, error) -> None:
     import areal_flow.ops  # noqa: F401  (registers the built-in ops' functions)
     from areal_flow.config_load import key_type
     from areal_flow.ops.registry import argument_types
-    from areal_flow.dtypes import DTYPES
+    from areal_flow.dtypes import DTYPES, ENGINE, wire_dtype_name
     from compiler.lowering import DERIVED, LOWERED, RUN_CONFIG_KEYS
     from compiler.plan_types import fits, type_name
 
@@ -137,8 +137,9 @@ def check_config_types(plan, error) -> None:
             if not fits(value, hint_type):
                 raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not {type_name(hint_type)} ({via})")
             if attr in DERIVED.get(node.op, ()) and attr.endswith("dtype") and value is not None \
-                    and str(value).lower() not in DTYPES:
-                raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not a dtype (one of {', '.join(DTYPES)})")
+                    and wire_dtype_name(value) is None:
+                raise error(f"plan node '{node.name}': {attr}={value!r:.60} is not a dtype "
+                            f"(one of {', '.join(DTYPES)}, or {ENGINE})")
 
 
 def _check_run(plan, error) -> None:

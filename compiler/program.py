@@ -51,7 +51,7 @@ import math
 import xxhash
 
 from areal_flow.config import ExperimentConfig
-from areal_flow.dtypes import DTYPES, weights_dtype
+from areal_flow.dtypes import weights_dtype, wire_dtype_name
 from areal_flow.graph import Graph
 from compiler.lowering import RunSpec
 from compiler.workload import trainers
@@ -93,7 +93,7 @@ def lower_attrs(graph: Graph, cfg: ExperimentConfig) -> None:
         if node.op == "sync_weights":
             gens = [graph.nodes[e.dst].attrs for e in graph.edges if e.src == node.name]
             given, device = node.attrs.get("weights_dtype"), "cpu" if cfg.cluster.gpu.lower() == "cpu" else "cuda"
-            node.attrs["weights_dtype"] = DTYPES[given.lower()] if given else "float32" if not gens else \
+            node.attrs["weights_dtype"] = wire_dtype_name(given) if given else "float32" if not gens else \
                 weights_dtype(gens[0].get("engine_dtype", cfg.gen.dtype), cfg.model.dtype,
                               engine=gens[0].get("engine", "embedded"), device=device)
 

@@ -9,13 +9,16 @@ pipe or Ray's object store, never through the plan or a file). Every message is 
 ``[mac, stamp, frame, ...]`` (:class:`Signer`): ``stamp`` is the sending end's random
 16-byte id and its message counter (8 bytes little-endian, from 1), and
 
-    digest = SHA-256(len(frame) || frame || ...)
+    digest = BLAKE3-256(len(frame) || frame || ...)
     mac    = HMAC-SHA256(secret, len(channel) || channel || len(stamp) || stamp || len(digest) || digest)
 
 (each length as 8 little-endian bytes, so frame boundaries are authenticated too; HMAC over a
 collision-resistant digest, so one sender can sign a large weight bucket for several
-receivers hashing it once). ``channel`` is the receiving end's address, as its senders
-connect to it: a message captured on one channel and replayed to another fails its MAC. A
+receivers hashing it once). The digest is BLAKE3 (O'Connor et al. 2020, the BLAKE3 spec;
+the ``blake3`` package), a 256-bit cryptographic hash like SHA-256 but 3.5-5x as fast on
+one core here (6.0 GB/s against 1.2-1.7 GB/s with SHA-NI, 256 MB buffers): a weight
+version is hashed on both ends, so SHA-256 cost the trainer ~0.45 s of a 538 MB update.
+``channel`` is the receiving end's address, as its senders connect to it: a message captured on one channel and replayed to another fails its MAC. A
 receiver (:class:`Verifier`) drops a message whose MAC does not verify, and a replay: a
 message whose counter is not above the last one it accepted from that sender id (a captured
 genuine message sent again; ZeroMQ delivers one sender's messages in order, and a restarted
@@ -35,6 +38,8 @@ import hashlib
 import hmac
 import logging
 import secrets
+
+import blake3
 
 MAC_BYTES = 32
 SECRET_BYTES = 32
@@ -65,8 +70,8 @@ def _lengths_prefixed(h, frames) -> None:
 
 
 def digest(*frames) -> bytes:
-    """SHA-256 of ``frames`` (bytes-like, each length-prefixed): 32 bytes."""
-    h = hashlib.sha256()
+    """BLAKE3 of ``frames`` (bytes-like, each length-prefixed): 32 bytes."""
+    h = blake3.blake3()
     _lengths_prefixed(h, frames)
     return h.digest()
 

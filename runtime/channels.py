@@ -159,7 +159,7 @@ class MessageReceiver:
 
 def wait_any(receivers: Sequence, timeout_s: float) -> None:
     """Block until one of ``receivers`` (``MessageReceiver`` /
-    ``runtime.weights.WeightSubscriber``) has a message, or ``timeout_s`` seconds pass."""
+    ``runtime.weight_subscriber.WeightSubscriber``) has a message, or ``timeout_s`` seconds pass."""
     poller = zmq.Poller()
     for receiver in receivers:
         poller.register(receiver._sock, zmq.POLLIN)

@@ -251,7 +251,8 @@ class RunSetup:
         for g in self.topo.groups.values():
             downstream = {d: addresses[d][0] for d in g.downstream}
             # resumed: replicas wait for the checkpoint's version from the trainer, which loads it
-            resume = dict(resume_version=version, resync=trainer if version else "") if g.kind == "generation" \
+            resume = dict(resume_version=version, resync=trainer if version else "", trainer=trainer) \
+                if g.kind == "generation" \
                 else dict(resume=str(self.checkpoint.folder) if self.checkpoint and g.batch_nodes else "")
             for r in range(g.replicas):
                 specs.append(WorkerSpec(group=g.name, rank=r, inbox=addresses[g.name][r], downstream=downstream,

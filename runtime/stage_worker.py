@@ -35,11 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+import torch
+
+from areal_flow.dtypes import torch_dtype
 from areal_flow.values import Advantages
 from runtime.channels import MessageReceiver, MessageSender
 from runtime.context import WorkerContext
@@ -53,7 +57,7 @@ from runtime.step_checkpoint import StepCheckpoints
 from runtime.topology import trainer_input
 from runtime.trace import TraceRecorder, channel_edge, now_us
 from runtime.trainer_ranks import rank_settings, run_trainer_ranks
-from runtime.weights_in_process import open_publisher
+from runtime.weights_in_process import SCHEME, open_publisher
 from runtime.writer_fence import check as check_fence, claim as claim_fence
 from runtime.workers import (GroupItem, WorkerSpec, make_executor, run_group_nodes, sync_node, wire_dtype,
                              worker_context, worker_group)
@@ -107,6 +111,8 @@ class _Stage:
         self.outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
         self.joining: dict[tuple[int, int], list] = {}
         self.version = 0  # policy versions published so far
+        self.publishers: dict = {}  # train_step name -> its weight publisher (while training)
+        self.engine_dtypes: dict[str, torch.dtype] = {}  # weight address -> its engine's announced dtype
         self._eval = None  # (task, held-out problems) of eval.every
         self.counts = {"groups": 0, "dropped": 0, "duplicates": 0}
         self.checkpoints = StepCheckpoints(self.executors, self.batch_nodes, ctx.policy_name(),
@@ -141,6 +147,9 @@ class _Stage:
         if isinstance(msg, tuple) and msg[0] == "resync":
             self._resync(msg[1])
             return []
+        if isinstance(msg, tuple) and msg[0] == "engine_dtype":
+            self._follow_engine(*msg[1:])
+            return []
         if isinstance(msg, tuple) and msg[0] == "batch":
             _, step, items, values, stats, sent_us = msg
             edge = f"{self.previous}->{self.spec.group}"
@@ -165,13 +174,25 @@ class _Stage:
             return []
         return [item]
 
+    def _follow_engine(self, address: str, name: str, fresh: bool) -> None:
+        """A replica's engine at weight ``address`` announced its dtype ``name``
+        (``runtime.workers.tell_trainer``): its weight matrices go in it from now on, from the
+        publisher that serves it and from a resync; one that came after a version had gone out in
+        another dtype is kept out, and said on stderr."""
+        dtype = torch_dtype(name, f"replica at {address}: engine dtype")
+        self.engine_dtypes[address] = dtype
+        followed = [p.follow_engine(address, dtype, fresh=fresh) for p in self.publishers.values()]
+        if not any(followed) and not address.startswith(SCHEME):
+            print(f"{self.spec.group}: the engine at {address} announced {name} after a weight version had gone "
+                  "to it in another dtype; its versions keep that one", file=sys.stderr)
+
     def _resync(self, address: str) -> None:
         """Publish the current policy version to a restarted replica's weight ``address``
         (between steps, the model holds exactly the last published version)."""
         for node in self.batch_nodes:
             if node.trains and node.name in self.spec.routes and self.version > 0:
                 publisher = open_publisher(address, secret=self.spec.secret, snapshot=self.topo.max_staleness > 0,
-                                           dtype=wire_dtype(self.ctx.plan, node.name),
+                                           dtype=self.engine_dtypes.get(address, wire_dtype(self.ctx.plan, node.name)),
                                            linger_s=120.0)
                 publisher.publish(self.executors[node.name].current_state(), self.version)
                 threading.Thread(target=publisher.close, daemon=True).start()  # delivers, then closes
@@ -196,9 +217,10 @@ class _Stage:
         buffer = OrderedExperienceBuffer(topo.batch_groups, topo.max_staleness)
         start = buffer.next_step = self.version = self.checkpoints.restore(Path(self.spec.resume)) if self.spec.resume else 0
         items: dict[int, GroupItem] = {}
-        publishers = {ts: open_publisher(addrs, secret=self.spec.secret, snapshot=topo.max_staleness > 0,
-                                         dtype=wire_dtype(self.ctx.plan, ts))
-                      for ts, addrs in self.spec.routes.items()}  # mem://: in this process (runtime.hybrid)
+        self.publishers = publishers = {
+            ts: open_publisher(addrs, secret=self.spec.secret, snapshot=topo.max_staleness > 0,
+                               dtype=wire_dtype(self.ctx.plan, ts))
+            for ts, addrs in self.spec.routes.items()}  # mem://: in this process (runtime.hybrid)
         checkpoint_every = max((self.ctx.node(n).attrs.get("checkpoint_every", 0) for n in self.group.nodes
                                 if self.ctx.node(n).trains), default=0)
         fence = claim_fence(out) if self.is_trainer else ""  # runtime.writer_fence: a given-up attempt stops

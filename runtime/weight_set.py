@@ -1,7 +1,7 @@
 """The tensor set of a weight version: its names, shapes and dtypes, checked before a load.
 
 Owns the rule that a policy version touches an engine only whole and well-formed: the
-weight channel (``runtime.weights.WeightSubscriber``) holds a version back unless its
+weight channel (``runtime.weight_subscriber.WeightSubscriber``) holds a version back unless its
 tensor set equals the one of the first version it returned (names, shapes, dtypes), and an
 engine (``runtime.engines.generation.GenerationEngine.update_weights``) loads nothing
 unless every one of its parameters and buffers is present with its shape. Without the

@@ -52,7 +52,7 @@ def tied(state_dict: Mapping[str, torch.Tensor], heads: frozenset[str] = frozens
     """``{name: the earlier name}`` for each tensor that is an earlier one (storage, offset, shape,
     stride and dtype alike), and for each of ``heads`` (:func:`head_names`: equal values) after
     the first: sent once, the receiver points both names at one tensor
-    (``runtime.weights.WeightSubscriber._materialize``)."""
+    (``runtime.weight_subscriber.WeightSubscriber._materialize``)."""
     seen: dict[tuple, str] = {}
     first_head = next((n for n in state_dict if n in heads), None)
     out = {}

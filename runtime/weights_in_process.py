@@ -29,7 +29,8 @@ import zmq
 
 from runtime.weight_set import TensorSet
 from runtime.weight_wire import cast_on_wire
-from runtime.weights import VersionedSubscriber, WeightPublisher, WeightSubscriber, check_publishable
+from runtime.weight_subscriber import VersionedSubscriber, WeightSubscriber
+from runtime.weights import WeightPublisher, check_publishable
 
 SCHEME = "mem://"
 _SLOTS: dict[str, _Slot] = {}
@@ -66,7 +67,7 @@ def open_publisher(address: str | Sequence[str], *, secret: bytes, snapshot: boo
 
 
 def open_subscriber(address: str, *, secret: bytes):
-    """The subscriber bound at ``address``: in-process for ``mem://``, else ``runtime.weights.WeightSubscriber``."""
+    """The subscriber bound at ``address``: in-process for ``mem://``, else ``runtime.weight_subscriber.WeightSubscriber``."""
     return InProcessSubscriber(address) if address.startswith(SCHEME) else WeightSubscriber(address, secret=secret)
 
 
@@ -87,6 +88,11 @@ class InProcessPublisher:
             self._socks.append(sock)
         self.version = -1
         self.published_bytes = 0
+
+    def follow_engine(self, address: str, dtype: torch.dtype, *, fresh: bool) -> bool:
+        """False, changing nothing: an in-memory handoff has no wire to save, and the engine
+        casts as it copies (``WeightPublisher.follow_engine`` for the channel)."""
+        return False
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Hand ``state_dict`` over as policy ``version``; returns 1 (one "bucket").
@@ -119,7 +125,7 @@ class InProcessPublisher:
 
 
 class InProcessSubscriber(VersionedSubscriber):
-    """Engine side (module doc); the interface of ``runtime.weights.WeightSubscriber`` that a
+    """Engine side (module doc); the interface of ``runtime.weight_subscriber.WeightSubscriber`` that a
     replica uses (``poll``, ``wait``, ``version``, ``state_dict``, ``late_versions``,
     ``rejected``, ``dropped_versions``, ``close``; ``_sock`` for ``wait_any``)."""
 

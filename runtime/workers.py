@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from areal_flow.dtypes import torch_dtype
+from areal_flow.dtypes import ENGINE, torch_dtype
 from areal_flow.ops.function import FunctionExecutor
 from areal_flow.ops.interfaces import Executor, StreamExecutor
 from areal_flow.ops.registry import STREAM, lookup
@@ -46,7 +46,7 @@ from runtime.groups import GroupItem, failure_counts, run_group_nodes
 from runtime.parallel.launch import RankSpan
 from runtime.topology import judge_nodes
 from runtime.trace import TraceRecorder, now_us
-from runtime.weights_in_process import open_subscriber
+from runtime.weights_in_process import SCHEME, open_subscriber
 
 
 @dataclass
@@ -65,6 +65,8 @@ class WorkerSpec:
             it, so the staleness proof needs their tokens from versions >= it).
         resync: a restarted replica's trainer inbox: once its weight channel is bound it
             asks there for the current version (``("resync", weights)``).
+        trainer: a replica's trainer inbox, where it announces the dtype its engine chose when
+            the plan's ``weights_dtype`` is ``engine`` (:func:`tell_trainer`).
         secret: the run's channel secret (``runtime.channel_auth``): every message it sends
             is signed with it, every message it receives is verified before use.
         resume: for a trainer, the checkpoint folder it continues from (``runtime.checkpoint``;
@@ -88,6 +90,7 @@ class WorkerSpec:
     recv_timeout_s: float = 600.0
     resume_version: int = 0
     resync: str = ""
+    trainer: str = ""
     secret: bytes = b""
     resume: str = ""
     ranks: RankSpan | None = None
@@ -138,10 +141,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps = 0
-    if spec.resync:  # bound above, so the trainer's answer cannot be lost
-        ask = MessageSender(spec.resync, secret=key, linger_s=spec.recv_timeout_s)  # a resumed trainer may bind later
-        ask.send(("resync", spec.weights))
-        ask.close()
+    to_trainer = tell_trainer(spec, gen)
     if spec.resume_version > 0:
         update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
         if update is None:
@@ -194,7 +194,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 counts["groups"] += 1
                 control.send(("sent", spec.rank, index, attempt))
     finally:
-        for sock in (*outs, control):
+        for sock in (*outs, control, *([to_trainer] if to_trainer else [])):
             sock.close()
         inbox.close()
         weights.close()
@@ -231,6 +231,29 @@ def engine_precision(spec: WorkerSpec, gen: StreamExecutor) -> dict:
     return out
 
 
+def tell_trainer(spec: WorkerSpec, gen: StreamExecutor) -> MessageSender | None:
+    """What replica ``spec.rank`` says to its trainer once its weight channel is bound, in this
+    order on one socket: the dtype its engine chose (``("engine_dtype", weights, name, fresh)``)
+    when the plan's ``weights_dtype`` is ``engine`` and the channel is a wire (not ``mem://``), so
+    the trainer sends the weight matrices in it (``WeightPublisher.follow_engine``; ``fresh``: a
+    restarted replica, whose subscriber starts anew); then, restarted, the request for the current
+    version (``("resync", weights)``). Returns the sender (None: nothing to say), for the caller to
+    close when the replica ends: ZeroMQ delivers in the background once the trainer has bound (a
+    resumed one may bind later), and ``close`` waits at most ``recv_timeout_s`` for that."""
+    messages, sync = [], sync_node(spec.plan, gen.node.name)
+    if spec.trainer and not spec.weights.startswith(SCHEME) and \
+            any(n.name == sync and n.attrs.get("weights_dtype") == ENGINE for n in spec.plan.nodes):
+        messages.append(("engine_dtype", spec.weights, str(gen.engine.dtype).removeprefix("torch."), bool(spec.resync)))
+    if spec.resync:  # bound above, so the trainer's answer cannot be lost
+        messages.append(("resync", spec.weights))
+    if not messages:
+        return None
+    to = MessageSender(spec.resync or spec.trainer, secret=spec.secret, linger_s=spec.recv_timeout_s)
+    for message in messages:
+        to.send(message)
+    return to
+
+
 def seed_sampling(gen, spec: WorkerSpec) -> None:
     """Re-seed the sampling generator of ``gen``'s engine for the version it now holds
     (``runtime.checkpoint.sampling_seed``; vLLM, whose stream is fixed at start, keeps it)."""
@@ -247,14 +270,15 @@ def sync_node(plan: Plan, end: str) -> str:
 def wire_dtype(plan: Plan, trainer: str) -> torch.dtype | None:
     """The dtype trainer ``trainer``'s floating weights are published in: the ``weights_dtype``
     its ``sync_weights`` nodes carry (``compiler.program``) when they all name one, else None
-    (each tensor's own; also for a plan written before that attribute).
+    (each tensor's own; also for a plan written before that attribute, and for ``engine`` until
+    an engine has announced its dtype: :func:`tell_trainer`).
 
     Raises:
         ValueError: a ``weights_dtype`` that names no dtype (naming the node).
     """
     syncs = {e.dst for e in plan.edges if e.kind == "weights" and e.src == trainer}
     dtypes = {torch_dtype(n.attrs["weights_dtype"], f"plan node '{n.name}': weights_dtype")
-              if n.attrs.get("weights_dtype") is not None else None for n in plan.nodes if n.name in syncs}
+              if n.attrs.get("weights_dtype") not in (None, ENGINE) else None for n in plan.nodes if n.name in syncs}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 

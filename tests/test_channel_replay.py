@@ -12,7 +12,8 @@ import zmq
 
 from runtime.channel_auth import Signer, Verifier
 from runtime.channels import MessageReceiver, MessageSender, ipc_address
-from runtime.weights import WeightPublisher, WeightSubscriber
+from runtime.weight_subscriber import WeightSubscriber
+from runtime.weights import WeightPublisher
 from test_channels import _Bomb  # unpickling it sets a flag: a replayed message must not be unpickled
 
 KEY = b"k" * 32

@@ -12,7 +12,8 @@ import torch
 from areal_flow.types import Trajectory
 from runtime.channel_auth import new_secret
 from runtime.channels import MessageReceiver, MessageSender, free_tcp_address, ipc_address
-from runtime.weights import WeightChecksumError, WeightPublisher, WeightSubscriber, split_buckets
+from runtime.weight_subscriber import WeightChecksumError, WeightSubscriber
+from runtime.weights import WeightPublisher, split_buckets
 
 
 KEY = b"k" * 32  # the run's channel secret in these tests
@@ -149,6 +150,38 @@ def test_tied_tensors_travel_once_and_arrive_under_both_names(weight_pair):
     _, got = sub.wait(1, timeout_s=5)
     assert got["lm_head.weight"] is got["model.embed_tokens.weight"] and got["lm_head.weight"].dtype == torch.float32
     assert pub.published_bytes == 1600  # sent once, in fp32
+
+
+def test_each_subscriber_gets_the_dtype_its_engine_announced_from_its_first_version_on():
+    """``weights_dtype: engine``: one publisher, two engines; bf16 matrices to the one that announced
+    bf16, fp32 to the other; a late announcement to a subscriber that already holds versions is
+    refused (its tensor set is fixed by its first version), a restarted (fresh) one's is taken."""
+    subs = [WeightSubscriber(ipc_address(f"e{i}"), secret=KEY) for i in range(2)]
+    pub = WeightPublisher([s.address for s in subs], secret=KEY, linger_s=0)
+    try:
+        layer, norm = torch.randn(16, 8), torch.randn(8)
+        state = {"layer.weight": layer, "norm.weight": norm}
+        assert pub.follow_engine(subs[0].address, torch.bfloat16, fresh=False)
+        assert not pub.follow_engine("ipc:///nowhere", torch.bfloat16, fresh=False)  # not one of its subscribers
+        pub.publish(state, version=1)
+        got = [s.wait(1, timeout_s=5)[1] for s in subs]
+        assert got[0]["layer.weight"].dtype == torch.bfloat16 and torch.equal(got[0]["layer.weight"],
+                                                                             layer.to(torch.bfloat16))
+        assert got[1]["layer.weight"].dtype == torch.float32 and torch.equal(got[1]["layer.weight"], layer)
+        assert all(g["norm.weight"].dtype == torch.float32 for g in got)  # a vector travels as trained
+        # by hand: layer 16*8*2 = 256 B + norm 8*4 = 32 -> 64; fp32 layer 512 + norm 64
+        assert pub.published_bytes == (256 + 64) + (512 + 64)
+        assert not pub.follow_engine(subs[1].address, torch.bfloat16, fresh=False)  # it holds fp32 versions
+        assert pub.follow_engine(subs[0].address, torch.bfloat16, fresh=False)  # the same dtype again: kept
+        pub.publish(state, version=2)
+        assert subs[1].wait(2, timeout_s=5)[1]["layer.weight"].dtype == torch.float32
+        assert pub.follow_engine(subs[1].address, torch.bfloat16, fresh=True)  # a restarted replica starts anew
+        sent = pub.published_bytes
+        pub.publish(state, version=3)
+        assert pub.published_bytes - sent == 2 * (256 + 64)
+    finally:
+        for s in (pub, *subs):
+            s.close()
 
 
 def test_split_buckets_by_hand():

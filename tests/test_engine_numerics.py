@@ -212,27 +212,27 @@ def test_lm_head_dtype_names_are_checked():
     assert not GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="float32")._dec.mixed_head
 
 
-def test_weights_travel_in_the_16_bit_engine_dtype_or_a_16_bit_trainers_under_auto():
+def test_weights_travel_in_the_16_bit_engine_dtype_or_a_16_bit_trainers_or_the_one_auto_chose():
     from areal_flow.dtypes import weights_dtype
 
     assert weights_dtype("bf16", "float32") == "bfloat16"  # the engine casts to bf16 on load anyway
     assert weights_dtype("float16", "bfloat16") == "float16"
     assert weights_dtype("float32", "bfloat16") == "float32"  # an fp32 engine gets fp32
     assert weights_dtype("auto", "bf16") == "bfloat16"
-    assert weights_dtype("auto", "float32") == "float32"
-    assert weights_dtype("auto", "bf16", device="cuda") == "float32"  # auto picks fp16 there
+    assert weights_dtype("auto", "float32") == "engine"  # known once the engine has chosen: it announces it
+    assert weights_dtype("auto", "bf16", device="cuda") == "engine"  # auto picks fp16 (or fp32) there
     assert weights_dtype("auto", "float16", device="cuda") == "float16"
     assert weights_dtype("bfloat16", "float32", engine="vllm") == "float32"  # vLLM runs in model.dtype
     assert weights_dtype("float32", "bfloat16", engine="vllm") == "bfloat16"
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    ([], None),  # the main job: fp32 engine, fp32 trainer -> float32, each tensor's own
-    (["gen.dtype=bfloat16"], torch.bfloat16),
-    (["gen.dtype=auto", "model.dtype=bfloat16"], torch.bfloat16),
-    (["gen.dtype=auto"], None),
+@pytest.mark.parametrize("overrides, attribute, expected", [
+    ([], "float32", torch.float32),  # the main job: fp32 engine, fp32 trainer
+    (["gen.dtype=bfloat16"], "bfloat16", torch.bfloat16),
+    (["gen.dtype=auto", "model.dtype=bfloat16"], "bfloat16", torch.bfloat16),
+    (["gen.dtype=auto"], "engine", None),  # each tensor's own until the engine announces its choice
 ])
-def test_the_plan_names_the_weights_dtype_and_the_trainer_publishes_in_it(overrides, expected):
+def test_the_plan_names_the_weights_dtype_and_the_trainer_publishes_in_it(overrides, attribute, expected):
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
     from compiler.program import compile_program
@@ -242,5 +242,32 @@ def test_the_plan_names_the_weights_dtype_and_the_trainer_publishes_in_it(overri
     cfg = load_config(repo / "graphs/arith_grpo.yaml", ["eval.enabled=false", *overrides])
     plan = compile_program(load_flow(repo / "graphs/arith_grpo.py")(cfg), cfg)
     sync = next(n for n in plan.nodes if n.op == "sync_weights")
-    assert sync.attrs["weights_dtype"] == str(expected or torch.float32).removeprefix("torch.")
-    assert wire_dtype(plan, "train_step") is (expected or torch.float32)
+    assert sync.attrs["weights_dtype"] == attribute
+    assert wire_dtype(plan, "train_step") is expected
+
+
+def test_an_auto_engine_gets_the_weight_matrices_in_the_dtype_it_chose(tmp_path):
+    """``gen.dtype=auto`` with an fp32 trainer: the plan says ``engine``, the replica announces what it chose,
+    and every version's bytes are the policy's with its matrices in that dtype (counted by hand below)."""
+    import json
+
+    from runtime.model_source import load_pretrained
+    from tests.runs import REPO, cli_run
+
+    cli_run(REPO / "graphs/arith_grpo.py", "train.steps=3", "gen.dtype=auto", "eval.enabled=false",
+            f"out_dir={tmp_path}", "name=auto")
+    out = tmp_path / "auto"
+    chosen = json.loads((out / "summary.json").read_text())["workers"]["generate/0"]["engine_dtype"]
+    sent = [s["weights/bytes"] for s in map(json.loads, (out / "steps.jsonl").read_text().splitlines())
+            if "weights/bytes" in s]
+    state = load_pretrained(out / "model")[0].state_dict()
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    expected, seen = 0, set()
+    for name, t in state.items():
+        if t.data_ptr() in seen:  # a tied tensor travels once
+            continue
+        seen.add(t.data_ptr())
+        matrix = t.dim() >= 2 and t.data_ptr() != head.data_ptr()  # the LM head (the tied embedding) stays fp32
+        nbytes = t.numel() * (2 if matrix and chosen in ("bfloat16", "float16") else 4)
+        expected += -(-nbytes // 64) * 64  # each tensor on a 64-byte boundary
+    assert chosen in ("bfloat16", "float32") and sent == [expected, expected]

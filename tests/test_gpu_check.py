@@ -69,7 +69,9 @@ def test_wheel_names_for_the_gpu_machine():
     assert not h.wheel_matches("pyzmq-27.3.0-cp311-cp311-manylinux_2_28_x86_64.whl", "pyzmq", "27.3.0")
     assert not h.wheel_matches("pyzmq-27.3.0-cp312-abi3-macosx_10_15_universal2.whl", "pyzmq", "27.3.0")
     assert not h.wheel_matches("pyzmq-27.2.0-cp312-abi3-manylinux_2_28_x86_64.whl", "pyzmq", "27.3.0")
-    assert set(h.pinned()) == {"pyzmq", "omegaconf"}
+    assert h.wheel_matches("blake3-1.0.11-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", "blake3",
+                           "1.0.11")
+    assert set(h.pinned()) == {"pyzmq", "omegaconf", "blake3"}
 
 
 def test_hidden_modules_are_what_the_gpu_machine_lacks():

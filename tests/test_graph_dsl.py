@@ -138,7 +138,9 @@ def test_sync_weights_takes_a_weights_dtype_and_names_a_bad_one():
         return g(CFG)
 
     assert graph("bf16").nodes["sync_weights"].attrs == {"weights_dtype": "bf16"}
-    with pytest.raises(GraphError, match=r"sync_weights.*test_graph_dsl.py:\d+.*weights_dtype='int8': expected one of float32"):
+    assert graph("ENGINE").nodes["sync_weights"].attrs == {"weights_dtype": "ENGINE"}  # the dtype the engine announces
+    with pytest.raises(GraphError, match=r"sync_weights.*test_graph_dsl.py:\d+.*weights_dtype='int8': expected one of "
+                                         r"float32.* or engine"):
         graph("int8")
 
 

@@ -95,3 +95,18 @@ def test_a_list_key_given_one_value_says_it_takes_a_list():
         with pytest.raises(ConfigError, match=re.escape(f"config key '{key}' (command line) takes a list, even of "
                                                         f"one entry: {key}=[...]")):
             load_config(REPO / "graphs/arith_grpo.yaml", [f"{key}=train_step/0:weights_published:3"])
+
+
+def test_a_restarted_auto_engine_announces_again_and_gets_every_version_in_its_dtype(tmp_path):
+    """``gen.dtype=auto`` (the plan's ``weights_dtype: engine``): the replica killed with version 2 unread restarts,
+    announces its dtype as a fresh subscriber, and the resync and every later version reach it; each version the
+    same bytes (a dtype changed under a live subscriber would have been refused by its tensor-set check)."""
+    err = _finish(_cli(tmp_path, "auto", "gen.dtype=auto", "async.max_staleness=0", "scheduler.max_restarts=1",
+                       "debug.kill_at=[generate/0:weights_received:2]"))
+    assert "areal-flow: generate/0 died (exit code -9); restarting it at policy version 1 (1/1)" in err
+    steps = [json.loads(line) for line in (tmp_path / "auto/steps.jsonl").read_text().splitlines()]
+    sent = [s["weights/bytes"] for s in steps if "weights/bytes" in s]
+    assert len(sent) == STEPS - 1 and len(set(sent)) == 1
+    summary = json.loads((tmp_path / "auto/summary.json").read_text())
+    assert summary["restarts"]["replica_restarts"] == 1 and summary["workers"]["generate/0"]["weight_updates"] >= 1
+    assert "announced" not in err  # no announcement came after a version in another dtype

@@ -10,7 +10,8 @@ import torch
 
 from runtime.channels import ipc_address
 from runtime.weight_set import TensorSetError, check_tensor_set, differences, tensor_set
-from runtime.weights import WeightChecksumError, WeightPublisher, WeightSubscriber
+from runtime.weight_subscriber import WeightChecksumError, WeightSubscriber
+from runtime.weights import WeightPublisher
 
 KEY = b"k" * 32
 

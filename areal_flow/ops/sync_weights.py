@@ -9,7 +9,7 @@ sampling with the version it has until newer weights arrive.
 
 from __future__ import annotations
 
-from areal_flow.dtypes import DTYPES
+from areal_flow.dtypes import DTYPES, ENGINE, wire_dtype_name
 from areal_flow.tracing import Handle, Model, current_graph, record
 from areal_flow.graph import WEIGHTS, Edge, GraphError, OpSpec, PortSpec
 from areal_flow.ops.registry import CPU, ROUTE, OpDef, define, op_function
@@ -30,9 +30,10 @@ def sync_weights(model: Model, *, to: Handle, weights_dtype: str | None = None, 
     Args:
         weights_dtype: the dtype the weight matrices travel in (float32, bfloat16, float16, any
             spelling of ``model.dtype``; vectors and the LM head keep theirs:
-            ``runtime.weight_wire.cast_on_wire``); None: the compiler derives it from the generator's
-            ``gen.dtype`` and ``model.dtype`` (``areal_flow.dtypes.weights_dtype``: 16-bit where the
-            engine decodes in 16 bits, which halves those bytes at no loss).
+            ``runtime.weight_wire.cast_on_wire``), or ``engine``: the dtype each engine announces at
+            start; None: the compiler derives it from the generator's ``gen.dtype`` and
+            ``model.dtype`` (``areal_flow.dtypes.weights_dtype``: 16-bit where the engine decodes in
+            16 bits, which halves those bytes at no loss).
 
     Raises:
         GraphError: no trainer of ``model`` (``train_step``) was declared before this call, ``to``
@@ -40,8 +41,9 @@ def sync_weights(model: Model, *, to: Handle, weights_dtype: str | None = None, 
     """
     node = record(SPEC, {}, model=model, attrs={} if weights_dtype is None else {"weights_dtype": weights_dtype},
                   name=name)
-    if weights_dtype is not None and str(weights_dtype).lower() not in DTYPES:
-        raise GraphError(f"{node.where()}: weights_dtype={weights_dtype!r}: expected one of {', '.join(DTYPES)}")
+    if weights_dtype is not None and wire_dtype_name(weights_dtype) is None:
+        raise GraphError(f"{node.where()}: weights_dtype={weights_dtype!r}: expected one of {', '.join(DTYPES)} "
+                         f"or {ENGINE}")
     graph = current_graph()
     if not isinstance(to, Handle):
         raise GraphError(f"{node.where()}: 'to' must be the rollouts handle of a generate node, got {to!r}")
