@@ -19,7 +19,7 @@ HALF = ("bfloat16", "float16")
 ENGINE = "engine"
 """The ``weights_dtype`` that defers to the engine: each generation replica announces the dtype
 its engine chose at start (``gen.dtype=auto``) to the trainer, whose weight matrices then go to
-it in that dtype (float32 until it has; ``runtime.workers.announce_engine_dtype``)."""
+it in that dtype (float32 until it has; ``runtime.workers.tell_trainer``)."""
 
 
 def wire_dtype_name(value) -> str | None:

@@ -239,7 +239,7 @@ def tell_trainer(spec: WorkerSpec, gen: StreamExecutor) -> MessageSender | None:
     restarted replica, whose subscriber starts anew); then, restarted, the request for the current
     version (``("resync", weights)``). Returns the sender (None: nothing to say), for the caller to
     close when the replica ends: ZeroMQ delivers in the background once the trainer has bound (a
-    resumed one may bind later), and ``close`` waits at most ``recv_timeout_s`` for that."""
+    resumed one may bind later), and ``close`` waits at most 120 s for what is still queued."""
     messages, sync = [], sync_node(spec.plan, gen.node.name)
     if spec.trainer and not spec.weights.startswith(SCHEME) and \
             any(n.name == sync and n.attrs.get("weights_dtype") == ENGINE for n in spec.plan.nodes):
@@ -248,7 +248,7 @@ def tell_trainer(spec: WorkerSpec, gen: StreamExecutor) -> MessageSender | None:
         messages.append(("resync", spec.weights))
     if not messages:
         return None
-    to = MessageSender(spec.resync or spec.trainer, secret=spec.secret, linger_s=spec.recv_timeout_s)
+    to = MessageSender(spec.resync or spec.trainer, secret=spec.secret, linger_s=120.0)
     for message in messages:
         to.send(message)
     return to
