@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from areal_flow.dtypes import ENGINE, torch_dtype
+from areal_flow.dtypes import ENGINE, torch_dtype, wire_dtype_name
 from areal_flow.ops.function import FunctionExecutor
 from areal_flow.ops.interfaces import Executor, StreamExecutor
 from areal_flow.ops.registry import STREAM, lookup
@@ -242,7 +242,7 @@ def tell_trainer(spec: WorkerSpec, gen: StreamExecutor) -> MessageSender | None:
     resumed one may bind later), and ``close`` waits at most 120 s for what is still queued."""
     messages, sync = [], sync_node(spec.plan, gen.node.name)
     if spec.trainer and not spec.weights.startswith(SCHEME) and \
-            any(n.name == sync and n.attrs.get("weights_dtype") == ENGINE for n in spec.plan.nodes):
+            any(n.name == sync and wire_dtype_name(n.attrs.get("weights_dtype")) == ENGINE for n in spec.plan.nodes):
         messages.append(("engine_dtype", spec.weights, str(gen.engine.dtype).removeprefix("torch."), bool(spec.resync)))
     if spec.resync:  # bound above, so the trainer's answer cannot be lost
         messages.append(("resync", spec.weights))
@@ -278,7 +278,8 @@ def wire_dtype(plan: Plan, trainer: str) -> torch.dtype | None:
     """
     syncs = {e.dst for e in plan.edges if e.kind == "weights" and e.src == trainer}
     dtypes = {torch_dtype(n.attrs["weights_dtype"], f"plan node '{n.name}': weights_dtype")
-              if n.attrs.get("weights_dtype") not in (None, ENGINE) else None for n in plan.nodes if n.name in syncs}
+              if n.attrs.get("weights_dtype") is not None and wire_dtype_name(n.attrs["weights_dtype"]) != ENGINE
+              else None for n in plan.nodes if n.name in syncs}
     return dtypes.pop() if len(dtypes) == 1 else None
 
 

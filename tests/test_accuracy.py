@@ -108,7 +108,11 @@ def test_the_bar_and_tensorboard_show_accuracy_only_where_judged(tmp_path):
 
 
 def test_the_tasks_that_judge_answers_agree_with_their_rewards():
-    assert ArithmeticTask.correct(" 95<eos>7", "95") and not ArithmeticTask.correct("9 5", "95")
+    plain, chat = ArithmeticTask(), ArithmeticTask(prompt_style="chat")
+    assert plain.correct(" 95<eos>7", "95") and not plain.correct("9 5", "95")
+    # the chat style's math reward takes a stated sum; its accuracy must follow it, not the plain rule
+    assert chat.correct("7 + 8 = 15", "15") and not plain.correct("7 + 8 = 15", "15")
+    assert not chat.correct("7 + 8 = 16", "15")
     from areal_flow.tasks.gsm8k import GSM8KTask
     from areal_flow.tasks.longtail import LongTailTask
 

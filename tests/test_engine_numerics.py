@@ -271,3 +271,18 @@ def test_an_auto_engine_gets_the_weight_matrices_in_the_dtype_it_chose(tmp_path)
         nbytes = t.numel() * (2 if matrix and chosen in ("bfloat16", "float16") else 4)
         expected += -(-nbytes // 64) * 64  # each tensor on a 64-byte boundary
     assert chosen in ("bfloat16", "float32") and sent == [expected, expected]
+
+
+def test_a_plan_may_spell_engine_in_any_case_as_the_plan_check_accepts_it():
+    """A hand-edited ``"weights_dtype": "ENGINE"`` passes ``plan_check`` (case-insensitive), so the runtime
+    must read it alike: each tensor's own dtype until an engine announces one, not a ValueError."""
+    from areal_flow.cli import load_flow
+    from areal_flow.config_load import load_config
+    from compiler.program import compile_program
+    from runtime.workers import wire_dtype
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "graphs/arith_grpo.yaml", ["eval.enabled=false", "gen.dtype=auto"])
+    plan = compile_program(load_flow(repo / "graphs/arith_grpo.py")(cfg), cfg)
+    next(n for n in plan.nodes if n.op == "sync_weights").attrs["weights_dtype"] = "ENGINE"
+    assert wire_dtype(plan, "train_step") is None

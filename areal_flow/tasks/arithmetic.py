@@ -198,10 +198,10 @@ class ArithmeticTask:
                 return "buggy procedure"
         return "other"
 
-    @staticmethod
-    def correct(output_text: str, answer: str) -> bool:
-        """Whether the response states the right answer (:meth:`reward` 1.0): the run's accuracy."""
-        return ArithmeticTask.reward(output_text, answer) == 1.0
+    def correct(self, output_text: str, answer: str) -> bool:
+        """Whether the response states the right answer (this task's reward 1.0, the chat style's
+        math reward included): the run's accuracy."""
+        return self.reward(output_text, answer) == 1.0
 
     @staticmethod
     def reward(output_text: str, answer: str, eos_token: str = "<eos>") -> float:
