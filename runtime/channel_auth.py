@@ -18,10 +18,10 @@ receivers hashing it once). The digest is BLAKE3 (O'Connor et al. 2020, the BLAK
 the ``blake3`` package), a 256-bit cryptographic hash like SHA-256 but 3.5-5x as fast on
 one core here (6.0 GB/s against 1.2-1.7 GB/s with SHA-NI, 256 MB buffers): a weight
 version is hashed on both ends, so SHA-256 cost the trainer ~0.45 s of a 538 MB update.
-``channel`` is the receiving end's address, as its senders connect to it: a message captured on one channel and replayed to another fails its MAC. A
-receiver (:class:`Verifier`) drops a message whose MAC does not verify, and a replay: a
-message whose counter is not above the last one it accepted from that sender id (a captured
-genuine message sent again; ZeroMQ delivers one sender's messages in order, and a restarted
+``channel`` is the receiving end's address, as its senders connect to it: a message captured
+on one channel and replayed to another fails its MAC. A receiver (:class:`Verifier`) drops a
+message whose MAC does not verify, and a replay: a message whose counter is not above the last
+one it accepted from that sender id (a captured genuine message sent again; ZeroMQ delivers one sender's messages in order, and a restarted
 sender draws a new id). Both are counted (``rejected``; replays also in ``replayed``) and the
 first of each logged.
 

@@ -159,7 +159,6 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
         self._tamper = tamper
-        self.dtype = dtype
         self._ctx = zmq.Context()  # own context: close() terminates it to flush the queues
         self._socks = []
         for addr in self.addresses:
