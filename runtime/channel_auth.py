@@ -21,8 +21,8 @@ version is hashed on both ends, so SHA-256 cost the trainer ~0.45 s of a 538 MB 
 ``channel`` is the receiving end's address, as its senders connect to it: a message captured
 on one channel and replayed to another fails its MAC. A receiver (:class:`Verifier`) drops a
 message whose MAC does not verify, and a replay: a message whose counter is not above the last
-one it accepted from that sender id (a captured genuine message sent again; ZeroMQ delivers one sender's messages in order, and a restarted
-sender draws a new id). Both are counted (``rejected``; replays also in ``replayed``) and the
+one it accepted from that sender id (a captured genuine message sent again; ZeroMQ delivers
+one sender's messages in order, and a restarted sender draws a new id). Both are counted (``rejected``; replays also in ``replayed``) and the
 first of each logged.
 
 Not covered: confidentiality (frames travel in clear); a replay to a receiver restarted at
