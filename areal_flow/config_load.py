@@ -125,6 +125,21 @@ def load_config(
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "config", {}, schema) from None
+    except ConfigError as exc:  # a value check of the schema (its __post_init__): say where the value came from
+        raise ConfigError(_with_source(str(exc), layers)) from None
+
+
+def _with_source(message: str, layers: list[tuple[Any, str, dict[str, int]]]) -> str:
+    """``message`` of a value check (``"<dotted key>=<value>: ..."``) prefixed with where that key was
+    set last: ``file:line`` or ``command line``; unchanged when it names no key or no layer set it
+    (a default value)."""
+    key = message.split("=", 1)[0]
+    if not key or not all(part.isidentifier() for part in key.split(".")):
+        return message
+    for layer, source, lines in reversed(layers):
+        if OmegaConf.select(layer, _field_key(key), default=None) is not None:
+            return f"{source}:{lines[key]}: {message}" if key in lines else f"{message} ({source})"
+    return message
 
 
 def _override_layer(key: str, value: str) -> Any:

@@ -236,6 +236,23 @@ def episode_summary(workers: dict, log: Path) -> dict:
     return out
 
 
+def _generator_lines(workers: dict) -> list[str]:
+    """The generation replicas' engine dtypes (``gen.dtype=auto`` decides at start, with the measured
+    decode-step speedup over fp32) and their prompts over the plan's budget, one line each."""
+    reports = {name: w for name, w in workers.items() if isinstance(w, dict) and "engine_dtype" in w}
+    lines = []
+    if reports:
+        lines.append("generation engines: " + ", ".join(
+            f"{name} {w['engine_dtype']}" + (f" (auto: decode step {w['engine_dtype_speedup']:.2f}x fp32's)"
+                                             if "engine_dtype_speedup" in w else "")
+            for name, w in sorted(reports.items())))
+    over = {name: w for name, w in workers.items() if isinstance(w, dict) and w.get("prompts_over_budget")}
+    if over:
+        lines.append("prompts longer than the plan's budget (compile.max_prompt_len): " + ", ".join(
+            f"{name} {w['prompts_over_budget']} (longest {w['longest_prompt']} tokens)" for name, w in sorted(over.items())))
+    return lines
+
+
 def format_summary(summary: dict) -> str:
     """Human-readable end-of-run report."""
     lines = ["", "=== run summary ==="]
@@ -261,6 +278,7 @@ def format_summary(summary: dict) -> str:
         lines += [f"  {n:6d} x {line}" for line, n in episodes["errors"].items()]
         if "log" in episodes:
             lines.append(f"  first traceback of each: {episodes['log']}")
+    lines += _generator_lines(summary.get("workers", {}))
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1
     lines.append("staleness histogram (versions between generation and training):")

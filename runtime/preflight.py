@@ -47,6 +47,25 @@ def _check_generators(plan: Plan) -> None:
             check_sampling(node)
         except (GraphError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan node '{node.name}': {exc}") from None
+        _check_engine_installed(plan, node)
+
+
+def _check_engine_installed(plan: Plan, node) -> None:
+    """A local run whose generator asks for vLLM (``gen.engine=vllm``) needs it importable here,
+    where the local scheduler starts its workers (on Ray the workers' machines are checked by
+    their own import).
+
+    Raises:
+        ConfigError: naming the node, the key and this interpreter.
+    """
+    import importlib.util
+    import sys
+
+    local = plan.run.get("scheduler", {}).get("type", "local") == "local"
+    if local and node.attrs.get("engine") == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"{node.where()}: engine='vllm' (gen.engine), but vllm is not installed in this "
+                          f"interpreter ({sys.executable}); install it (its own venv: `make test-vllm` builds "
+                          ".venv-vllm, docs/USAGE.md) or use gen.engine=embedded")
 
 
 def _check_config_values(plan: Plan) -> None:

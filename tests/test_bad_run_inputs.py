@@ -78,6 +78,17 @@ def test_a_missing_data_file_names_the_dataset_node_before_the_run_folder_is_tou
     untouched(earlier)
 
 
+
+def test_a_local_vllm_run_without_vllm_is_refused_before_the_run_folder_is_touched(earlier, monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a))
+    code, err = cli("run", GRAPH, f"out_dir={earlier.parent}", "name=exp", *SHORT, "gen.engine=vllm")
+    refused(code, err, "node 'generate' (generate, ", "arith_grpo.py:", "engine='vllm' (gen.engine)",
+            "vllm is not installed", "gen.engine=embedded")
+    untouched(earlier)
+
 @pytest.fixture(scope="module")
 def plan_data(tmp_path_factory) -> dict:
     """A short arith_grpo plan whose run folder is ``<tmp>/exp`` (the tests point out_dir at theirs)."""

@@ -32,6 +32,16 @@ def test_unknown_key_in_yaml_names_file_line_and_nearest_key(tmp_path):
         load_config(path)
 
 
+def test_a_value_no_check_accepts_names_the_file_and_line_or_the_command_line(tmp_path):
+    """Value checks run in the schema's ``__post_init__``; the error names where the value was set last."""
+    path = _yaml(tmp_path, "seed: 3\ngen:\n  n_samples: 4\n  dtype: bf17\nasync:\n  max_staleness: -1\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:4: gen.dtype='bf17': expected auto or one of"):
+        load_config(path, ["async.max_staleness=1"])
+    with pytest.raises(ConfigError, match=rf"^{path}:6: async.max_staleness=-1: must be >= 0"):
+        load_config(path, ["gen.dtype=auto"])
+    with pytest.raises(ConfigError, match=r"^gen.dtype='fp8': .* \(command line\)$"):
+        load_config(path, ["gen.dtype=fp8", "async.max_staleness=1"])  # the override wins over line 4
+
 def test_unknown_override_suggests_nearest():
     with pytest.raises(ConfigError, match=r"'async.max_stalenes' \(command line\); did you mean 'async.max_staleness'"):
         load_config(None, ["async.max_stalenes=1"])

@@ -72,6 +72,34 @@ def test_every_graph_compiles(path):
         assert roles["advantage"] == "inference"
 
 
+
+def _prompt_graphs():
+    """Every graph whose generator reads dataset prompts; the SmolLM2 ones need its GGUF."""
+    from markers import needs_smollm2
+
+    return [pytest.param(p, marks=[needs_smollm2] if p.stem in ("arith_chat_grpo", "gsm8k_grpo") else [], id=p.stem)
+            for p in GRAPHS if not ("agent" in p.stem or p.stem == "arith_python_tool")]
+
+
+@pytest.mark.parametrize("path", _prompt_graphs())
+def test_every_graphs_prompts_fit_its_plans_prompt_budget(path):
+    """``compile.max_prompt_len`` sized the plan (memory, time); the yaml beside each graph sets it
+    to cover its task's prompts as its generate node encodes them (300 held-out problems)."""
+    from areal_flow.models.hf import load_model
+    from areal_flow.models.tiny import build_in_code
+    from areal_flow.ops.generate import encode_prompt
+    from areal_flow.tasks.catalog import build_task
+
+    graph, cfg = _graph(path)
+    plan = compile_program(graph, cfg)
+    source = next(n for n in plan.nodes if n.grain == "source")
+    gen = next(n for n in plan.nodes if n.op == "generate")
+    built = build_in_code(cfg.model.path)
+    tokenizer = built[1] if built else load_model(cfg.model.path)[1]
+    lengths = [len(encode_prompt(tokenizer, p["prompt"], gen.attrs.get("chat_template")))
+               for p in build_task(source.attrs, 0).test_set(300)]
+    assert max(lengths) <= plan.workload["prompt_len"] == cfg.compile.max_prompt_len, (path.name, max(lengths))
+
 def test_ppo_graph_trains_policy_and_critic_and_reads_the_critic():
     graph, cfg = _graph(REPO / "graphs/arith_ppo.py")
     plan = compile_program(graph, cfg)

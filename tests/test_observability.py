@@ -123,6 +123,18 @@ def test_a_resumed_run_rates_its_own_samples_and_sums_every_attempts_time(tmp_pa
     assert "RL wall time: 70.0 s (this attempt 40.0 s)   samples trained: 512" in format_summary(summary)
 
 
+def test_the_summary_names_each_engines_dtype_and_prompts_over_the_budget():
+    workers = {"train_step/0": {"pid": 1},
+               "generate/1": {"engine_dtype": "float32", "prompts_over_budget": 0, "longest_prompt": 7},
+               "generate/0": {"engine_dtype": "bfloat16", "engine_dtype_speedup": 2.687,
+                              "prompts_over_budget": 3, "longest_prompt": 46}}
+    text = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {}, "workers": workers})
+    assert "generation engines: generate/0 bfloat16 (auto: decode step 2.69x fp32's), generate/1 float32\n" in text
+    assert "prompts longer than the plan's budget (compile.max_prompt_len): generate/0 3 (longest 46 tokens)\n" in text
+    quiet = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {},
+                            "workers": {"generate/0": {"engine_dtype": "float32"}}})
+    assert "generation engines: generate/0 float32\n" in quiet and "budget" not in quiet
+
 def test_start_up_says_what_it_is_doing(monkeypatch, capsys, tmp_path):
     import areal_flow.cli.run as cli_run
     import runtime.model_source as model_source

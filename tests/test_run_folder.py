@@ -95,7 +95,7 @@ def test_keep_old_runs_is_a_config_key_of_the_plan_and_may_not_be_negative():
     from areal_flow.config_load import load_config
 
     assert load_config(None, []).keep_old_runs == 3
-    with pytest.raises(ConfigError, match=r"^keep_old_runs=-1: must be >= 0$"):
+    with pytest.raises(ConfigError, match=r"^keep_old_runs=-1: must be >= 0 \(command line\)$"):
         load_config(None, ["keep_old_runs=-1"])
 
 

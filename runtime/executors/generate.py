@@ -23,6 +23,12 @@ old weights (no new one is admitted meanwhile), then loads; the groups finished 
 that drain come out of the next :meth:`GenerateExecutor.step`. The drain runs inside the
 replica's weight ``load`` span.
 
+Prompt budget: the plan's memory and time figures assume prompts of at most
+``compile.max_prompt_len`` tokens (``plan.workload["prompt_len"]``). Longer prompts still run
+(the engine sizes its cache to what it gets), but the plan's figures no longer hold: the first
+one is said on stderr with its length and the key to raise, and the replica's report counts
+them (``prompts_over_budget``, ``longest_prompt``, in ``summary.json``).
+
 Correctness: each trajectory's ``correct`` is the dataset task's judgment of its response
 (``correct(output_text, answer)``, :func:`answer_judge`), whatever its reward becomes
 (a penalty, a reward model, a user op): the run's accuracy counts right answers.
@@ -46,6 +52,7 @@ programming error (``runtime.executors.bugs``) with one line naming the node, an
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections import deque
 from typing import Callable
@@ -95,6 +102,8 @@ class GenerateExecutor:
         self._finished: list[tuple[int, int, Rollouts]] = []  # groups complete, not yet returned
         self._last_rows = 0
         self.counts = {"empty_responses": 0, "generation_errors": 0}
+        self.budget = PromptBudget(node, (getattr(getattr(ctx, "plan", None), "workload", None) or {})
+                                   .get("prompt_len"))
         self.monitor = FailureMonitor(f"generate node '{node.name}'", self.attrs.get("max_failure_fraction",
                                       EMPTY_MAX_FRACTION), self.attrs.get("failure_window", EMPTY_WINDOW))
 
@@ -105,6 +114,7 @@ class GenerateExecutor:
     def submit(self, index: int, attempt: int, problem: Prompt) -> None:
         """Start the ``n_samples`` responses of prompt group ``index`` (its ``attempt``-th prompt)."""
         ids = encode_prompt(self.tokenizer, problem["prompt"], self.attrs.get("chat_template"))
+        self.budget.check(len(ids))
         tag = "" if attempt == 1 else f"/{attempt}"
         self._groups[(index, attempt)] = {"problem": problem, "results": [], "failed": 0}
         for j in range(self.attrs["n_samples"]):
@@ -175,12 +185,42 @@ class GenerateExecutor:
         self.engine.update_weights(state_dict, version)
 
     def report(self) -> dict:
-        """Its counters (``empty_responses``, ``generation_errors``) for the replica's report."""
-        return dict(self.counts)
+        """Its counters (``empty_responses``, ``generation_errors``, the prompt budget's) for the
+        replica's report."""
+        return {**self.counts, **self.budget.report()}
 
     def close(self) -> None:
         """Close the engine (frees its cache; a vLLM engine shuts down)."""
         self.engine.close()
+
+
+class PromptBudget:
+    """Prompts longer than the plan's prompt budget (module doc), counted; the first said on stderr.
+
+    Args:
+        node: the plan's generate node (named by its ``where()``). budget: tokens
+            (``plan.workload["prompt_len"]``, from ``compile.max_prompt_len``); None (a plan without a
+            workload) checks nothing.
+    """
+
+    def __init__(self, node, budget: int | None) -> None:
+        self.node, self.budget = node, budget
+        self.over, self.longest = 0, 0
+
+    def check(self, n_tokens: int) -> None:
+        """Count a prompt of ``n_tokens`` tokens."""
+        self.longest = max(self.longest, n_tokens)
+        if self.budget is None or n_tokens <= self.budget:
+            return
+        if not self.over:
+            print(f"{self.node.where()}: a prompt of {n_tokens} tokens is longer than the {self.budget} tokens the plan "
+                  "was sized for (compile.max_prompt_len): it runs, but the plan's memory and time figures "
+                  "assume the budget; set compile.max_prompt_len to the longest prompt", file=sys.stderr)
+        self.over += 1
+
+    def report(self) -> dict:
+        """``{"prompts_over_budget", "longest_prompt"}`` (tokens), or ``{}`` without a budget."""
+        return {} if self.budget is None else {"prompts_over_budget": self.over, "longest_prompt": self.longest}
 
 
 def drop_empty(results: list[GenerationResult], counts: dict, monitor: FailureMonitor) -> list[GenerationResult]:
