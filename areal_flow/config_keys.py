@@ -114,6 +114,19 @@ SYNONYMS: dict[str, tuple[str, ...]] = {
 """Our leaf names a user's leaf name means (lower-case), tried before spelling."""
 
 
+WORDS = {"compile.activation_checkpointing": _tristate}
+"""Keys of ours whose values may be words their type cannot parse (``auto`` for a ``bool | None``),
+converted as their aliases' are."""
+
+
+def _words(key: str, value: Any, where: str = "") -> Any:
+    """``value`` of our ``key`` through :data:`WORDS`' conversion (unchanged for other keys)."""
+    try:
+        return WORDS[key](value) if key in WORDS else value
+    except ValueError as exc:
+        raise ValueError(f"{where}{key}: {exc}") from None
+
+
 def rewrite_override(key: str, value: str) -> list[tuple[str, str]]:
     """One ``key=value`` override -> ``[(our_key, value)]`` (empty when the alias drops it).
 
@@ -122,7 +135,8 @@ def rewrite_override(key: str, value: str) -> list[tuple[str, str]]:
     """
     alias = ALIAS_BY_NAME.get(key)
     if alias is None:
-        return [(key, value)]
+        value = _words(key, value)
+        return [(key, "null" if value is None else str(value).lower() if isinstance(value, bool) else value)]
     converted = _convert(alias, value)
     return [] if converted is None else [(alias.target, str(converted))]
 
@@ -147,6 +161,11 @@ def rewrite_mapping(data: dict, lines: dict[str, int]) -> dict:
             _put(data, alias.target.split("."), converted)
             if line is not None:
                 lines[alias.target] = line
+    for key in WORDS:
+        found, value = _pop(data, key.split("."))
+        if found:
+            line = lines.get(key)
+            _put(data, key.split("."), _words(key, value, f"line {line}: " if line else ""))
     return data
 
 

@@ -102,7 +102,10 @@ def assumptions(plan: Plan) -> list[str]:
     return [
         f"device {d['name']}: peak {d['peak_flops'] / 1e12:.1f} TFLOP/s at MFU {w.get('mfu', 0.4)}; "
         f"bandwidths x {eff} efficiency: {links}network {d['inter_node_bandwidth'] * eff / 1e9:.0f} GB/s, "
-        f"{host}{d['collective_latency_s'] * 1e6:.0f} us per collective",
+        f"{host}{d['collective_latency_s'] * 1e6:.0f} us per collective"
+        + ("" if cuda else "; one peak for every dtype, an assumed AVX2 core: a CPU with bf16 units (AMX) runs "
+           "a bf16 engine several times faster (`areal-flow timeline <run> --simulate` calibrates on a run, "
+           "docs/SIMULATE.md)"),
         f"responses: {ld.get('kind', '?')} length distribution ({shape}; fractions of the {w.get('new_tokens', '?')}-token "
         "budget); "
         f"{w.get('decode_step_overhead_s', 0) * 1e3:.1f} ms overhead per decode step; FSDP/DDP traffic "

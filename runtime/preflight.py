@@ -3,8 +3,9 @@
 Owns :func:`preflight`, which ``runtime.run_setup.RunSetup.create`` calls before it moves an
 earlier run aside or writes ``plan.json``, for every way a run starts (a graph file with its
 YAML and overrides, a hand-edited ``plan.json``, either scheduler): the plan's config values
-with the config's own checks, the generators' sampling attributes, the dataset's task with its
-models need of that task. A bad input is refused with one line and nothing written; the
+with the config's own checks, the generators' sampling attributes and, on the local scheduler,
+that vLLM imports where a generator asks for it, and the dataset's task with what the
+models need of it. A bad input is refused with one line and nothing written; the
 plan's structure and JSON types were checked when it was read (``compiler.plan_check``).
 It also owns :func:`check_runnable`, the compiler's one executability predicate asked by the
 runtime before any worker starts (``RunSetup`` calls it twice: without, then with the models' shapes).

@@ -43,6 +43,23 @@ def test_gradient_accumulation_is_kept_for_the_plan_and_auto_checkpointing_is_th
     assert load_config(None, ["actor.gradient_checkpointing=true"]).compile.activation_checkpointing is True
 
 
+def test_our_own_activation_checkpointing_key_takes_auto_as_the_docs_say(tmp_path):
+    """``compile.activation_checkpointing`` is ``bool | None``; ``auto`` (USAGE.md) means None, from
+    a YAML file or the command line, and an override's ``auto`` resets a file's ``true``."""
+    from areal_flow.config import ConfigError
+
+    path = tmp_path / "ac.yaml"
+    path.write_text("compile:\n  activation_checkpointing: true\n")
+    assert load_config(path).compile.activation_checkpointing is True
+    assert load_config(path, ["compile.activation_checkpointing=auto"]).compile.activation_checkpointing is None
+    assert load_config(None, ["compile.activation_checkpointing=false"]).compile.activation_checkpointing is False
+    path.write_text("compile:\n  activation_checkpointing: auto\n")
+    assert load_config(path).compile.activation_checkpointing is None
+    path.write_text("seed: 2\ncompile:\n  activation_checkpointing: maybe\n")
+    with pytest.raises(ConfigError, match=r"ac.yaml: line 3: compile.activation_checkpointing: expected true, false or auto"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("typed, meant", [
     ("train.learning_rate", "train.lr"), ("train.epochs", "train.steps"), ("train.batch", "train.batch_size"),
     ("gen.group_size", "gen.n_samples"), ("train.lrr", "train.lr"), ("train.precision", "model.dtype"),
