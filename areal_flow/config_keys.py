@@ -134,9 +134,11 @@ def rewrite_override(key: str, value: str) -> list[tuple[str, str]]:
         ValueError: the alias's conversion rejects ``value`` (message names the alias).
     """
     alias = ALIAS_BY_NAME.get(key)
+    if alias is None and key in WORDS:
+        converted = _words(key, value)
+        return [(key, "null" if converted is None else str(converted).lower())]
     if alias is None:
-        value = _words(key, value)
-        return [(key, "null" if value is None else str(value).lower() if isinstance(value, bool) else value)]
+        return [(key, value)]
     converted = _convert(alias, value)
     return [] if converted is None else [(alias.target, str(converted))]
 

@@ -141,7 +141,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps = 0
-    to_trainer = tell_trainer(spec, gen)
+    to_trainer = tell_trainer(spec, gen, sync)
     if spec.resume_version > 0:
         update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
         if update is None:
@@ -231,16 +231,17 @@ def engine_precision(spec: WorkerSpec, gen: StreamExecutor) -> dict:
     return out
 
 
-def tell_trainer(spec: WorkerSpec, gen: StreamExecutor) -> MessageSender | None:
-    """What replica ``spec.rank`` says to its trainer once its weight channel is bound, in this
-    order on one socket: the dtype its engine chose (``("engine_dtype", weights, name, fresh)``)
-    when the plan's ``weights_dtype`` is ``engine`` and the channel is a wire (not ``mem://``), so
-    the trainer sends the weight matrices in it (``WeightPublisher.follow_engine``; ``fresh``: a
-    restarted replica, whose subscriber starts anew); then, restarted, the request for the current
-    version (``("resync", weights)``). Returns the sender (None: nothing to say), for the caller to
-    close when the replica ends: ZeroMQ delivers in the background once the trainer has bound (a
-    resumed one may bind later), and ``close`` waits at most 120 s for what is still queued."""
-    messages, sync = [], sync_node(spec.plan, gen.node.name)
+def tell_trainer(spec: WorkerSpec, gen: StreamExecutor, sync: str) -> MessageSender | None:
+    """What replica ``spec.rank`` (weights through route node ``sync``) says to its trainer once
+    its weight channel is bound, in this order on one socket: the dtype its engine chose
+    (``("engine_dtype", weights, name, fresh)``) when the plan's ``weights_dtype`` is ``engine``
+    and the channel is a wire (not ``mem://``), so the trainer sends the weight matrices in it
+    (``WeightPublisher.follow_engine``; ``fresh``: a restarted replica, whose subscriber starts
+    anew); then, restarted, the request for the current version (``("resync", weights)``).
+    Returns the sender (None: nothing to say), for the caller to close when the replica ends:
+    ZeroMQ delivers in the background once the trainer has bound (a resumed one may bind later),
+    and ``close`` waits at most 120 s for what is still queued."""
+    messages = []
     if spec.trainer and not spec.weights.startswith(SCHEME) and \
             any(n.name == sync and wire_dtype_name(n.attrs.get("weights_dtype")) == ENGINE for n in spec.plan.nodes):
         messages.append(("engine_dtype", spec.weights, str(gen.engine.dtype).removeprefix("torch."), bool(spec.resync)))
