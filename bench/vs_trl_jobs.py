@@ -51,8 +51,11 @@ class Variant:
         gen_dtype: areal-flow ``gen.dtype`` override (``""``: the yaml's).
         train_dtype: areal-flow ``model.dtype`` override (``""``: the yaml's; ``gen_dtype``
             float32 alone sets it to float32 too, the fp32 pair).
+        lend: areal-flow ``scheduler.lend_idle_cores`` override (None: the default, on).
         threads: TRL torch intra-op threads (0 = torch's default, every core).
         bf16: TRL ``bf16`` (autocast of its forward passes to bf16 on CPU).
+        malloc: TRL's process started with ``runtime.worker_env.CPU_MALLOC`` (glibc malloc
+            keeping what it frees, as areal-flow's CPU workers).
     """
 
     label: str
@@ -60,26 +63,32 @@ class Variant:
     k: str = ""
     gen_dtype: str = ""
     train_dtype: str = ""
+    lend: bool | None = None
     threads: int = 0
     bf16: bool = False
+    malloc: bool = True
 
 
 def variants(ks: list[str], gen_dtypes: list[str], trl_threads: list[int], trl_bf16: list[bool],
-             train_dtypes: tuple[str, ...] = ("",)) -> list[Variant]:
-    """Every areal-flow (k x gen.dtype x model.dtype) and TRL (threads x bf16) combination,
-    areal-flow first.
+             train_dtypes: tuple[str, ...] = ("",), lends: tuple[bool | None, ...] = (None,),
+             trl_mallocs: tuple[bool, ...] = (True,)) -> list[Variant]:
+    """Every areal-flow (k x gen.dtype x model.dtype x core lending) and TRL (threads x bf16 x
+    malloc setting) combination, areal-flow first.
 
     A dtype enters the label only when it is set (``"areal k=1 auto"``, ``"areal k=1 auto
-    train=bfloat16"``; ``"areal k=2"`` runs the yaml's), TRL's precision always (``"TRL fp32"``,
+    train=bfloat16"``; ``"areal k=2"`` runs the yaml's), core lending only when set (``"areal k=1
+    lend=off"``), TRL's precision always and its malloc only when glibc's default (``"TRL bf16
+    glibc-malloc"``) (``"TRL fp32"``,
     ``"TRL t=1 bf16"``).
 
     Raises:
         ValueError: no variant at all.
     """
-    out = [Variant(f"areal k={k}" + (f" {d}" if d else "") + (f" train={t}" if t else ""), "areal", k=k, gen_dtype=d,
-                   train_dtype=t) for k in ks for d in gen_dtypes for t in train_dtypes]
-    out += [Variant("TRL" + (f" t={t}" if t else "") + (" bf16" if b else " fp32"), "trl", threads=t, bf16=b)
-            for t in trl_threads for b in trl_bf16]
+    out = [Variant(f"areal k={k}" + (f" {d}" if d else "") + (f" train={t}" if t else "")
+                   + ("" if lend is None else f" lend={'on' if lend else 'off'}"), "areal", k=k, gen_dtype=d,
+                   train_dtype=t, lend=lend) for k in ks for d in gen_dtypes for t in train_dtypes for lend in lends]
+    out += [Variant("TRL" + (f" t={t}" if t else "") + (" bf16" if b else " fp32") + ("" if m else " glibc-malloc"),
+                    "trl", threads=t, bf16=b, malloc=m) for t in trl_threads for b in trl_bf16 for m in trl_mallocs]
     if not out:
         raise ValueError("vs_trl: no variant to run (--k and --trl-threads both empty)")
     return out

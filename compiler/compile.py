@@ -98,7 +98,8 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
     if isinstance(batch_groups, bool) or not isinstance(batch_groups, int) or batch_groups < 1:
         raise CompileConfigError(f"train.batch_size={batch_groups!r}: must be an int >= 1 (B, prompt groups per step)")
     workload = build_workload(graph, cfg, batch_groups)
-    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg, scheduler, micro_batch_rows)
+    model = CostModel(workload, device_spec(cluster.gpu), cluster, cfg, scheduler, micro_batch_rows,
+                      sync_dtype=wire_dtype(graph))
     pins = _pins(cfg, model)
     if cfg.allocation:
         chosen = evaluate(model, *resolve(cfg.allocation, model))
@@ -117,6 +118,19 @@ def compile_plan(graph, cluster_cfg: ClusterConfig, compile_cfg: CompileConfig, 
     warnings = plan_warnings(ranked[0], found, manual=bool(cfg.allocation), asked_async=workload.staleness >= 1,
                              total_devices=model.total_devices)
     return _to_plan(ranked, graph, workload, model, cluster, cfg, warnings, batch_groups)
+
+
+WIRE_BYTES_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def wire_dtype(graph) -> str | None:
+    """The dtype every ``sync_weights`` node of ``graph`` sends the weights in (its
+    ``weights_dtype``, lowered by ``compiler.program``) as ``compiler.memory.DTYPE_BYTES`` names
+    it; None when they differ, name none, or defer to the engine (``engine``: known only once it
+    starts), so the weight sync is sized by ``compile.dtype``."""
+    names = {WIRE_BYTES_NAMES.get(str(n.attrs.get("weights_dtype"))) for n in graph.nodes.values()
+             if n.op == "sync_weights"}
+    return names.pop() if len(names) == 1 else None
 
 
 def _checkpointing(a, model: CostModel, cfg: CompileConfig) -> bool:

@@ -90,11 +90,14 @@ class CostModel:
     is the runtime the plan is for (``scheduler.type``: ``local`` or ``ray``, whose placements
     must also pass ``compiler.hosting.ray_hosting_problem``); ``micro_batch_rows``: sequences a
     training micro-batch holds (``train.micro_batch_size``) when ``compile.micro_batches`` is
-    null, so each strategy's count per DP rank follows its ``dp``."""
+    null, so each strategy's count per DP rank follows its ``dp``; ``sync_dtype``: the dtype the
+    weights travel in to the generators (``bf16``/``fp16``/``fp32``, the plan's ``weights_dtype``
+    where it names one), None: ``compile.dtype``."""
 
     def __init__(self, workload: Workload, device: DeviceSpec, cluster: ClusterConfig, cfg: CompileConfig,
-                 scheduler: str = "local", micro_batch_rows: int | None = None):
+                 scheduler: str = "local", micro_batch_rows: int | None = None, sync_dtype: str | None = None):
         self.workload = workload
+        self.sync_dtype = sync_dtype or cfg.dtype
         self.micro_batch_rows = micro_batch_rows
         self.scheduler = scheduler
         self.device = device
@@ -390,12 +393,12 @@ class CostModel:
     def sync_floor(self, train: DeviceTask, gen_strategy: ParallelStrategy, same_machine: bool) -> float:
         """A lower bound on :meth:`sync` over every training mesh: the seconds for each
         generation device to receive its shard (the trainers' sends left out)."""
-        receive = DTYPE_BYTES[self.cfg.dtype] * params_per_device(train.model, gen_strategy)
+        receive = DTYPE_BYTES[self.sync_dtype] * params_per_device(train.model, gen_strategy)
         return self.links.latency + receive / (self.links.intra if same_machine else self.links.inter)
 
     def sync(self, train: DeviceTask, gen_strategy: ParallelStrategy, train_devices: int, same_machine: bool):
         """``(seconds, bytes, link)`` of the weight sync from ``train`` into ``gen_strategy``."""
         return weight_sync_time(
-            train.model, gen_strategy, train_devices=train_devices, dtype=self.cfg.dtype,
+            train.model, gen_strategy, train_devices=train_devices, dtype=self.sync_dtype,
             same_machine=same_machine, links=self.links,
         )

@@ -35,6 +35,7 @@ class WorkerContext:
     out_dir: Path
     rank: int = 0
     threads: int = 1
+    cores: object = None  # runtime.core_lending.CoreShare: threads lent among local workers
     models: dict = field(default_factory=dict)
     rank_trainer: object = None
     _tokenizer: object = None

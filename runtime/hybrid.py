@@ -14,7 +14,7 @@ the same code as in two processes; their other channels stay ZeroMQ ``ipc://``.
 Only one of them computes at a time; each thread gets every torch thread the scheduler
 gives a worker at k = 0. libgomp keeps one OpenMP team per calling thread, so the waiting
 thread's team would spin on the cores the other needs, as a second process's does: the
-process starts with ``OMP_WAIT_POLICY=PASSIVE`` (after a short spin, ``runtime.launch.OMP_SPIN``) like every local worker (libgomp's default
+process starts with ``OMP_WAIT_POLICY=PASSIVE`` (after a short spin, ``runtime.worker_env.OMP_SPIN``) like every local worker (libgomp's default
 spin made its RL loop 1.5x as long as two PASSIVE processes' on the shared 2-core box:
 docs/PERFORMANCE.md).
 

@@ -28,16 +28,15 @@ memory).
 Threads: with ``k >= 1`` generation and training overlap, so the cores are split among
 the busy processes; with ``k = 0`` (the synchronous baseline) they alternate, so each gets
 all of them. Idle OpenMP threads of a waiting worker must not spin on the cores another
-needs: workers start with ``OMP_WAIT_POLICY=PASSIVE`` and a short spin before the sleep
-(``GOMP_SPINCOUNT``, :data:`OMP_SPIN`: without it every parallel region wakes its threads from
-sleep, 3x the tiny job's 2-thread train step), the hybrid worker too (each of its two threads has
-an OpenMP team of its own, and the box is shared: docs/PERFORMANCE.md). ``scheduler.threads_per_worker`` > 0
-sets every worker's threads instead.
+needs: workers start with ``OMP_WAIT_POLICY=PASSIVE`` and a short spin before the sleep, the
+hybrid worker too, and on a CPU plan with glibc's malloc keeping what it frees
+(``runtime.worker_env``). On CPU a waiting worker lends its threads to a computing trainer
+(``runtime.core_lending``). ``scheduler.threads_per_worker`` > 0 sets every worker's threads
+instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -47,6 +46,7 @@ import traceback
 from dataclasses import replace
 
 from compiler.plan import Plan
+from runtime.core_lending import CoreLedger
 from runtime.driver import DIED, Driver, WorkerEnd, reports
 from runtime.hybrid import hybrid_pair, in_memory_weights, run_hybrid, why_not_hybrid
 from runtime.lifecycle import die_with_parent, stop_signals_as_interrupt
@@ -55,6 +55,8 @@ from runtime.run_setup import RunSetup
 from runtime.owned_dir import SOCKETS, new_owned_dir, remove_owned_dir
 from runtime.stage_worker import run_stage_worker
 from runtime.topology import Topology, WorkerGroup
+from runtime.worker_console import clear_bar_before_lines
+from runtime.worker_env import CPU_MALLOC, OMP_PASSIVE, started_with
 from runtime.workers import WorkerSpec, run_generation_replica
 
 
@@ -119,6 +121,7 @@ def _child(placement, target, spec, results, *extra) -> None:
     """A local worker process: tied to its driver, placed on its devices
     (``runtime.placement``), then ``target(spec, *extra)``, filed by :func:`_filed`."""
     die_with_parent(mp.parent_process().pid)  # a SIGKILLed driver leaves no worker running
+    clear_bar_before_lines()  # its lines on the driver's terminal take the progress bar's line whole
     placed: dict = {}
     _filed(results, spec, lambda: placed.update(place_process(*placement)) or target(spec, *extra), placed)
 
@@ -127,6 +130,7 @@ def _hybrid_child(placement, gen_spec, train_spec, results, report) -> None:
     """The hybrid worker's process (``runtime.hybrid``): a generation replica and the trainer,
     each filed by :func:`_filed` under its own name (a placement error under the trainer's)."""
     die_with_parent(mp.parent_process().pid)
+    clear_bar_before_lines()
     placed: dict = {}
     if _filed(results, train_spec, lambda: placed.update(place_process(*placement)), placed):
         run_hybrid(gen_spec, train_spec, report, threading.Lock(),
@@ -135,13 +139,15 @@ def _hybrid_child(placement, gen_spec, train_spec, results, report) -> None:
 
 def _filed(results, spec, work, placed: dict) -> bool:
     """Run ``work()``; put ``(worker, "ok", report)`` on ``results`` (a dict report gets
-    ``placement``, what the process was given, and its ``pid``; a None report puts nothing),
+    ``placement``, what the process was given, its ``core_lending`` counts when it took part
+    (``runtime.core_lending``) and its ``pid``; a None report puts nothing),
     or ``(worker, "error", message)`` with the traceback. True when ``work`` returned."""
     name = f"{spec.group}/{spec.rank}"
     try:
         report = work()
         if report is not None:
-            results.put((name, "ok", {**report, "placement": placed, "pid": os.getpid()}
+            lending = spec.cores.report() if spec.cores is not None else {}  # runtime.core_lending
+            results.put((name, "ok", {**report, "placement": placed, **lending, "pid": os.getpid()}
                          if isinstance(report, dict) else report))
         return True
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the parent
@@ -150,28 +156,10 @@ def _filed(results, spec, work, placed: dict) -> bool:
         return False
 
 
-OMP_SPIN = "10000"
-"""``GOMP_SPINCOUNT`` of a worker: an idle OpenMP thread spins this many rounds (tens of
-microseconds) before it sleeps. With 0 (what ``PASSIVE`` alone gives) every parallel region
-wakes its threads from sleep: the tiny main job's 2-thread train step took 191 ms against 59-63 ms
-with this spin (``bench/train_throughput.py``-style step, quiet box, docs/PERFORMANCE.md), while
-a waiting worker's threads still leave the cores to the other within the spin."""
-
-
-@contextlib.contextmanager
-def _passive_omp():
-    """Idle OpenMP threads of a waiting worker sleep after a short spin (``OMP_WAIT_POLICY=PASSIVE``
-    and ``GOMP_SPINCOUNT`` = :data:`OMP_SPIN`, each unless set) in the processes started inside."""
-    defaults = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OMP_SPIN}
-    previous = {k: os.environ.get(k) for k in defaults}
-    for key, value in defaults.items():
-        os.environ[key] = previous[key] or value
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                del os.environ[key]
+def _worker_env(device_type: str) -> dict[str, str]:
+    """The environment defaults a local worker starts with (``runtime.worker_env``): OpenMP
+    threads that sleep after a short spin; on CPU, glibc's malloc keeping what it frees."""
+    return {**OMP_PASSIVE, **(CPU_MALLOC if device_type == "cpu" else {})}
 
 
 class LocalScheduler:
@@ -189,6 +177,7 @@ class LocalScheduler:
         self.leases: dict = {}
         self.sock: str | None = None  # this attempt's ipc:// socket folder (runtime.owned_dir)
         self.hybrid = hybrid_pair(setup.topo) if setup.plan.run["scheduler"].get("hybrid", False) else None
+        self.ledger: CoreLedger | None = None  # made per attempt by addresses()
         self.start_how = _HYBRID_START if self.hybrid else "starting {n} workers (torch, models)"
         self.waiting: dict[str, WorkerSpec] = {}  # the hybrid worker's specs until both are given
 
@@ -202,8 +191,13 @@ class LocalScheduler:
             in_memory_weights(addresses, sock)
         n_procs = sum(g.replicas for g in topo.groups.values()) - bool(self.hybrid)
         cores = os.cpu_count() or 2
-        threads = int(self.setup.plan.run["scheduler"].get("threads_per_worker", 0)) or (
+        scheduler = self.setup.plan.run["scheduler"]
+        threads = int(scheduler.get("threads_per_worker", 0)) or (
             cores if topo.max_staleness == 0 else max(1, cores // n_procs))
+        lend = (topo.max_staleness >= 1 and n_procs > 1 and not self.hybrid and scheduler.get("lend_idle_cores", True)
+                and not scheduler.get("threads_per_worker", 0) and not scheduler.get("cpu_pinning", False)
+                and self.setup.plan.device_type == "cpu")
+        self.ledger = CoreLedger(n_procs, cores, self.ctx) if lend else None  # runtime.core_lending
         self.procs, self.results, self.reports = {}, self.ctx.Queue(), self.ctx.Queue()
         self.leases = {} if self.hybrid else {mesh: self.ctx.Lock() for mesh in _time_shared(topo)}
         self.waiting = {}
@@ -217,6 +211,8 @@ class LocalScheduler:
         pinning = bool(self.setup.plan.run["scheduler"].get("cpu_pinning", False))
         if pinning and spec.plan.device_type == "cpu":  # one core per device: threads to match
             spec = replace(spec, threads=len(devices))
+        if self.ledger is not None and (group.kind == "generation" or group.strategy.world_size == 1):
+            spec = replace(spec, cores=self.ledger.share(name, spec.threads))  # not a multi-rank trainer
         placement = (devices, spec.plan.device_type, pinning)
         if group.kind == "generation":
             args = (run_generation_replica, spec, self.results, lease)
@@ -224,7 +220,7 @@ class LocalScheduler:
             args = (run_stage_worker, spec, self.results, self.reports.put if reports(self.setup.topo, group) else None,
                     lease)
         self.procs[name] = self.ctx.Process(target=_child, args=(placement, *args), name=name)
-        with _passive_omp():
+        with started_with(_worker_env(spec.plan.device_type)):
             self.procs[name].start()
 
     def _start_hybrid(self, spec: WorkerSpec, group: WorkerGroup) -> None:
@@ -244,7 +240,7 @@ class LocalScheduler:
                                 args=((devices, spec.plan.device_type, pinning), gen_spec, train_spec, self.results,
                                       report))
         self.procs[f"{gen_spec.group}/0"] = self.procs[f"{train_spec.group}/0"] = proc
-        with _passive_omp():  # its waiting thread's OpenMP team sleeps too (runtime.hybrid)
+        with started_with(_worker_env(train_spec.plan.device_type)):  # its waiting thread's OpenMP team sleeps too
             proc.start()
 
     def wait(self, timeout_s: float) -> list[WorkerEnd]:

@@ -245,12 +245,27 @@ def _generator_lines(workers: dict) -> list[str]:
         lines.append("generation engines: " + ", ".join(
             f"{name} {w['engine_dtype']}" + (f" (auto: decode step {w['engine_dtype_speedup']:.2f}x fp32's)"
                                              if "engine_dtype_speedup" in w else "")
-            for name, w in sorted(reports.items())))
+            for name, w in sorted(reports.items(), key=_by_worker)))
     over = {name: w for name, w in workers.items() if isinstance(w, dict) and w.get("prompts_over_budget")}
     if over:
         lines.append("prompts longer than the plan's budget (compile.max_prompt_len): " + ", ".join(
-            f"{name} {w['prompts_over_budget']} (longest {w['longest_prompt']} tokens)" for name, w in sorted(over.items())))
+            f"{name} {w['prompts_over_budget']} (longest {w['longest_prompt']} tokens)"
+            for name, w in sorted(over.items(), key=_by_worker)))
+    lending = {name: w["core_lending"] for name, w in workers.items() if isinstance(w, dict) and "core_lending" in w}
+    if lending:
+        lines.append("idle cores lent (scheduler.lend_idle_cores): " + ", ".join(
+            f"{name} lent its {c['own_threads']} thread(s) {c['lent_s']:.1f} s" if not c["phases"] else
+            f"{name} ran {c['borrowed']} of {c['phases']} phases on lent threads (own {c['own_threads']}, "
+            f"at most {c['most_threads']}), lent its own {c['lent_s']:.1f} s"
+            for name, c in sorted(lending.items(), key=_by_worker)))
     return lines
+
+
+def _by_worker(item: tuple[str, object]) -> tuple[str, int]:
+    """Sort key of a ``(worker name, value)`` pair: group, then rank as a number (``generate/2``
+    before ``generate/10``)."""
+    group, _, rank = item[0].rpartition("/")
+    return (group, int(rank)) if rank.isdigit() else (item[0], -1)
 
 
 def format_summary(summary: dict) -> str:

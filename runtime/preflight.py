@@ -66,7 +66,8 @@ def _check_engine_installed(plan: Plan, node) -> None:
     if local and node.attrs.get("engine") == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{node.where()}: engine='vllm' (gen.engine), but vllm is not installed in this "
                           f"interpreter ({sys.executable}); install it (its own venv: `make test-vllm` builds "
-                          ".venv-vllm, docs/USAGE.md) or use gen.engine=embedded")
+                          ".venv-vllm, docs/USAGE.md) or run the embedded engine (gen.engine=embedded; in a "
+                          "plan.json given to `run --plan`, the node's \"engine\": \"embedded\")")
 
 
 def _check_config_values(plan: Plan) -> None:

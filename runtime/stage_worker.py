@@ -141,7 +141,8 @@ class _Stage:
         """The next fully joined, processed item, or the ``B`` items of a step's batch from
         the previous step group (its values and stats kept in :attr:`carried`); none on a
         timeout or a dropped group."""
-        msg = self.inbox.recv(timeout_s=timeout_s)
+        with self.spec.cores.lending() if self.spec.cores else contextlib.nullcontext():
+            msg = self.inbox.recv(timeout_s=timeout_s)  # waiting: its threads lent (runtime.core_lending)
         if msg is None:
             return []
         if isinstance(msg, tuple) and msg[0] == "resync":

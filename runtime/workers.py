@@ -40,6 +40,7 @@ from runtime.plan_ops import register_plan_ops
 from runtime.channels import MessageReceiver, MessageSender, wait_any
 from runtime.checkpoint import sampling_seed
 from runtime.context import WorkerContext
+from runtime.core_lending import CoreShare
 from runtime.engines.precision import MIN_SPEEDUP
 from runtime.faults import kill_point
 from runtime.groups import GroupItem, failure_counts, run_group_nodes
@@ -71,6 +72,9 @@ class WorkerSpec:
             is signed with it, every message it receives is verified before use.
         resume: for a trainer, the checkpoint folder it continues from (``runtime.checkpoint``;
             empty: version 0).
+        cores: its slot in the local scheduler's core ledger (``runtime.core_lending``): it lends
+            its threads while it waits and takes the lent ones while it computes; None: its
+            threads stay ``threads``.
         ranks: for a multi-rank trainer whose ranks are spread over machines (Ray), the ranks
             this worker spawns and their rendezvous (``runtime.parallel.launch.RankSpan``);
             None: every rank, here.
@@ -94,6 +98,7 @@ class WorkerSpec:
     secret: bytes = b""
     resume: str = ""
     ranks: RankSpan | None = None
+    cores: CoreShare | None = None
 
 
 def worker_context(spec: WorkerSpec) -> WorkerContext:
@@ -105,7 +110,7 @@ def worker_context(spec: WorkerSpec) -> WorkerContext:
     plan = spec.plan
     decoded = tuple(n.__class__(**{**n.__dict__, "attrs": decode_value(n.attrs)}) for n in plan.nodes)
     plan = plan.__class__(**{**plan.__dict__, "nodes": decoded})
-    return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank, threads=spec.threads)
+    return WorkerContext(plan, spec.folders, Path(spec.out_dir), rank=spec.rank, threads=spec.threads, cores=spec.cores)
 
 
 def make_executor(node, ctx: WorkerContext) -> Executor | StreamExecutor:
@@ -140,7 +145,7 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
-    engine_steps = 0
+    engine_steps, cores = 0, spec.cores
     to_trainer = tell_trainer(spec, gen, sync)
     if spec.resume_version > 0:
         update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
@@ -165,7 +170,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 counts["weight_updates"] += 1
                 control.send(("version", spec.rank, gen.version))
             if not gen.has_work():  # idle: wake on a prompt or on new weights, whichever comes first
-                wait_any([inbox, weights], timeout_s=0.05)
+                with cores.lending() if cores else contextlib.nullcontext():
+                    wait_any([inbox, weights], timeout_s=0.05)
             msg = inbox.recv(timeout_s=0)
             while msg is not None:
                 if msg[0] == "stop":

@@ -134,6 +134,21 @@ def test_the_summary_names_each_engines_dtype_and_prompts_over_the_budget():
     quiet = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {},
                             "workers": {"generate/0": {"engine_dtype": "float32"}}})
     assert "generation engines: generate/0 float32\n" in quiet and "budget" not in quiet
+    many = {f"generate/{i}": {"engine_dtype": "float32"} for i in (10, 2, 1)}
+    text = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {}, "workers": many})
+    assert "generation engines: generate/1 float32, generate/2 float32, generate/10 float32\n" in text
+
+
+def test_the_summary_says_how_the_idle_cores_were_lent():
+    workers = {"train_step/0": {"core_lending": {"own_threads": 1, "lent_s": 2.04, "phases": 720, "borrowed": 312,
+                                                 "most_threads": 2}},
+               "generate/0": {"core_lending": {"own_threads": 1, "lent_s": 48.31, "phases": 0, "borrowed": 0,
+                                               "most_threads": 0}}}
+    text = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {}, "workers": workers})
+    assert ("idle cores lent (scheduler.lend_idle_cores): generate/0 lent its 1 thread(s) 48.3 s, train_step/0 ran "
+            "312 of 720 phases on lent threads (own 1, at most 2), lent its own 2.0 s\n") in text
+    plain = format_summary({"wall_s": 1.0, "samples_trained": 8, "staleness_histogram": {}, "workers": {}})
+    assert "idle cores" not in plain
 
 def test_start_up_says_what_it_is_doing(monkeypatch, capsys, tmp_path):
     import areal_flow.cli.run as cli_run

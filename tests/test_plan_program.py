@@ -227,3 +227,20 @@ def test_hand_edited_b_and_weight_route_are_what_runs(tmp_path, warm_cache):
     assert [r["staleness"] for r in records] == [r["step"] for r in records]
     replica = json.loads((tmp_path / "arith_grpo" / "summary.json").read_text())["workers"]["generate/0"]
     assert (replica["weight_updates"], replica["final_version"]) == (0, 0)  # the trainer published to nobody
+
+
+def test_the_weight_sync_is_sized_in_the_dtype_the_weights_travel_in():
+    """The route's bytes are n_params x the bytes of the sync node's ``weights_dtype`` where it
+    names a dtype (an fp32 engine gets fp32: 4 bytes, whatever ``compile.dtype`` says), else
+    ``compile.dtype``'s (``engine``: the dtype is known only once the engine starts)."""
+    from compiler.models import resolve_model
+
+    fp32 = _compile("arith_grpo", "compile.dtype=bf16")
+    params = resolve_model(fp32.models["policy"]["spec"]).n_params  # tiny-arith
+    assert [node.attrs["weights_dtype"] for node in fp32.nodes if node.op == "sync_weights"] == ["float32"]
+    assert [r.bytes for r in fp32.routes] == [4 * params]
+    half = _compile("arith_grpo", "compile.dtype=fp32", "gen.dtype=bfloat16")
+    assert [r.bytes for r in half.routes] == [2 * params]
+    engine = _compile("arith_grpo", "compile.dtype=fp16", "gen.dtype=auto")
+    assert [node.attrs["weights_dtype"] for node in engine.nodes if node.op == "sync_weights"] == ["engine"]
+    assert [r.bytes for r in engine.routes] == [2 * params]  # compile.dtype=fp16's 2 bytes

@@ -74,3 +74,11 @@ def test_trainer_dtypes_multiply_the_areal_variants_and_name_themselves():
     runs = variants(["1"], ["auto"], [0], [True], ("float32", "bfloat16"))
     assert [v.label for v in runs] == ["areal k=1 auto train=float32", "areal k=1 auto train=bfloat16", "TRL bf16"]
     assert [v.train_dtype for v in runs[:2]] == ["float32", "bfloat16"]
+
+
+def test_core_lending_and_trls_malloc_multiply_their_sides_and_name_themselves():
+    runs = variants(["1"], ["auto"], [0], [True], ("",), (True, False), (True, False))
+    assert [v.label for v in runs] == ["areal k=1 auto lend=on", "areal k=1 auto lend=off", "TRL bf16",
+                                       "TRL bf16 glibc-malloc"]
+    assert [v.lend for v in runs[:2]] == [True, False] and [v.malloc for v in runs[2:]] == [True, False]
+    assert variants(["1"], [""], [0], [True])[0].lend is None  # not set: the default, no override

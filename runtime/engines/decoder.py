@@ -199,9 +199,18 @@ class KVDecoder:
         return False
 
     def pack(self) -> None:
-        """(Re)build the packed weights from the model's current parameters."""
+        """(Re)build the packed weights from the model's current parameters, releasing each old
+        pack (a layer's, the embedding's, the head's) before its new one is built: a reload
+        holds one layer's weights twice at most, not the whole model, and the new pack reuses
+        the memory the old one freed (SmolLM2 bf16, alone: resident 2.40 GB after the first
+        reload against 2.60 GB building every layer first; 0.70 against 0.76 s)."""
         with torch.no_grad():
-            self.layers = [_Layer(layer, self.dtype, self.max_rows) for layer in self.base.layers]
+            layers = getattr(self, "layers", None) or [None] * len(self.base.layers)
+            for i, layer in enumerate(self.base.layers):
+                layers[i] = None
+                layers[i] = _Layer(layer, self.dtype, self.max_rows)
+            self.layers = layers
+            self.embed = self.head = None
             self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
             head = self.model.lm_head.weight
             same = head.data_ptr() == self.base.embed_tokens.weight.data_ptr() and self.head_dtype == self.dtype

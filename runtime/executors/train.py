@@ -176,6 +176,8 @@ class TrainStepExecutor:
         else:
             self.algorithm = s.build_algorithm(self.model, self.optimizer)
         self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
+        if ctx.cores is not None:  # the threads a waiting generator lends, at each layer (runtime.core_lending)
+            ctx.cores.follow(self.model, self.optimizer)
 
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
