@@ -45,7 +45,7 @@ from compiler.memory import (
 from compiler.mesh import aligned_sizes
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.timing import (
-    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time,
+    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time, wire_bytes,
 )
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
 
@@ -393,7 +393,8 @@ class CostModel:
     def sync_floor(self, train: DeviceTask, gen_strategy: ParallelStrategy, same_machine: bool) -> float:
         """A lower bound on :meth:`sync` over every training mesh: the seconds for each
         generation device to receive its shard (the trainers' sends left out)."""
-        receive = DTYPE_BYTES[self.sync_dtype] * params_per_device(train.model, gen_strategy)
+        m = train.model
+        receive = wire_bytes(m, self.sync_dtype) * params_per_device(m, gen_strategy) / m.n_params
         return self.links.latency + receive / (self.links.intra if same_machine else self.links.inter)
 
     def sync(self, train: DeviceTask, gen_strategy: ParallelStrategy, train_devices: int, same_machine: bool):

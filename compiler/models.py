@@ -95,6 +95,14 @@ class ModelSpec:
         return h * q + 2 * h * kv + q * h + bias + norm + 2 * h
 
     @property
+    def vector_params(self) -> int:
+        """1-D tensors (norm scales, attention biases), elements: per layer the two layer norms,
+        the q/k/v biases and q/k norms where the model has them; the final norm."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0) + 2 * self.hidden
+        return self.n_layers * per_layer + self.hidden
+
+    @property
     def expert_params_per_layer(self) -> int:
         """Routed-expert weights of one layer (sharded by EP), elements."""
         return self.n_experts * 3 * self.hidden * self.expert_intermediate

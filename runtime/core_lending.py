@@ -20,12 +20,15 @@ faster; docs/PERFORMANCE.md).
 Only where the cores are split among workers that share them: the local scheduler on CPU with
 ``scheduler.threads_per_worker=0`` and ``scheduler.cpu_pinning=false``, ``k >= 1`` (with
 ``k = 0`` each worker already has every core), not the hybrid worker; ``scheduler.lend_idle_cores``
-turns it off. A multi-rank trainer takes no part (its ranks are other processes). The
+turns it off. A multi-rank trainer takes no part (its ranks are other processes). Several
+borrowers (a trainer and a critic on meshes of their own) share what is lent: each takes only
+what the others have not taken at their last boundary (a second array), so a lent core goes to
+one of them (two reading at the same instant may both take it until their next boundary). The
 trainer's thread count then depends on timing, and with it the order of its floating-point
 sums: a ``k >= 1`` run was not bit-reproducible before (which policy version generates which
-group is timing too); ``k = 0`` runs are untouched. The ledger is a shared-memory array of
-one integer a worker, the threads it lends now; a worker writes only its own slot, so no
-lock is needed.
+group is timing too); ``k = 0`` runs are untouched. The ledger is two shared-memory arrays of
+one integer a worker, the threads it lends now and the lent threads it runs now; a worker
+writes only its own slots, so no lock is needed.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class CoreLedger:
 
     def __init__(self, n: int, cores: int, ctx=mp) -> None:
         self.lent = ctx.Array("i", n, lock=False)
+        self.taken = ctx.Array("i", n, lock=False)
         self.cores = cores
         self.slots: dict[str, int] = {}
 
@@ -63,8 +67,9 @@ class CoreLedger:
             if len(self.slots) == len(self.lent):
                 raise ValueError(f"core ledger: {len(self.lent)} slots taken, no slot for worker {worker!r}")
             self.slots[worker] = len(self.slots)
-        self.lent[self.slots[worker]] = 0  # a restarted worker's predecessor may have died lending
-        return CoreShare(self.lent, self.slots[worker], base, self.cores)
+        slot = self.slots[worker]
+        self.lent[slot] = self.taken[slot] = 0  # a restarted worker's predecessor may have died lending
+        return CoreShare(self.lent, self.taken, slot, base, self.cores)
 
 
 @dataclass
@@ -72,11 +77,13 @@ class CoreShare:
     """One worker's slot in a :class:`CoreLedger` (picklable into a spawned process).
 
     Attributes:
-        lent: the ledger's shared array. slot: this worker's index in it.
+        lent, taken: the ledger's shared arrays (threads each worker lends now; lent threads each
+            runs now). slot: this worker's index in them.
         base: its own threads (the launcher's split). cores: the most it may run.
     """
 
     lent: object
+    taken: object
     slot: int
     base: int
     cores: int
@@ -89,7 +96,7 @@ class CoreShare:
     @contextlib.contextmanager
     def lending(self):
         """Lend this worker's threads to the others for the ``with`` body (it waits there)."""
-        self.lent[self.slot] = self.base
+        self.lent[self.slot], self.taken[self.slot] = self.base, 0  # it runs nothing while it waits
         started = time.perf_counter()
         try:
             yield
@@ -98,14 +105,17 @@ class CoreShare:
             self._lent_s += time.perf_counter() - started
 
     def threads(self) -> int:
-        """The threads this worker may run now: its own plus what the others lend, at most
-        :attr:`cores`."""
-        others = sum(self.lent[i] for i in range(len(self.lent)) if i != self.slot)
-        return min(self.cores, self.base + others)
+        """The threads this worker may run now: its own plus what the others lend and no other
+        borrower has taken, at most :attr:`cores`."""
+        others = [i for i in range(len(self.lent)) if i != self.slot]
+        spare = sum(self.lent[i] for i in others) - sum(self.taken[i] for i in others)
+        return self.base + max(0, min(self.cores - self.base, spare))
 
     def fit(self) -> int:
-        """Set this process's torch threads to :meth:`threads` (only when it changed); returns it."""
+        """Take :meth:`threads` (what it runs beyond its own share is marked taken) and set this
+        process's torch threads to it (only when it changed); returns it."""
         n = self.threads()
+        self.taken[self.slot] = n - self.base
         if n != self._threads:
             torch.set_num_threads(n)
             self._threads = n
@@ -117,7 +127,7 @@ class CoreShare:
         threads, the seconds it lent them, the phases it fitted, how many of them ran on lent
         threads, the most it ran."""
         return {"core_lending": {"own_threads": self.base, "lent_s": round(self._lent_s, 3), "phases": self._fits,
-                                 "borrowed": self._borrowed, "most_threads": self._most}}
+                                 "borrowed": self._borrowed, "most_threads": max(self._most, self.base)}}
 
     def follow(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call :meth:`fit` at the phase boundaries of ``model``'s training: before each of its

@@ -50,7 +50,7 @@ def started_with(defaults: dict[str, str]):
     restored after."""
     previous = {k: os.environ.get(k) for k in defaults}
     for key, value in defaults.items():
-        os.environ[key] = previous[key] or value
+        os.environ[key] = value if previous[key] is None else previous[key]  # set, even empty: the user's
     try:
         yield
     finally:

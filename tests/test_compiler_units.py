@@ -148,13 +148,27 @@ def test_weight_sync_bytes_over_slowest_link():
     qwen7b = resolve_model("Qwen2.5-7B")
     seconds, nbytes, link = weight_sync_time(qwen7b, ParallelStrategy(dp=2, tp=4), train_devices=24,
                                              dtype="bf16", same_machine=False, links=_links())
-    # each generation device receives 2 x 7,615,616,512 / 4 = 3,807,808,256 B over the 10 GB/s network;
-    # the trainers send 2 copies / 24 devices = 1,269,269,419 B each (smaller)
-    assert link == "inter-node" and nbytes == 2 * 2 * 7_615_616_512
-    assert seconds == pytest.approx(3_807_808_256 / 10e9)
+    # a bf16 channel keeps the LM head (152,064 x 3,584 = 544,997,376) and the vectors (28 layers x
+    # (2 x 3,584 norms + 3,584 + 2 x 512 q/k/v biases) + 3,584 final norm = 333,312) in fp32:
+    # one copy = 2 x (7,615,616,512 - 545,330,688) + 4 x 545,330,688 = 16,321,894,400 B;
+    # each generation device receives a quarter (tp=4): 4,080,473,600 B over the 10 GB/s network;
+    # the trainers send 2 copies / 24 devices = 1,360,157,867 B each (smaller)
+    assert link == "inter-node" and nbytes == 2 * 16_321_894_400
+    assert seconds == pytest.approx(4_080_473_600 / 10e9)
     fast, _, link = weight_sync_time(qwen7b, ParallelStrategy(dp=2, tp=4), train_devices=24,
                                      dtype="bf16", same_machine=True, links=_links())
-    assert link == "intra-node" and fast == pytest.approx(3_807_808_256 / 100e9)
+    assert link == "intra-node" and fast == pytest.approx(4_080_473_600 / 100e9)
+    full, _, _ = weight_sync_time(qwen7b, ParallelStrategy(dp=1), train_devices=1, dtype="fp32", same_machine=True,
+                                  links=_links())
+    assert full == pytest.approx(4 * 7_615_616_512 / 100e9)  # fp32: every tensor in 4 bytes
+
+
+def test_a_bf16_channel_sends_smollm2_in_the_bytes_a_run_measures():
+    # 2 x (134,515,008 - 49,152 x 576 - 35,136 vectors) + 4 x (28,311,552 + 35,136): the
+    # weights/bytes a chat-job run logs with a bf16 engine (steps.jsonl, 325,723,392)
+    from compiler.timing import wire_bytes
+
+    assert wire_bytes(resolve_model("SmolLM2-135M"), "bf16") == 325_723_392
 
 
 # -- meshes and strategies ----------------------------------------------------------

@@ -39,6 +39,20 @@ def test_a_worker_runs_its_share_plus_what_the_waiting_ones_lend_capped_at_the_c
         assert a.threads() == 8
 
 
+def test_a_lent_core_goes_to_one_borrower_at_a_time(threads):
+    """gen:d1 + train:d1 + critic_step:d1 on 2 cores: the generator waits; the trainer takes its
+    thread at its next boundary, so the critic runs its own only; the trainer waits in turn and
+    the critic takes one (2 cores: own 1 + 1)."""
+    ledger = CoreLedger(3, cores=2)
+    gen, trainer, critic = (ledger.share(name, base=1) for name in ("generate/0", "train_step/0", "critic_step/0"))
+    with gen.lending():
+        assert trainer.fit() == 2 and critic.fit() == 1
+        with trainer.lending():
+            assert critic.fit() == 2
+        assert trainer.fit() == 1  # the critic holds the spare thread now
+    assert critic.fit() == 1 and trainer.fit() == 1
+
+
 def test_a_restarted_worker_gets_its_old_slot_back_and_takes_its_share_again():
     ledger = CoreLedger(2, cores=2)
     gen, trainer = ledger.share("generate/0", 1), ledger.share("train_step/0", 1)
@@ -61,6 +75,7 @@ def test_fit_sets_torch_threads_and_counts_the_borrowed_phases(threads):
     assert trainer.report() == {"core_lending": {"own_threads": 1, "lent_s": 0.0, "phases": 3, "borrowed": 1,
                                                  "most_threads": 2}}
     assert 0.05 <= gen.report()["core_lending"]["lent_s"] < 5
+    assert gen.report()["core_lending"]["most_threads"] == 1  # it never fitted: it ran its own thread
 
 
 class _Blocks(torch.nn.Module):

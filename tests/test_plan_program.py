@@ -239,8 +239,10 @@ def test_the_weight_sync_is_sized_in_the_dtype_the_weights_travel_in():
     params = resolve_model(fp32.models["policy"]["spec"]).n_params  # tiny-arith
     assert [node.attrs["weights_dtype"] for node in fp32.nodes if node.op == "sync_weights"] == ["float32"]
     assert [r.bytes for r in fp32.routes] == [4 * params]
+    spec = resolve_model("tiny-arith")
+    kept = spec.vocab * spec.hidden + spec.vector_params  # the LM head and the vectors stay fp32 (weight_wire)
     half = _compile("arith_grpo", "compile.dtype=fp32", "gen.dtype=bfloat16")
-    assert [r.bytes for r in half.routes] == [2 * params]
+    assert [r.bytes for r in half.routes] == [2 * (params - kept) + 4 * kept]
     engine = _compile("arith_grpo", "compile.dtype=fp16", "gen.dtype=auto")
     assert [node.attrs["weights_dtype"] for node in engine.nodes if node.op == "sync_weights"] == ["engine"]
-    assert [r.bytes for r in engine.routes] == [2 * params]  # compile.dtype=fp16's 2 bytes
+    assert [r.bytes for r in engine.routes] == [2 * (params - kept) + 4 * kept]  # compile.dtype=fp16's 2 bytes

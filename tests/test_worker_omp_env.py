@@ -34,9 +34,10 @@ def test_a_users_settings_win(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")  # glibc's default back
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "")  # set, though empty: left as the user set it
     with started_with({**OMP_PASSIVE, **CPU_MALLOC}):
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["GOMP_SPINCOUNT"] == "0"
-        assert os.environ["MALLOC_MMAP_MAX_"] == "65536"
+        assert os.environ["MALLOC_MMAP_MAX_"] == "65536" and os.environ["MALLOC_TRIM_THRESHOLD_"] == ""
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and os.environ["MALLOC_MMAP_MAX_"] == "65536"
 
 
