@@ -131,8 +131,8 @@ class CoreShare:
 
     def follow(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call :meth:`fit` at the phase boundaries of ``model``'s training: before each of its
-        blocks' forward (the modules of its ``nn.ModuleList`` s: a decoder's layers; the whole
-        model when it has none), when the backward reaches each block's output, and before
+        blocks' forward (the modules of its first, outermost ``nn.ModuleList``: a decoder's layers;
+        the whole model when it has none), when the backward reaches each block's output, and before
         ``optimizer.step()``. The hooks stay for the model's life."""
         layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
         for block in layers if layers else [model]:  # the outermost list: a decoder's layers
