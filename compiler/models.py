@@ -90,17 +90,19 @@ class ModelSpec:
     @property
     def attention_params_per_layer(self) -> int:
         h, q, kv = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        bias = (q + 2 * kv) if self.qkv_bias else 0
-        norm = 2 * self.head_dim if self.qk_norm else 0
-        return h * q + 2 * h * kv + q * h + bias + norm + 2 * h
+        return h * q + 2 * h * kv + q * h + self.vectors_per_layer
+
+    @property
+    def vectors_per_layer(self) -> int:
+        """1-D tensors of one layer, elements: the two layer norms, the q/k/v biases and q/k norms
+        where the model has them."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0) + 2 * self.hidden
 
     @property
     def vector_params(self) -> int:
-        """1-D tensors (norm scales, attention biases), elements: per layer the two layer norms,
-        the q/k/v biases and q/k norms where the model has them; the final norm."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        per_layer = ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0) + 2 * self.hidden
-        return self.n_layers * per_layer + self.hidden
+        """1-D tensors (norm scales, attention biases), elements: every layer's and the final norm."""
+        return self.n_layers * self.vectors_per_layer + self.hidden
 
     @property
     def expert_params_per_layer(self) -> int:

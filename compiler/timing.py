@@ -221,7 +221,7 @@ def wire_bytes(model: ModelSpec, dtype: str) -> float:
     ``fp16`` / ``fp32``): a 16-bit channel sends the weight matrices in it and keeps the output
     embedding (the LM head, sent once with a tied input embedding) and the vectors (norms,
     biases) in fp32, as the runtime does (``runtime.weight_wire.cast_on_wire``; SmolLM2-135M in
-    bf16: 325.6 MB against 269.0 MB for every tensor in 2 bytes)."""
+    bf16: 325.7 MB against 269.0 MB for every tensor in 2 bytes)."""
     b = DTYPE_BYTES[dtype]
     kept = model.vocab * model.hidden + model.vector_params if b < 4 else 0  # travels in fp32
     return b * (model.n_params - kept) + 4 * kept

@@ -251,14 +251,20 @@ def _generator_lines(workers: dict) -> list[str]:
         lines.append("prompts longer than the plan's budget (compile.max_prompt_len): " + ", ".join(
             f"{name} {w['prompts_over_budget']} (longest {w['longest_prompt']} tokens)"
             for name, w in sorted(over.items(), key=_by_worker)))
-    lending = {name: w["core_lending"] for name, w in workers.items() if isinstance(w, dict) and "core_lending" in w}
-    if lending:
-        lines.append("idle cores lent (scheduler.lend_idle_cores): " + ", ".join(
-            f"{name} lent its {c['own_threads']} thread(s) {c['lent_s']:.1f} s" if not c["phases"] else
-            f"{name} ran {c['borrowed']} of {c['phases']} phases on lent threads (own {c['own_threads']}, "
-            f"at most {c['most_threads']}), lent its own {c['lent_s']:.1f} s"
-            for name, c in sorted(lending.items(), key=_by_worker)))
     return lines
+
+
+def _lending_lines(workers: dict) -> list[str]:
+    """What the local workers lent and borrowed (``runtime.core_lending``), one line; none when
+    no worker took part."""
+    lending = {name: w["core_lending"] for name, w in workers.items() if isinstance(w, dict) and "core_lending" in w}
+    if not lending:
+        return []
+    return ["idle cores lent (scheduler.lend_idle_cores): " + ", ".join(
+        f"{name} lent its {c['own_threads']} thread(s) {c['lent_s']:.1f} s" if not c["phases"] else
+        f"{name} ran {c['borrowed']} of {c['phases']} phases on lent threads (own {c['own_threads']}, "
+        f"at most {c['most_threads']}), lent its own {c['lent_s']:.1f} s"
+        for name, c in sorted(lending.items(), key=_by_worker))]
 
 
 def _by_worker(item: tuple[str, object]) -> tuple[str, int]:
@@ -294,6 +300,7 @@ def format_summary(summary: dict) -> str:
         if "log" in episodes:
             lines.append(f"  first traceback of each: {episodes['log']}")
     lines += _generator_lines(summary.get("workers", {}))
+    lines += _lending_lines(summary.get("workers", {}))
     hist = summary["staleness_histogram"]
     total = sum(hist.values()) or 1
     lines.append("staleness histogram (versions between generation and training):")
