@@ -63,7 +63,8 @@ every round (``--repeats``) so a change of machine load hits all alike; medians 
 seed. The load average is printed at every run.
 
     python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
-        [--trainer-dtype float32,bfloat16] [--trl-threads 0,1] [--trl-bf16 0,1] [--repeats R] [--no-eval] [key=value ...]
+        [--trainer-dtype float32,bfloat16] [--lend 1,0] [--trl-threads 0,1] [--trl-bf16 0,1] [--trl-malloc 1,0]
+        [--repeats R] [--no-eval] [key=value ...]
 
 ``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
 greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:

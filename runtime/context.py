@@ -96,7 +96,8 @@ class WorkerContext:
             else:
                 from runtime.model_source import load_pretrained
 
-                model, _ = load_pretrained(folder)
+                # a CPU trainer writes its weights: out of the file's mapping now, not at its first step
+                model, _ = load_pretrained(folder, in_memory=self.plan.device_type == "cpu" and info["trainable"])
             if not info["trainable"]:
                 model.eval().requires_grad_(False)
             self.models[name] = model

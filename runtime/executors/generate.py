@@ -270,8 +270,8 @@ def build_engine(node, ctx):
     from runtime.engines.generation import GenerationEngine
     from runtime.model_source import load_pretrained
 
-    model, _ = load_pretrained(folder, dtype=ctx.dtype)
     device = "cuda" if ctx.plan.device_type == "cuda" else "cpu"
+    model, _ = load_pretrained(folder, dtype=ctx.dtype, in_memory=device == "cpu")
     return GenerationEngine(model, ctx.tokenizer, max_batch_size=slots, device=device, seed=seed,
                             dtype=a.get("engine_dtype", "float32"), head_dtype=a.get("engine_lm_head_dtype", "auto"),
                             cpu_kernels=a.get("engine_cpu_kernels", "auto"))
