@@ -1,7 +1,7 @@
 """A CPU worker's weights in its own memory (``runtime.model_source.load_pretrained(in_memory=True)``):
 out of the checkpoint file's copy-on-write mapping, so the first write to them (an optimizer step,
 an engine's weight update) takes no page faults; ties kept, values unchanged. Faults counted by the
-kernel (``getrusage``); a page is 4 KiB."""
+kernel (``getrusage``), against the pages the parameters span (``resource.getpagesize()``)."""
 
 import resource
 from pathlib import Path
@@ -36,7 +36,7 @@ def _faults_writing(model) -> int:
 
 def test_in_memory_weights_leave_the_files_mapping_and_take_no_faults_when_written(folder):
     weights_file = folder / "model.safetensors"
-    pages = sum(p.numel() * p.element_size() for p in load_pretrained(folder)[0].parameters()) // 4096
+    pages = sum(p.numel() * p.element_size() for p in load_pretrained(folder)[0].parameters()) // resource.getpagesize()
 
     mapped, _ = load_pretrained(folder)
     assert _mapped(weights_file)  # from_pretrained maps the file: a first write copies each page
