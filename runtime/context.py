@@ -85,10 +85,11 @@ class WorkerContext:
         if name not in self.models:
             info = self.plan.models[name]
             folder = self.folders[name]
+            written = self.plan.device_type == "cpu" and info["trainable"]  # out of the file's mapping now
             if info["head"] == "value":
                 from areal_flow.models.critic import ValueModel
 
-                model = ValueModel.from_policy(folder, seed=self.seed)
+                model = ValueModel.from_policy(folder, seed=self.seed, in_memory=written)
             elif info["head"] == "reward":
                 from areal_flow.models.reward_model import RewardModel
 
@@ -96,8 +97,7 @@ class WorkerContext:
             else:
                 from runtime.model_source import load_pretrained
 
-                # a CPU trainer writes its weights: out of the file's mapping now, not at its first step
-                model, _ = load_pretrained(folder, in_memory=self.plan.device_type == "cpu" and info["trainable"])
+                model, _ = load_pretrained(folder, in_memory=written)
             if not info["trainable"]:
                 model.eval().requires_grad_(False)
             self.models[name] = model

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_flow.config import ExperimentConfig
 from areal_flow.dtypes import torch_dtype
+from areal_flow.models.in_memory import copy_out_of_file
 from areal_flow.models.tokenizer import load_tokenizer
 
 
@@ -129,15 +130,8 @@ def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32
         folder: a ``save_pretrained`` folder (``prepare_initial_model``'s result).
         dtype: parameter dtype, a ``torch.dtype`` or a ``model.dtype`` name (``"bf16"``,
             ``"float32"``, ...); the weights are cast to it on load.
-        in_memory: copy every parameter out of the checkpoint file's mapping into the process's
-            own memory now (a CPU worker that will write its weights). ``from_pretrained`` maps a
-            safetensors file copy-on-write, so a parameter kept in its dtype stays in the mapping
-            and the first write to each page (the first optimizer step, the engine's first
-            weight update) faults it in then, inside the RL loop and from every thread of the
-            kernel at once: SmolLM2's 538 MB took 139,000 faults on its first write, and the chat
-            job's first AdamW step took 6.6 s and the generator's first weight load 5.8 s on this
-            VM against 0.1 s and 0.4 s later (docs/PERFORMANCE.md, weights out of the file's
-            mapping). Tied parameters stay tied (one ``Parameter`` object, copied once).
+        in_memory: the parameters copied out of the checkpoint file's mapping into the process's
+            own memory now (``areal_flow.models.in_memory``: a CPU worker that will write them).
 
     Raises:
         ValueError: an unknown dtype name; OSError: from ``from_pretrained``.
@@ -146,8 +140,4 @@ def load_pretrained(folder: str | Path, dtype: str | torch.dtype = torch.float32
     transformers.utils.logging.disable_progress_bar()  # per-load bars would break the run's progress bar
     with _LOADING:  # one load at a time: from_pretrained's meta-device initialisation is process-wide (runtime.hybrid)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    if in_memory:
-        with torch.no_grad():
-            for p in model.parameters():  # each Parameter once: a tied embedding and LM head stay one
-                p.data = p.data.clone()
-    return model, load_tokenizer(folder)
+    return copy_out_of_file(model) if in_memory else model, load_tokenizer(folder)

@@ -1,4 +1,5 @@
-"""A CPU worker's weights in its own memory (``runtime.model_source.load_pretrained(in_memory=True)``):
+"""A CPU worker's weights in its own memory (``areal_flow.models.in_memory``, through
+``runtime.model_source.load_pretrained(in_memory=True)`` and ``ValueModel.from_policy(in_memory=True)``):
 out of the checkpoint file's copy-on-write mapping, so the first write to them (an optimizer step,
 an engine's weight update) takes no page faults; ties kept, values unchanged. Faults counted by the
 kernel (``getrusage``), against the pages the parameters span (``resource.getpagesize()``)."""
@@ -56,3 +57,16 @@ def test_in_memory_weights_keep_ties_and_values(folder):
     assert model.state_dict().keys() == plain.state_dict().keys()
     for name, value in model.state_dict().items():
         assert torch.equal(value, plain.state_dict()[name]), name
+
+
+def test_a_critic_built_in_memory_leaves_the_policys_file_and_writes_without_faults(folder):
+    from areal_flow.models.critic import ValueModel
+
+    weights_file = folder / "model.safetensors"
+    mapped = ValueModel.from_policy(folder)
+    pages = sum(p.numel() * p.element_size() for p in mapped.backbone.parameters()) // resource.getpagesize()
+    assert _mapped(weights_file) and _faults_writing(mapped.backbone) >= pages // 2
+    del mapped
+    critic = ValueModel.from_policy(folder, in_memory=True)
+    assert not _mapped(weights_file)
+    assert _faults_writing(critic.backbone) < pages // 8

@@ -36,9 +36,11 @@ class ValueModel(ScalarHeadModel):
     KIND = "critic"
 
     @classmethod
-    def from_policy(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> "ValueModel":
-        """A critic whose backbone is the policy's decoder in ``folder``, with a new head."""
-        return cls.from_backbone(folder, seed=seed, dtype=dtype)
+    def from_policy(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    in_memory: bool = False) -> "ValueModel":
+        """A critic whose backbone is the policy's decoder in ``folder``, with a new head
+        (``in_memory``: :meth:`from_backbone`'s)."""
+        return cls.from_backbone(folder, seed=seed, dtype=dtype, in_memory=in_memory)
 
     @property
     def value_head(self) -> torch.nn.Linear:

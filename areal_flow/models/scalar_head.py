@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from transformers import AutoModel
 
+from areal_flow.models.in_memory import copy_out_of_file
 from areal_flow.models.quiet import no_progress_bars
 
 
@@ -37,15 +38,18 @@ class ScalarHeadModel(torch.nn.Module):
             self.head = torch.nn.Linear(backbone.config.hidden_size, 1)
 
     @classmethod
-    def from_backbone(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-        """A model whose backbone is the decoder of the causal LM in ``folder``, with a new head.
+    def from_backbone(cls, folder: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      in_memory: bool = False):
+        """A model whose backbone is the decoder of the causal LM in ``folder``, with a new head;
+        ``in_memory``: the backbone copied out of the file's mapping now (``areal_flow.models.in_memory``:
+        a model that will be trained on CPU).
 
         Raises:
             OSError / ValueError: from ``transformers`` when ``folder`` holds no model.
         """
         with no_progress_bars():  # loaded inside a run (a critic's worker): no bar within the run's
             backbone = AutoModel.from_pretrained(folder, dtype=dtype)
-        return cls(backbone, seed=seed)
+        return cls(copy_out_of_file(backbone) if in_memory else backbone, seed=seed)
 
     @classmethod
     def load(cls, folder: str | Path):
