@@ -34,18 +34,16 @@ from compiler.decode import DecodeCost
 from compiler.executable import NodeFacts, check_node, failed_rule
 from compiler.lengths import LengthDist
 from compiler.memory import (
-    DTYPE_BYTES,
     MemoryBreakdown,
     generation_memory,
     inference_memory,
     kv_bytes_per_sequence,
-    params_per_device,
     training_memory,
 )
 from compiler.mesh import aligned_sizes
 from compiler.strategy import ParallelStrategy, StrategyError
 from compiler.timing import (
-    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time, wire_bytes,
+    Links, compute_s, generation_time, ring_gather_s, swap_time, training_time, weight_sync_time, received_bytes,
 )
 from compiler.workload import GENERATION, TRAINING, DeviceTask, Workload
 
@@ -393,8 +391,7 @@ class CostModel:
     def sync_floor(self, train: DeviceTask, gen_strategy: ParallelStrategy, same_machine: bool) -> float:
         """A lower bound on :meth:`sync` over every training mesh: the seconds for each
         generation device to receive its shard (the trainers' sends left out)."""
-        m = train.model
-        receive = wire_bytes(m, self.sync_dtype) * params_per_device(m, gen_strategy) / m.n_params
+        receive = received_bytes(train.model, gen_strategy, self.sync_dtype)
         return self.links.latency + receive / (self.links.intra if same_machine else self.links.inter)
 
     def sync(self, train: DeviceTask, gen_strategy: ParallelStrategy, train_devices: int, same_machine: bool):

@@ -227,6 +227,12 @@ def wire_bytes(model: ModelSpec, dtype: str) -> float:
     return b * (model.n_params - kept) + 4 * kept
 
 
+def received_bytes(model: ModelSpec, gen: ParallelStrategy, dtype: str) -> float:
+    """Bytes one generation device of strategy ``gen`` receives of a weight version: its share
+    of :func:`wire_bytes` (``params_per_device`` of the ``n_params``)."""
+    return wire_bytes(model, dtype) * params_per_device(model, gen) / model.n_params
+
+
 def weight_sync_time(
     model: ModelSpec,
     gen: ParallelStrategy,
@@ -247,7 +253,7 @@ def weight_sync_time(
         ``"inter-node"`` (the network).
     """
     full = wire_bytes(model, dtype)
-    receive = full * params_per_device(model, gen) / model.n_params
+    receive = received_bytes(model, gen, dtype)
     send = full * gen.dp / train_devices
     bw, link = (links.intra, "intra-node") if same_machine else (links.inter, "inter-node")
     return links.latency + max(receive, send) / bw, full * gen.dp, link
