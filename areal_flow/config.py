@@ -44,10 +44,11 @@ class ModelConfig:
     """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 with dynamic loss scaling: algorithms/loss_scale.py); log-softmax
-    and the importance ratio stay fp32. Default float32. On the 2-core AMX box (bench/train_throughput.py, docs/PERFORMANCE.md
-    "Performance"): bf16 gives no reliable gain for the tiny models and speeds SmolLM2-135M training up, at a cost in
-    log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so the trainer's log-probs
-    drift from an fp32 engine's; decoupled PPO's proximal log-probs come from the trainer's own forward, in the same dtype).
+    and the importance ratio stay fp32 (on CPU the packed attention too: torch's bf16 CPU attention backward is ~3x
+    slower). Default float32 (graphs/arith_chat_grpo.yaml: bfloat16). On the 2-core AMX box (bench/train_throughput.py,
+    docs/PERFORMANCE.md "The bf16 trainer"): bf16 gives no reliable gain for the tiny models and speeds a SmolLM2-135M
+    step up 1.4-1.6x, at a cost in log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so
+    the trainer's log-probs drift from an fp32 engine's; decoupled PPO's proximal log-probs come from the trainer's own forward, in the same dtype).
     Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:

@@ -5,12 +5,12 @@ batch whose response lengths are long-tailed (log-uniform between ``--min-respon
 ``--max-response`` tokens, after a ``--prompt``-token prompt that each group of ``--group``
 rows shares, as GRPO's samples of one prompt do), in five micro-batch layouts:
 
-* ``padded``: ``rows / 2`` sequences per micro-batch in batch order (the default trainer);
+* ``padded``: ``rows / 2`` sequences per micro-batch (``--micro-batch-size``) in batch order;
 * ``padded+budget``: ``train.max_tokens_per_micro_batch``: rows sorted by length into
   micro-batches of at most the budget (rows x longest row);
 * ``packed+budget``: the same budget, each micro-batch's sequences packed into one row
   (``train.pack_sequences``, ``train.shared_prefix=false``),
-* ``packed+shared``: ``rows / 2`` sequences per micro-batch, packed, each group's common prompt
+* ``packed+shared``: ``rows / 2`` sequences per micro-batch (the same), packed, each group's common prompt
   run once (``train.shared_prefix``, the default: ``areal_flow.algorithms.shared_prefix``),
 * ``packed+shared+budget``: the same under the budget (clusters of rows sharing a prefix
   packed first-fit by the tokens they compute),
@@ -96,7 +96,7 @@ def bench(name: str, args) -> None:
     tokens = int(lengths.sum())
     budget = args.max_tokens or max(int(lengths.max()), math.ceil(tokens / 2))
     algo = build_algorithm("grpo", model, torch.optim.AdamW(model.parameters(), lr=1e-6),
-                           micro_batch_size=math.ceil(rows / 2), max_grad_norm=1.0)
+                           micro_batch_size=args.micro_batch_size or math.ceil(rows / 2), max_grad_norm=1.0)
     variants = [(lay, dt) for dt in DTYPES for lay in LAYOUTS]
     for lay, dt in variants:  # warm-up (allocator, oneDNN primitives)
         step_seconds(algo, batch, LAYOUTS[lay], budget, DTYPES[dt], args.device)
@@ -131,6 +131,8 @@ def main() -> None:
     p.add_argument("--max-response", type=int, default=240)
     p.add_argument("--max-tokens", type=int, default=0,
                    help="micro-batch token budget; 0 = half the step's real tokens (at least the longest row)")
+    p.add_argument("--micro-batch-size", type=int, default=0,
+                   help="sequences per micro-batch of the layouts without a budget; 0 = half the rows")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -32,8 +32,8 @@ fp32 vs fp32 (areal-flow ``gen.dtype=float32``, which also sets ``model.dtype=fl
 trainer and optimizer fp32; TRL ``bf16=False``: everything fp32) and each side's fast setting
 (areal-flow ``gen.dtype=auto``, the chat yaml's: the engine decodes in bf16 with the final norm +
 LM head fp32 when its bf16 step is >= 1.3x fp32's at start-up, else fp32, it prints which; the
-trainer as ``model.dtype`` says: the yaml's fp32, or under bf16 autocast with fp32 master weights
-and AdamW with ``--trainer-dtype bfloat16``, its weights then sent to the engine in bf16; TRL
+trainer as ``model.dtype`` says: the chat yaml's bf16 autocast over fp32 master weights and AdamW
+(its weights then sent to the engine in bf16), or fp32 with ``--trainer-dtype float32``; TRL
 ``bf16=True``: weights, gradients and AdamW fp32, every forward, generation included, under
 ``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in the
 dtypes autocast chose). The main job runs fp32 only (its yaml's dtypes).

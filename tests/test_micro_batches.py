@@ -196,6 +196,49 @@ def test_packed_attention_stays_inside_each_sequence():
         packed_sdpa(model, q[:1], q[:1], q[:1], None)
 
 
+def test_packed_attention_on_cpu_attends_in_fp32_under_autocast():
+    # bf16 autocast (the trainer's model.dtype=bfloat16) would run SDPA in bf16; on CPU the packed
+    # attention runs it in fp32 instead: the reference is softmax(q k^T / sqrt(d) + causal) v per
+    # group (Vaswani et al. 2017, eq. 1), each query head h reading key/value head h // 2 (GQA).
+    from areal_flow.models.packed_attention import PackedGroup, packed_sdpa
+
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    groups = (PackedGroup(0, 3), PackedGroup(3, 7))
+
+    def by_hand(q, k, v):
+        out = torch.zeros(1, 7, 4, 8, dtype=torch.float64)
+        for grp in groups:
+            s, e = grp.start, grp.end
+            for h in range(4):
+                scores = q[0, h, s:e].double() @ k[0, h // 2, s:e].double().T / 8 ** 0.5
+                scores = scores.masked_fill(torch.ones(e - s, e - s).triu(1).bool(), float("-inf"))
+                out[0, s:e, h] = scores.softmax(-1) @ v[0, h // 2, s:e].double()
+        return out
+
+    q.requires_grad_(True)
+    with packed_attention(model, groups), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_sdpa(model, q, k, v, None)
+        out16, _ = packed_sdpa(model, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    with packed_attention(model, groups):  # 16-bit inputs without autocast: attended in fp32 too
+        bare16, _ = packed_sdpa(model, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert out.dtype == torch.float32 and out16.dtype == bare16.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), by_hand(q, k, v), atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad(out.sum(), q)  # the backward ran in fp32 as well
+    q64 = q.detach().double().requires_grad_(True)
+    (grad64,) = torch.autograd.grad(by_hand(q64, k, v).sum(), q64)
+    torch.testing.assert_close(grad.double(), grad64, atol=1e-5, rtol=1e-5)
+    q = q.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what autocast alone runs: bf16 SDPA, ~1e-2 off here
+        plain = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3],
+                                                                 is_causal=True, enable_gqa=True)
+    assert (plain.double().transpose(1, 2) - by_hand(q, k, v)[:, :3]).abs().max() > 1e-3
+    exact16 = by_hand(q.bfloat16(), k.bfloat16(), v.bfloat16())  # bf16 inputs, fp32 arithmetic, one rounding
+    for half in (out16, bare16):  # at most one bf16 step from the exact result rounded once
+        torch.testing.assert_close(half.double(), exact16.bfloat16().double(), atol=0, rtol=2 ** -7)
+
+
 def test_packed_update_with_activation_checkpointing_equals_padded():
     # Checkpointing recomputes each layer's forward during backward: the recomputed attention
     # must still stay inside each packed sequence.

@@ -12,13 +12,22 @@ root tokens and causally to its own branch (a boolean ``[n, n]`` mask of the gro
 implementation is registered with ``transformers.AttentionInterface`` when
 :func:`packed_attention` is first entered (not at import) and only selected inside that
 context, which also says where the groups are.
+
+On CPU a 16-bit query, or any under autocast (the trainer's ``model.dtype=bfloat16``, whose
+rotary embedding hands fp32 queries that autocast would cast to bf16), is attended in fp32:
+torch's CPU flash attention forward + backward in bf16 took 2.87-2.93 ms against 1.35-1.46 ms
+in fp32 for one 128-token group (SmolLM2's 9 query / 3 key-value heads, 2 threads; with the
+casts 1.57-1.61 ms), and fp32 scores are the more accurate (docs/PERFORMANCE.md, "The bf16
+trainer"). On CUDA 16-bit stays 16-bit. Only this packed path does so: a padded micro-batch
+(``train.pack_sequences=false``), a multi-rank trainer's micro-batches and context-parallel
+attention still run ``transformers``' / their own SDPA in the autocast dtype.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -90,14 +99,20 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          f"groups ending at {groups[-1].end if groups else None}, mask {attention_mask is not None})")
     gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
+    dtype = query.dtype
+    on_cpu = query.device.type == "cpu"  # the module's docstring: no 16-bit SDPA on CPU (autocast would cast to it)
+    in_fp32 = on_cpu and (dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu"))
+    if in_fp32:
+        query, key, value = query.float(), key.float(), value.float()
     out = []
-    for g in groups:
-        s, e = g.start, g.end
-        mask = group_mask(g, query.device) if g.branches else None
-        out.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask, dropout_p=p,
-            is_causal=mask is None, scale=scaling, enable_gqa=gqa))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+    with torch.autocast("cpu", enabled=False) if in_fp32 else nullcontext():
+        for g in groups:
+            s, e = g.start, g.end
+            mask = group_mask(g, query.device) if g.branches else None
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask, dropout_p=p,
+                is_causal=mask is None, scale=scaling, enable_gqa=gqa))
+    return torch.cat(out, dim=2).to(dtype).transpose(1, 2).contiguous(), None
 
 
 @contextmanager
