@@ -80,3 +80,25 @@ def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):
     if canonical is None:
         raise ValueError(f"{key}={name!r}: expected {''.join(f'{w} or ' for w in extra)}one of {', '.join(DTYPES)}")
     return getattr(torch, canonical)
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+"""``/proc/cpuinfo`` flags of a CPU that multiplies bf16 in hardware (AVX-512 BF16's ``vdpbf16ps``,
+AMX's tile products); without them oneDNN converts bf16 to fp32 around each product, and a bf16
+autocast step runs slower than an fp32 one."""
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU multiplies bf16 in hardware: one of :data:`BF16_CPU_FLAGS` in a ``flags``
+    line of ``cpuinfo`` (default: ``/proc/cpuinfo`` read now); None when there is none to read
+    (not Linux), so a caller can stay silent rather than guess."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = {w for line in cpuinfo.splitlines() if line.startswith("flags") for w in line.split(":", 1)[-1].split()}
+    if not flags:
+        return None
+    return any(f in flags for f in BF16_CPU_FLAGS)

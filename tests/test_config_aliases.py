@@ -146,3 +146,15 @@ def test_load_pretrained_honours_the_dtype_name(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     model, _ = load_pretrained(tmp_path, "bf16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_cpu_bf16_hardware_is_read_from_the_cpuinfo_flags():
+    """model.dtype=bfloat16 on a CPU trainer warns where the CPU lacks bf16 products (runtime.executors.train)."""
+    from areal_flow.dtypes import cpu_has_bf16
+
+    amx = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512bw amx_bf16 amx_tile\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    zen4 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    skylake = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512vl\n"
+    assert cpu_has_bf16(amx) is True and cpu_has_bf16(zen4) is True
+    assert cpu_has_bf16(skylake) is False  # AVX-512 without BF16: emulated, slower than fp32
+    assert cpu_has_bf16("Hardware\t: something without a flags line\n") is None  # nothing to judge by

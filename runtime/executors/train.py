@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.algorithms.lr_schedule import set_lr, warmup_lr
+from areal_flow.dtypes import BF16_CPU_FLAGS, cpu_has_bf16
 from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
 from compiler.plan import decode_value
@@ -155,6 +157,10 @@ class TrainStepExecutor:
         self.phases = None  # runtime.train_phases, one process only
         self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
+        if self.device == "cpu" and ctx.dtype == torch.bfloat16 and cpu_has_bf16() is False:
+            print(f"areal-flow: {node.op} '{node.name}': model.dtype=bfloat16 on a CPU without bf16 hardware (none of "
+                  f"{', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo): its autocast step runs slower than float32 here; "
+                  "pass model.dtype=float32", file=sys.stderr, flush=True)
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
