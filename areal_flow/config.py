@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.dtypes import DTYPES
+from areal_flow.dtypes import AUTO, DTYPES
 from areal_flow.config_compile import ClusterConfig, CompileConfig
 from areal_flow.config_keys import ConfigError
 from areal_flow.config_run import DebugConfig, EvalConfig, LoggingConfig, SchedulerConfig, parse_kill_at
@@ -41,20 +41,23 @@ class ModelConfig:
     """Preset name, case ignored (tiny-arith, smollm2-135m), HF folder, .gguf file or hub id org/name;
     compile and run resolve it alike (areal_flow.models.names)."""
     dtype: str = "float32"
-    """float32 (fp32), bfloat16 (bf16) or float16 (fp16); spellings are normalised to the torch name. The
+    """float32 (fp32), bfloat16 (bf16), float16 (fp16) or auto; spellings are normalised to the torch name; auto is
+    bfloat16 where the device multiplies bf16 in hardware (CUDA compute capability >= 8.0; a CPU with AVX-512 BF16 or
+    AMX) and float32 elsewhere, decided by each worker (areal_flow.dtypes.model_dtype; the trainer prints its choice). The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 with dynamic loss scaling: algorithms/loss_scale.py); log-softmax
     and the importance ratio stay fp32 (on CPU the packed attention too: torch's bf16 CPU attention backward is ~3x
-    slower). Default float32 (graphs/arith_chat_grpo.yaml: bfloat16). On the 2-core AMX box (bench/train_throughput.py,
+    slower). Default float32 (graphs/arith_chat_grpo.yaml: auto). On the 2-core AMX box (bench/train_throughput.py,
     docs/PERFORMANCE.md "The bf16 trainer"): bf16 gives no reliable gain for the tiny models and speeds a SmolLM2-135M
     step up 1.4-1.6x, at a cost in log-prob accuracy (autocast: mean |logp - logp_fp32| 0.023 nats on text, so
     the trainer's log-probs drift from an fp32 engine's; decoupled PPO's proximal log-probs come from the trainer's own forward, in the same dtype).
     Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:
-        canonical = DTYPES.get(str(self.dtype).lower())
+        spelled = str(self.dtype).lower()
+        canonical = AUTO if spelled == AUTO else DTYPES.get(spelled)
         if canonical is None:
-            raise ConfigError(f"model.dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+            raise ConfigError(f"model.dtype={self.dtype!r}: expected {AUTO} or one of {', '.join(DTYPES)}")
         self.dtype = canonical
 
 
@@ -134,11 +137,11 @@ class GenerationConfig:
     "bf16 engine" and "Fused CPU kernels")."""
     cpu_kernels: str = "auto"
     """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
-    SiLU gate; built once per machine with the system C++ compiler): auto (default: used where the engine runs on
-    CPU in bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the build failed; an
-    fp32 engine keeps PyTorch's ops, whose numerics the resumed-run tests pin down), on (the kernels, fp32 too, or a
-    clear error) or off (PyTorch's ops: SDPA and layer_ops). Measured: docs/PERFORMANCE.md, "Fused CPU
-    kernels"."""
+    SiLU gate, the draw; built once per machine with the system C++ compiler): auto (default: used where the engine
+    runs on CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the
+    build failed), on (the kernels, or a clear error) or off (PyTorch's ops: SDPA and layer_ops; an fp32 engine's
+    logits then move by ~1e-6, their sums in another order). YAML's bare on / off (booleans) mean the words.
+    Measured: docs/PERFORMANCE.md, "Fused CPU kernels" and "The fp32 engine's kernels"."""
 
 
 @dataclass
@@ -394,6 +397,9 @@ class ExperimentConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
         if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
             raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+        # YAML 1.1 reads a bare on / off as a boolean, which the str field holds as 'True' / 'False'
+        self.gen.cpu_kernels = {"true": "on", "false": "off"}.get(str(self.gen.cpu_kernels).lower(),
+                                                                 self.gen.cpu_kernels)
         if self.gen.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"gen.cpu_kernels={self.gen.cpu_kernels!r}: expected one of {', '.join(CPU_KERNELS)}")
         if self.gen.lm_head_dtype.lower() not in LM_HEAD_WORDS and self.gen.lm_head_dtype.lower() not in DTYPES:

@@ -1,5 +1,5 @@
 """Precision names: the spellings ``model.dtype`` and ``gen.dtype`` accept, and the torch
-dtype each means.
+dtype each means; ``model.dtype=auto`` resolved for the device a trainer runs on.
 
 Owns the one table of names (the config checks it, the runtime and the engines resolve it);
 it imports nothing heavy at import time, so the vLLM venv (no omegaconf, no compiler
@@ -15,6 +15,10 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 HALF = ("bfloat16", "float16")
 """The 16-bit dtype names."""
+
+AUTO = "auto"
+"""``model.dtype=auto``: bfloat16 where the device multiplies bf16 in hardware, else float32
+(:func:`model_dtype`)."""
 
 ENGINE = "engine"
 """The ``weights_dtype`` that defers to the engine: each generation replica announces the dtype
@@ -102,3 +106,35 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
     if not flags:
         return None
     return any(f in flags for f in BF16_CPU_FLAGS)
+
+
+def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -> str:
+    """``model.dtype`` (any spelling, or :data:`AUTO`) as the torch dtype name the trainer's autocast
+    and the engines' source weights use on ``device_type``.
+
+    ``auto`` is bfloat16 where bf16 products run in hardware and float32 elsewhere: on CUDA where
+    ``torch.cuda.is_bf16_supported()`` (compute capability >= 8.0); on CPU where
+    :func:`cpu_has_bf16` finds AVX-512 BF16 or AMX (on a CPU without them oneDNN converts bf16 to
+    fp32 around each product: a bf16 matmul ran at 30 GFLOP/s against fp32's 149 on one core of
+    an AVX-512 CPU without them, docs/PERFORMANCE.md), and float32 where the flags cannot be read.
+    The choice depends on the machine, not on timing, so every worker of a run on like machines
+    makes the same one.
+
+    Args:
+        name: the configured value. device_type: ``cpu`` or ``cuda`` (the plan's device type).
+        cpuinfo: ``/proc/cpuinfo``'s text (tests); default read now.
+
+    Raises:
+        ValueError: an unknown name, naming ``model.dtype``.
+    """
+    spelled = str(name).lower()
+    if spelled != AUTO:
+        canonical = DTYPES.get(spelled)
+        if canonical is None:
+            raise ValueError(f"model.dtype={name!r}: expected {AUTO} or one of {', '.join(DTYPES)}")
+        return canonical
+    if device_type == "cuda":
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"

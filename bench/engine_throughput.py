@@ -1,6 +1,6 @@
 """Generation throughput, side by side: the embedded engine (fp32, bf16, auto), HF
 ``generate`` (fp32, bf16) and vLLM (bf16, fp32), with each rate as a fraction of the box's
-bf16 roofline.
+matmul roofline (bf16's, or fp32's on a CPU where that is faster).
 
 Every engine gets the same model folder, the same prompts (task prompts through
 ``ops.generate.encode_prompt``, so chat-formatted for SmolLM2), the same sampling
@@ -15,7 +15,8 @@ jobs it leaves out the time the process waited for a core, so its ratios vary le
 runs than the wall-clock ones (other jobs still slow memory and caches).
 
 Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermediate]``
-(the model's gate+up projection) timed in the same run; a token costs ``2 * parameters``
+(the model's gate+up projection) timed in the same run, or of the fp32 one where that is faster
+(a CPU without bf16 products, where oneDNN converts bf16 around each product); a token costs ``2 * parameters``
 FLOP (Kaplan et al. 2020, sec. 2.1, forward pass; attention over the short context is
 left out), so ``roofline tokens/s = rate / (2 * parameters)`` and each row prints its
 tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
@@ -30,7 +31,9 @@ embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engin
 with bf16 inputs and weights and fp32 sums and logits where the CPU has AMX, else in fp32, for
 accurate behavior log-probs; ``gen.cpu_kernels=auto``: the fused CPU kernels), then with one
 setting changed at a time: the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
-as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them).
+as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them); the
+fp32 engine also with the kernels off. ``--engine-dtypes float32`` runs only the fp32 engine (on a
+CPU without bf16 products, where a bf16 engine is not what anyone would run).
 
 Run: ``.venv/bin/python bench/engine_throughput.py [--model smollm2-135m] [--batch 32 64]``,
 or for vLLM too ``.venv-vllm/bin/python bench/engine_throughput.py --model
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all engines)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf-bf16", action="store_true", help="skip HF generate in bf16")
+    parser.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16", "auto"],
+                        help="the embedded engine's gen.dtype variants to run (a CPU without bf16 products: float32)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"], help="vLLM engines' dtypes")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled)")
     parser.add_argument("--vllm-bind", default="auto",
@@ -153,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
         # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX runs it, gen.cpu_kernels=auto),
         # then one setting changed at a time; "CPU kernels off, fp32 head" is the engine before the kernels
-        for dtype, head, kernels in (("float32", "auto", "auto"), ("bfloat16", "auto", "auto"),
-                                     ("bfloat16", "float32", "auto"), ("bfloat16", "engine", "auto"),
-                                     ("bfloat16", "float32", "off"), ("auto", "auto", "auto")):
+        variants = (("float32", "auto", "auto"), ("float32", "auto", "off"), ("bfloat16", "auto", "auto"),
+                    ("bfloat16", "float32", "auto"), ("bfloat16", "engine", "auto"), ("bfloat16", "float32", "off"),
+                    ("auto", "auto", "auto"))
+        for dtype, head, kernels in (v for v in variants if v[0] in args.engine_dtypes):
             engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
                                       head_dtype=head, cpu_kernels=kernels)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
@@ -172,23 +178,30 @@ def main(argv: list[str] | None = None) -> None:
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         rates = _interleaved_rates(runs, n_tokens, args.repeats, sync)
         weight = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
-        seconds = matmul_seconds(args.device, batch, [weight], (torch.bfloat16,), 20)[0]
-        flops = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size / seconds
-        roofline = flops / (2 * n_params)
-        print(f"bf16 matmul [{batch}, {cfg.hidden_size}] @ [{cfg.hidden_size}, {2 * cfg.intermediate_size}]: "
-              f"{flops / 1e9:.0f} GFLOP/s -> roofline {roofline:.0f} tokens/s")
+        product = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size
+        flops = {str(d)[6:]: product / s for d, s in zip((torch.bfloat16, torch.float32),
+                                                         matmul_seconds(args.device, batch, [weight],
+                                                                        (torch.bfloat16, torch.float32), 20))}
+        best = max(flops, key=flops.get)  # the bf16 roofline where bf16 products run in hardware
+        roofline = flops[best] / (2 * n_params)
+        print(f"matmul [{batch}, {cfg.hidden_size}] @ [{cfg.hidden_size}, {2 * cfg.intermediate_size}]: "
+              + ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in flops.items())
+              + f" -> roofline ({best}, the faster) {roofline:.0f} tokens/s")
         base, base_cpu = rates["HF generate float32"]
         for name, (rate, rate_cpu) in rates.items():
             # a bound vLLM worker decodes in its own process: this process's CPU time does not cover it
             cpu = "" if name.startswith("vLLM") else f"  | CPU time: {rate_cpu:8.1f} tokens/s {rate_cpu / base_cpu:5.2f}x HF fp32"
             print(f"{name:40s} {rate:8.1f} tokens/s  {rate / base:5.2f}x HF fp32  {rate / roofline:6.1%} of roofline{cpu}")
-        if "HF generate bfloat16" in rates:  # like with like: both bf16
+        if "HF generate bfloat16" in rates and "embedded bfloat16" in rates:  # like with like: both bf16
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
         like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
                 for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, fp32 head"),
                                 ("bfloat16", "embedded bfloat16, bf16 head"),
-                                ("float32", "embedded float32")) if name.startswith(f"vLLM {d}")]
+                                ("float32", "embedded float32")) if name.startswith(f"vLLM {d}") and ours in rates]
+        if "embedded float32, CPU kernels off" in rates:
+            print(f"embedded float32, CPU kernels on (the default) / off (wall clock): "
+                  f"{rates['embedded float32'][0] / rates['embedded float32, CPU kernels off'][0]:.2f}x")
         before = rates.get("embedded bfloat16, CPU kernels off, fp32 head")
         if before is not None:
             print(f"embedded bfloat16, CPU kernels on / off, both fp32 head (wall clock): "

@@ -46,10 +46,12 @@ class WorkerContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """``model.dtype`` of the run: the generation engine's parameter dtype."""
-        from areal_flow.dtypes import torch_dtype
+        """``model.dtype`` of the run on this worker's device (``auto`` resolved by
+        ``areal_flow.dtypes.model_dtype``): the trainer's autocast dtype and the generation engine's
+        source weights' dtype."""
+        from areal_flow.dtypes import model_dtype, torch_dtype
 
-        return torch_dtype(self.plan.run.get("dtype", "float32"))
+        return torch_dtype(model_dtype(self.plan.run.get("dtype", "float32"), self.plan.device_type))
 
     @property
     def tokenizer(self):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from areal_flow.dtypes import model_dtype
 from areal_flow.ops.generate import encode_prompt
 from areal_flow.types import Trajectory
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams
@@ -185,7 +186,7 @@ def evaluate_model(folder: str | Path, task, *, model: str, n: int = 500, sample
         n: test problems (fewer if the test split is smaller).
         samples: completions per problem for pass@k; 0 = greedy only.
         temperature: sampling temperature of the pass@k samples.
-        dtype: ``model.dtype`` of the weights.
+        dtype: ``model.dtype`` of the weights (``auto``: as a CPU trainer here would choose).
         chat_template: as the generate node's (None: when the tokenizer has one).
         progress: show a tqdm bar over batches of problems.
 
@@ -201,7 +202,7 @@ def evaluate_model(folder: str | Path, task, *, model: str, n: int = 500, sample
     if n < 1 or samples < 0:
         raise ValueError(f"--n must be >= 1 and --samples >= 0, got n={n}, samples={samples}")
     start = time.perf_counter()
-    model_, tokenizer = load_pretrained(folder, dtype)
+    model_, tokenizer = load_pretrained(folder, model_dtype(dtype, "cpu"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     engine = GenerationEngine(model_, tokenizer, max_batch_size=max_batch_size)

@@ -79,7 +79,7 @@ def test_unknown_key_error_suggests_by_meaning():
 
 
 @pytest.mark.parametrize("given, canonical", [("fp32", "float32"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"),
-                                              ("fp16", "float16"), ("float16", "float16")])
+                                              ("fp16", "float16"), ("float16", "float16"), ("AUTO", "auto")])
 def test_model_dtype_spellings(given, canonical):
     assert load_config(None, [f"model.dtype={given}"]).model.dtype == canonical
 
@@ -87,7 +87,7 @@ def test_model_dtype_spellings(given, canonical):
 def test_model_dtype_rejects_banana_naming_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["model.dtype=banana"])
-    assert str(info.value).startswith("model.dtype='banana': expected one of") and "\n" not in str(info.value)
+    assert str(info.value).startswith("model.dtype='banana': expected auto or one of") and "\n" not in str(info.value)
 
 
 def test_logging_and_debug_sections():
@@ -158,3 +158,42 @@ def test_cpu_bf16_hardware_is_read_from_the_cpuinfo_flags():
     assert cpu_has_bf16(amx) is True and cpu_has_bf16(zen4) is True
     assert cpu_has_bf16(skylake) is False  # AVX-512 without BF16: emulated, slower than fp32
     assert cpu_has_bf16("Hardware\t: something without a flags line\n") is None  # nothing to judge by
+
+
+def test_model_dtype_auto_is_bf16_only_where_the_device_multiplies_bf16():
+    """model.dtype=auto: bf16 on a CPU with AVX-512 BF16 or AMX, fp32 on one without (bf16 emulated
+    there) or where the flags cannot be read; an explicit dtype passes through; a bad one names the key."""
+    from areal_flow.dtypes import model_dtype
+
+    amx = "flags\t\t: fpu avx512f amx_bf16 amx_tile\n"
+    icelake = "flags\t\t: fpu avx2 avx512f avx512bw avx512_vnni\n"
+    assert model_dtype("auto", "cpu", cpuinfo=amx) == "bfloat16"
+    assert model_dtype("auto", "cpu", cpuinfo=icelake) == "float32"
+    assert model_dtype("auto", "cpu", cpuinfo="no flags here\n") == "float32"
+    assert model_dtype("bf16", "cpu", cpuinfo=icelake) == "bfloat16"  # the user's explicit choice stands
+    assert model_dtype("FP32", "cuda") == "float32"
+    with pytest.raises(ValueError, match="model.dtype='int4': expected auto or one of"):
+        model_dtype("int4")
+
+
+@pytest.mark.parametrize("has_bf16, chosen", [(True, "bfloat16"), (False, "float32")])
+def test_the_trainer_resolves_model_dtype_auto_and_says_so(tmp_path, monkeypatch, capsys, has_bf16, chosen):
+    """A CPU trainer with model.dtype=auto autocasts in bf16 only where the CPU has bf16 products,
+    and prints its choice at start; an explicit bfloat16 there warns instead."""
+    import torch
+
+    import areal_flow.dtypes
+    import runtime.executors.train
+    from test_nonfinite import _train_executor
+
+    for module in (areal_flow.dtypes, runtime.executors.train):
+        monkeypatch.setattr(module, "cpu_has_bf16", lambda cpuinfo=None: has_bf16)
+    executor, _ = _train_executor(tmp_path, "model.dtype=auto")
+    assert executor.ctx.dtype == getattr(torch, chosen)
+    out = capsys.readouterr()
+    hardware = "bf16 products in hardware" if has_bf16 else "none of avx512_bf16, amx_bf16 in /proc/cpuinfo"
+    assert f"train_step 'train_step': model.dtype=auto chose {chosen} on cpu ({hardware})" in out.out
+    assert "areal-flow:" not in out.err
+    executor, _ = _train_executor(tmp_path / "explicit", "model.dtype=bfloat16")
+    assert executor.ctx.dtype == torch.bfloat16
+    assert ("without bf16 hardware" in capsys.readouterr().err) is not has_bf16

@@ -187,17 +187,25 @@ def test_kernel_mode_where_it_cannot_run_is_a_clear_error(monkeypatch):
     assert dec.kernels is None and dec.ops is layer_ops
 
 
-def test_auto_runs_the_kernels_for_bf16_and_keeps_pytorch_ops_for_fp32():
+def test_auto_runs_the_kernels_for_bf16_and_fp32_and_off_keeps_pytorch_ops():
     _kernels()
     model = _model(0)
     assert KVDecoder(model, torch.bfloat16, 4).kernels is not None
-    assert KVDecoder(model, torch.float32, 4).kernels is None  # the reference numerics an fp32 run keeps
-    assert KVDecoder(model, torch.float32, 4, cpu_kernels="on").kernels is not None
+    assert KVDecoder(model, torch.float32, 4).kernels is not None
+    assert KVDecoder(model, torch.float32, 4, cpu_kernels="off").kernels is None
 
 
 def test_config_rejects_an_unknown_cpu_kernels_value():
     with pytest.raises(ConfigError, match="gen.cpu_kernels='yes': expected one of auto, on, off"):
         ExperimentConfig(gen=GenerationConfig(cpu_kernels="yes"))
+
+
+@pytest.mark.parametrize("given, meant", [("on", "on"), ("off", "off"), ("auto", "auto")])
+def test_cpu_kernels_on_and_off_survive_yaml_booleans(given, meant):
+    """YAML 1.1 reads a bare on / off as true / false; the command line and a yaml file both mean the word."""
+    from areal_flow.config_load import load_config
+
+    assert load_config(None, [f"gen.cpu_kernels={given}"]).gen.cpu_kernels == meant
 
 
 def test_sample_kernel_draws_the_torch_path_tokens_and_log_probs():

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Protocol
 
 import pytest
+import torch
 
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
@@ -213,10 +214,11 @@ def test_gen_vllm_compile_reaches_vllm_engine_args(monkeypatch, tmp_path):
     node = next(n for n in graph.nodes.values() if n.op == "generate")
     assert node.attrs["vllm_compile"] is True
     ctx = SimpleNamespace(seed=0, rank=0, folders={node.model: tmp_path}, tokenizer=TOK,
-                          plan=SimpleNamespace(run={"dtype": "float32"}), threads=1)
+                          plan=SimpleNamespace(run={"dtype": "auto"}), threads=1, dtype=torch.float32)
     node.attrs["engine"] = "vllm"
     build_engine(SimpleNamespace(attrs=node.attrs, model=node.model, concurrent=None), ctx)  # the plan's node
     assert seen[-1]["enforce_eager"] is False and "distributed_executor_backend" not in seen[-1]
+    assert seen[-1]["dtype"] == "float32"  # model.dtype as the worker resolved it (auto: by its device)
     VLLMEngine(tmp_path, TOK, max_batch_size=2, threads_bind="0")  # eager by default
     assert seen[-1]["enforce_eager"] is True and seen[-1]["distributed_executor_backend"] == "mp"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"

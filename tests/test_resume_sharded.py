@@ -17,7 +17,13 @@ from test_resume import B, N, _cli, _finish, _run_killed, _same, _weights
 
 # --- a multi-rank trainer: model and optimizer shards with torch.distributed.checkpoint --------
 
-WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0",
+# gen.cpu_kernels=off: the resharding test's 1 % bound holds while the resumed and the uninterrupted
+# runs draw the same tokens, which lasts until the trainers' ~1e-7 differences move a logit across a
+# draw's boundary; with the engine's fused kernels (their sums in another order) that happened at the
+# last hop on the AMX machine (6.6e-4 against a bound of 2.0e-4; on an AVX-512 machine without AMX it
+# passed), with PyTorch's ops on no machine yet.
+# The engine is not what this file tests (the kernels: test_cpu_kernels.py).
+WIDE = ["cluster.n_gpus_per_node=3", "async.max_staleness=0", "gen.cpu_kernels=off",
         "train.steps=4"]  # 4 steps, checkpoints at versions 2 and 4; killed once step 2 is trained
 
 

@@ -60,8 +60,8 @@ def _cpu_kernels(mode: str, device: torch.device, dtype: torch.dtype):
     """
     if mode not in CPU_KERNELS:
         raise ValueError(f"gen.cpu_kernels={mode!r}: expected one of {', '.join(CPU_KERNELS)}")
-    if mode == "off" or (mode == "auto" and dtype == torch.float32):
-        return None  # auto: an fp32 engine keeps PyTorch's ops, the reference numerics (see the config key)
+    if mode == "off":
+        return None
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if mode == "on":
             raise ValueError(f"gen.cpu_kernels=on: the fused kernels run on CPU in float32 or bfloat16; this engine "
@@ -143,7 +143,8 @@ class KVDecoder:
         max_rows: most sequences in the cache (the engine's ``max_batch_size``).
         head_dtype: dtype of the final norm and the LM head; None = ``dtype``.
         cpu_kernels: ``gen.cpu_kernels``: ``"auto"`` (the fused CPU kernels of ``runtime.engines.cpu_kernels``
-            for a bf16 engine where they can run, else PyTorch's ops), ``"on"`` (fp32 too) or ``"off"``.
+            for an fp32 or bf16 engine where they can run, else PyTorch's ops), ``"on"`` (the kernels or
+            ``ValueError``) or ``"off"``.
         mixed_head: True (``gen.lm_head_dtype=mixed``): the LM head by the AMX kernel
             (``csrc/lm_head.cpp``: the fp32 final norm's output and the head weights rounded to
             bf16, fp32 sums and logits) where the CPU kernels are loaded and the CPU has AMX;

@@ -265,7 +265,7 @@ def build_engine(node, ctx):
         from runtime.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(folder, ctx.tokenizer, max_batch_size=slots, seed=seed,
-                          dtype=ctx.plan.run.get("dtype", "float32"), threads=ctx.threads,
+                          dtype=str(ctx.dtype).removeprefix("torch."), threads=ctx.threads,
                           eager=not a.get("vllm_compile", False))
     from runtime.engines.generation import GenerationEngine
     from runtime.model_source import load_pretrained

@@ -33,7 +33,7 @@ from areal_flow.algorithms.config import LossConfig
 from areal_flow.algorithms.lookup import get_algorithm
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.algorithms.lr_schedule import set_lr, warmup_lr
-from areal_flow.dtypes import BF16_CPU_FLAGS, cpu_has_bf16
+from areal_flow.dtypes import AUTO, BF16_CPU_FLAGS, cpu_has_bf16
 from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
 from compiler.plan import decode_value
@@ -157,10 +157,7 @@ class TrainStepExecutor:
         self.phases = None  # runtime.train_phases, one process only
         self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
-        if self.device == "cpu" and ctx.dtype == torch.bfloat16 and cpu_has_bf16() is False:
-            print(f"areal-flow: {node.op} '{node.name}': model.dtype=bfloat16 on a CPU without bf16 hardware (none of "
-                  f"{', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo): its autocast step runs slower than float32 here; "
-                  "pass model.dtype=float32", file=sys.stderr, flush=True)
+        self._report_dtype(node)
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
             self.algorithm = self.ranks.algorithm
@@ -184,6 +181,21 @@ class TrainStepExecutor:
         self.phases = TrainPhaseSpans(self.model, self.optimizer, node.name)
         if ctx.cores is not None:  # the threads a waiting generator lends, at each layer (runtime.core_lending)
             ctx.cores.follow(self.model, self.optimizer)
+
+    def _report_dtype(self, node) -> None:
+        """Say at start what ``model.dtype=auto`` chose on this device (stdout), or warn (stderr)
+        where an explicit bfloat16 runs on a CPU without bf16 hardware."""
+        configured = str(self.ctx.plan.run.get("dtype", "float32"))
+        chosen = str(self.ctx.dtype).removeprefix("torch.")
+        no_bf16_cpu = self.device == "cpu" and cpu_has_bf16() is False
+        hardware = (f"none of {', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo" if no_bf16_cpu else
+                    "bf16 products in hardware" if chosen == "bfloat16" else "no bf16 hardware found")
+        if configured == AUTO and self.ctx.rank == 0:
+            print(f"{node.op} '{node.name}': model.dtype=auto chose {chosen} on {self.device} ({hardware})", flush=True)
+        elif chosen == "bfloat16" and no_bf16_cpu:
+            print(f"areal-flow: {node.op} '{node.name}': model.dtype=bfloat16 on a CPU without bf16 hardware "
+                  f"({hardware}): its autocast step runs slower than float32 here; pass model.dtype=auto or float32",
+                  file=sys.stderr, flush=True)
 
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
