@@ -141,7 +141,7 @@ class GenerationConfig:
     runs on CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the
     build failed), on (the kernels, or a clear error) or off (PyTorch's ops: SDPA and layer_ops; an fp32 engine's
     logits then move by ~1e-6, their sums in another order). YAML's bare on / off (booleans) mean the words.
-    Measured: docs/PERFORMANCE.md, "Fused CPU kernels" and "The fp32 engine's kernels"."""
+    Measured: docs/PERFORMANCE.md, "Fused CPU kernels" and "A CPU without bf16 products"."""
 
 
 @dataclass

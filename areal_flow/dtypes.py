@@ -47,7 +47,11 @@ def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedde
       chose fp32 then decodes with layers rounded so), else :data:`ENGINE` (the dtype the
       engine announces: a bf16 engine gets bf16 matrices, which it would have rounded the
       trainer's fp32 ones to anyway, an fp32 engine fp32 ones);
-    * vLLM, which runs in ``model.dtype``: that dtype when 16-bit.
+    * vLLM, which runs in ``model.dtype``: that dtype when 16-bit; :data:`ENGINE` for
+      ``model.dtype=auto`` (resolved on the generator's own device, announced at start).
+
+    With ``model.dtype=auto`` the embedded engine's ``gen.dtype=auto`` also gets :data:`ENGINE`
+    (the trainer's dtype is not known before its worker starts either).
 
     Args:
         engine_dtype: ``gen.dtype`` (any spelling, or ``auto``). train_dtype: ``model.dtype``.
@@ -55,7 +59,7 @@ def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedde
     """
     spelled, train = str(engine_dtype).lower(), DTYPES.get(str(train_dtype).lower())
     if engine == "vllm":
-        return train if train in HALF else "float32"
+        return ENGINE if str(train_dtype).lower() == AUTO else train if train in HALF else "float32"
     if DTYPES.get(spelled) in HALF:
         return DTYPES[spelled]
     if spelled != "auto":
@@ -113,12 +117,14 @@ def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -
     and the engines' source weights use on ``device_type``.
 
     ``auto`` is bfloat16 where bf16 products run in hardware and float32 elsewhere: on CUDA where
-    ``torch.cuda.is_bf16_supported()`` (compute capability >= 8.0); on CPU where
-    :func:`cpu_has_bf16` finds AVX-512 BF16 or AMX (on a CPU without them oneDNN converts bf16 to
-    fp32 around each product: a bf16 matmul ran at 30 GFLOP/s against fp32's 149 on one core of
-    an AVX-512 CPU without them, docs/PERFORMANCE.md), and float32 where the flags cannot be read.
-    The choice depends on the machine, not on timing, so every worker of a run on like machines
-    makes the same one.
+    the device's compute capability is >= 8.0 (``torch.cuda.get_device_capability``; V100 / T4 can
+    hold bf16 tensors, which ``torch.cuda.is_bf16_supported()`` counts, but emulate the products);
+    on CPU where :func:`cpu_has_bf16` finds AVX-512 BF16 or AMX (without them oneDNN converts bf16
+    to fp32 around each product: 30 against 149 GFLOP/s at 256 x 576 x 1,536 and 28 against 88-98
+    at decode shapes on one core of an AVX-512 CPU without them, docs/PERFORMANCE.md), and float32
+    where the flags cannot be read (also an ARM CPU, whose ``/proc/cpuinfo`` lists ``Features``).
+    The choice depends on the machine, not on timing; a multi-rank trainer's other ranks follow rank
+    0's, and a generator whose engine dtype differs announces it (:data:`ENGINE`).
 
     Args:
         name: the configured value. device_type: ``cpu`` or ``cuda`` (the plan's device type).
@@ -136,5 +142,5 @@ def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -
     if device_type == "cuda":
         import torch
 
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0) else "float32"
     return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf-bf16", action="store_true", help="skip HF generate in bf16")
     parser.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16", "auto"],
+                        choices=["float32", "bfloat16", "auto"],
                         help="the embedded engine's gen.dtype variants to run (a CPU without bf16 products: float32)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"], help="vLLM engines' dtypes")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled)")

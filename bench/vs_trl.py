@@ -32,8 +32,9 @@ fp32 vs fp32 (areal-flow ``gen.dtype=float32``, which also sets ``model.dtype=fl
 trainer and optimizer fp32; TRL ``bf16=False``: everything fp32) and each side's fast setting
 (areal-flow ``gen.dtype=auto``, the chat yaml's: the engine decodes in bf16 with the final norm +
 LM head fp32 when its bf16 step is >= 1.3x fp32's at start-up, else fp32, it prints which; the
-trainer as ``model.dtype`` says: the chat yaml's bf16 autocast over fp32 master weights and AdamW
-(its weights then sent to the engine in bf16), or fp32 with ``--trainer-dtype float32``; TRL
+trainer as ``model.dtype`` says: the chat yaml's ``auto``, bf16 autocast over fp32 master weights
+and AdamW where the CPU has bf16 products (AMX / AVX-512 BF16), else fp32; or as ``--trainer-dtype``
+sets it; TRL
 ``bf16=True``: weights, gradients and AdamW fp32, every forward, generation included, under
 ``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in the
 dtypes autocast chose). The main job runs fp32 only (its yaml's dtypes).
@@ -196,8 +197,9 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
 def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
     """One areal-flow run of ``flow`` under ``cfg_path`` and ``overrides`` (its own worker
     processes); ``{"train_s", "wall_s", "gen_s", "trainer_s", "samples", "accuracy_before",
-    "accuracy_after"}``: the RL loop (``async_vs_sync.analyse``), the summary's RL wall, the
-    generator's and the trainer's busy seconds, samples trained, held-out accuracies."""
+    "accuracy_after", "phases", "pids", "engine_dtypes"}``: the RL loop (``async_vs_sync.analyse``),
+    the summary's RL wall, the generator's and the trainer's busy seconds, samples trained, held-out
+    accuracies, phase medians, worker pids, the dtypes the generators' engines chose."""
     from async_vs_sync import analyse
 
     from areal_flow.cli.run import run_experiment
@@ -209,7 +211,8 @@ def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
     return {"train_s": a["loop_s"], "wall_s": summary["wall_s"], "gen_s": a["gen_s"], "trainer_s": a["train_s"],
             "samples": summary["samples_trained"], "accuracy_before": summary.get("accuracy_before"),
             "accuracy_after": summary.get("accuracy_after"), "phases": phase_medians(Path(summary["out_dir"])),
-            "pids": sorted({w["pid"] for w in summary["workers"].values() if "pid" in w})}
+            "pids": sorted({w["pid"] for w in summary["workers"].values() if "pid" in w}),
+            "engine_dtypes": sorted({w["engine_dtype"] for w in summary["workers"].values() if "engine_dtype" in w})}
 
 
 def phase_medians(out: Path) -> dict[str, float]:
@@ -362,7 +365,8 @@ def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, 
 def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
     """The side-by-side table of one seed: medians over its rounds, speed ratios against the
     fastest TRL variant (its median loop time) and against TRL of the same precision (fp32 with
-    fp32 engines, bf16 with 16-bit or auto ones), generation's share of each loop."""
+    fp32 engines, bf16 with 16-bit ones, ``gen.dtype=auto`` by what the engine chose), generation's
+    share of each loop."""
     trls = [v for v in runs if v.side == "trl"]
     loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
     fastest = min((loop[v.label] for v in trls), default=float("nan"))
@@ -377,7 +381,9 @@ def report(seed: int, runs: list[Variant], results: dict, before: float | None) 
         share = median([r["gen_s"] / r["train_s"] for r in rs])
         accs = [r["accuracy_after"] for r in rs if r["accuracy_after"] is not None]
         acc = f"{median(accs):6.1%}" if accs else f"{'n/a':>6}"
-        low = v.bf16 if v.side == "trl" else v.gen_dtype not in ("", "float32", "fp32")
+        chosen = {d for r in rs for d in r.get("engine_dtypes", ())}  # what gen.dtype=auto chose on this CPU
+        low = v.bf16 if v.side == "trl" else bool(chosen - {"float32"}) if chosen else \
+            v.gen_dtype not in ("", "float32", "fp32")
         peer = [loop[t.label] for t in trls if t.bf16 == low]
         same = f"{min(peer) / loop[v.label]:.2f}x" if peer else "-"
         print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "

@@ -39,6 +39,7 @@ class WorkerContext:
     models: dict = field(default_factory=dict)
     rank_trainer: object = None
     _tokenizer: object = None
+    _dtype: torch.dtype | None = None
 
     @property
     def seed(self) -> int:
@@ -46,12 +47,14 @@ class WorkerContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """``model.dtype`` of the run on this worker's device (``auto`` resolved by
+        """``model.dtype`` of the run on this worker's device (``auto`` resolved once by
         ``areal_flow.dtypes.model_dtype``): the trainer's autocast dtype and the generation engine's
         source weights' dtype."""
         from areal_flow.dtypes import model_dtype, torch_dtype
 
-        return torch_dtype(model_dtype(self.plan.run.get("dtype", "float32"), self.plan.device_type))
+        if self._dtype is None:
+            self._dtype = torch_dtype(model_dtype(self.plan.run.get("dtype", "float32"), self.plan.device_type))
+        return self._dtype
 
     @property
     def tokenizer(self):

@@ -176,6 +176,20 @@ def test_model_dtype_auto_is_bf16_only_where_the_device_multiplies_bf16():
         model_dtype("int4")
 
 
+@pytest.mark.parametrize("capability, chosen", [((7, 0), "float32"), ((7, 5), "float32"), ((8, 0), "bfloat16"),
+                                                ((9, 0), "bfloat16")])
+def test_model_dtype_auto_on_cuda_wants_compute_capability_8(monkeypatch, capability, chosen):
+    """V100 (7.0) and T4 (7.5) hold bf16 tensors but emulate the products: auto keeps fp32 there;
+    A100 (8.0) and H100 (9.0) multiply bf16 in hardware."""
+    import torch
+
+    from areal_flow.dtypes import model_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert model_dtype("auto", "cuda") == chosen
+
+
 @pytest.mark.parametrize("has_bf16, chosen", [(True, "bfloat16"), (False, "float32")])
 def test_the_trainer_resolves_model_dtype_auto_and_says_so(tmp_path, monkeypatch, capsys, has_bf16, chosen):
     """A CPU trainer with model.dtype=auto autocasts in bf16 only where the CPU has bf16 products,

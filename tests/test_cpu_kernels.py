@@ -201,11 +201,14 @@ def test_config_rejects_an_unknown_cpu_kernels_value():
 
 
 @pytest.mark.parametrize("given, meant", [("on", "on"), ("off", "off"), ("auto", "auto")])
-def test_cpu_kernels_on_and_off_survive_yaml_booleans(given, meant):
+def test_cpu_kernels_on_and_off_survive_yaml_booleans(tmp_path, given, meant):
     """YAML 1.1 reads a bare on / off as true / false; the command line and a yaml file both mean the word."""
     from areal_flow.config_load import load_config
 
     assert load_config(None, [f"gen.cpu_kernels={given}"]).gen.cpu_kernels == meant
+    path = tmp_path / "run.yaml"
+    path.write_text(f"gen:\n  cpu_kernels: {given}\n")
+    assert load_config(path, []).gen.cpu_kernels == meant
 
 
 def test_sample_kernel_draws_the_torch_path_tokens_and_log_probs():

@@ -224,6 +224,9 @@ def test_weights_travel_in_the_16_bit_engine_dtype_or_a_16_bit_trainers_or_the_o
     assert weights_dtype("auto", "float16", device="cuda") == "float16"
     assert weights_dtype("bfloat16", "float32", engine="vllm") == "float32"  # vLLM runs in model.dtype
     assert weights_dtype("float32", "bfloat16", engine="vllm") == "bfloat16"
+    # model.dtype=auto is resolved on each worker's device: only the engine knows before the first version
+    assert weights_dtype("auto", "auto") == "engine" and weights_dtype("auto", "auto", engine="vllm") == "engine"
+    assert weights_dtype("bfloat16", "auto") == "bfloat16"  # an explicit 16-bit engine decides alone
 
 
 @pytest.mark.parametrize("overrides, attribute, expected", [

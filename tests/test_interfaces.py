@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Protocol
 
 import pytest
-import torch
 
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
@@ -213,12 +212,16 @@ def test_gen_vllm_compile_reaches_vllm_engine_args(monkeypatch, tmp_path):
     lower_attrs(graph, cfg)
     node = next(n for n in graph.nodes.values() if n.op == "generate")
     assert node.attrs["vllm_compile"] is True
-    ctx = SimpleNamespace(seed=0, rank=0, folders={node.model: tmp_path}, tokenizer=TOK,
-                          plan=SimpleNamespace(run={"dtype": "auto"}), threads=1, dtype=torch.float32)
+    import areal_flow.dtypes
+    from runtime.context import WorkerContext
+
+    monkeypatch.setattr(areal_flow.dtypes, "cpu_has_bf16", lambda cpuinfo=None: True)  # an AMX / AVX-512 BF16 CPU
+    plan = SimpleNamespace(run={"dtype": "auto", "seed": 0}, device_type="cpu")
+    ctx = WorkerContext(plan, {node.model: str(tmp_path)}, tmp_path, _tokenizer=TOK)
     node.attrs["engine"] = "vllm"
     build_engine(SimpleNamespace(attrs=node.attrs, model=node.model, concurrent=None), ctx)  # the plan's node
     assert seen[-1]["enforce_eager"] is False and "distributed_executor_backend" not in seen[-1]
-    assert seen[-1]["dtype"] == "float32"  # model.dtype as the worker resolved it (auto: by its device)
+    assert seen[-1]["dtype"] == "bfloat16"  # model.dtype=auto as this worker resolved it for its CPU
     VLLMEngine(tmp_path, TOK, max_batch_size=2, threads_bind="0")  # eager by default
     assert seen[-1]["enforce_eager"] is True and seen[-1]["distributed_executor_backend"] == "mp"
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"

@@ -185,11 +185,13 @@ class TrainStepExecutor:
     def _report_dtype(self, node) -> None:
         """Say at start what ``model.dtype=auto`` chose on this device (stdout), or warn (stderr)
         where an explicit bfloat16 runs on a CPU without bf16 hardware."""
-        configured = str(self.ctx.plan.run.get("dtype", "float32"))
+        configured = str(self.ctx.plan.run.get("dtype", "float32")).lower()
         chosen = str(self.ctx.dtype).removeprefix("torch.")
-        no_bf16_cpu = self.device == "cpu" and cpu_has_bf16() is False
+        has_bf16 = cpu_has_bf16() if self.device == "cpu" else None
+        no_bf16_cpu = has_bf16 is False
         hardware = (f"none of {', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo" if no_bf16_cpu else
-                    "bf16 products in hardware" if chosen == "bfloat16" else "no bf16 hardware found")
+                    "bf16 products in hardware" if chosen == "bfloat16" else
+                    "no CPU flags to read" if self.device == "cpu" else "compute capability below 8.0")
         if configured == AUTO and self.ctx.rank == 0:
             print(f"{node.op} '{node.name}': model.dtype=auto chose {chosen} on {self.device} ({hardware})", flush=True)
         elif chosen == "bfloat16" and no_bf16_cpu:
