@@ -50,7 +50,7 @@ def _decoder(model, dtype, rows: int, span: int, seed: int):
     dec = decoder.KVDecoder(model, dtype, rows)
     dec.reserve(rows, span + 1)
     tokens = torch.randint(model.config.vocab_size, (rows, span), generator=torch.Generator().manual_seed(seed))
-    dec.prefill(tokens[:, :-1].tolist(), 0)
+    dec.prefill(tokens[:, :-1].tolist(), list(range(rows)))
     return dec, tokens[:, -1], torch.full((rows,), span - 1)
 
 

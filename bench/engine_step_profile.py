@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{args.model}, {args.dtype}, {rows} rows attending to {args.span} cache entries, 1 thread, "
                   f"gen.cpu_kernels={kernels}, LM head {head}")
             with torch.inference_mode():
-                dec.prefill(tokens[:, :-1].tolist(), 0)  # the cache of span - 1 random tokens a row
+                dec.prefill(tokens[:, :-1].tolist(), list(range(rows)))  # the cache of span - 1 random tokens a row
                 _breakdown(dec, ids, lengths, args.steps)
                 if args.compile:
                     _compiled_vs_eager(dec, ids, lengths, args.steps)

@@ -154,7 +154,7 @@ def _teacher_forced_logits(dec: KVDecoder, steps: int = 8) -> torch.Tensor:
     seqs = [TOK.encode(p) for p in PROMPTS]
     fed = torch.randint(3, len(TOK), (steps, len(seqs)), generator=torch.Generator().manual_seed(0))
     dec.reserve(len(seqs), max(map(len, seqs)) + steps + 1)
-    dec.prefill(seqs, 0)
+    dec.prefill(seqs, list(range(len(seqs))))
     lengths = torch.tensor([len(s) for s in seqs])
     out = []
     for t in range(steps):

@@ -82,11 +82,11 @@ def test_causal_prefill_of_padded_rows_equals_each_prompt_alone():
     together = KVDecoder(model, torch.float32, len(seqs))
     together.reserve(len(seqs), 16)
     with torch.inference_mode():
-        logits = together.prefill(seqs, 0)
+        logits = together.prefill(seqs, list(range(len(seqs))))
         for r, s in enumerate(seqs):
             alone = KVDecoder(model, torch.float32, 1)
             alone.reserve(1, 16)
-            assert torch.allclose(logits[r], alone.prefill([s], 0)[0], atol=1e-5)
+            assert torch.allclose(logits[r], alone.prefill([s], [0])[0], atol=1e-5)
             for cache, ref in ((together.keys, alone.keys), (together.values, alone.values)):
                 assert torch.allclose(cache[0][r, :, :len(s)], ref[0][0, :, :len(s)], atol=1e-5)
                 assert torch.allclose(cache[-1][r, :, :len(s)], ref[-1][0, :, :len(s)], atol=1e-5)

@@ -166,3 +166,44 @@ def test_bad_requests_are_rejected():
         engine.generate([GenerationRequest("y", [1, 5])])
     with pytest.raises(ValueError, match="max_batch_size"):
         GenerationEngine(_model(0), TOK, max_batch_size=0)
+
+
+def test_a_group_prefills_its_prompt_once_and_keeps_exact_logprobs_across_an_update():
+    """GRPO groups: each distinct prompt is prefilled once and copied to its group's rows; after a
+    weight update each row prefills only its own tokens after the shared prompt. Behavior log-probs
+    still equal a full recomputation under the version that drew each token."""
+    old, new = _model(5), _model(6)
+    engine = GenerationEngine(_model(5), TOK, max_batch_size=8, seed=2)
+    fed = []  # (sequences, tokens, starts) of every prefill call
+    real = engine._dec.prefill
+
+    def spy(seqs, rows, starts=None):
+        fed.append((len(seqs), sum(map(len, seqs)), starts))
+        return real(seqs, rows, starts)
+
+    engine._dec.prefill = spy
+    prompts = ["12+5=", "305-47="]
+    plen = [len(TOK.encode(p)) for p in prompts]
+    for i in range(8):
+        engine.submit(_req(i, prompts[i % 2], temperature=1.0, max_new_tokens=8))
+    for _ in range(3):
+        assert engine.step() == []
+    assert fed == [(2, sum(plen), None)]  # two prompts, not eight
+    engine.update_weights(new.state_dict(), version=1)
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    # after the update: the two prompts again, then each row's 3 tokens after its prompt
+    assert fed[1] == (2, sum(plen), None)
+    assert fed[2] == (8, 8 * 3, [plen[i % 2] for i in range(8)])
+    assert len(fed) == 3 and len(results) == 8
+    assert len({tuple(r.output_ids) for r in results}) > 2  # the group's samples differ
+    for r in results:
+        assert r.versions == [0] * 3 + [1] * 5
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            ref_old = token_logprobs(old, ids, torch.ones_like(ids), temperature=1.0)[0, -8:]
+            ref_new = token_logprobs(new, ids, torch.ones_like(ids), temperature=1.0)[0, -8:]
+        got = torch.tensor(r.behavior_logprobs)
+        assert (got[:3] - ref_old[:3]).abs().max().item() < 1e-4
+        assert (got[3:] - ref_new[3:]).abs().max().item() < 1e-4

@@ -289,9 +289,21 @@ class KVDecoder:
             return logits if self.head_bias is None else logits + self.head_bias
         return _linear(x, self.head, self.head_bias).float()
 
-    def prefill(self, seqs: list[list[int]], first_row: int) -> torch.Tensor:
-        """Full forward of ``seqs`` (right-padded together), writing their keys/values
-        into cache rows ``first_row ..`` (``reserve`` must have made room).
+    def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first ``length`` cached positions of rows ``src[i]`` into rows ``dst[i]``
+        (a group's shared prompt, prefilled once, given to every sample of the group)."""
+        if not dst:
+            return
+        s, d = torch.tensor(src), torch.tensor(dst)
+        for cache in (self.keys, self.values):
+            for c in cache:
+                c[d, :, :length] = c[s, :, :length]
+
+    def prefill(self, seqs: list[list[int]], rows: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        """Forward of ``seqs`` (right-padded together) into cache rows ``rows`` (``reserve``
+        must have made room), each continuing the ``starts[r]`` positions already cached in
+        its row (0: the whole sequence; > 0: the tokens after a prefix another row prefilled,
+        :meth:`copy_rows`). Its keys/values land at positions ``starts[r] ..``.
         Returns last-token logits ``[len(seqs), vocab]`` fp32."""
         device = self.embed.device
         n, width = len(seqs), max(len(s) for s in seqs)
@@ -300,19 +312,35 @@ class KVDecoder:
             ids[r, : len(s)] = torch.tensor(s)
         ids = ids.to(device)
         lengths = torch.tensor([len(s) for s in seqs], device=device)
-        pos = torch.arange(width, device=device)
-        rows = slice(first_row, first_row + n)
+        index = torch.tensor(rows, device=device)
+        start = torch.tensor(starts or [0] * n, device=device)
+        pos = start[:, None] + torch.arange(width, device=device)
+        if starts and any(starts):
+            # each real token's flat index (row, kv head, position) in a [rows * kv * cap, hd] view of the cache
+            cap, span = self.keys[0].shape[2], int((start + lengths).max())
+            real = torch.arange(width, device=device)[None, :] < lengths[:, None]
+            heads = index[:, None, None] * self.n_kv + torch.arange(self.n_kv, device=device)[None, None, :]
+            flat = (heads * cap + pos[:, :, None])[real].reshape(-1)
+            mask = (torch.arange(span, device=device)[None, None, :] <= pos[:, :, None])[:, None]
 
         def attend(i, q, k, v, scale):
-            self.keys[i][rows, :, :width] = k
-            self.values[i][rows, :, :width] = v
-            # Causal alone is exact for the real tokens: with right padding, a query at position
-            # p < len_r sees keys 0..p, all real. Padding queries see padding keys; their outputs
-            # are never read and their cache entries lie at indices >= len_r, which decode
-            # overwrites before its mask (index <= length) admits them.
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            kc, vc = self.keys[i], self.values[i]
+            if not (starts and any(starts)):
+                kc[index, :, :width] = k
+                vc[index, :, :width] = v
+                # Causal alone is exact for the real tokens: with right padding, a query at position
+                # p < len_r sees keys 0..p, all real. Padding queries see padding keys; their outputs
+                # are never read and their cache entries lie at indices >= len_r, which decode
+                # overwrites before its mask (index <= length) admits them.
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            # only real tokens are written (padding could run past the row's capacity); a query sees
+            # its row's cached prefix and its own chunk up to itself; padding queries are never read
+            kc.view(-1, self.head_dim).index_copy_(0, flat, k.transpose(1, 2)[real].reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, flat, v.transpose(1, 2)[real].reshape(-1, self.head_dim))
+            return F.scaled_dot_product_attention(q, kc[index, :, :span], vc[index, :, :span], attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)
 
-        x = self._layers(F.embedding(ids, self.embed), pos.expand(n, width), attend)
+        x = self._layers(F.embedding(ids, self.embed), pos, attend)
         return self._logits(x[torch.arange(n, device=device), lengths - 1])
 
     def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
