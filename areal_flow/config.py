@@ -9,7 +9,8 @@ The YAML key ``async`` (a Python keyword) is the field ``async_``. Names users k
 AReaL and Hugging Face (``training.seed``, ``training.bf16``, ``actor.optimizer.lr``, ...)
 are aliases of our keys (``areal_flow.config_keys.ALIASES``; ``areal-flow config`` lists
 them). The sections of how a run operates (``scheduler``, ``eval``, ``logging``, ``debug``) are
-``areal_flow.config_run``; ``cluster`` and ``compile`` are ``areal_flow.config_compile``; all are
+``areal_flow.config_run``; ``cluster`` and ``compile`` are ``areal_flow.config_compile``; the knobs
+graphs pass to ops (``advantage``, ``replay``, ``reward``) are ``areal_flow.config_knobs``; all are
 re-exported here, as is :class:`ConfigError` (``areal_flow.config_keys``).
 """
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_flow.algorithms.config import LossConfig
-from areal_flow.dtypes import AUTO, DTYPES
+from areal_flow.dtypes import AUTO, dtype_name
 from areal_flow.config_compile import ClusterConfig, CompileConfig
 from areal_flow.config_keys import ConfigError
+from areal_flow.config_knobs import AdvantageKnobs, ReplayKnobs, RewardKnobs
 from areal_flow.config_run import DebugConfig, EvalConfig, LoggingConfig, SchedulerConfig, parse_kill_at
 from areal_flow.tasks.dataset_check import DatasetValueError, check_dataset
 from areal_flow.graph import DEFAULT_MAX_STALENESS
@@ -54,11 +56,10 @@ class ModelConfig:
     Aliases: training.bf16 / training.fp16 = true."""
 
     def __post_init__(self) -> None:
-        spelled = str(self.dtype).lower()
-        canonical = AUTO if spelled == AUTO else DTYPES.get(spelled)
-        if canonical is None:
-            raise ConfigError(f"model.dtype={self.dtype!r}: expected {AUTO} or one of {', '.join(DTYPES)}")
-        self.dtype = canonical
+        try:
+            self.dtype = dtype_name(self.dtype, "model.dtype", extra=(AUTO,))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -245,76 +246,6 @@ class TrainConfig:
 
 
 @dataclass
-class AdvantageKnobs:
-    """Estimator knobs that graphs pass to ``ops.advantage`` (each graph picks the ones
-    its estimator takes, e.g. PPO's GAE: ``gamma=cfg.advantage.gamma, lam=cfg.advantage.lam``)."""
-
-    gamma: float = 1.0
-    """Discount per token (GAE, REINFORCE++), in [0, 1]."""
-    lam: float = 1.0
-    """GAE lambda (Schulman et al. 2016), in [0, 1]; 1 = Monte-Carlo returns minus V."""
-    kl_coef: float = 0.0
-    """beta of the KL to a reference folded into the reward by graphs that pass it (ops.advantage kl_coef)."""
-
-    def __post_init__(self) -> None:
-        for key in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ConfigError(f"advantage.{key}={getattr(self, key)}: must be in [0, 1]")
-
-
-@dataclass
-class ReplayKnobs:
-    """Knobs that graphs pass to ``ops.replay`` (experience replay, ``graphs/arith_grpo_replay.py``)."""
-
-    ratio: float = 0.25
-    """Share of each train step's rows drawn from earlier steps' (rows older than k versions are evicted), in [0, 1); the seed's range is 0.2-0.5."""
-    capacity: int = 256
-    """Rows the replay buffer keeps (the oldest leave first), >= 1."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.ratio < 1:
-            raise ConfigError(f"replay.ratio={self.ratio}: must be in [0, 1) (the replayed share of a step's rows)")
-        if self.capacity < 1:
-            raise ConfigError(f"replay.capacity={self.capacity}: must be >= 1 (rows the buffer keeps)")
-
-
-@dataclass
-class RewardKnobs:
-    """Knobs of the reward node's data-side shaping and filtering (DAPO, Yu et al. 2025)."""
-
-    max_attempts: int = 8
-    """Dynamic sampling (``keep="informative"``): prompts tried per batch slot (the first
-    + replacements) before the run stops with an error."""
-    overlong_cache: int = 0
-    """Soft overlong punishment window L_cache, tokens (DAPO eq. 13); 0 = off."""
-    model_steps: int = 400
-    """Reward model '<preset>-rm': optimizer steps of its training in code (cached)."""
-    model_lr: float = 1e-3
-    """Reward model '<preset>-rm': peak learning rate of its training."""
-    timeout_s: float = 10.0
-    """Seconds one rule-reward call may run; past it the sample counts as failed (its thread is abandoned)."""
-    workers: int = 4
-    """Threads calling a rule reward function (calls of a group in flight at once)."""
-    max_failure_fraction: float = 0.5
-    """The run stops when more than this fraction of the last failure_window samples' rewards failed
-    (the generate node applies it to its requests too: empty responses and generation errors; a rollout
-    node to its episodes: failed env or agent episodes)."""
-    failure_window: int = 200
-    """Samples in the sliding window of max_failure_fraction."""
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0 or self.workers < 1 or self.failure_window < 1:
-            raise ConfigError(f"reward.timeout_s={self.timeout_s}, reward.workers={self.workers}, "
-                              f"reward.failure_window={self.failure_window}: must be > 0, >= 1 and >= 1")
-        if not 0 < self.max_failure_fraction <= 1:
-            raise ConfigError(f"reward.max_failure_fraction={self.max_failure_fraction}: must be in (0, 1]")
-        if self.max_attempts < 1:
-            raise ConfigError(f"reward.max_attempts={self.max_attempts}: must be >= 1")
-        if self.overlong_cache < 0:
-            raise ConfigError(f"reward.overlong_cache={self.overlong_cache}: must be >= 0")
-
-
-@dataclass
 class AsyncConfig:
     max_staleness: int = DEFAULT_MAX_STALENESS
     """k: a sample is trained at most k versions after it was generated; 0 = synchronous. The graphs here pass it to
@@ -395,13 +326,13 @@ class ExperimentConfig:
             raise ConfigError(f"warm_start.teacher_bug_rate={self.warm_start.teacher_bug_rate}: must be in [0, 1]")
         if not 0 < self.gen.top_p <= 1:
             raise ConfigError(f"gen.top_p={self.gen.top_p}: must be in (0, 1]")
-        if self.gen.dtype.lower() != "auto" and self.gen.dtype.lower() not in DTYPES:
-            raise ConfigError(f"gen.dtype={self.gen.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
         # YAML 1.1 reads a bare on / off as a boolean, which the str field holds as 'True' / 'False'
         self.gen.cpu_kernels = {"true": "on", "false": "off"}.get(str(self.gen.cpu_kernels).lower(),
                                                                  self.gen.cpu_kernels)
         if self.gen.cpu_kernels not in CPU_KERNELS:
             raise ConfigError(f"gen.cpu_kernels={self.gen.cpu_kernels!r}: expected one of {', '.join(CPU_KERNELS)}")
-        if self.gen.lm_head_dtype.lower() not in LM_HEAD_WORDS and self.gen.lm_head_dtype.lower() not in DTYPES:
-            raise ConfigError(f"gen.lm_head_dtype={self.gen.lm_head_dtype!r}: expected {', '.join(LM_HEAD_WORDS)} or "
-                              f"one of {', '.join(DTYPES)}")
+        try:
+            dtype_name(self.gen.dtype, "gen.dtype", extra=(AUTO,))
+            dtype_name(self.gen.lm_head_dtype, "gen.lm_head_dtype", extra=LM_HEAD_WORDS)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

@@ -68,6 +68,25 @@ def weights_dtype(engine_dtype: str, train_dtype: str, *, engine: str = "embedde
     return train if train == auto_half else ENGINE
 
 
+def dtype_name(name, key: str, *, extra: tuple[str, ...] = ()) -> str:
+    """``name`` (any spelling of :data:`DTYPES`, or a word of ``extra``) -> its canonical name
+    (the torch dtype name, or the word in lower case).
+
+    Raises:
+        ValueError: anything else, naming ``key`` and the accepted names.
+    """
+    spelled = str(name).lower()
+    if spelled in extra:
+        return spelled
+    if spelled not in DTYPES:
+        raise ValueError(_expected(name, key, extra))
+    return DTYPES[spelled]
+
+
+def _expected(name, key: str, extra: tuple[str, ...]) -> str:
+    return f"{key}={name!r}: expected {''.join(f'{w} or ' for w in extra)}one of {', '.join(DTYPES)}"
+
+
 def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):
     """``name`` (a ``torch.dtype`` or any spelling of :data:`DTYPES`) -> ``torch.dtype``.
 
@@ -84,10 +103,9 @@ def torch_dtype(name, key: str = "model.dtype", *, extra: tuple[str, ...] = ()):
 
     if isinstance(name, torch.dtype):
         return name
-    canonical = DTYPES.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(f"{key}={name!r}: expected {''.join(f'{w} or ' for w in extra)}one of {', '.join(DTYPES)}")
-    return getattr(torch, canonical)
+    if str(name).lower() not in DTYPES:
+        raise ValueError(_expected(name, key, extra))
+    return getattr(torch, DTYPES[str(name).lower()])
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -133,12 +151,9 @@ def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -
     Raises:
         ValueError: an unknown name, naming ``model.dtype``.
     """
-    spelled = str(name).lower()
+    spelled = dtype_name(name, "model.dtype", extra=(AUTO,))
     if spelled != AUTO:
-        canonical = DTYPES.get(spelled)
-        if canonical is None:
-            raise ValueError(f"model.dtype={name!r}: expected {AUTO} or one of {', '.join(DTYPES)}")
-        return canonical
+        return spelled
     if device_type == "cuda":
         import torch
 

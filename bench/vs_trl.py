@@ -65,7 +65,12 @@ seed. The load average is printed at every run.
 
     python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
         [--trainer-dtype float32,bfloat16] [--lend 1,0] [--trl-threads 0,1] [--trl-bf16 0,1] [--trl-malloc 1,0]
-        [--repeats R] [--no-eval] [key=value ...]
+        [--repeats R] [--no-eval] [--curve N] [--areal-steps M] [key=value ...]
+
+``--curve N`` scores the held-out set every ``N`` optimizer steps on both sides and prints when
+each areal-flow run first reached each TRL run's final accuracy, at what training time, against
+TRL's own time (``bench/vs_trl_curve.py``); ``--areal-steps M`` lets the areal-flow runs go on
+past TRL's ``--steps`` (the same prompts in the same order, then more).
 
 ``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
 greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:
@@ -84,7 +89,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -97,6 +101,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from runtime.worker_env import CPU_MALLOC, started_with  # noqa: E402
+from vs_trl_curve import areal_points, score_snapshots, snapshots  # noqa: E402
+from vs_trl_report import before_accuracy, median, report, run_line  # noqa: E402
 from vs_trl_jobs import JOBS, SharedReward, Variant, shared_settings, trl_prompt, variants  # noqa: E402
 
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
@@ -118,14 +124,16 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
             a forward/backward; the step's samples are its multiple), ``max_new_tokens``, ``lr``,
             ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch intra-op
             threads; 0 = torch's default, every core), ``bf16`` (TRL's bf16 autocast), ``reward``
-            (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``eval`` (score ``test``).
+            (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``eval`` (score ``test``),
+            ``curve`` (score every this many steps too, ``vs_trl_curve``; 0: only after).
 
     Returns:
         ``{"train_s", "setup_s", "gen_s", "score_s", "samples", "accuracy_after", "trl"}``: seconds of
         ``trainer.train()``, of building the trainer, of TRL's ``_generate`` (tokenize, HF
         ``generate``, decode) and of the rest of its rollout scoring (rewards, advantages), inside
         ``train()``; samples trained; held-out greedy accuracy after training (fp32 weights, the
-        embedded engine in fp32; None without ``eval``).
+        embedded engine in fp32; None without ``eval``); with ``curve``, ``"curve"``: its points
+        (``vs_trl_curve.Point``), the snapshots' copying left out of ``train_s``.
     """
     import datasets
     import torch
@@ -182,25 +190,31 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
                 phase["score_s"] += time.perf_counter() - t
 
         trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
+        kept = snapshots(knobs["curve"], model) if knobs["curve"] else None
+        if kept is not None:
+            trainer.add_callback(kept)
         setup_s = time.perf_counter() - start
         t = time.perf_counter()
         trainer.train()
-        train_s = time.perf_counter() - t
+        train_s = time.perf_counter() - t - (kept.paused_s if kept else 0.0)
     model.eval()
-    accuracy = greedy_accuracy(model, tokenizer, task, test, chat_template=knobs["chat_template"]) \
-        if knobs["eval"] else None
+    score = lambda m: greedy_accuracy(m, tokenizer, task, test, chat_template=knobs["chat_template"])  # noqa: E731
+    curve = score_snapshots(model, kept.points, score) if kept and knobs["eval"] else None
+    accuracy = (curve[-1][2] if curve else score(model)) if knobs["eval"] else None
     return {"train_s": train_s, "setup_s": setup_s, "gen_s": phase["gen_s"],
             "score_s": phase["score_s"] - phase["gen_s"], "samples": knobs["steps"] * per_step,
-            "accuracy_after": accuracy, "trl": trl.__version__}
+            "accuracy_after": accuracy, "trl": trl.__version__, "curve": curve}
 
 
-def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
+def run_areal(flow, cfg_path: Path, overrides: list[str], score=None) -> dict:
     """One areal-flow run of ``flow`` under ``cfg_path`` and ``overrides`` (its own worker
     processes); ``{"train_s", "wall_s", "gen_s", "trainer_s", "samples", "accuracy_before",
-    "accuracy_after", "phases", "pids", "engine_dtypes"}``: the RL loop (``async_vs_sync.analyse``),
+    "accuracy_after", "phases", "pids", "engine_dtypes", "curve"}``: the RL loop (``async_vs_sync.analyse``),
     the summary's RL wall, the generator's and the trainer's busy seconds, samples trained, held-out
-    accuracies, phase medians, worker pids, the dtypes the generators' engines chose."""
-    from async_vs_sync import analyse
+    accuracies, phase medians, worker pids, the dtypes the generators' engines chose, and with
+    ``score`` (a model -> held-out accuracy; the overrides set ``train.checkpoint_every``) each
+    checkpoint's point (``vs_trl_curve.areal_points``), else None."""
+    from async_vs_sync import analyse, read_spans
 
     from areal_flow.cli.run import run_experiment
     from areal_flow.config_load import load_config
@@ -208,11 +222,14 @@ def run_areal(flow, cfg_path: Path, overrides: list[str]) -> dict:
     cfg = load_config(cfg_path, overrides)
     summary = run_experiment(flow(cfg), cfg, show_progress=False)
     a = analyse(summary)
+    out = Path(summary["out_dir"])
+    curve = areal_points(out, a["steps"][0]["ts"], a["waited_s"], read_spans(out), score) if score else None
     return {"train_s": a["loop_s"], "wall_s": summary["wall_s"], "gen_s": a["gen_s"], "trainer_s": a["train_s"],
             "samples": summary["samples_trained"], "accuracy_before": summary.get("accuracy_before"),
             "accuracy_after": summary.get("accuracy_after"), "phases": phase_medians(Path(summary["out_dir"])),
             "pids": sorted({w["pid"] for w in summary["workers"].values() if "pid" in w}),
-            "engine_dtypes": sorted({w["engine_dtype"] for w in summary["workers"].values() if "engine_dtype" in w})}
+            "engine_dtypes": sorted({w["engine_dtype"] for w in summary["workers"].values() if "engine_dtype" in w}),
+            "curve": curve}
 
 
 def phase_medians(out: Path) -> dict[str, float]:
@@ -249,10 +266,6 @@ def shared_inputs(graph: str, overrides: list[str]):
     return cfg, flow, str(folder), task, problems, task.test_set(cfg.eval.n_test), shared_settings(plan)
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--job", choices=sorted(JOBS), default="main", help="main: graphs/arith_grpo; chat: "
@@ -273,6 +286,11 @@ def main(argv: list[str]) -> None:
                         "(runtime.worker_env.CPU_MALLOC, as areal-flow's CPU workers), 0/1")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations (speed only)")
+    parser.add_argument("--curve", type=int, default=0, help="also score the held-out set every N optimizer steps "
+                        "on both sides, and print when each areal-flow run reached each TRL run's final accuracy "
+                        "(bench/vs_trl_curve.py)")
+    parser.add_argument("--areal-steps", type=int, help="optimizer steps of the areal-flow runs (default: --steps); "
+                        "with --curve, time to TRL's final accuracy beyond TRL's steps")
     args, rest = parser.parse_known_args(argv)
     import trl
 
@@ -300,13 +318,16 @@ def main(argv: list[str]) -> None:
             knobs = {"steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "n_samples": cfg.gen.n_samples,
                      "micro_batch": cfg.train.micro_batch_size, "max_new_tokens": cfg.gen.max_new_tokens,
                      "lr": cfg.train.lr, "max_grad_norm": cfg.train.max_grad_norm, "temperature": cfg.gen.temperature,
-                     "top_p": cfg.gen.top_p, "seed": seed, "eval": not args.no_eval, **shared}
+                     "top_p": cfg.gen.top_p, "seed": seed, "eval": not args.no_eval, "curve": args.curve, **shared}
+            areal = [f"train.steps={args.areal_steps or steps}",
+                     *([f"train.checkpoint_every={args.curve}"] if args.curve else [])]
             print(f"seed {seed}: policy {folder}; {len(problems)} prompts x {cfg.gen.n_samples}, "
                   f"{len(test)} held-out; shared {shared}", flush=True)
             for round_ in range(args.repeats):
                 for v in runs[round_ % len(runs):] + runs[:round_ % len(runs)]:
                     before = load()
-                    r = run_variant(v, pool, job.graph, base, flow, folder, problems, test, task, knobs, seed)
+                    r = run_variant(v, pool, job.graph, [*base, *(areal if v.side == "areal" else ())], flow,
+                                    folder, problems, test, task, knobs, seed)
                     results.setdefault((seed, v.label), []).append(r)
                     print(f"[seed {seed} round {round_ + 1}] {v.label:>16}: {run_line(v, r)}; {before} -> {load()}",
                           flush=True)
@@ -315,7 +336,8 @@ def main(argv: list[str]) -> None:
 
 def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str, problems, test, task, knobs: dict,
                 seed: int) -> dict:
-    """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers."""
+    """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers (scored
+    at each checkpoint with ``knobs["curve"]``)."""
     if v.side == "trl":
         knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
         if not v.malloc:
@@ -325,69 +347,17 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
     train = v.train_dtype or ("float32" if v.gen_dtype.lower() in ("float32", "fp32") else "")  # the fp32 pair
     dtype = [*([f"gen.dtype={v.gen_dtype}"] if v.gen_dtype else []), *([f"model.dtype={train}"] if train else [])]
     lend = [] if v.lend is None else [f"scheduler.lend_idle_cores={str(v.lend).lower()}"]
+    score = None
+    if knobs["curve"] and knobs["eval"]:
+        from runtime.evaluate import greedy_accuracy
+        from runtime.model_source import load_pretrained
+
+        tok = load_pretrained(folder)[1]
+        score = lambda m: greedy_accuracy(m, tok, task, test, chat_template=knobs["chat_template"])  # noqa: E731
     return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
                      [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype, *lend,
                       f"name=vs_trl_{graph}_k{v.k}{v.gen_dtype}{v.train_dtype}{'' if v.lend is None else int(v.lend)}_s{seed}",
-                      *(HYBRID if v.k.endswith("h") else ())])
-
-
-def run_line(v: Variant, r: dict) -> str:
-    """One run's figures: loop, samples/s, accuracy, the generation / training split."""
-    acc = "n/a" if r["accuracy_after"] is None else f"{r['accuracy_after']:.1%}"
-    if v.side == "trl":
-        train = r["train_s"] - r["gen_s"] - r["score_s"]
-        extra = (f"generate {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), rewards/advantages "
-                 f"{r['score_s']:.1f} s, training (rest) {train:.1f} s ({train / r['train_s']:.0%}), setup "
-                 f"{r['setup_s']:.1f} s, trl {r['trl']}")
-    else:
-        extra = (f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), "
-                 f"trainer busy {r['trainer_s']:.1f} s ({r['trainer_s'] / r['train_s']:.0%}), worker pids "
-                 f"{r['pids']}; medians ms: " + ", ".join(f"{n} {v_:.1f}" for n, v_ in r["phases"].items()))
-    return (f"loop {r['train_s']:6.1f} s, {r['samples'] / r['train_s']:6.1f} samples/s, held-out after {acc} "
-            f"({extra})")
-
-
-def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, task, test, shared: dict,
-                    no_eval: bool) -> float | None:
-    """Held-out greedy accuracy of the shared version-0 policy (an areal-flow run's, else scored here)."""
-    if no_eval:
-        return None
-    for v in runs:
-        if v.side == "areal" and results[(seed, v.label)][0].get("accuracy_before") is not None:
-            return results[(seed, v.label)][0]["accuracy_before"]
-    from runtime.evaluate import greedy_accuracy
-    from runtime.model_source import load_pretrained
-
-    model, tok = load_pretrained(folder)
-    return greedy_accuracy(model, tok, task, test, chat_template=shared["chat_template"])
-
-
-def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
-    """The side-by-side table of one seed: medians over its rounds, speed ratios against the
-    fastest TRL variant (its median loop time) and against TRL of the same precision (fp32 with
-    fp32 engines, bf16 with 16-bit ones, ``gen.dtype=auto`` by what the engine chose), generation's
-    share of each loop."""
-    trls = [v for v in runs if v.side == "trl"]
-    loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
-    fastest = min((loop[v.label] for v in trls), default=float("nan"))
-    rounds = len(results[(seed, runs[0].label)])
-    head = "not scored (--no-eval)" if before is None else f"{before:.1%} (same policy)"
-    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {head}")
-    print(f"{'variant':>16} | {'loop s':>7} | {'samples/s':>9} | {'gen share':>9} | {'after':>6} | "
-          f"vs fastest TRL | vs TRL same precision")
-    for v in runs:
-        rs = results[(seed, v.label)]
-        rate = median([r["samples"] / r["train_s"] for r in rs])
-        share = median([r["gen_s"] / r["train_s"] for r in rs])
-        accs = [r["accuracy_after"] for r in rs if r["accuracy_after"] is not None]
-        acc = f"{median(accs):6.1%}" if accs else f"{'n/a':>6}"
-        chosen = {d for r in rs for d in r.get("engine_dtypes", ())}  # what gen.dtype=auto chose on this CPU
-        low = v.bf16 if v.side == "trl" else bool(chosen - {"float32"}) if chosen else \
-            v.gen_dtype not in ("", "float32", "fp32")
-        peer = [loop[t.label] for t in trls if t.bf16 == low]
-        same = f"{min(peer) / loop[v.label]:.2f}x" if peer else "-"
-        print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "
-              f"{fastest / loop[v.label]:13.2f}x | {same}")
+                      *(HYBRID if v.k.endswith("h") else ())], score)
 
 
 if __name__ == "__main__":

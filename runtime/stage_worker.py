@@ -258,8 +258,11 @@ class _Stage:
                         check_fence(out, fence, f"step {step}'s records")
                     metrics = None if log is None else self._record_step(step, log, out, advantage, stats,
                                                                           (train_s, wait_s), checkpoint)
-                    if checkpoint and not self.checkpoints.write(step + 1, out / "checkpoints") and metrics:
-                        metrics.pop("checkpoint", None)  # written after the step's records; a full disk kept none
+                    if checkpoint:  # its own span on the step track: time to accuracy leaves it out (bench/vs_trl_curve)
+                        with self.trace.span("checkpoint", "step", cat="io", version=step + 1):
+                            written = self.checkpoints.write(step + 1, out / "checkpoints")
+                        if not written and metrics:
+                            metrics.pop("checkpoint", None)  # written after the step's records; a full disk kept none
                     if metrics is not None and self.report is not None:  # only the trainer reports the step
                         self.report(metrics)
                     self.trace.flush()

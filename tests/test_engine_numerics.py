@@ -52,8 +52,8 @@ def test_forced_dtypes_and_bad_name():
 def test_auto_takes_bf16_only_when_measured_faster_and_caches(monkeypatch, fp32_s, bf16_s, expected):
     calls = []
 
-    def fake(model, device, rows, dtypes):
-        calls.append(dtypes)
+    def fake(model, device, rows, dtypes, cpu_kernels):
+        calls.append((dtypes, cpu_kernels))
         return [fp32_s, bf16_s]
 
     monkeypatch.setattr(precision, "_decode_step_seconds", fake)
@@ -61,7 +61,10 @@ def test_auto_takes_bf16_only_when_measured_faster_and_caches(monkeypatch, fp32_
     model = _model(0)
     assert precision.engine_dtype("auto", "cpu", 8, model) is expected
     assert precision.engine_dtype("auto", "cpu", 8, model) is expected
-    assert calls == [(torch.float32, torch.bfloat16)]  # measured once per process and shape
+    assert calls == [((torch.float32, torch.bfloat16), "auto")]  # measured once per process and shape
+    # the engine's gen.cpu_kernels is timed, and a different one is measured on its own
+    assert precision.engine_dtype("auto", "cpu", 8, model, "off") is expected
+    assert calls[1:] == [((torch.float32, torch.bfloat16), "off")]
 
 
 def test_auto_measures_real_decode_steps():
@@ -133,7 +136,7 @@ def test_each_replica_says_which_dtype_auto_chose_and_warns_for_a_coupled_loss(m
     from runtime.workers import engine_precision
     from test_resume import _plan
 
-    monkeypatch.setattr(precision, "_decode_step_seconds", lambda model, device, rows, dtypes: [1.0, 0.4])
+    monkeypatch.setattr(precision, "_decode_step_seconds", lambda model, device, rows, dtypes, cpu_kernels: [1.0, 0.4])
     monkeypatch.setattr(precision, "_CHOICES", {})
     engine = GenerationEngine(_model(0), TOK, max_batch_size=4, dtype="auto")  # 1.0 / 0.4 = 2.5x >= 1.3x: bf16
     gen = SimpleNamespace(engine=engine, node=SimpleNamespace(name="generate"))

@@ -196,9 +196,10 @@ class GenerationEngine:
         self.device = device
         self.version = 0
         self.refused_updates = 0  # weight updates refused before touching the model (tensor set)
-        self.dtype = engine_dtype(dtype, device, max_batch_size, self.model)
+        self.dtype = engine_dtype(dtype, device, max_batch_size, self.model, cpu_kernels)
         # gen.dtype=auto: the measured fp32 / 16-bit decode-step time ratio behind the choice
-        self.dtype_speedup = auto_speedup(device, max_batch_size, self.model) if str(dtype).lower() == "auto" else None
+        self.dtype_speedup = (auto_speedup(device, max_batch_size, self.model, cpu_kernels)
+                              if str(dtype).lower() == "auto" else None)
         word = str(head_dtype).lower()
         self.head_dtype = self.dtype if word == "engine" else torch.float32 if word in ("mixed", "auto") else \
             torch_dtype(head_dtype, "gen.lm_head_dtype", extra=LM_HEAD_WORDS)

@@ -31,7 +31,8 @@ _CHOICES: dict[tuple, tuple[torch.dtype, float]] = {}
 """Per (device, rows, model shape): ``auto``'s choice and its measured speedup (below)."""
 
 
-def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.nn.Module) -> torch.dtype:
+def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.nn.Module,
+                 cpu_kernels: str = "auto") -> torch.dtype:
     """The engine dtype for ``gen.dtype = name``.
 
     Args:
@@ -40,6 +41,8 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
         device: torch device string the engine runs on.
         rows: decode batch rows the check times (the engine's ``max_batch_size``).
         model: the HF causal LM the engine decodes (already on ``device``).
+        cpu_kernels: the engine's ``gen.cpu_kernels``; the check times the decoders the engine
+            will run (the fused kernels change the ratio: 1.19x on an fp32 SmolLM2 step).
 
     Raises:
         ValueError: an unknown name (names ``gen.dtype`` and the accepted values).
@@ -47,37 +50,37 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
     if isinstance(name, torch.dtype) or str(name).lower() != "auto":
         return torch_dtype(name, "gen.dtype", extra=("auto",))
     low = torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
-    key = _key(device, rows, model)
+    key = _key(device, rows, model, cpu_kernels)
     if key not in _CHOICES:
-        fp32_s, low_s = _decode_step_seconds(model, device, rows, (torch.float32, low))
+        fp32_s, low_s = _decode_step_seconds(model, device, rows, (torch.float32, low), cpu_kernels)
         _CHOICES[key] = (low if fp32_s >= MIN_SPEEDUP * low_s else torch.float32, fp32_s / low_s)
     return _CHOICES[key][0]
 
 
-def auto_speedup(device: str, rows: int, model: torch.nn.Module) -> float | None:
+def auto_speedup(device: str, rows: int, model: torch.nn.Module, cpu_kernels: str = "auto") -> float | None:
     """The decode-step speedup ``auto`` measured for this device, rows and model shape:
     fp32 seconds / 16-bit seconds of one step (> 1: the 16-bit step is faster); None when
     :func:`engine_dtype` has not measured it in this process (e.g. ``gen.dtype`` forced)."""
-    choice = _CHOICES.get(_key(device, rows, model))
+    choice = _CHOICES.get(_key(device, rows, model, cpu_kernels))
     return None if choice is None else choice[1]
 
 
-def _key(device: str, rows: int, model: torch.nn.Module) -> tuple:
+def _key(device: str, rows: int, model: torch.nn.Module, cpu_kernels: str) -> tuple:
     cfg = model.config
-    return (str(device), rows, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    return (str(device), rows, cpu_kernels, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
 
 
 @torch.inference_mode()
-def _decode_step_seconds(model, device: str, rows: int, dtypes: tuple[torch.dtype, ...],
+def _decode_step_seconds(model, device: str, rows: int, dtypes: tuple[torch.dtype, ...], cpu_kernels: str = "auto",
                          min_rounds: int = 3, max_rounds: int = 30, budget_s: float = 0.5) -> list[float]:
     """Best seconds of one decode step of ``rows`` sequences at position 32 with the
-    engine's decoder in each of ``dtypes``: interleaved rounds (one step of each dtype)
+    engine's decoder (``cpu_kernels`` as ``gen.cpu_kernels``) in each of ``dtypes``: interleaved rounds (one step of each dtype)
     after one warm-up round, at least ``min_rounds``, then more while under ``budget_s``
     seconds and ``max_rounds`` rounds (small models get many samples against noise)."""
     from runtime.engines.decoder import KVDecoder
 
     # the LM head as gen.lm_head_dtype's default (auto) runs it: fp32, or for bf16 the mixed head where it runs
-    decoders = [KVDecoder(model, d, rows, torch.float32, mixed_head=None if d == torch.bfloat16 else False)
+    decoders = [KVDecoder(model, d, rows, torch.float32, cpu_kernels, mixed_head=None if d == torch.bfloat16 else False)
                 for d in dtypes]
     ids = torch.randint(model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0)).to(device)
     lengths = torch.full((rows,), 32, device=device)

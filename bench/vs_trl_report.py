@@ -1,0 +1,82 @@
+"""The printed side of ``bench/vs_trl.py``: one run's line, the held-out accuracy before RL,
+and each seed's side-by-side table with speed ratios and (``--curve``) time to accuracy."""
+
+from __future__ import annotations
+
+import statistics
+
+from vs_trl_curve import curve_text, reach_line
+from vs_trl_jobs import Variant
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def run_line(v: Variant, r: dict) -> str:
+    """One run's figures: loop, samples/s, accuracy, the generation / training split."""
+    acc = "n/a" if r["accuracy_after"] is None else f"{r['accuracy_after']:.1%}"
+    if v.side == "trl":
+        train = r["train_s"] - r["gen_s"] - r["score_s"]
+        extra = (f"generate {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), rewards/advantages "
+                 f"{r['score_s']:.1f} s, training (rest) {train:.1f} s ({train / r['train_s']:.0%}), setup "
+                 f"{r['setup_s']:.1f} s, trl {r['trl']}")
+    else:
+        extra = (f"RL wall {r['wall_s']:.1f} s, generator busy {r['gen_s']:.1f} s ({r['gen_s'] / r['train_s']:.0%}), "
+                 f"trainer busy {r['trainer_s']:.1f} s ({r['trainer_s'] / r['train_s']:.0%}), worker pids "
+                 f"{r['pids']}; medians ms: " + ", ".join(f"{n} {v_:.1f}" for n, v_ in r["phases"].items()))
+    return (f"loop {r['train_s']:6.1f} s, {r['samples'] / r['train_s']:6.1f} samples/s, held-out after {acc} "
+            f"({extra})")
+
+
+def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, task, test, shared: dict,
+                    no_eval: bool) -> float | None:
+    """Held-out greedy accuracy of the shared version-0 policy (an areal-flow run's, else scored here)."""
+    if no_eval:
+        return None
+    for v in runs:
+        if v.side == "areal" and results[(seed, v.label)][0].get("accuracy_before") is not None:
+            return results[(seed, v.label)][0]["accuracy_before"]
+    from runtime.evaluate import greedy_accuracy
+    from runtime.model_source import load_pretrained
+
+    model, tok = load_pretrained(folder)
+    return greedy_accuracy(model, tok, task, test, chat_template=shared["chat_template"])
+
+
+def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
+    """The side-by-side table of one seed: medians over its rounds, speed ratios against the
+    fastest TRL variant (its median loop time) and against TRL of the same precision (fp32 with
+    fp32 engines, bf16 with 16-bit ones, ``gen.dtype=auto`` by what the engine chose), generation's
+    share of each loop."""
+    trls = [v for v in runs if v.side == "trl"]
+    loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
+    fastest = min((loop[v.label] for v in trls), default=float("nan"))
+    rounds = len(results[(seed, runs[0].label)])
+    head = "not scored (--no-eval)" if before is None else f"{before:.1%} (same policy)"
+    print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {head}")
+    print(f"{'variant':>16} | {'loop s':>7} | {'samples/s':>9} | {'gen share':>9} | {'after':>6} | "
+          f"vs fastest TRL | vs TRL same precision")
+    for v in runs:
+        rs = results[(seed, v.label)]
+        rate = median([r["samples"] / r["train_s"] for r in rs])
+        share = median([r["gen_s"] / r["train_s"] for r in rs])
+        accs = [r["accuracy_after"] for r in rs if r["accuracy_after"] is not None]
+        acc = f"{median(accs):6.1%}" if accs else f"{'n/a':>6}"
+        chosen = {d for r in rs for d in r.get("engine_dtypes", ())}  # what gen.dtype=auto chose on this CPU
+        low = v.bf16 if v.side == "trl" else bool(chosen - {"float32"}) if chosen else \
+            v.gen_dtype not in ("", "float32", "fp32")
+        peer = [loop[t.label] for t in trls if t.bf16 == low]
+        same = f"{min(peer) / loop[v.label]:.2f}x" if peer else "-"
+        print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "
+              f"{fastest / loop[v.label]:13.2f}x | {same}")
+    for v in runs:  # --curve: every round's points, and time to each TRL run's final accuracy
+        for i, r in enumerate(results[(seed, v.label)]):
+            if r.get("curve"):
+                print(f"  curve {v.label} round {i + 1}: {curve_text(r['curve'])}")
+    for v in (v for v in runs if v.side == "areal"):
+        for i, r in enumerate(results[(seed, v.label)]):
+            for t in trls:
+                peer = results[(seed, t.label)][i]
+                if r.get("curve") and peer.get("curve"):
+                    print(f"  round {i + 1}: " + reach_line(v.label, r["curve"], t.label, peer["curve"]))
