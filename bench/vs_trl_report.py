@@ -45,13 +45,14 @@ def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, 
 
 
 def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
-    """The side-by-side table of one seed: medians over its rounds, speed ratios against the
-    fastest TRL variant (its median loop time) and against TRL of the same precision (fp32 with
-    fp32 engines, bf16 with 16-bit ones, ``gen.dtype=auto`` by what the engine chose), generation's
-    share of each loop."""
+    """The side-by-side table of one seed: medians over its rounds, speed ratios (samples/s of the
+    loop, so runs of different lengths compare: ``--areal-steps``) against the fastest TRL variant
+    and against TRL of the same precision (fp32 with fp32 engines, bf16 with 16-bit ones,
+    ``gen.dtype=auto`` by what the engine chose), generation's share of each loop."""
     trls = [v for v in runs if v.side == "trl"]
     loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
-    fastest = min((loop[v.label] for v in trls), default=float("nan"))
+    rates = {v.label: median([r["samples"] / r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
+    fastest = max((rates[v.label] for v in trls), default=float("nan"))
     rounds = len(results[(seed, runs[0].label)])
     head = "not scored (--no-eval)" if before is None else f"{before:.1%} (same policy)"
     print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {head}")
@@ -59,17 +60,17 @@ def report(seed: int, runs: list[Variant], results: dict, before: float | None) 
           f"vs fastest TRL | vs TRL same precision")
     for v in runs:
         rs = results[(seed, v.label)]
-        rate = median([r["samples"] / r["train_s"] for r in rs])
+        rate = rates[v.label]
         share = median([r["gen_s"] / r["train_s"] for r in rs])
         accs = [r["accuracy_after"] for r in rs if r["accuracy_after"] is not None]
         acc = f"{median(accs):6.1%}" if accs else f"{'n/a':>6}"
         chosen = {d for r in rs for d in r.get("engine_dtypes", ())}  # what gen.dtype=auto chose on this CPU
         low = v.bf16 if v.side == "trl" else bool(chosen - {"float32"}) if chosen else \
             v.gen_dtype not in ("", "float32", "fp32")
-        peer = [loop[t.label] for t in trls if t.bf16 == low]
-        same = f"{min(peer) / loop[v.label]:.2f}x" if peer else "-"
+        peer = [rates[t.label] for t in trls if t.bf16 == low]
+        same = f"{rate / max(peer):.2f}x" if peer else "-"
         print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "
-              f"{fastest / loop[v.label]:13.2f}x | {same}")
+              f"{rate / fastest:13.2f}x | {same}")
     for v in runs:  # --curve: every round's points, and time to each TRL run's final accuracy
         for i, r in enumerate(results[(seed, v.label)]):
             if r.get("curve"):

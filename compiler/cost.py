@@ -219,10 +219,11 @@ class CostModel:
                 self._costs[key] = sum(generation_time(
                     task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
                     concurrent=per_replica, refill=True, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
-                    overhead_s=cfg.decode_step_overhead_s).values())
+                    overhead_s=cfg.decode_step_overhead_s, samples_per_prompt=w.samples_per_prompt).values())
             else:
                 cost = DecodeCost.build(task.model, s, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
-                                        overhead_s=cfg.decode_step_overhead_s, prompt_len=w.prompt_len)
+                                        overhead_s=cfg.decode_step_overhead_s, prompt_len=w.prompt_len,
+                                        samples_per_prompt=w.samples_per_prompt)
                 lengths = self.lengths.quantiles(per_replica)
                 alone = cost.run_s(1, w.prompt_len, max(lengths))
                 # every token at the cheapest per-token price: all responses live, prompts only as context
@@ -371,6 +372,7 @@ class CostModel:
                 task.model, s, n_sequences=w.n_sequences, prompt_len=w.prompt_len, lengths=self.lengths,
                 concurrent=concurrent, refill=w.staleness >= 1, dtype=cfg.dtype, mfu=cfg.mfu, links=self.links,
                 overhead_s=cfg.decode_step_overhead_s, schedules=self._schedules,
+                samples_per_prompt=w.samples_per_prompt,
             )
         return NodeCost(s, mem, mem.total <= self.usable, dict(self._costs[key]), concurrent=concurrent)
 

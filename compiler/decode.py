@@ -34,7 +34,8 @@ One decode step of a replica with ``b`` live responses holding ``S`` context tok
 Between two events of a replica (a response finishing, a response admitted) ``b`` is
 constant and ``S`` grows by ``b`` per step, so both arguments of the max are linear in the
 step index and a run of ``n`` steps sums in closed form (:meth:`DecodeCost.run_s`).
-Prefill: ``P (2 N_act + 2 L P d_attn)`` FLOPs per admitted response, compute-bound.
+Prefill: ``P (2 N_act + 2 L P d_attn)`` FLOPs per prompt, compute-bound, a group's prompt once
+for its ``n`` responses (``samples_per_prompt``: the engines share it).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class DecodeCost:
             part and per live response.
         overhead_s: fixed seconds per step.
         prompt_len: prompt tokens of every response.
+        samples_per_prompt: responses that share one prompt (a GRPO group), prefilled once for
+            all of them as the engines do (the embedded engine copies a group's prompt cache,
+            ``runtime.engines.generation``; vLLM's prefix caching); 1 = a prompt per response.
     """
 
     dense_bytes: float
@@ -91,10 +95,11 @@ class DecodeCost:
     comm_per_seq: float
     overhead_s: float
     prompt_len: int
+    samples_per_prompt: int = 1
 
     @classmethod
     def build(cls, model: ModelSpec, s: ParallelStrategy, *, dtype: str, mfu: float, links, overhead_s: float,
-              prompt_len: int) -> "DecodeCost":
+              prompt_len: int, samples_per_prompt: int = 1) -> "DecodeCost":
         """The cost of a replica of ``s.tp * s.pp`` devices (``links``: ``compiler.timing.Links``)."""
         b = DTYPE_BYTES[dtype]
         act = model.hidden * b  # one response's activations between layers, bytes
@@ -113,6 +118,7 @@ class DecodeCost:
             comm_per_seq=tp_calls * ring * act / links.intra + (s.pp - 1) * act / links.intra,
             overhead_s=overhead_s,
             prompt_len=prompt_len,
+            samples_per_prompt=samples_per_prompt,
         )
 
     def _lines(self, b: int, s0: float) -> tuple[float, float, float, float, float]:
@@ -168,9 +174,10 @@ class DecodeCost:
         return lo
 
     def prefill_s(self, responses: int = 1) -> float:
-        """Seconds to prefill the prompts of ``responses`` responses."""
+        """Seconds to prefill the prompts of ``responses`` responses, each prompt once for its
+        ``samples_per_prompt`` responses."""
         p = self.prompt_len
-        return responses * p * (self.flops_token + self.flops_ctx * p) / self.compute
+        return responses / self.samples_per_prompt * p * (self.flops_token + self.flops_ctx * p) / self.compute
 
 
 class ContinuousBatch:

@@ -104,7 +104,7 @@ class _Run:
         links = Links(DeviceSpec(**plan.device), plan.cluster["n_gpus_per_node"], w["bandwidth_efficiency"])
         cost = decode_cost or DecodeCost.build(resolve_model(spec), self.gen.parallel, dtype=w["dtype"], mfu=w["mfu"],
                                                links=links, overhead_s=w["decode_step_overhead_s"],
-                                               prompt_len=w["prompt_len"])
+                                               prompt_len=w["prompt_len"], samples_per_prompt=w["samples_per_prompt"])
         self.dist = LengthDist(LengthDistConfig(**w["length_dist"]), w["new_tokens"])
         self.expected_tokens = w["n_sequences"] * (w["prompt_len"] + self.dist.mean)
         self.prompt_len, self.n, self.B = w["prompt_len"], w["samples_per_prompt"], plan.batch_groups

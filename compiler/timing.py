@@ -180,6 +180,7 @@ def generation_time(
     links: Links,
     overhead_s: float,
     schedules: dict | None = None,
+    samples_per_prompt: int = 1,
 ) -> dict[str, float]:
     """Seconds for ``s.dp`` replicas of ``tp * pp`` to generate one step's ``n_sequences``
     responses, whose lengths follow ``lengths`` (``compiler.decode`` gives the step cost).
@@ -196,13 +197,15 @@ def generation_time(
         schedules: a memo of :class:`compiler.decode.DrainSchedule` by ``(responses per
             replica, slots)`` that the caller keeps across calls (a drain's schedule does
             not depend on the replica's shape); None: build it each call.
+        samples_per_prompt: responses sharing one prompt, prefilled once (``DecodeCost``).
 
     Returns:
         ``{"prefill", "decode"}`` seconds.
     """
     per_replica = math.ceil(n_sequences / s.dp)
     c = max(1, min(concurrent, per_replica))
-    cost = DecodeCost.build(model, s, dtype=dtype, mfu=mfu, links=links, overhead_s=overhead_s, prompt_len=prompt_len)
+    cost = DecodeCost.build(model, s, dtype=dtype, mfu=mfu, links=links, overhead_s=overhead_s, prompt_len=prompt_len,
+                            samples_per_prompt=samples_per_prompt)
     prefill = cost.prefill_s(per_replica)
     if refill:
         steps = per_replica * lengths.mean / c

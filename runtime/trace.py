@@ -19,7 +19,8 @@ one ``pid`` per ``proc`` (a worker such as ``generation/0``, or an edge such as
 Span names: a graph node's name for its work (``generate`` engine steps, ``reward`` per
 group, ``advantage``/``train_step`` per step, ``sync_weights`` publish/receive/load), the
 phases of a train step under its node's name (category ``phase``, ``args.phase`` =
-``forward``/``backward``/``optimizer``, ``runtime.train_phases``, nested in the step's span), an
+``forward``/``backward``/``optimizer``, ``runtime.train_phases``, nested in the step's span),
+``checkpoint`` (category ``io``) for a checkpoint's write after its step, an
 edge's name ``src->dst`` (category ``edge``) for time spent waiting on it: a group in a
 channel (``args.wait = "channel"``, from the sender's send to the receiver's receive), the
 router blocked on admission (``"admission"``), the trainer waiting for its batch (``"batch"``).

@@ -26,9 +26,9 @@ W = 2 * 6_738_415_616 / 1e12  # s: the bf16 weights read once per step at 1e12 B
 K = 2 * 32 * 32 * 128 * 2 / 1e12  # s per context token: 524,288 B of K and V = 5.24288e-7
 
 
-def cost(prompt_len=0, overhead_s=0.0):
+def cost(prompt_len=0, overhead_s=0.0, samples_per_prompt=1):
     return DecodeCost.build(LLAMA2_7B, ParallelStrategy(), dtype="bf16", mfu=0.5, links=LINKS,
-                            overhead_s=overhead_s, prompt_len=prompt_len)
+                            overhead_s=overhead_s, prompt_len=prompt_len, samples_per_prompt=samples_per_prompt)
 
 
 def test_quantiles_of_each_shape():
@@ -60,6 +60,9 @@ def test_decode_step_is_memory_bound_and_sums_in_closed_form():
     assert c.run_s(3, 30, 4) == pytest.approx(4 * (W + 0.002) + 138 * K)
     # prefill of 2 prompts of 10 tokens: 20 x (2 x 6,738,415,616 + 2 x 32 x 10 x 4096) FLOP / 5e14
     assert cost(prompt_len=10).prefill_s(2) == pytest.approx(20 * (2 * 6_738_415_616 + 2 * 32 * 10 * 4096) / 5e14)
+    # 16 responses in groups of 8 sharing their prompt (the engines prefill it once): the same 2 prompts
+    assert cost(prompt_len=10, samples_per_prompt=8).prefill_s(16) == \
+        pytest.approx(20 * (2 * 6_738_415_616 + 2 * 32 * 10 * 4096) / 5e14)
 
 
 def test_compute_bound_crossover_in_a_run():
