@@ -292,6 +292,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--areal-steps", type=int, help="optimizer steps of the areal-flow runs (default: --steps); "
                         "with --curve, time to TRL's final accuracy beyond TRL's steps")
     args, rest = parser.parse_known_args(argv)
+    if args.curve and args.no_eval:  # checkpoints that nothing scores would only slow the areal-flow loop
+        parser.error("--curve scores the held-out set: it cannot go with --no-eval")
     import trl
 
     if trl.__version__ != TRL_VERSION:
@@ -349,10 +351,10 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
     lend = [] if v.lend is None else [f"scheduler.lend_idle_cores={str(v.lend).lower()}"]
     score = None
     if knobs["curve"] and knobs["eval"]:
+        from areal_flow.models.tokenizer import load_tokenizer
         from runtime.evaluate import greedy_accuracy
-        from runtime.model_source import load_pretrained
 
-        tok = load_pretrained(folder)[1]
+        tok = load_tokenizer(folder)
         score = lambda m: greedy_accuracy(m, tok, task, test, chat_template=knobs["chat_template"])  # noqa: E731
     return run_areal(flow, ROOT / "graphs" / f"{graph}.yaml",
                      [*base, f"async.max_staleness={int(v.k.rstrip('h'))}", *dtype, *lend,

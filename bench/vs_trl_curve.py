@@ -6,8 +6,8 @@ run first reached a TRL run's final accuracy.
   ``N`` steps (and at the last) with the time since ``train()`` began; the copying is timed
   and left out of that time and of the run's training time. Scored after ``train()``.
 * areal-flow: ``train.checkpoint_every=N`` (each checkpoint a ``transformers`` folder of the
-  policy, ``runtime.checkpoint``); version ``v``'s time is the end of the trainer's ``v``-th
-  ``train_step`` span on the loop's clock (from the generator's first engine step, less the
+  policy, ``runtime.checkpoint``); version ``v``'s time is the end of the trainer's ``train_step``
+  span of step ``v - 1`` on the loop's clock (from the generator's first engine step, less the
   start-up wait, as ``bench/async_vs_sync.loop_window``), less the ``checkpoint`` spans before it
   (the trainer writes each between steps; optimizer state and fsync included, so far more than
   TRL's copy in memory; the generator may run on meanwhile, within its staleness bound). The run's
@@ -60,30 +60,35 @@ def score_snapshots(model, points: list[tuple[int, float, dict]], score) -> list
     return out
 
 
-def areal_points(out_dir: Path, start_us: int, waited_s: float, spans: list[dict], score) -> list[Point]:
+def areal_points(out_dir: Path, start_us: int, waited_s: float, spans: list[dict], score,
+                 node: str = "train_step") -> list[Point]:
     """The curve of an areal-flow run with ``train.checkpoint_every`` set: for each
-    ``checkpoints/version_<v>`` folder, ``(v, loop seconds at the end of the v-th train_step span
-    less the checkpoint writes before it, score(model))``; ``start_us`` and ``waited_s`` as
-    ``async_vs_sync.loop_window`` gives them.
+    ``checkpoints/version_<v>`` folder, ``(v, loop seconds at the end of the train_step span of step
+    v - 1 less the checkpoint writes before it, score(model))``; ``start_us`` and ``waited_s`` as
+    ``async_vs_sync.loop_window`` gives them. Only the process that ran ``node``'s step spans counts
+    (the policy trainer; a step traced twice, as after a resume, by its last span).
 
     Raises:
-        ValueError: the run wrote no checkpoint, or fewer train_step spans than a checkpoint's version.
+        ValueError: the run wrote no checkpoint, or a checkpoint's step has no ``node`` span.
     """
     from runtime.model_source import load_pretrained
 
-    ends = sorted(s["ts"] + s["dur"] for s in spans if s["name"] == "train_step" and s["cat"] == "node")
-    writes = [(s["ts"] + s["dur"], s["dur"]) for s in spans if s["name"] == "checkpoint" and s["cat"] == "io"]
+    steps = [s for s in spans if s["name"] == node and s["cat"] == "node" and "step" in s.get("args", {})]
+    trainer = steps[0]["proc"] if steps else None
+    ends = {s["args"]["step"]: s["ts"] + s["dur"] for s in sorted(steps, key=lambda s: s["ts"]) if s["proc"] == trainer}
+    writes = [(s["ts"] + s["dur"], s["dur"]) for s in spans
+              if s["name"] == "checkpoint" and s["cat"] == "io" and s["proc"] == trainer]
     folders = sorted((int(p.name.split("_")[1]), p) for p in (out_dir / "checkpoints").glob("version_*")
                      if p.name.split("_")[1].isdigit())
     if not folders:
         raise ValueError(f"{out_dir}: no checkpoints/version_<v> (train.checkpoint_every unset?)")
     out = []
     for version, folder in folders:
-        if version > len(ends):
-            raise ValueError(f"{folder}: version {version} but {len(ends)} train_step spans in the trace")
-        model, _ = load_pretrained(folder)
+        if version - 1 not in ends:
+            raise ValueError(f"{folder}: no {node!r} span of step {version - 1} in the trace")
         end = ends[version - 1]
         writing = sum(d for e, d in writes if e <= end)
+        model, _ = load_pretrained(folder)
         out.append((version, (end - start_us - writing) / 1e6 - waited_s, score(model)))
     return out
 

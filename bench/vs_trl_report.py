@@ -56,6 +56,10 @@ def report(seed: int, runs: list[Variant], results: dict, before: float | None) 
     rounds = len(results[(seed, runs[0].label)])
     head = "not scored (--no-eval)" if before is None else f"{before:.1%} (same policy)"
     print(f"\nseed {seed} (medians of {rounds} round(s)); held-out accuracy before RL {head}")
+    samples = {v.label: results[(seed, v.label)][0]["samples"] for v in runs}
+    if len(set(samples.values())) > 1:  # --areal-steps: "after" is each run's own end
+        print("runs of different lengths, 'after' at each one's end: "
+              + ", ".join(f"{label} {n} samples" for label, n in samples.items()))
     print(f"{'variant':>16} | {'loop s':>7} | {'samples/s':>9} | {'gen share':>9} | {'after':>6} | "
           f"vs fastest TRL | vs TRL same precision")
     for v in runs:

@@ -79,8 +79,10 @@ class DecodeCost:
         overhead_s: fixed seconds per step.
         prompt_len: prompt tokens of every response.
         samples_per_prompt: responses that share one prompt (a GRPO group), prefilled once for
-            all of them as the engines do (the embedded engine copies a group's prompt cache,
-            ``runtime.engines.generation``; vLLM's prefix caching); 1 = a prompt per response.
+            all of them (the embedded engine copies a group's prompt cache from a row that holds
+            it, ``runtime.engines.generation``; vLLM's prefix caching shares whole blocks of 16
+            tokens, so a shorter prompt is prefilled per response there: an ASSUMPTION that
+            under-counts vLLM's prefill of short prompts); 1 = a prompt per response.
     """
 
     dense_bytes: float

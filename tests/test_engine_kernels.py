@@ -92,6 +92,42 @@ def test_causal_prefill_of_padded_rows_equals_each_prompt_alone():
                 assert torch.allclose(cache[-1][r, :, :len(s)], ref[-1][0, :, :len(s)], atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", ["off", "auto"])
+def test_prefill_after_a_copied_prefix_equals_the_whole_sequence_alone(kernels):
+    """Rows that continue a prompt copied from another row (``copy_rows``, then ``prefill`` from a
+    cached start), in rows past the first, over a cache of garbage, with prompts of 3..8 tokens and
+    0..9 tokens after them (0: the prompt's last token fed again): their logits, and the decode step
+    after, equal each whole sequence prefilled alone."""
+    model = _model(5)
+    prompts = [TOK.encode(p) for p in ("7=", "305-47=", "9+999=")]
+    which = [0, 1, 1, 2, 0]  # each row's prompt
+    tails = [[4, 5, 6, 7, 8], [], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [5, 6]]  # its tokens after it
+    seqs = [prompts[w] + t for w, t in zip(which, tails)]
+    starts = [len(prompts[w]) - (0 if t else 1) for w, t in zip(which, tails)]
+    rows = [2, 3, 4, 5, 6]
+    dec = KVDecoder(model, torch.float32, 8, cpu_kernels=kernels)
+    dec.reserve(8, 32)
+    gen = torch.Generator().manual_seed(0)
+    for c in dec.keys + dec.values:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    fed = torch.tensor([3, 4, 5, 6, 7, 8, 9])  # one more token for rows 0 .. 6
+    with torch.inference_mode():
+        dec.prefill(prompts, [0, 1, 7])  # the prompts in rows 0, 1 and 7
+        dec.copy_rows([[0, 1, 7][w] for w in which], rows, max(map(len, prompts)))
+        got = dec.prefill([s[st:] for s, st in zip(seqs, starts)], rows, starts)
+        lengths = torch.tensor([len(p) for p in prompts[:2]] + [len(s) for s in seqs])
+        step = dec.decode(fed, lengths)
+        for i, s in enumerate(seqs):
+            alone = KVDecoder(model, torch.float32, 1, cpu_kernels=kernels)
+            alone.reserve(1, 32)
+            assert torch.allclose(got[i], alone.prefill([s], [0])[0], atol=1e-5), i
+            assert torch.allclose(step[rows[i]], alone.decode(fed[rows[i]:rows[i] + 1], torch.tensor([len(s)]))[0],
+                                  atol=1e-5), i
+        # a wrong start (the tail placed as if nothing were cached) is caught by the same comparison
+        bad = dec.prefill([seqs[0][starts[0]:]], [2], [0])
+        assert not torch.allclose(bad[0], got[0], atol=1e-3)
+
+
 def test_behavior_logprob_equals_log_softmax_and_greedy_takes_argmax():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 1000, generator=gen) * 4

@@ -207,3 +207,35 @@ def test_a_group_prefills_its_prompt_once_and_keeps_exact_logprobs_across_an_upd
         got = torch.tensor(r.behavior_logprobs)
         assert (got[:3] - ref_old[:3]).abs().max().item() < 1e-4
         assert (got[3:] - ref_new[3:]).abs().max().item() < 1e-4
+
+
+def test_a_prompt_already_in_the_cache_is_copied_not_prefilled_again():
+    """A group admitted over several steps (fewer slots than samples): a later sample copies its
+    prompt from a cached row of the group and feeds only the prompt's last token again; its
+    behavior log-probs still equal a full recomputation."""
+    model = _model(7)
+    engine = GenerationEngine(_model(7), TOK, max_batch_size=3, seed=4)
+    fed = []
+    real = engine._dec.prefill
+
+    def spy(seqs, rows, starts=None):
+        fed.append((len(seqs), sum(map(len, seqs)), starts))
+        return real(seqs, rows, starts)
+
+    engine._dec.prefill = spy
+    prompt = TOK.encode("305-47=")
+    reqs = [GenerationRequest(f"r{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=n, stop_at_eos=False))
+            for i, n in enumerate((2, 6, 6, 5))]
+    for r in reqs:
+        engine.submit(r)
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    # step 1: the prompt once for 3 rows; step 3 (r0 done after 2 tokens): r3 from a cached row, 1 token fed
+    assert fed == [(1, len(prompt), None), (1, 1, [len(prompt) - 1])]
+    assert sorted(len(r.output_ids) for r in results) == [2, 5, 6, 6]
+    for r in results:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, -len(r.output_ids):]
+        assert (torch.tensor(r.behavior_logprobs) - ref).abs().max().item() < 1e-4

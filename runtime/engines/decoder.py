@@ -15,7 +15,8 @@ Cache: per layer one key and one value tensor ``[rows, kv_heads, capacity, head_
 allocated once and grown by doubling (rows up to ``max_rows``, capacity up to the model's
 context). Row ``r`` holds its sequence's keys at cache indices ``0 .. len_r - 1`` with no
 padding in between, so a token's position equals its cache index and the attention mask
-of row ``r`` is ``index < len_r`` (a prefill needs causality only: see ``prefill``). A decode step writes
+of row ``r`` is ``index < len_r`` (a prefill from an empty row needs causality only, one after a cached
+prefix a mask over it: see ``prefill``; ``copy_rows`` gives a row another's prefix). A decode step writes
 each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
 sequence's row is filled by moving the last active row into it.
 
@@ -294,7 +295,8 @@ class KVDecoder:
         (a group's shared prompt, prefilled once, given to every sample of the group)."""
         if not dst:
             return
-        s, d = torch.tensor(src), torch.tensor(dst)
+        device = self.keys[0].device
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         for cache in (self.keys, self.values):
             for c in cache:
                 c[d, :, :length] = c[s, :, :length]

@@ -282,27 +282,42 @@ class GenerationEngine:
         Each distinct prompt is prefilled once, into the row of its first sequence, and copied
         to the rows of the others (a GRPO group's samples share their prompt: a group of 8 costs
         one prompt's forward, not 8, as vLLM's prefix caching gives; 2.7 s against 0.34 s for
-        SmolLM2's 32 rows of 48 tokens in fp32 on one core). Sequences with tokens of their own
+        SmolLM2's 32 rows of 48 tokens in fp32 on one core). A prompt that a cached row already
+        holds (a group admitted over several steps as slots free) is copied from that row up to
+        its last token, which is fed again for its logits. Sequences with tokens of their own
         (re-prefilled after an update) then prefill those after their prompt; a new sequence
         takes its prompt's logits."""
         stale = self._stale
+        held = {}  # prompt -> a cached row holding it (valid under the current weights)
+        for r, seq in enumerate(self._cached):
+            held.setdefault(tuple(seq.request.prompt_ids), r)
         groups: dict[tuple[int, ...], list[int]] = {}  # prompt -> its stale rows, in order
         for r, seq in enumerate(stale):
             groups.setdefault(tuple(seq.request.prompt_ids), []).append(r)
-        firsts = [rows[0] for rows in groups.values()]
-        logits = self._dec.prefill([stale[r].request.prompt_ids for r in firsts], [first_row + r for r in firsts])
-        if len(groups) < len(stale):
-            src = [first_row + rows[0] for rows in groups.values() for _ in rows[1:]]
-            self._dec.copy_rows(src, [first_row + r for rows in groups.values() for r in rows[1:]],
-                                max(map(len, groups)))
-            which = torch.empty(len(stale), dtype=torch.long)
-            for g, rows in enumerate(groups.values()):
-                which[rows] = g
-            logits = logits[which.to(logits.device)]
-        grown = [r for r, seq in enumerate(stale) if seq.output_ids]
+        fresh = {p: rows for p, rows in groups.items() if p not in held}
+        shared = {r for p, rows in groups.items() if p in held for r in rows}
+        logits = None
+        if fresh:
+            firsts = [rows[0] for rows in fresh.values()]
+            logits = self._dec.prefill([stale[r].request.prompt_ids for r in firsts], [first_row + r for r in firsts])
+            if len(firsts) < len(stale):  # each row its prompt's logits
+                self._dec.copy_rows([first_row + rows[0] for rows in fresh.values() for _ in rows[1:]],
+                                    [first_row + r for rows in fresh.values() for r in rows[1:]], max(map(len, fresh)))
+                which = torch.zeros(len(stale), dtype=torch.long)
+                for g, rows in enumerate(fresh.values()):
+                    which[rows] = g
+                logits = logits[which.to(logits.device)]  # rows of shared prompts are overwritten below
+        if shared:  # the prompt but its last token from the cached row; that token is fed again below
+            self._dec.copy_rows([held[tuple(stale[r].request.prompt_ids)] for r in shared],
+                                [first_row + r for r in shared], max(len(stale[r].request.prompt_ids) for r in shared))
+        grown = [r for r, seq in enumerate(stale) if seq.output_ids or r in shared]
         if grown:
-            logits[grown] = self._dec.prefill([stale[r].output_ids for r in grown], [first_row + r for r in grown],
-                                              [len(stale[r].request.prompt_ids) for r in grown])
+            starts = [len(stale[r].request.prompt_ids) - (1 if r in shared else 0) for r in grown]
+            part = self._dec.prefill([stale[r].tokens()[start:] for r, start in zip(grown, starts)],
+                                     [first_row + r for r in grown], starts)
+            if logits is None:
+                logits = part.new_empty(len(stale), part.shape[1])
+            logits[grown] = part
         return logits
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:

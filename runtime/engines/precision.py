@@ -42,7 +42,8 @@ def engine_dtype(name: str | torch.dtype, device: str, rows: int, model: torch.n
         rows: decode batch rows the check times (the engine's ``max_batch_size``).
         model: the HF causal LM the engine decodes (already on ``device``).
         cpu_kernels: the engine's ``gen.cpu_kernels``; the check times the decoders the engine
-            will run (the fused kernels change the ratio: 1.19x on an fp32 SmolLM2 step).
+            will run (the fused kernels change the ratio: an fp32 SmolLM2 decode step ran 1.19x as
+            fast with them as without, docs/PERFORMANCE.md).
 
     Raises:
         ValueError: an unknown name (names ``gen.dtype`` and the accepted values).
