@@ -28,6 +28,7 @@ from areal_flow.config_compile import ClusterConfig, CompileConfig
 from areal_flow.config_keys import ConfigError
 from areal_flow.config_knobs import AdvantageKnobs, ReplayKnobs, RewardKnobs
 from areal_flow.config_run import DebugConfig, EvalConfig, LoggingConfig, SchedulerConfig, parse_kill_at
+from areal_flow.tasks.held_out import check_held_out
 from areal_flow.tasks.dataset_check import DatasetValueError, check_dataset
 from areal_flow.graph import DEFAULT_MAX_STALENESS
 
@@ -284,6 +285,10 @@ class ExperimentConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self) -> None:
+        try:
+            check_held_out(self.dataset.name, self.eval.n_test)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.train.gradient_accumulation_steps < 0:
             raise ConfigError(f"train.gradient_accumulation_steps={self.train.gradient_accumulation_steps}: must be >= 0")
         if self.train.max_tokens_per_micro_batch < 0:

@@ -43,7 +43,8 @@ class SchedulerConfig:
 @dataclass
 class EvalConfig:
     n_test: int = 500
-    """Held-out problems for greedy accuracy before and after RL."""
+    """Held-out problems for greedy accuracy before and after RL; at most 500 for the tasks that draw train and test
+    from one generator (arithmetic, support_desk, tool_multiply: training keeps only those out, tasks.held_out.HELD_OUT)."""
     every: int = 0
     """Also measure held-out greedy accuracy every this many steps during RL (TensorBoard eval/accuracy); 0 = only before and after."""
     enabled: bool = True

@@ -195,12 +195,15 @@ def evaluate_model(folder: str | Path, task, *, model: str, n: int = 500, sample
         "pass_at_k": {"1": ..., "k": ...}, "wall_s"}`` (pass@k for k = 1, 2, 4, ..., samples).
 
     Raises:
-        ValueError: ``n < 1`` or ``samples < 0``; OSError: the folder cannot be loaded.
+        ValueError: ``n < 1`` or ``samples < 0``; more problems than a generated task keeps out of
+            training (``areal_flow.tasks.held_out.check_held_out``); OSError: the folder cannot be loaded.
     """
+    from areal_flow.tasks.held_out import check_held_out
     from runtime.model_source import load_pretrained
 
     if n < 1 or samples < 0:
         raise ValueError(f"--n must be >= 1 and --samples >= 0, got n={n}, samples={samples}")
+    check_held_out(task.name, n, "--n (or eval.n_test)")
     start = time.perf_counter()
     model_, tokenizer = load_pretrained(folder, model_dtype(dtype, "cpu"))
     if tokenizer.pad_token is None:

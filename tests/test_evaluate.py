@@ -56,6 +56,30 @@ def test_eval_tasks_are_the_runs_dataset_tasks():
         eval_task(_cfg(name="guess_number"))
 
 
+def test_a_held_out_set_never_reaches_past_what_training_excludes(tmp_path):
+    """The generated tasks keep test_set(500) out of training; asking for more would score trained-on
+    problems, so every door refuses it: the config key, the task, and `areal-flow eval --n`."""
+    from areal_flow.config import ConfigError
+    from areal_flow.config_load import load_config
+    from areal_flow.tasks.support_desk import SupportDeskTask
+    from areal_flow.tasks.tool_multiply import ToolMultiplyTask
+    from runtime.evaluate import evaluate_model
+
+    with pytest.raises(ConfigError, match=r"eval.n_test=501: the arithmetic task keeps only its first 500"):
+        load_config(ROOT / "graphs" / "arith_grpo.yaml", ["eval.n_test=501"])
+    assert load_config(ROOT / "graphs" / "arith_grpo.yaml", ["eval.n_test=500"]).eval.n_test == 500
+    assert load_config(ROOT / "graphs" / "gsm8k_grpo.yaml", ["eval.n_test=800"]).eval.n_test == 800  # its own split
+    for task in (ArithmeticTask(seed=1, max_digits=2), SupportDeskTask(seed=1), ToolMultiplyTask(seed=1)):
+        assert len(task.test_set(500)) == 500
+        with pytest.raises(ValueError, match=f"test_set n=501: the {task.name} task"):
+            task.test_set(501)
+    with pytest.raises(ValueError, match=r"--n \(or eval.n_test\)=600"):  # before any model is read
+        evaluate_model(tmp_path / "no-model", ArithmeticTask(seed=1, max_digits=2), model="tiny-arith", n=600)
+    held_out = {p["prompt"] for p in ArithmeticTask(seed=1, max_digits=2).test_set(500)}
+    trained = {p["prompt"] for p in ArithmeticTask(seed=1, max_digits=2).train_problems(2000, seed=2)}
+    assert not held_out & trained
+
+
 def test_eval_bad_model_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "areal_flow.cli", "eval", str(tmp_path / "nothing.gguf"),
                           "--task", "arithmetic", "--n", "2"], cwd=ROOT, capture_output=True, text=True)

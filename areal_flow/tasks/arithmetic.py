@@ -16,8 +16,9 @@ from __future__ import annotations
 import random
 import re
 
+from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
+
 # Test-set ids start here so they never collide with training ids (0, 1, 2, ...).
-TEST_ID_OFFSET = 1_000_000_000
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
 _OPERATION = re.compile(r"(\d+)([+-])(\d+)=")
 
@@ -120,12 +121,16 @@ class ArithmeticTask:
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return rng.randint(low, 10**digits - 1)
 
-    def test_set(self, n: int = 500) -> list[dict]:
+    def test_set(self, n: int = HELD_OUT) -> list[dict]:
         """The fixed held-out problems: the same list for the same ``(seed, max_digits, ops, n)``.
 
         Prompts are unique within the set; ids are ``TEST_ID_OFFSET + i``. ``test_set(m)``
         for ``m < n`` is a prefix of ``test_set(n)``.
+
+        Raises:
+            ValueError: ``n`` > ``held_out.HELD_OUT``, the problems training keeps out.
         """
+        check_held_out(self.name, n, "test_set n")
         if n not in self._test_cache:
             rng = random.Random(f"arithmetic-test:{self.seed}")
             seen: set[str] = set()
@@ -141,7 +146,7 @@ class ArithmeticTask:
             self._test_cache[n] = out
         return [dict(p) for p in self._test_cache[n]]
 
-    def train_problems(self, n: int, seed: int, exclude_test: int = 500) -> list[dict]:
+    def train_problems(self, n: int, seed: int, exclude_test: int = HELD_OUT) -> list[dict]:
         """``n`` training problems drawn from ``seed``; ids are ``0 .. n-1``.
 
         Prompts of ``test_set(exclude_test)`` are rejected and redrawn, so training never

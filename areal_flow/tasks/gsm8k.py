@@ -29,7 +29,7 @@ from pathlib import Path
 
 from areal_flow.cache import cache_root
 from areal_flow.rewards.math import math_reward
-from areal_flow.tasks.arithmetic import TEST_ID_OFFSET
+from areal_flow.tasks.held_out import TEST_ID_OFFSET
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "gsm8k"
 _SPLITS = ("train", "test")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 
 from areal_flow.envs.guess_number import GuessNumberEnv, opening
+from areal_flow.tasks.held_out import TEST_ID_OFFSET
 
-TEST_ID_OFFSET = 1_000_000_000
 MAX_TURNS = 8
 
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import bisect
 import random
 
-TEST_ID_OFFSET = 1_000_000_000  # test ids start here (training ids are 0, 1, 2, ...)
+from areal_flow.tasks.held_out import TEST_ID_OFFSET
+
 LOW, HIGH = 10, 99  # every number of a problem has two digits
 
 

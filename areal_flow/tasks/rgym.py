@@ -48,7 +48,8 @@ import random
 import re
 import zlib
 
-from areal_flow.tasks.arithmetic import TEST_ID_OFFSET, buggy_answer
+from areal_flow.tasks.arithmetic import buggy_answer
+from areal_flow.tasks.held_out import TEST_ID_OFFSET
 
 PREFIX = "reasoning_gym:"
 """``dataset.name`` of a reasoning-gym task is ``PREFIX + <dataset name>``."""

@@ -37,8 +37,8 @@ import random
 
 from areal_flow.envs.support_desk import EXPLICIT, INTENTS, RESOLVING_TOOL, VAGUE, SupportDeskEnv, first_message
 from areal_flow.envs.tools import parse_tool_call
+from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
 
-TEST_ID_OFFSET = 1_000_000_000
 """Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
 SLOPPY_KINDS = (("wrong", 0.5), ("ask", 0.3), ("lookup", 0.2))
 """A sloppy episode's kind and its probability."""
@@ -154,15 +154,20 @@ class SupportDeskTask:
         row["segments"] = play(row, "optimal", rng)[0]
         return row
 
-    def test_set(self, n: int = 500) -> list[dict]:
+    def test_set(self, n: int = HELD_OUT) -> list[dict]:
         """The fixed held-out scenarios (ids ``TEST_ID_OFFSET + i``); ``test_set(m)`` for
-        ``m < n`` is a prefix of ``test_set(n)``."""
+        ``m < n`` is a prefix of ``test_set(n)``.
+
+        Raises:
+            ValueError: ``n`` > ``held_out.HELD_OUT``, the scenarios training keeps out.
+        """
+        check_held_out(self.name, n, "test_set n")
         if n not in self._test_cache:
             rng = random.Random(f"support-desk-test:{self.seed}")
             self._test_cache[n] = [self._draw(rng, TEST_ID_OFFSET + i) for i in range(n)]
         return [dict(r) for r in self._test_cache[n]]
 
-    def train_problems(self, n: int, seed: int, exclude_test: int = 500) -> list[dict]:
+    def train_problems(self, n: int, seed: int, exclude_test: int = HELD_OUT) -> list[dict]:
         """``n`` training scenarios drawn from ``seed`` (ids ``0 .. n-1``); a scenario of
         ``test_set(exclude_test)`` (same prompt and intent) is redrawn."""
         rng = random.Random(f"support-desk-train:{self.seed}:{seed}")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import random
 
-TEST_ID_OFFSET = 1_000_000_000
+from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
+
 """Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
 
 
@@ -76,9 +77,14 @@ class ToolMultiplyTask:
         return {"id": problem_id, "prompt": f"{a}*{b}=", "answer": str(a * b), "a": a, "b": b,
                 "segments": tool_dialogue(a, b)}
 
-    def test_set(self, n: int = 500) -> list[dict]:
+    def test_set(self, n: int = HELD_OUT) -> list[dict]:
         """The fixed held-out problems (ids ``TEST_ID_OFFSET + i``, prompts unique);
-        ``test_set(m)`` for ``m < n`` is a prefix of ``test_set(n)``."""
+        ``test_set(m)`` for ``m < n`` is a prefix of ``test_set(n)``.
+
+        Raises:
+            ValueError: ``n`` > ``held_out.HELD_OUT``, the problems training keeps out.
+        """
+        check_held_out(self.name, n, "test_set n")
         if n not in self._test_cache:
             rng = random.Random(f"tool-multiply-test:{self.seed}:{self.max_digits}")
             out: list[dict] = []
@@ -91,7 +97,7 @@ class ToolMultiplyTask:
             self._test_cache[n] = out
         return [dict(r) for r in self._test_cache[n]]
 
-    def train_problems(self, n: int, seed: int, exclude_test: int = 500) -> list[dict]:
+    def train_problems(self, n: int, seed: int, exclude_test: int = HELD_OUT) -> list[dict]:
         """``n`` training problems drawn from ``seed`` (ids ``0 .. n-1``); a prompt of
         ``test_set(exclude_test)`` is redrawn."""
         rng = random.Random(f"tool-multiply-train:{self.seed}:{self.max_digits}:{seed}")

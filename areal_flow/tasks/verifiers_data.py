@@ -21,11 +21,11 @@ from __future__ import annotations
 import random
 
 from areal_flow.envs.verifiers_env import PREFIX, load
+from areal_flow.tasks.held_out import TEST_ID_OFFSET
 
 HELD_OUT_FRACTION = 0.1
 """Without an ``eval_dataset``: the share of the dataset's rows, at its end, kept for held-out evaluation."""
 
-TEST_ID_OFFSET = 1_000_000_000
 """Held-out rows' ids start here (as the other tasks' do), so they never meet training ids."""
 
 
