@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_flow.tasks.held_out import check_held_out
 from compiler.plan import Plan
 from runtime.channel_auth import new_secret
 from runtime.checkpoint import Checkpoint, resume_point
@@ -142,6 +143,7 @@ class RunSetup:
         self._check_token_budget()
         self.extra = {"out_dir": str(self.out_dir), "initial_model": self.folders[policy], "plan_id": self.plan.id}
         if self.eval_enabled:
+            check_held_out(getattr(self.task, "name", ""), self.plan.run["eval"]["n_test"])  # names eval.n_test (an edited plan)
             self.test_set = self.task.test_set(self.plan.run["eval"]["n_test"])
             self._say(f"held-out evaluation before RL ({len(self.test_set)} problems)")
             self._held_out(self.folders[policy], "before")

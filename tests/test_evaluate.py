@@ -78,6 +78,8 @@ def test_a_held_out_set_never_reaches_past_what_training_excludes(tmp_path):
     held_out = {p["prompt"] for p in ArithmeticTask(seed=1, max_digits=2).test_set(500)}
     trained = {p["prompt"] for p in ArithmeticTask(seed=1, max_digits=2).train_problems(2000, seed=2)}
     assert not held_out & trained
+    wider = ArithmeticTask(seed=1, max_digits=2).train_problems(50, seed=2, exclude_test=800)  # excluding more is fine
+    assert len(wider) == 50 and not {p["prompt"] for p in wider} & held_out
 
 
 def test_eval_bad_model_is_one_line(tmp_path):

@@ -18,7 +18,6 @@ import re
 
 from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
 
-# Test-set ids start here so they never collide with training ids (0, 1, 2, ...).
 _INTEGER = re.compile(r"[+-]?[0-9]{1,40}")
 _OPERATION = re.compile(r"(\d+)([+-])(\d+)=")
 
@@ -131,6 +130,10 @@ class ArithmeticTask:
             ValueError: ``n`` > ``held_out.HELD_OUT``, the problems training keeps out.
         """
         check_held_out(self.name, n, "test_set n")
+        return self._held_out_rows(n)
+
+    def _held_out_rows(self, n: int) -> list[dict]:
+        """``test_set(n)`` without the cap: what ``train_problems`` excludes may be more."""
         if n not in self._test_cache:
             rng = random.Random(f"arithmetic-test:{self.seed}")
             seen: set[str] = set()
@@ -154,7 +157,7 @@ class ArithmeticTask:
         e.g. ``max_digits=1``, the rejection gives up after 20 redraws and keeps the draw).
         """
         rng = random.Random(f"arithmetic-train:{self.seed}:{seed}")
-        held_out = {p["prompt"] for p in self.test_set(exclude_test)} if exclude_test else set()
+        held_out = {p["prompt"] for p in self._held_out_rows(exclude_test)} if exclude_test else set()
         out = []
         for i in range(n):
             p = self._draw(rng, i)

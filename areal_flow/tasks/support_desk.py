@@ -39,7 +39,6 @@ from areal_flow.envs.support_desk import EXPLICIT, INTENTS, RESOLVING_TOOL, VAGU
 from areal_flow.envs.tools import parse_tool_call
 from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
 
-"""Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
 SLOPPY_KINDS = (("wrong", 0.5), ("ask", 0.3), ("lookup", 0.2))
 """A sloppy episode's kind and its probability."""
 QUESTION = "how can i help"
@@ -162,6 +161,10 @@ class SupportDeskTask:
             ValueError: ``n`` > ``held_out.HELD_OUT``, the scenarios training keeps out.
         """
         check_held_out(self.name, n, "test_set n")
+        return self._held_out_rows(n)
+
+    def _held_out_rows(self, n: int) -> list[dict]:
+        """``test_set(n)`` without the cap: what ``train_problems`` excludes may be more."""
         if n not in self._test_cache:
             rng = random.Random(f"support-desk-test:{self.seed}")
             self._test_cache[n] = [self._draw(rng, TEST_ID_OFFSET + i) for i in range(n)]
@@ -171,7 +174,7 @@ class SupportDeskTask:
         """``n`` training scenarios drawn from ``seed`` (ids ``0 .. n-1``); a scenario of
         ``test_set(exclude_test)`` (same prompt and intent) is redrawn."""
         rng = random.Random(f"support-desk-train:{self.seed}:{seed}")
-        held_out = {(r["prompt"], r["intent"]) for r in self.test_set(exclude_test)} if exclude_test else set()
+        held_out = {(r["prompt"], r["intent"]) for r in self._held_out_rows(exclude_test)} if exclude_test else set()
         out = []
         for i in range(n):
             row = self._draw(rng, i)

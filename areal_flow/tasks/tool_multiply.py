@@ -27,8 +27,6 @@ import random
 
 from areal_flow.tasks.held_out import HELD_OUT, TEST_ID_OFFSET, check_held_out
 
-"""Test-set ids start here so they never collide with training ids (0, 1, 2, ...)."""
-
 
 def tool_dialogue(a: int, b: int) -> list[tuple[str, bool]]:
     """The tool-using teacher's dialogue for ``a*b`` (module doc); the observation is the
@@ -85,6 +83,10 @@ class ToolMultiplyTask:
             ValueError: ``n`` > ``held_out.HELD_OUT``, the problems training keeps out.
         """
         check_held_out(self.name, n, "test_set n")
+        return self._held_out_rows(n)
+
+    def _held_out_rows(self, n: int) -> list[dict]:
+        """``test_set(n)`` without the cap: what ``train_problems`` excludes may be more."""
         if n not in self._test_cache:
             rng = random.Random(f"tool-multiply-test:{self.seed}:{self.max_digits}")
             out: list[dict] = []
@@ -101,7 +103,7 @@ class ToolMultiplyTask:
         """``n`` training problems drawn from ``seed`` (ids ``0 .. n-1``); a prompt of
         ``test_set(exclude_test)`` is redrawn."""
         rng = random.Random(f"tool-multiply-train:{self.seed}:{self.max_digits}:{seed}")
-        held_out = {r["prompt"] for r in self.test_set(exclude_test)} if exclude_test else set()
+        held_out = {r["prompt"] for r in self._held_out_rows(exclude_test)} if exclude_test else set()
         out = []
         for i in range(n):
             row = self._draw(rng, i)

@@ -26,8 +26,6 @@ from areal_flow.tasks.held_out import TEST_ID_OFFSET
 HELD_OUT_FRACTION = 0.1
 """Without an ``eval_dataset``: the share of the dataset's rows, at its end, kept for held-out evaluation."""
 
-"""Held-out rows' ids start here (as the other tasks' do), so they never meet training ids."""
-
 
 def _text(message) -> str:
     content = message.get("content") if isinstance(message, dict) else getattr(message, "content", "")
