@@ -140,13 +140,14 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
     executors = {n.name: make_executor(n, ctx) for n in local}
     key = spec.secret
     inbox, control = MessageReceiver(spec.inbox, secret=key), MessageSender(spec.control, secret=key)
-    outs = [MessageSender(a, secret=key, linger_s=120.0) for a in spec.downstream.values()]
+    by_address = {a: MessageSender(a, secret=key, linger_s=120.0) for a in dict.fromkeys(spec.downstream.values())}
+    outs = [by_address[a] for a in spec.downstream.values()]
     weights = open_subscriber(spec.weights, secret=key)  # mem://: the hybrid worker's (runtime.hybrid)
     counts = {"groups": 0, "dropped": 0, "weight_updates": 0}
     trace = TraceRecorder.for_plan(spec.plan, spec.out_dir, f"{spec.group}/{spec.rank}")
     sync = sync_node(spec.plan, gen.node.name)
     engine_steps, cores = 0, spec.cores
-    to_trainer = tell_trainer(spec, gen, sync)
+    to_trainer = tell_trainer(spec, gen, sync, by_address)
     if spec.resume_version > 0:
         update = weights.wait(min_version=spec.resume_version, timeout_s=spec.recv_timeout_s)
         if update is None:
@@ -200,7 +201,8 @@ def run_generation_replica(spec: WorkerSpec, lease=None) -> dict:
                 counts["groups"] += 1
                 control.send(("sent", spec.rank, index, attempt))
     finally:
-        for sock in (*outs, control, *([to_trainer] if to_trainer else [])):
+        own = [to_trainer] if to_trainer is not None and to_trainer not in by_address.values() else []
+        for sock in (*by_address.values(), control, *own):
             sock.close()
         inbox.close()
         weights.close()
@@ -237,7 +239,8 @@ def engine_precision(spec: WorkerSpec, gen: StreamExecutor) -> dict:
     return out
 
 
-def tell_trainer(spec: WorkerSpec, gen: StreamExecutor, sync: str) -> MessageSender | None:
+def tell_trainer(spec: WorkerSpec, gen: StreamExecutor, sync: str,
+                 senders: dict[str, MessageSender] | None = None) -> MessageSender | None:
     """What replica ``spec.rank`` (weights through route node ``sync``) says to its trainer once
     its weight channel is bound, in this order on one socket: the dtype its engine chose
     (``("engine_dtype", weights, name, fresh)``) when the plan's ``weights_dtype`` is ``engine``
@@ -246,7 +249,10 @@ def tell_trainer(spec: WorkerSpec, gen: StreamExecutor, sync: str) -> MessageSen
     anew); then, restarted, the request for the current version (``("resync", weights)``).
     Returns the sender (None: nothing to say), for the caller to close when the replica ends:
     ZeroMQ delivers in the background once the trainer has bound (a resumed one may bind later),
-    and ``close`` waits at most 120 s for what is still queued."""
+    and ``close`` waits at most 120 s for what is still queued. ``senders`` (address -> the
+    replica's experience senders): the one to the same inbox is used, so the dtype arrives before
+    the replica's first trajectory (one ZeroMQ socket keeps its messages in order; a socket of its
+    own raced the experience, and a version could go out before the announcement)."""
     messages = []
     if spec.trainer and not spec.weights.startswith(SCHEME) and \
             any(n.name == sync and wire_dtype_name(n.attrs.get("weights_dtype")) == ENGINE for n in spec.plan.nodes):
@@ -255,7 +261,8 @@ def tell_trainer(spec: WorkerSpec, gen: StreamExecutor, sync: str) -> MessageSen
         messages.append(("resync", spec.weights))
     if not messages:
         return None
-    to = MessageSender(spec.resync or spec.trainer, secret=spec.secret, linger_s=120.0)
+    target = spec.resync or spec.trainer
+    to = (senders or {}).get(target) or MessageSender(target, secret=spec.secret, linger_s=120.0)
     for message in messages:
         to.send(message)
     return to

@@ -364,3 +364,31 @@ def test_ray_channels_bind_loopback_unless_an_interface_is_named():
 
     assert bind_ip("") == "127.0.0.1" and bind_ip("10.1.2.3") == "10.1.2.3"
     assert free_tcp_endpoint("").startswith("tcp://127.0.0.1:")
+
+
+def test_a_replica_announces_its_engine_dtype_on_its_experience_socket_ahead_of_its_first_trajectory():
+    """``tell_trainer`` sends the dtype on the replica's own sender to the trainer's inbox when it has one, so
+    the announcement cannot arrive after the first trajectory (a socket of its own raced the experience: the
+    trainer then published version 1 in the wire dtype and refused the late announcement)."""
+    from types import SimpleNamespace
+
+    from runtime.workers import tell_trainer
+
+    receiver = MessageReceiver(ipc_address("inbox"), secret=KEY)
+    experience = MessageSender(receiver.address, secret=KEY, linger_s=0)
+    node = SimpleNamespace(name="sync", attrs={"weights_dtype": "engine"})
+    spec = SimpleNamespace(trainer=receiver.address, weights="ipc:///weights-0", resync="", secret=KEY,
+                           plan=SimpleNamespace(nodes=[node]))
+    gen = SimpleNamespace(engine=SimpleNamespace(dtype=torch.bfloat16))
+    try:
+        to = tell_trainer(spec, gen, "sync", {receiver.address: experience})
+        assert to is experience  # the same socket, not one of its own
+        experience.send(("first trajectory",))
+        got = [receiver.recv(timeout_s=10.0), receiver.recv(timeout_s=10.0)]
+        assert got == [("engine_dtype", "ipc:///weights-0", "bfloat16", False), ("first trajectory",)]
+        other = tell_trainer(spec, gen, "sync", {})  # no experience sender to that inbox: one of its own
+        assert other is not None and other is not experience
+        other.close()
+    finally:
+        experience.close()
+        receiver.close()
