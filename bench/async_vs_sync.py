@@ -167,10 +167,12 @@ def clip(spans: list[dict], lo: int, hi: int) -> list[dict]:
 def busy_times(spans: list[dict], gen_proc: str) -> tuple[float, float]:
     """``(E, T)`` seconds: the generator's busy time outside its engine steps (the union of its
     non-edge spans less the engine steps'), and the union of the non-edge spans of the other
-    workers (the trainer's steps, their phases, weight publishes)."""
+    workers (the trainer's steps, their phases, weight publishes), less its checkpoint writes (an
+    ``io`` span named ``checkpoint``: disk time, left in the loop's overhead ``O``)."""
     gen = [s for s in spans if s["proc"] == gen_proc and s["cat"] != "edge"]
     steps = sum(s["dur"] for s in gen if "rows" in s["args"]) / 1e6
-    train = [s for s in spans if s["proc"] not in (gen_proc, "driver") and s["cat"] != "edge"]
+    train = [s for s in spans if s["proc"] not in (gen_proc, "driver") and s["cat"] != "edge"
+             and s.get("name") != "checkpoint"]
     return max(0.0, union_seconds(gen) - steps), union_seconds(train)
 
 

@@ -3,7 +3,9 @@
 matmul roofline (bf16's, or fp32's on a CPU where that is faster).
 
 Every engine gets the same model folder, the same prompts (task prompts through
-``ops.generate.encode_prompt``, so chat-formatted for SmolLM2), the same sampling
+``ops.generate.encode_prompt``, so chat-formatted for SmolLM2; with ``--group N`` each distinct
+prompt fills N rows, as an RL group does: the embedded engine prefills it once and copies its KV
+cache, vLLM finds it in its prefix cache, HF ``generate`` prefills every row), the same sampling
 settings (temperature, top_p, ``max_new_tokens``; EOS ignored so every engine produces
 exactly ``batch * max_new_tokens`` tokens) and the same torch thread count. Tokens/s is
 generated tokens divided by wall-clock seconds of the whole ``generate`` call (prefill
@@ -111,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
                              "(SmolLM2-135M, Qwen2.5-0.5B) or tiny preset is built in code, random weights")
     parser.add_argument("--device", default="cpu", help="torch device of every engine (cpu, cuda)")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="prompts generated together")
+    parser.add_argument("--group", type=int, default=1,
+                        help="samples per prompt (an RL group, gen.n_samples): batch / group distinct prompts, "
+                             "each in group rows")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -126,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="vLLM worker's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. auto, 0, 0-1); "
                              "none: worker in this process, --threads unbound threads")
     args = parser.parse_args(argv)
+    if args.group < 1 or any(batch % args.group for batch in args.batch):
+        parser.error(f"--group {args.group} must be >= 1 and divide every --batch {args.batch}")
     torch.set_num_threads(args.threads)
 
     built = build_in_code(args.model)
@@ -148,10 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         print("vllm: not importable in this interpreter (run with .venv-vllm/bin/python to include it)")
     vllm_engines = _vllm_engines(args, folder, tokenizer) if vllm else {}
     for batch in args.batch:
-        prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch)]
+        prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch // args.group)
+                   for _ in range(args.group)]
         n_tokens = batch * args.max_new_tokens
         print(f"\nmodel {args.model} ({n_params / 1e6:.1f} M parameters) on {args.device}: batch {batch}, prompts of "
-              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_new_tokens} new tokens each, "
+              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens ({batch // args.group} distinct, "
+              f"{args.group} rows each), {args.max_new_tokens} new tokens each, "
               f"T={args.temperature}, top_p={args.top_p}, {args.threads} thread(s)")
         requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
         warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]

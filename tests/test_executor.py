@@ -95,6 +95,7 @@ def penalty_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_user_op_defined_in_a_test_file_runs(penalty_run):
     out, _ = penalty_run
     records = _exactly_once(out, 3, 2, 4, k=2)
@@ -108,6 +109,7 @@ def test_user_op_defined_in_a_test_file_runs(penalty_run):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_an_edited_plan_is_what_runs(tmp_path, warm_cache):
     """Compile, then edit k (2 -> 0), the train_step's micro-batches (1 -> 2) and the
     allocation (one generation replica -> two) in plan.json; ``run --plan`` follows it."""
@@ -156,6 +158,7 @@ def _ref_rm(tmp_path: Path, name: str, *overrides: str):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_ref_rm_filter_graph_with_two_generation_replicas(tmp_path, warm_cache):
     two = _ref_rm(tmp_path, "two", "cluster.n_gpus_per_node=3", "compile.allocation=gen:d2 + train:d1")
     one = _ref_rm(tmp_path, "one")

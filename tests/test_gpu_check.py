@@ -32,6 +32,7 @@ def _check(tmp_path, *args, **env):
 
 
 @pytest.mark.slow  # ~3-4 min on 2 busy cores: every step runs, tiny, on CPU
+@pytest.mark.ci
 def test_dry_run_executes_every_step(tmp_path):
     out = _check(tmp_path, "--dry-run")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

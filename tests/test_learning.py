@@ -29,7 +29,8 @@ SMALL = ["model.path=tiny-s", "dataset.max_digits=1", "dataset.ops=+", "warm_sta
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_staleness", [2, 0], ids=["async-k2", "sync"])
+@pytest.mark.parametrize("max_staleness", [pytest.param(2, id="async-k2", marks=pytest.mark.ci),
+                                           pytest.param(0, id="sync")])
 def test_grpo_reward_and_accuracy_rise(tmp_path, monkeypatch, max_staleness):
     monkeypatch.setenv("AREAL_FLOW_CACHE", str(tmp_path / "cache"))  # the warm start runs here (~10 s)
     fl = load_flow(REPO / "graphs" / "arith_grpo.py")

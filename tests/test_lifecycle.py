@@ -126,6 +126,7 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_nothing_running(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_a_sigkilled_driver_leaves_no_worker_running(tmp_path, warm_cache):
     proc, _ = _start(tmp_path, "kill")
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "resource_tracker" not in

@@ -116,6 +116,7 @@ def _check_own_mesh_run(out: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_a_critic_on_its_own_mesh_trains_every_sample_once_within_k_and_the_run_ends_on_ray(tmp_path):
     cli_run(REPO / "graphs" / "arith_ppo.py", *TINY, *OWN, f"out_dir={tmp_path}", "name=own",
             "scheduler.threads_per_worker=1", "scheduler.type=ray", timeout_s=400)  # a hang fails, by timeout

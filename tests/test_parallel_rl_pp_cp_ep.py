@@ -171,6 +171,7 @@ def _run_and_check(tmp_path: Path, graph: str, strategy: str, overrides: list[st
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_arith_grpo_trains_on_two_pipeline_stages(tmp_path, warm_cache):
     _run_and_check(tmp_path, "arith_grpo.py", "d1p2", ["compile.allocation=train:p2 + gen:d1"])
 

@@ -171,6 +171,7 @@ def test_unreachable_address_is_a_clear_error(tmp_path, loopback_ray):
 
 # ------------------------------------------------------------------------- slow
 @pytest.mark.slow
+@pytest.mark.ci
 def test_local_cluster_trains_every_sample_once(tmp_path, loopback_ray):
     import psutil
     import ray

@@ -185,6 +185,7 @@ def test_sync_run_whose_trainer_dies_restarts_it_and_reaches_the_same_weights(tm
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_async_run_whose_trainer_dies_trains_every_sample_once_within_the_bound(tmp_path, warm_cache):
     _, killed = _run_killed(tmp_path, "async", "async.max_staleness=1", "scheduler.max_restarts=1")
     _exactly_once(tmp_path / "async", k=1)

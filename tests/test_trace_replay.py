@@ -187,6 +187,7 @@ def test_replay_of_a_record_missing_steps_names_them(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_k0_async_trains_the_synchronous_baselines_weights_bit_for_bit(tmp_path, warm_cache):
     record = "debug.record=[advantage->train_step]"
     sync = _run(tmp_path, "sync", "async.max_staleness=0", "compile.mode=sync", record, "logging.trace=false")
