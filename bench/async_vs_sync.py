@@ -36,7 +36,7 @@ alternate, each worker gets every core: ``c`` threads) and ``sync-1t``
 core, which is what the asynchronous run gives each of its two overlapped phases on this
 2-core box. From ``sync`` (N optimizer steps, loop wall ``W_sync``): generator busy ``G``,
 trainer busy ``T``, and ``O = max(0, W_sync - G - T)``, the time neither is busy (messages,
-admission), which asynchrony does not remove. From ``sync-1t``:
+admission, checkpoint writes), which asynchrony does not remove. From ``sync-1t``:
 
 * generator busy ``G1 = sum_j d_j + E1``: ``d_j`` its engine-step spans, ``E1`` its other
   generator spans (reward per group, weight receive/load); trainer busy ``T1``;
