@@ -124,6 +124,11 @@ def _bench():
     return module
 
 
+def _trace_span(proc: str, cat: str, ts: int, dur: int, name: str = "step", **args) -> dict:
+    """A trace span as ``runtime.trace`` writes it (microseconds)."""
+    return {"name": name, "proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+
 def _span(ts: int, dur: int, rows: int, slots: int = 4) -> dict:
     return {"ts": ts, "dur": dur, "proc": "generation/0", "cat": "node", "args": {"rows": rows, "slots": slots}}
 
@@ -153,15 +158,12 @@ def test_busy_times_count_nested_spans_once():
     assert bench.union_seconds([{"ts": 0, "dur": 10}, {"ts": 2, "dur": 3}, {"ts": 8, "dur": 4},
                                 {"ts": 20, "dur": 5}]) == pytest.approx(17e-6)
 
-    def span(proc, cat, ts, dur, name="step", **args):
-        return {"name": name, "proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
-
-    spans = [span("generation/0", "node", 0, 3000, rows=4, slots=4), span("generation/0", "node", 3000, 2000, rows=2,
-                                                                            slots=4),
-             span("generation/0", "node", 5000, 1000), span("generation/0", "edge", 0, 10000),
-             span("train_step/0", "node", 6000, 4000), span("train_step/0", "phase", 6000, 1000, phase="forward"),
-             span("train_step/0", "phase", 7000, 2500, phase="backward"), span("driver", "node", 0, 9000),
-             span("train_step/0", "io", 10000, 3000, name="checkpoint")]
+    gen, train = "generation/0", "train_step/0"
+    spans = [_trace_span(gen, "node", 0, 3000, rows=4, slots=4), _trace_span(gen, "node", 3000, 2000, rows=2, slots=4),
+             _trace_span(gen, "node", 5000, 1000), _trace_span(gen, "edge", 0, 10000),
+             _trace_span(train, "node", 6000, 4000), _trace_span(train, "phase", 6000, 1000, phase="forward"),
+             _trace_span(train, "phase", 7000, 2500, phase="backward"), _trace_span("driver", "node", 0, 9000),
+             _trace_span(train, "io", 10000, 3000, name="checkpoint")]
     # E: the reward span, 1 ms (engine steps and the edge wait excluded); T: the train step's
     # 4 ms, its phases inside it not added again (a plain sum would give 7.5 ms), its 3 ms
     # checkpoint write left out (4 + 3 = 7 ms if counted).
@@ -171,14 +173,12 @@ def test_busy_times_count_nested_spans_once():
 def test_loop_window_leaves_out_the_generators_wait_for_a_late_trainer():
     bench = _bench()
 
-    def span(proc, cat, ts, dur, name="step", **args):
-        return {"name": name, "proc": proc, "cat": cat, "ts": ts, "dur": dur, "args": args}
-
     # Generator steps at [100, 300) and [300, 400), then idle until the trainer's first span at
     # 1000 (its model was loading); the router's admission track starts at 50, before the loop.
-    spans = [span("edge dataset->generate", "edge", 50, 100), span("generate/0", "node", 100, 200, rows=2, slots=2),
-             span("generate/0", "node", 300, 100, rows=1, slots=2), span("train_step/0", "edge", 1000, 500),
-             span("train_step/0", "node", 1500, 300)]
+    spans = [_trace_span("edge dataset->generate", "edge", 50, 100),
+             _trace_span("generate/0", "node", 100, 200, rows=2, slots=2),
+             _trace_span("generate/0", "node", 300, 100, rows=1, slots=2),
+             _trace_span("train_step/0", "edge", 1000, 500), _trace_span("train_step/0", "node", 1500, 300)]
     # waited = (1000 - 100) - 300 busy = 600 us; the loop is [100, 1800) less 600 us = 1.1 ms.
     assert bench.loop_window(spans, "generate/0", 100) == (100, 1800, pytest.approx(600e-6))
     # A trainer that was ready before the first step costs no wait.
