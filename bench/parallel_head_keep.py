@@ -38,7 +38,7 @@ from areal_flow.algorithms.micro_batches import plan_micro_batches
 from areal_flow.algorithms.model_runner import ModelRunner
 from areal_flow.models.tiny import build_in_code
 from compiler.strategy import ParallelStrategy
-from runtime.executors.train import TrainSettings
+from runtime.executors.train_settings import TrainSettings
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel_trainer import RankTrainer
 

@@ -124,7 +124,8 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
             a forward/backward; the step's samples are its multiple), ``max_new_tokens``, ``lr``,
             ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch intra-op
             threads; 0 = torch's default, every core), ``bf16`` (TRL's bf16 autocast), ``reward``
-            (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``eval`` (score ``test``),
+            (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``mask_truncated`` (the
+            trainer's overlong filtering: TRL's ``mask_truncated_completions``), ``eval`` (score ``test``),
             ``curve`` (score every this many steps too, ``vs_trl_curve``; 0: only after).
 
     Returns:
@@ -167,7 +168,7 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
             num_iterations=1, bf16=knobs["bf16"], fp16=False, gradient_checkpointing=False, use_cpu=True,
             shuffle_dataset=False, seed=knobs["seed"], logging_steps=knobs["steps"], save_strategy="no",
             report_to="none", log_completions=False, dataloader_num_workers=0, disable_tqdm=True,
-            generation_kwargs={"use_cache": True},
+            generation_kwargs={"use_cache": True}, mask_truncated_completions=knobs["mask_truncated"],
         )
         trainer = trl.GRPOTrainer(model=model, reward_funcs=SharedReward(knobs["reward"]), args=args,
                                   train_dataset=rows, processing_class=tokenizer)
@@ -252,7 +253,7 @@ def shared_inputs(graph: str, overrides: list[str]):
     """``(cfg, flow, folder, task, problems, test, shared)``: the run's config and flow of
     ``graphs/<graph>.py`` under its yaml, its version-0 policy folder (warm-started and cached as
     the run does it), task, training prompts in admission order, held-out problems and
-    ``vs_trl_jobs.shared_settings`` (reward fn, chat template)."""
+    ``vs_trl_jobs.shared_settings`` (reward fn, chat template, overlong filtering)."""
     from areal_flow.cli import load_flow
     from areal_flow.config_load import load_config
     from compiler.program import compile_program

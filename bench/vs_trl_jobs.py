@@ -139,8 +139,10 @@ class SharedReward:
 
 
 def shared_settings(plan) -> dict:
-    """``{"reward", "chat_template"}`` of a compiled plan: its reward node's rule ``fn`` name
-    (``"arithmetic"`` when unset, as ``ops.reward``) and its generate node's ``chat_template``.
+    """``{"reward", "chat_template", "mask_truncated"}`` of a compiled plan: its reward node's
+    rule ``fn`` name (``"arithmetic"`` when unset, as ``ops.reward``), its generate node's
+    ``chat_template`` and its trainers' ``train.loss.mask_truncated`` (DAPO's overlong filtering;
+    TRL's ``mask_truncated_completions``).
 
     Raises:
         ValueError: the plan has no rule reward node (a reward model cannot be shared with TRL
@@ -152,4 +154,6 @@ def shared_settings(plan) -> dict:
         raise ValueError("vs_trl: the graph needs one reward node with a named rule fn (ops.reward(fn=...))")
     if len(gen) != 1:
         raise ValueError("vs_trl: the graph needs one ops.generate node")
-    return {"reward": reward[0].attrs.get("fn") or "arithmetic", "chat_template": gen[0].attrs.get("chat_template")}
+    masked = any((n.attrs.get("loss") or {}).get("mask_truncated", False) for n in plan.nodes if n.trains)
+    return {"reward": reward[0].attrs.get("fn") or "arithmetic", "chat_template": gen[0].attrs.get("chat_template"),
+            "mask_truncated": masked}

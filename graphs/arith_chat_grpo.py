@@ -11,7 +11,9 @@ changes is the policy and the prompt:
 3. ``reward``: the math reward, 1 when the reply's final number is the answer
    (``"37 + 58 = 95"`` counts, ``"37 + 58 = 170"`` does not).
 4. ``advantage``: group-relative (r - mean(group)) / (std(group) + eps).
-5. ``train_step``: PPO-clipped policy loss, AdamW, bounded staleness.
+5. ``train_step``: PPO-clipped policy loss, AdamW, bounded staleness; a reply cut at
+   ``gen.max_new_tokens`` gets no loss (DAPO's overlong filtering, Yu et al. 2025 §3.4:
+   ``train.loss.mask_truncated`` in the yaml).
 6. ``sync_weights``: new versions go to the generator between decode steps.
 
 No warm start. Measured on 2 CPU cores: held-out greedy accuracy 22% -> 38% in 12 steps,

@@ -7,7 +7,8 @@ node, on the generator) and two in the loss.
 2. ``reward``: 1 for an exactly right answer, else 0, plus
    - overlong reward shaping (§3.4, eq. 13) with ``L_max = gen.max_new_tokens`` and
      ``L_cache = reward.overlong_cache``: 0 up to ``L_max - L_cache`` tokens, then a linear
-     penalty down to -1 at ``L_max``;
+     penalty down to -1 at ``L_max`` (the section's other option, overlong filtering, is
+     ``train.loss.mask_truncated: true``: no loss for a cut response);
    - dynamic sampling (§3.2, the constraint ``0 < |{o_i correct}| < G`` of DAPO's objective): a
      group whose rewards are all equal has zero advantage, so it is dropped and its batch
      slot gets a new prompt, at most ``reward.max_attempts`` prompts per slot (then the

@@ -55,7 +55,7 @@ from areal_flow.algorithms.step_metrics import StepMetrics
 from areal_flow.models.critic import ValueModel
 from compiler.executable import CRITIC_APART
 from compiler.strategy import ParallelStrategy
-from runtime.executors.train import TrainSettings, micro_batch_size
+from runtime.executors.train_settings import TrainSettings, micro_batch_size
 from runtime.parallel import signed_objects
 from runtime.parallel.context_parallel import apply_context_parallel, gather_sequence
 from runtime.parallel.critic_pipeline import ValuePipeline, split_value_stage

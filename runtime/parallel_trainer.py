@@ -77,7 +77,8 @@ from runtime.parallel.tensor_parallel import replicate_unsharded
 from runtime.parallel.validate import validate_strategy_for_model
 from runtime.parallel.weight_sync import iter_weight_buckets
 from runtime.reshard import FLAT, experts_as_dtensors, load_sharded, load_whole_into_ranks, rename_parameters
-from runtime.executors.train import TrainSettings, algorithm_scaler_slots, load_loss_scales, micro_batch_size
+from runtime.executors.train import algorithm_scaler_slots, load_loss_scales
+from runtime.executors.train_settings import TrainSettings, micro_batch_size
 from runtime.rank_commands import broadcast_command
 from runtime.weights import DEFAULT_BUCKET_BYTES
 

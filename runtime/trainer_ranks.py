@@ -30,7 +30,7 @@ def rank_settings(ctx, group):
     or None: no ranks to spawn. The policy's multi-rank train_step brings a critic trained on
     its ranks (its strategy); a group without the policy's trainer spawns ranks for a multi-rank
     critic of its own (``(None, critic settings)``: its mesh, its strategy)."""
-    from runtime.executors.train import TrainSettings
+    from runtime.executors.train_settings import TrainSettings
 
     policy = next((n for n in group.batch_nodes if ctx.node(n).trains and ctx.node(n).model == ctx.policy_name()),
                   None)

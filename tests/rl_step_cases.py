@@ -32,7 +32,7 @@ from areal_flow.algorithms.lookup import build_algorithm
 from areal_flow.models.logprobs import token_logprobs
 from areal_flow.models.tiny import build_model
 from areal_flow.models.tokenizer import build_char_tokenizer
-from runtime.executors.train import TrainSettings
+from runtime.executors.train_settings import TrainSettings
 from runtime.model_source import load_pretrained
 from runtime.parallel.weight_sync import full_named_tensors
 

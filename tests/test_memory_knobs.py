@@ -17,7 +17,7 @@ from compiler.executable import ExecutableError, NodeFacts, check_executable, ch
 from compiler.program import compile_program
 from compiler.strategy import ParallelStrategy
 from runtime.context import WorkerContext
-from runtime.executors.train import TrainSettings
+from runtime.executors.train_settings import TrainSettings
 from runtime.topology import build_topology
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,7 +43,7 @@ from areal_flow.models.critic import ValueModel
 from compiler.strategy import ParallelStrategy
 from rl_step_cases import (GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, assert_update_matches, policy_folder, rl_batch,
                            settings)
-from runtime.executors.train import micro_batch_size
+from runtime.executors.train_settings import micro_batch_size
 from runtime.parallel.launch import spawn_workers
 from runtime.parallel.mesh import build_device_mesh
 from runtime.parallel_critic import RankCritic

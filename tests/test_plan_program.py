@@ -133,7 +133,7 @@ def test_executors_read_the_loss_config_and_the_algorithm_from_the_plan():
 
     from areal_flow.algorithms.base import BaseAlgorithm
     from runtime.executors.advantage import AdvantageExecutor
-    from runtime.executors.train import TrainSettings
+    from runtime.executors.train_settings import TrainSettings
 
     class NeverRegistered(BaseAlgorithm):
         """Known to this process only through the plan's encoded copy."""

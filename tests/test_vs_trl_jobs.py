@@ -61,7 +61,11 @@ def test_chat_job_prompts_and_reward_match_the_generator():
     graph = JOBS["chat"].graph
     cfg = load_config(root / "graphs" / f"{graph}.yaml", [])
     shared = shared_settings(compile_program(load_flow(root / "graphs" / f"{graph}.py")(cfg), cfg))
-    assert shared == {"reward": "math", "chat_template": None}  # the graph's ops.reward(fn="math"), template default
+    assert shared == {"reward": "math", "chat_template": None,  # the graph's ops.reward(fn="math"), template default
+                      "mask_truncated": True}  # the yaml's train.loss.mask_truncated
+    unmasked = load_config(root / "graphs" / f"{graph}.yaml", ["train.loss.mask_truncated=false"])
+    plan = compile_program(load_flow(root / "graphs" / f"{graph}.py")(unmasked), unmasked)
+    assert shared_settings(plan)["mask_truncated"] is False
 
     tok = load_tokenizer(resolve_folder("smollm2-135m"))
     question = "What is 37 + 58? Answer with just the number."

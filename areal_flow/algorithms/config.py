@@ -33,6 +33,7 @@ class LossConfig:
     kl_estimator: str = "k3"  # one of KL_ESTIMATOR_NAMES (Schulman 2020); k3 = low-variance, non-negative.
     kl_in_reward: bool = False  # True: KL is folded into the token reward by the caller, not added to the loss.
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0 = off.
+    mask_truncated: bool = False  # DAPO overlong filtering: responses cut at max_new_tokens get no loss.
     use_decoupled_loss: bool = False  # AReaL decoupled PPO: clip against the proximal policy.
     behavior_imp_weight_cap: float | None = 5.0  # cap on pi_prox / pi_behav (decoupled only); None = uncapped.
     behavior_imp_weight_mode: str = "mask"  # "mask": drop tokens above the cap (AReaL); "truncate": min(w, cap).

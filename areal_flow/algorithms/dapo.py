@@ -1,5 +1,6 @@
 """DAPO's data-side techniques (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
-Learning System at Scale"): dynamic sampling (§3.2) and overlong reward shaping (§3.4).
+Learning System at Scale"): dynamic sampling (§3.2), overlong filtering and overlong
+reward shaping (§3.4).
 Clip-higher and the token-level loss are ``LossConfig`` fields (``clip_eps_high``,
 ``loss_agg_mode="token-mean"``).
 """
@@ -112,3 +113,27 @@ def overlong_penalty(response_lengths: torch.Tensor, *, max_length: int, cache_l
     soft = (start - length) / cache_length
     out = torch.where(length <= start, torch.zeros_like(length), soft)
     return torch.where(length > max_length, torch.full_like(length, -1.0), out).float()
+
+
+def overlong_filter(loss_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Overlong filtering (DAPO §3.4): the loss mask with every truncated sample's row zeroed,
+    so a response cut at the length limit gives no gradient whatever its reward (TRL's
+    ``mask_truncated_completions``). The truncated samples still count in their group's
+    advantage statistics, which are computed before; the step's token and sequence counts
+    (the loss's normaliser) leave them out.
+
+    Args:
+        loss_mask: ``[batch, seq]`` float, 1 on the tokens the loss covers.
+        truncated: ``[batch]`` bool, True for a response cut at ``max_new_tokens``
+            (``finish_reason == "length"``).
+
+    Returns:
+        ``[batch, seq]`` a new mask (``loss_mask`` is not changed).
+
+    Raises:
+        ValueError: ``truncated`` is not ``[batch]`` for ``loss_mask``'s batch.
+    """
+    if loss_mask.dim() != 2 or truncated.shape != loss_mask.shape[:1]:
+        raise ValueError(f"overlong_filter: truncated {tuple(truncated.shape)} must be [batch] for loss_mask "
+                         f"{tuple(loss_mask.shape)}")
+    return loss_mask * (~truncated.bool()).to(loss_mask.dtype).unsqueeze(1)

@@ -19,9 +19,7 @@ returns.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,16 +27,15 @@ import torch
 from areal_flow.algorithms.aggregation import step_normalisers
 from areal_flow.algorithms.base import BaseAlgorithm
 from areal_flow.algorithms.critic_update import critic_update
-from areal_flow.algorithms.config import LossConfig
-from areal_flow.algorithms.lookup import get_algorithm
+from areal_flow.algorithms.dapo import overlong_filter
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
-from areal_flow.algorithms.lr_schedule import set_lr, warmup_lr
+from areal_flow.algorithms.lr_schedule import set_lr
 from areal_flow.dtypes import AUTO, BF16_CPU_FLAGS, cpu_has_bf16
 from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
-from compiler.plan import decode_value
 from runtime.nonfinite import NonFiniteGuard
 from runtime.rank_commands import broadcast_command
+from runtime.executors.train_settings import TrainSettings, micro_batch_size
 from runtime.topology import trainer_input
 from runtime.train_phases import TrainPhaseSpans
 
@@ -57,78 +54,6 @@ def with_fused(optimizer_state: dict, fused: bool | None) -> dict:
     step counts by it)."""
     groups = [{**group, "fused": fused} for group in optimizer_state["param_groups"]]
     return {**optimizer_state, "param_groups": groups}
-
-
-@dataclass
-class TrainSettings:
-    """A train_step node's settings, as ``BaseAlgorithm`` and the ranks need them.
-
-    Attributes:
-        model_folder: version-0 weights. algorithm: registered name. loss: the plan's whole
-        ``LossConfig`` (field -> value). lr / weight_decay / max_grad_norm: AdamW and clipping.
-        lr_warmup_steps: the linear warm-up of lr (``areal_flow.algorithms.lr_schedule``; 0 = off).
-        micro_batch_size: sequences per forward/backward (recomputed each step from
-        ``micro_batches``). micro_batches: the plan's micro-batches per DP rank
-        (``NodePlan.micro_batches``: ``train.gradient_accumulation_steps`` when set).
-        activation_checkpointing: the plan's choice for the node (``compile.activation_checkpointing``:
-        on, off or the compiler's when auto); every rank recomputes its layers in the backward pass.
-        temperature: of the sampler. seed: initialisation seed.
-        max_tokens_per_micro_batch / pack_sequences / shared_prefix: ``train.*`` of the same names
-        (the policy's micro-batches, ``areal_flow.algorithms.micro_batches``; 0 / False = off).
-        user_algorithm: the plan's encoded class of a user-registered algorithm (None: built in),
-        so a rank process that never read the graph file builds it too.
-    """
-
-    model_folder: str
-    algorithm: str
-    loss: dict
-    lr: float
-    weight_decay: float
-    max_grad_norm: float
-    micro_batch_size: int
-    temperature: float
-    seed: int
-    max_tokens_per_micro_batch: int = 0
-    pack_sequences: bool = False
-    shared_prefix: bool = False
-    user_algorithm: dict | None = None
-    micro_batches: int = 1
-    activation_checkpointing: bool = False
-    lr_warmup_steps: int = 0
-
-    @classmethod
-    def from_node(cls, node, ctx) -> "TrainSettings":
-        a = node.attrs
-        gen = ctx.generator()
-        return cls(model_folder=ctx.folders[node.model], algorithm=a["algorithm"], loss=dict(a["loss"]),
-                   lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=a["max_grad_norm"], micro_batch_size=1,
-                   temperature=gen.attrs.get("temperature") or 1.0, seed=ctx.seed,
-                   max_tokens_per_micro_batch=a.get("max_tokens_per_micro_batch", 0),
-                   pack_sequences=a.get("pack_sequences", False), shared_prefix=a.get("shared_prefix", False),
-                   user_algorithm=ctx.plan.algorithms.get(a["algorithm"]), micro_batches=node.micro_batches or 1,
-                   activation_checkpointing=node.activation_checkpointing,
-                   lr_warmup_steps=a.get("lr_warmup_steps", 0))
-
-    def lr_at(self, step: int) -> float:
-        """AdamW's learning rate at train step ``step`` (0-based; ``lr_schedule.warmup_lr``)."""
-        return warmup_lr(self.lr, self.lr_warmup_steps, step)
-
-    def loss_config(self) -> LossConfig:
-        """The plan's loss config of this node."""
-        return LossConfig(**self.loss)
-
-    def build_algorithm(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> BaseAlgorithm:
-        """This node's algorithm over ``model`` and ``optimizer``, with the plan's loss config."""
-        cls = decode_value(self.user_algorithm) if self.user_algorithm is not None else get_algorithm(self.algorithm)
-        return cls(self.loss_config(), model, optimizer, micro_batch_size=self.micro_batch_size,
-                   max_grad_norm=self.max_grad_norm, temperature=self.temperature,
-                   max_tokens_per_micro_batch=self.max_tokens_per_micro_batch, pack_sequences=self.pack_sequences,
-                   shared_prefix=self.shared_prefix)
-
-
-def micro_batch_size(rows: int, dp: int, micro_batches: int) -> int:
-    """Sequences per micro-batch: the rank's ``rows / dp`` in ``micro_batches`` parts (ceil)."""
-    return max(1, math.ceil(rows / dp / max(1, micro_batches)))
 
 
 class TrainStepExecutor:
@@ -157,6 +82,7 @@ class TrainStepExecutor:
         self.phases = None  # runtime.train_phases, one process only
         self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
+        self.mask_truncated = self.settings.loss_config().mask_truncated  # DAPO overlong filtering
         self._report_dtype(node)
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
@@ -201,7 +127,10 @@ class TrainStepExecutor:
 
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
-        batch = adv.batch
+        batch, cut = adv.batch, None
+        if self.mask_truncated:  # responses cut at max_new_tokens get no loss (train.loss.mask_truncated)
+            cut = torch.tensor([t.finish_reason == "length" for t in adv.trajectories], dtype=torch.bool)
+            batch = {**batch, "loss_mask": overlong_filter(batch["loss_mask"], cut)}
         if self.ranks is None and self.rank_critic is None and self.device != "cpu":
             batch = {k: v.to(self.device) for k, v in batch.items()}
         rows = batch["input_ids"].shape[0]
@@ -210,6 +139,8 @@ class TrainStepExecutor:
         with phases, torch.autocast(self.device, dtype=dtype, enabled=dtype != torch.float32):
             stats = self._step(batch, rows, info)
         stats = {**stats, **adv.stats, **self.monitor.check(info["step"], stats, adv)}
+        if cut is not None:  # the step's share of samples whose loss the filter dropped
+            stats["overlong_filtered"] = float(cut.float().mean()) if cut.numel() else 0.0
         stats["critic_lr" if self.critic else "lr"] = self.settings.lr_at(info["step"])  # lr_schedule
         if not self.critic:  # what the plan's micro-batches came to on this step (sequences)
             stats["micro_batch_size"] = float(self.algorithm.micro_batch_size)
