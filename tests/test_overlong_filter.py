@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from areal_flow.algorithms.dapo import overlong_filter
+from areal_flow.config import ConfigError
 from areal_flow.config_load import load_config
 from areal_flow.values import Advantages
 from rl_step_cases import policy_folder, rl_batch, settings
@@ -34,9 +35,11 @@ def test_the_mask_by_hand():
         overlong_filter(mask, torch.tensor([True, False]))
 
 
-def test_the_config_key():
-    assert load_config(None, []).train.loss.get("mask_truncated", False) is False
-    assert load_config(None, ["train.loss.mask_truncated=true"]).train.loss["mask_truncated"] is True
+def test_the_config_key_and_a_misspelling():
+    assert load_config(None, ["train.loss.mask_truncated=true"]).train.loss == {"mask_truncated": True}
+    with pytest.raises(ConfigError, match="unknown config key 'train.loss.mask_truncate'; did you mean "
+                                         "'train.loss.mask_truncated'"):
+        load_config(None, ["train.loss.mask_truncate=true"])
 
 
 def _step(folder, batch: dict, trajectories: list, mask_truncated: bool) -> tuple[dict, dict]:
@@ -52,7 +55,7 @@ def _step(folder, batch: dict, trajectories: list, mask_truncated: bool) -> tupl
         node=SimpleNamespace(name="train_step"), ctx=SimpleNamespace(dtype=torch.float32), port="advantages",
         settings=spec, model=model, optimizer=optimizer, algorithm=spec.build_algorithm(model, optimizer),
         critic=False, ranks=None, rank_critic=None, micro_batches=1, device="cpu", phases=None,
-        monitor=SimpleNamespace(check=lambda step, stats, adv: {}), mask_truncated=spec.loss_config().mask_truncated)
+        monitor=SimpleNamespace(check=lambda step, stats, adv: {}))
     out = executor.run({"advantages": Advantages(batch, trajectories)}, {"step": 0, "publish": False})
     return out["stats"].metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -82,7 +82,6 @@ class TrainStepExecutor:
         self.phases = None  # runtime.train_phases, one process only
         self.critic_scaler: LossScaler | None = None  # a one-process critic's fp16 loss scale (first fp16 step)
         self.monitor = NonFiniteGuard.for_node(node, ctx)  # counts, keeps and stops on non-finite steps
-        self.mask_truncated = self.settings.loss_config().mask_truncated  # DAPO overlong filtering
         self._report_dtype(node)
         if self.ranks is not None:
             self.model = self.ranks.parallel.module
@@ -128,7 +127,7 @@ class TrainStepExecutor:
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
         batch, cut = adv.batch, None
-        if self.mask_truncated:  # responses cut at max_new_tokens get no loss (train.loss.mask_truncated)
+        if self.settings.loss.get("mask_truncated"):  # DAPO overlong filtering: a cut response gets no loss
             cut = torch.tensor([t.finish_reason == "length" for t in adv.trajectories], dtype=torch.bool)
             batch = {**batch, "loss_mask": overlong_filter(batch["loss_mask"], cut)}
         if self.ranks is None and self.rank_critic is None and self.device != "cpu":
