@@ -132,9 +132,9 @@ class GenerationConfig:
     lm_head_dtype: str = "auto"
     """Embedded engine's final norm and LM head (the product that makes the logits): auto (default: mixed for a
     bfloat16 engine where mixed runs, else float32), float32, engine
-    (gen.dtype's), mixed (the norm in fp32, the product on AMX with bf16 inputs and weights and fp32 sums and logits:
-    no bf16 rounding of the logits, half the bytes of float32; CPUs with AMX and gen.cpu_kernels loaded, float32
-    elsewhere with a warning), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in
+    (gen.dtype's), mixed (the norm in fp32, the product with bf16 inputs and weights and fp32 sums and logits:
+    no bf16 rounding of the logits, half the bytes of float32; CPUs with AMX or AVX-512 BF16 and gen.cpu_kernels
+    loaded, float32 elsewhere with a warning), or a spelling of model.dtype. With gen.dtype=bfloat16 the rest of the decoder runs in
     bf16 and the last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md,
     "bf16 engine" and "Fused CPU kernels")."""
     cpu_kernels: str = "auto"

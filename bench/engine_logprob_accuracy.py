@@ -15,7 +15,8 @@ decoupled form: Hilton et al. 2022, eq. 4). Variants:
   stream, final norm and LM head in bf16; logits cast to fp32 for sampling);
 * ``bf16+fp32head``: ``gen.dtype=bfloat16`` (the final norm and LM head in fp32);
 * ``bf16+mixedhead``: ``gen.dtype=bfloat16 gen.lm_head_dtype=mixed`` (the final norm in fp32, the
-  LM head on AMX with bf16 inputs and weights and fp32 sums and logits; float32 without AMX);
+  LM head with bf16 inputs and weights and fp32 sums and logits, on AMX or AVX-512 BF16; float32
+  without either);
 * ``bf16-weights`` (a diagnostic, no config): the fp32 engine on a copy of the model whose
   weights were rounded to bf16, which isolates the weights' rounding from the activations'
   and the KV cache's.

@@ -76,7 +76,7 @@ def _breakdown(dec, ids, lengths, steps: int) -> None:
     patches = [(decoder, "_linear", "matrix products (layers)"),
                (decoder.F, "scaled_dot_product_attention", "attention (SDPA)"),
                *((dec.ops, name, name) for name in _OPS)]
-    patches.append((dec, "_logits", "LM head"))  # fp32, bf16 or the mixed AMX head, apart from the layers'
+    patches.append((dec, "_logits", "LM head"))  # fp32, bf16 or the mixed head, apart from the layers'
     kernels = dec.kernels  # the draw's kernel too (the engine passes it to sample)
     if dec.kernels is not None:  # gen.cpu_kernels: the decoder reaches the attention kernel as an attribute
         dec.kernels = _Forward(dec.kernels)
@@ -161,13 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     for rows in args.rows:
         for kernels in args.cpu_kernels:
-            # the LM head as gen.lm_head_dtype=auto runs it: fp32 logits (for bf16 the mixed head on AMX)
+            # the LM head as gen.lm_head_dtype=auto runs it: fp32 logits (for bf16 the mixed head where it runs)
             dec = decoder.KVDecoder(model, dtype, rows, torch.float32, cpu_kernels=kernels,
                                     mixed_head=None if dtype == torch.bfloat16 else False)
             dec.reserve(rows, args.span + 1)
             tokens = torch.randint(model.config.vocab_size, (rows, args.span), generator=torch.Generator().manual_seed(0))
             ids, lengths = tokens[:, -1], torch.full((rows,), args.span - 1)
-            head = "mixed (AMX)" if dec.mixed_head else "fp32"
+            head = "mixed" if dec.mixed_head else "fp32"
             print(f"\n{args.model}, {args.dtype}, {rows} rows attending to {args.span} cache entries, 1 thread, "
                   f"gen.cpu_kernels={kernels}, LM head {head}")
             with torch.inference_mode():

@@ -29,8 +29,8 @@ threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a
 worker one core and keeps the other for the engine core), a 1 GiB KV cache; one engine per
 dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
 separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch. The
-embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engine's LM head on AMX
-with bf16 inputs and weights and fp32 sums and logits where the CPU has AMX, else in fp32, for
+embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engine's LM head with
+bf16 inputs and weights and fp32 sums and logits where the CPU has AMX or AVX-512 BF16, else in fp32, for
 accurate behavior log-probs; ``gen.cpu_kernels=auto``: the fused CPU kernels), then with one
 setting changed at a time: the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
 as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them); the
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
         runs = {}
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
-        # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX runs it, gen.cpu_kernels=auto),
+        # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX or AVX-512 BF16 runs it, gen.cpu_kernels=auto),
         # then one setting changed at a time; "CPU kernels off, fp32 head" is the engine before the kernels
         variants = (("float32", "auto", "auto"), ("float32", "auto", "off"), ("bfloat16", "auto", "auto"),
                     ("bfloat16", "float32", "auto"), ("bfloat16", "engine", "auto"), ("bfloat16", "float32", "off"),
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 + (", CPU kernels off" if kernels == "off" else "") \
                 + {"engine": ", bf16 head", "float32": ", fp32 head"}.get(head, "")
             if head == "auto" and engine.dtype == torch.bfloat16:
-                print(f"{name}: LM head {'mixed (AMX)' if engine._dec.mixed_head else 'fp32'}")
+                print(f"{name}: LM head {'mixed' if engine._dec.mixed_head else 'fp32'}")
             runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():

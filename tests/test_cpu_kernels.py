@@ -249,19 +249,19 @@ def test_sample_kernel_follows_the_softmax_and_never_draws_a_zero_probability_to
     assert int(top) == 699
 
 
-def _amx_or_skip():
+def _mixed_head_or_skip():
     kernels = _kernels()
     try:
         kernels.lm_head(torch.zeros(1, 32), kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16)), 16)
     except RuntimeError as e:
-        pytest.skip(f"no AMX LM head on this CPU: {e}")
+        pytest.skip(f"no mixed LM head on this CPU (neither AMX nor AVX-512 BF16): {e}")
     return kernels
 
 
 @pytest.mark.parametrize("rows, vocab, hidden", [(1, 16, 32), (17, 70, 40), (64, 1000, 64), (80, 333, 96)])
-def test_amx_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidden):
+def test_mixed_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidden):
     # partial row tiles (17, 80), vocabularies not a multiple of 16, hidden dims padded to 32
-    kernels = _amx_or_skip()
+    kernels = _mixed_head_or_skip()
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(vocab, hidden, generator=gen).bfloat16()
     x = torch.randn(rows, hidden, generator=gen)
@@ -271,12 +271,12 @@ def test_amx_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidde
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_amx_head_removes_the_bf16_rounding_of_large_logits():
+def test_mixed_head_removes_the_bf16_rounding_of_large_logits():
     # LM logits are large because hidden states align with their tokens' rows: w_n = noise + s_n x
     # gives logits ~ s_n |x|^2 (~30 here). A bf16 product rounds each to 8 bits (error up to
-    # 2^-9 * 30 ~ 0.06); the AMX head rounds only x and w, whose errors in the sum are ~sqrt(576)
+    # 2^-9 * 30 ~ 0.06); the mixed head rounds only x and w, whose errors in the sum are ~sqrt(576)
     # products of size ~0.05 * 2^-9 each, ~20x smaller.
-    kernels = _amx_or_skip()
+    kernels = _mixed_head_or_skip()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 576, generator=gen)
     w = 0.05 * torch.randn(2000, 576, generator=gen) + 0.05 * torch.randn(2000, 1, generator=gen) * x[:1]
@@ -288,7 +288,7 @@ def test_amx_head_removes_the_bf16_rounding_of_large_logits():
 
 
 def test_engine_with_mixed_head_matches_the_fp32_head():
-    _amx_or_skip()
+    _mixed_head_or_skip()
     model = _model(4)
     logps = {}
     for head in ("float32", "mixed"):
@@ -303,7 +303,7 @@ def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
     with caplog.at_level("WARNING"):
         dec = KVDecoder(model, torch.bfloat16, 4, torch.float32, cpu_kernels="off", mixed_head=True)
     assert not dec.mixed_head and dec.head_dtype == torch.float32
-    assert "gen.lm_head_dtype=mixed: the AMX head cannot run here" in caplog.text
+    assert "gen.lm_head_dtype=mixed: the mixed head cannot run here" in caplog.text
 
 
 @pytest.mark.slow
@@ -320,3 +320,19 @@ def test_portable_paths_without_avx512_pass_the_same_checks(tmp_path):
                             "print(cpu_kernels.load().simd_lanes())"], env=env, capture_output=True, text=True,
                            timeout=120, cwd=Path(__file__).parents[1])
     assert lanes.stdout.split() == ["1"], lanes.stderr[-2000:]  # the plain loops, not the AVX-512 paths
+
+
+@pytest.mark.slow
+def test_the_avx512_bf16_head_passes_the_mixed_head_checks_where_the_cpu_has_it(tmp_path):
+    # a CPU with AMX builds the AMX head natively; a build for Cooper Lake (AVX-512 BF16, no AMX) compiles the
+    # VDPBF16PS head instead (the native one on AMD Zen 4 / 5), checked in its own process against the same
+    # float64 product and rounding bounds as the native build's
+    cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if "avx512_bf16" not in cpu:
+        pytest.skip("the CPU has no AVX-512 BF16: a Cooper Lake build would not run here")
+    _kernels()
+    env = {**os.environ, cpu_kernels.MARCH_ENV: "cooperlake", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", __file__, "-m",
+                           "not slow", "-k", "mixed_head"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

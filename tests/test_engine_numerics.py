@@ -207,11 +207,11 @@ def test_lm_head_dtype_names_are_checked():
     engine = GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="engine")
     assert engine.head_dtype is torch.bfloat16 and engine._dec.head.dtype is torch.bfloat16
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16").head_dtype is torch.float32
-    # auto (the default): the mixed head for a bf16 engine where the AMX kernel runs (a CPU with AMX's
-    # bf16 tiles and a C++ compiler to build it), never for an fp32 one
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    amx = "amx_bf16" in cpu.split() and shutil.which(os.environ.get("CXX", "c++")) is not None
-    assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16")._dec.mixed_head == amx
+    # auto (the default): the mixed head for a bf16 engine where its kernel runs (a CPU with AMX's
+    # bf16 tiles or AVX-512 BF16, and a C++ compiler to build it), never for an fp32 one
+    cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    runs = ("amx_bf16" in cpu or "avx512_bf16" in cpu) and shutil.which(os.environ.get("CXX", "c++")) is not None
+    assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16")._dec.mixed_head == runs
     assert not GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="float32")._dec.mixed_head
 
 

@@ -146,9 +146,10 @@ class KVDecoder:
         cpu_kernels: ``gen.cpu_kernels``: ``"auto"`` (the fused CPU kernels of ``runtime.engines.cpu_kernels``
             for an fp32 or bf16 engine where they can run, else PyTorch's ops), ``"on"`` (the kernels or
             ``ValueError``) or ``"off"``.
-        mixed_head: True (``gen.lm_head_dtype=mixed``): the LM head by the AMX kernel
+        mixed_head: True (``gen.lm_head_dtype=mixed``): the LM head by the mixed-precision kernel
             (``csrc/lm_head.cpp``: the fp32 final norm's output and the head weights rounded to
-            bf16, fp32 sums and logits) where the CPU kernels are loaded and the CPU has AMX;
+            bf16, fp32 sums and logits) where the CPU kernels are loaded and the CPU has AMX or
+            AVX-512 BF16;
             elsewhere the ``head_dtype`` product, with a warning. None (``auto``): the same but
             quietly. False: the ``head_dtype`` product.
 
@@ -183,11 +184,12 @@ class KVDecoder:
         self.values: list[torch.Tensor] = []
         self.kernels = _cpu_kernels(cpu_kernels, model.lm_head.weight.device, dtype)
         self.ops = layer_ops if self.kernels is None else layer_ops.FusedOps(self.kernels)
-        self.mixed_head = mixed_head is not False and self._amx_head_runs(warn=mixed_head is True)
+        self.mixed_head = mixed_head is not False and self._mixed_head_runs(warn=mixed_head is True)
         self.pack()
 
-    def _amx_head_runs(self, warn: bool) -> bool:
-        """Whether the AMX LM head kernel runs here (a one-row product tried once); ``warn``: say why not."""
+    def _mixed_head_runs(self, warn: bool) -> bool:
+        """Whether the mixed-precision LM head kernel (AMX or AVX-512 BF16) runs here (a one-row
+        product tried once); ``warn``: say why not."""
         why = "gen.cpu_kernels did not load the CPU kernels"
         if self.kernels is not None:
             try:
@@ -197,7 +199,7 @@ class KVDecoder:
             except RuntimeError as e:
                 why = str(e).splitlines()[0]
         if warn:
-            log.warning("gen.lm_head_dtype=mixed: the AMX head cannot run here (%s); the LM head runs in float32", why)
+            log.warning("gen.lm_head_dtype=mixed: the mixed head cannot run here (%s); the LM head runs in float32", why)
         return False
 
     def pack(self) -> None:

@@ -168,7 +168,7 @@ class GenerationEngine:
             (``bench/engine_logprob_accuracy.py``, docs/PERFORMANCE.md "bf16 engine"): it
             removes about a third of the bf16 engine's mean error; the rest comes from the
             bf16 weights and the bf16 residual stream and KV cache. ``"mixed"``: the final norm in
-            fp32, then the product on AMX with bf16 inputs and weights and fp32 sums and logits
+            fp32, then the product (AMX or AVX-512 BF16) with bf16 inputs and weights and fp32 sums and logits
             (``runtime.engines.decoder.KVDecoder``'s ``mixed_head``; float32 where it cannot run).
             ``"auto"`` (default): ``"mixed"`` for a bf16 engine where it runs, else ``"float32"``.
         cpu_kernels: ``gen.cpu_kernels``, ``"auto"`` / ``"on"`` / ``"off"``

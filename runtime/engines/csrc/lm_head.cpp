@@ -1,18 +1,21 @@
-// The embedded engine's LM head on CPUs with AMX: bf16 inputs and weights, fp32 accumulation and
-// fp32 logits (``gen.lm_head_dtype=mixed``). PyTorch's bf16 product rounds every logit to bf16
-// (an error of up to 2^-9 of a logit, ~0.06 nats at logit 30); its fp32 product reads twice the
-// bytes and runs on the AVX-512 FMA units. Here each 16 x 16 tile of logits is summed over the
-// hidden dim by AMX's TDPBF16PS (bf16 pairs multiplied exactly, summed in fp32; Intel Architecture
-// Instruction Set Extensions Programming Reference, ch. 3) and stored in fp32.
+// The embedded engine's LM head on CPUs with bf16 products (AMX, or AVX-512 BF16 without it): bf16
+// inputs and weights, fp32 accumulation and fp32 logits (``gen.lm_head_dtype=mixed``). PyTorch's
+// bf16 product rounds every logit to bf16 (an error of up to 2^-9 of a logit, ~0.06 nats at logit
+// 30); its fp32 product reads twice the bytes and runs on the FMA units. Here bf16 pairs are
+// multiplied exactly and summed in fp32 (Intel Architecture Instruction Set Extensions Programming
+// Reference, ch. 3: AMX's TDPBF16PS sums 16 x 16 tiles of logits over the hidden dim; AVX-512 BF16's
+// VDPBF16PS one pair of each of 16 logits per instruction) and the logits are stored in fp32.
 //
 //   pack_lm_head(weight [vocab, hidden] bf16) -> packed [ceil(vocab/16), hidden_p/2, 16, 2] bf16
 //       (hidden_p: hidden rounded up to 32; zero padding): for each block of 16 vocabulary rows,
-//       row kk holds, for each of the 16, the pair (w[n][2 kk], w[n][2 kk + 1]): AMX's B layout.
+//       row kk holds, for each of the 16, the pair (w[n][2 kk], w[n][2 kk + 1]): AMX's B layout, and
+//       one 64-byte vector of VDPBF16PS's second operand.
 //   lm_head(x [rows, hidden] fp32 or bf16, packed, vocab) -> logits [rows, vocab] fp32
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -20,6 +23,9 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+#define AREAL_FLOW_AVX512_BF16 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -82,11 +88,73 @@ void column_block(const c10::BFloat16* a, int64_t a_stride, const c10::BFloat16*
 }
 #endif
 
-at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab) {
-#ifndef AREAL_FLOW_AMX
-  TORCH_CHECK(false, "lm_head: this build has no AMX (the CPU lacks amx_tile / amx_bf16)");
-#else
-  TORCH_CHECK(amx_permitted(), "lm_head: the kernel refused AMX's tile state (arch_prctl)");
+#ifdef AREAL_FLOW_AVX512_BF16
+// logits of RB rows (from a, stride hp bf16) for NB 16-column blocks (b: the first block's packed
+// weights, blocks hp/2 * 32 bf16 apart): RB x NB accumulators of 16 fp32 lanes, each VDPBF16PS adding
+// one hidden pair of 16 logits; the pair of x is broadcast to every lane. RB * NB <= 24 keeps the
+// accumulators, the NB weight vectors and the broadcast in the 32 vector registers. Stores the
+// first `cols` columns (the last block may be partial).
+template <int RB, int NB>
+void row_block(const c10::BFloat16* a, int64_t hp, const c10::BFloat16* b, float* c, int64_t c_stride,
+               int64_t cols) {
+  __m512 acc[RB][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t block = hp / 2 * 32;
+  for (int64_t kk = 0; kk < hp / 2; ++kk) {
+    __m512bh w[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(b + j * block + kk * 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * hp + 2 * kk, sizeof(pair));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, w[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const int64_t left = cols - j * 16;
+      if (left >= 16)
+        _mm512_storeu_ps(c + r * c_stride + j * 16, acc[r][j]);
+      else if (left > 0)
+        _mm512_mask_storeu_ps(c + r * c_stride + j * 16, (__mmask16)((1u << left) - 1), acc[r][j]);
+    }
+}
+
+// rows [0, rows) of one group of NB column blocks, 12 rows at a time (the remainder by a smaller RB).
+template <int NB>
+void column_group(const c10::BFloat16* a, int64_t rows, int64_t hp, const c10::BFloat16* b, float* c,
+                  int64_t vocab, int64_t cols) {
+  int64_t r = 0;
+  for (; r + 12 <= rows; r += 12) row_block<12, NB>(a + r * hp, hp, b, c + r * vocab, vocab, cols);
+  const c10::BFloat16* ar = a + r * hp;
+  float* cr = c + r * vocab;
+  switch (rows - r) {
+    case 0: break;
+    case 1: row_block<1, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 2: row_block<2, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 3: row_block<3, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 4: row_block<4, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 5: row_block<5, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 6: row_block<6, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 7: row_block<7, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 8: row_block<8, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 9: row_block<9, NB>(ar, hp, b, cr, vocab, cols); break;
+    case 10: row_block<10, NB>(ar, hp, b, cr, vocab, cols); break;
+    default: row_block<11, NB>(ar, hp, b, cr, vocab, cols); break;
+  }
+}
+#endif
+
+// The checks both paths share; returns {rows, hidden, column blocks, hidden_p}.
+std::array<int64_t, 4> check_lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "lm_head: x [rows, hidden] on CPU expected; got ", x.sizes());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
@@ -94,6 +162,38 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab)
   const int64_t rows = x.size(0), hidden = x.size(1), vb = packed.size(0), hp = packed.size(1) * 2;
   TORCH_CHECK(hidden <= hp && hp - hidden < 32 && vocab <= vb * 16 && vocab > (vb - 1) * 16,
               "lm_head: x's hidden ", hidden, " or vocab ", vocab, " does not match the packed weights ", packed.sizes());
+  return {rows, hidden, vb, hp};
+}
+
+at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab) {
+#if defined(AREAL_FLOW_AVX512_BF16)
+  const auto dims = check_lm_head(x, packed, vocab);
+  const int64_t rows = dims[0], hidden = dims[1], vb = dims[2], hp = dims[3];
+  at::Tensor a = at::zeros({rows, hp}, x.options().dtype(at::kBFloat16));
+  a.narrow(1, 0, hidden).copy_(x);
+  at::Tensor out = at::empty({rows, vocab}, x.options().dtype(at::kFloat));
+  const c10::BFloat16 *ap = a.data_ptr<c10::BFloat16>(), *bp = packed.data_ptr<c10::BFloat16>();
+  float* op = out.data_ptr<float>();
+  // threads split the vocabulary in pairs of column blocks; a pair's weights (2 x hp/2 x 64 bytes,
+  // 36 KB at hidden 576) stay in cache while every row group reads them
+  const int64_t pairs = (vb + 1) / 2;
+  at::parallel_for(0, pairs, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = 2 * p, cols = std::min<int64_t>(32, vocab - n * 16);
+      const c10::BFloat16* b = bp + n * (hp / 2) * 32;
+      if (cols > 16)
+        column_group<2>(ap, rows, hp, b, op + n * 16, vocab, cols);
+      else
+        column_group<1>(ap, rows, hp, b, op + n * 16, vocab, cols);
+    }
+  });
+  return out;
+#elif !defined(AREAL_FLOW_AMX)
+  TORCH_CHECK(false, "lm_head: this build has neither AMX nor AVX-512 BF16 (the CPU lacks amx_bf16 and avx512_bf16)");
+#else
+  TORCH_CHECK(amx_permitted(), "lm_head: the kernel refused AMX's tile state (arch_prctl)");
+  const auto dims = check_lm_head(x, packed, vocab);
+  const int64_t rows = dims[0], hidden = dims[1], vb = dims[2], hp = dims[3];
   const int64_t rp = (rows + 63) / 64 * 64;  // row tiles in groups of 4
   at::Tensor a = at::zeros({rp, hp}, x.options().dtype(at::kBFloat16));
   a.narrow(0, 0, rows).narrow(1, 0, hidden).copy_(x);
