@@ -175,7 +175,7 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab)
   const c10::BFloat16 *ap = a.data_ptr<c10::BFloat16>(), *bp = packed.data_ptr<c10::BFloat16>();
   float* op = out.data_ptr<float>();
   // threads split the vocabulary in pairs of column blocks; a pair's weights (2 x hp/2 x 64 bytes,
-  // 36 KB at hidden 576) stay in cache while every row group reads them
+  // 36 KB at hidden 576) stay in L2 while every row group reads them
   const int64_t pairs = (vb + 1) / 2;
   at::parallel_for(0, pairs, 32, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
