@@ -259,11 +259,11 @@ def _mixed_head_or_skip():
 
 
 @pytest.mark.parametrize("rows, vocab, hidden", [(1, 16, 32), (17, 70, 40), (64, 1000, 64), (80, 333, 96),
-                                                (13, 50, 40), (23, 98, 64)])
+                                                (13, 50, 40), (23, 98, 64), (6, 90, 40)])
 def test_mixed_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidden):
-    # partial row tiles (17, 80; AMX's are 16 rows), row remainders after blocks of 12 (17, 13, 23; the AVX-512
-    # BF16 path's), vocabularies not a multiple of 16 whose last 32-column pair is partial (50: 18 columns) or a
-    # lone partial block (70, 98, 333), hidden dims padded to 32
+    # partial row tiles (17, 80; AMX's are 16 rows), every row remainder after the AVX-512 BF16 path's blocks of
+    # 4 rows (13, 6, 23), vocabularies not a multiple of 16 whose last block is partial in a full group of 6 blocks
+    # (90), in a shorter last group (50, 70, 333, 1000) or alone (98), hidden dims padded to 32
     kernels = _mixed_head_or_skip()
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(vocab, hidden, generator=gen).bfloat16()
