@@ -309,16 +309,23 @@ def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
     assert "gen.lm_head_dtype=mixed: the mixed head cannot run here" in caplog.text
 
 
+def _checks_built_for(march: str, tmp_path, checks: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """This file's tests selected by ``-k checks`` (slow ones left out), in a process of their own whose
+    kernels are built with ``-march=march`` (one build of the ops a process); returns that process's
+    environment and its finished pytest run, which must have passed."""
+    _kernels()
+    env = {**os.environ, cpu_kernels.MARCH_ENV: march, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", __file__, "-m", "not slow",
+                           "-k", checks], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return env, done
+
+
 @pytest.mark.slow
 def test_portable_paths_without_avx512_pass_the_same_checks(tmp_path):
-    # a build for x86-64-v3 (AVX2, no AVX-512) compiles the kernels' plain C++ loops; it runs in its own
-    # process (one build of the ops a process) against this file's formula and hand-computed checks
-    _kernels()
-    env = {**os.environ, cpu_kernels.MARCH_ENV: "x86-64-v3", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    checks = "formula or hand_computed or sample_kernel or one_key or errors_name"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    # a build for x86-64-v3 (AVX2, no AVX-512) compiles the kernels' plain C++ loops; checked against this
+    # file's formula and hand-computed checks
+    env, _ = _checks_built_for("x86-64-v3", tmp_path, "formula or hand_computed or sample_kernel or one_key or errors_name")
     lanes = subprocess.run([sys.executable, "-c", "from runtime.engines import cpu_kernels; "
                             "print(cpu_kernels.load().simd_lanes())"], env=env, capture_output=True, text=True,
                            timeout=120, cwd=Path(__file__).parents[1])
@@ -333,9 +340,5 @@ def test_the_avx512_bf16_head_passes_the_mixed_head_checks_where_the_cpu_has_it(
     cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if "avx512_bf16" not in cpu:
         pytest.skip("the CPU has no AVX-512 BF16: a Cooper Lake build would not run here")
-    _kernels()
-    env = {**os.environ, cpu_kernels.MARCH_ENV: "cooperlake", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", __file__, "-m",
-                           "not slow", "-k", "mixed_head"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    _, done = _checks_built_for("cooperlake", tmp_path, "mixed_head")
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

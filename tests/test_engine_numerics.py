@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
+from areal_flow.dtypes import cpu_has_bf16
 from runtime.engines import precision
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
@@ -209,8 +210,7 @@ def test_lm_head_dtype_names_are_checked():
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16").head_dtype is torch.float32
     # auto (the default): the mixed head for a bf16 engine where its kernel runs (a CPU with AMX's
     # bf16 tiles or AVX-512 BF16, and a C++ compiler to build it), never for an fp32 one
-    cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    runs = ("amx_bf16" in cpu or "avx512_bf16" in cpu) and shutil.which(os.environ.get("CXX", "c++")) is not None
+    runs = bool(cpu_has_bf16()) and shutil.which(os.environ.get("CXX", "c++")) is not None
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16")._dec.mixed_head == runs
     assert not GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="float32")._dec.mixed_head
 
