@@ -139,7 +139,8 @@ class GenerationConfig:
     "bf16 engine" and "Fused CPU kernels")."""
     cpu_kernels: str = "auto"
     """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
-    SiLU gate, the draw; built once per machine with the system C++ compiler): auto (default: used where the engine
+    SiLU gate, the draw, and on CPUs with AVX-512 BF16 but no AMX a bfloat16 engine's layer products; built once per
+    machine with the system C++ compiler): auto (default: used where the engine
     runs on CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the
     build failed), on (the kernels, or a clear error) or off (PyTorch's ops: SDPA and layer_ops; an fp32 engine's
     logits then move by ~1e-6, their sums in another order). YAML's bare on / off (booleans) mean the words.

@@ -5,7 +5,7 @@ Breakdown: one decode step of ``rows`` sequences at position ``span - 1`` (rando
 after a prefill of ``span - 1`` random tokens a row) plus the draw of the next tokens, run
 ``--steps`` times; each section is timed with ``time.thread_time`` (CPU seconds of this
 thread: a shared box's other jobs do not count, though they still slow memory and caches)
-by wrapping the decoder's matrix products (``decoder._linear``), attention
+by wrapping the decoder's matrix products (``decoder.linear``), attention
 (``F.scaled_dot_product_attention``), each function of ``runtime.engines.layer_ops`` and the
 sampler; "other" is the rest of the step (cache writes, rotary tables, reshapes, the fp32
 cast of the logits, Python). Wrappers cost ~1 us a call, not ``torch.profiler``'s ~20 us,
@@ -73,7 +73,7 @@ def _breakdown(dec, ids, lengths, steps: int) -> None:
                 inside[0] = False
         return run
 
-    patches = [(decoder, "_linear", "matrix products (layers)"),
+    patches = [(decoder, "linear", "matrix products (layers)"),
                (decoder.F, "scaled_dot_product_attention", "attention (SDPA)"),
                *((dec.ops, name, name) for name in _OPS)]
     patches.append((dec, "_logits", "LM head"))  # fp32, bf16 or the mixed head, apart from the layers'

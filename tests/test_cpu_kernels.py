@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
-from runtime.engines import cpu_kernels, layer_ops
+from runtime.engines import cpu_kernels, decoder, layer_ops
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
@@ -274,6 +274,62 @@ def test_mixed_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hid
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, n_out, hidden", [(1, 16, 32), (13, 90, 40), (64, 200, 64)])
+def test_mixed_head_kernel_adds_the_bias_in_fp32_and_rounds_once_to_bf16(rows, n_out, hidden):
+    # the same product as the head's plus a bias: the fp32 output is the float64 sum of the bf16 products and
+    # the bias to fp32 precision, and the bf16 output (a layer's, bf16_out) is exactly that fp32 output rounded
+    # once to nearest even (Tensor.bfloat16); partial last blocks (13 rows, 90 columns) and padded hidden (40)
+    kernels = _mixed_head_or_skip()
+    gen = torch.Generator().manual_seed(hidden)
+    w = torch.randn(n_out, hidden, generator=gen).bfloat16()
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    bias = torch.randn(n_out, generator=gen).bfloat16()
+    packed = kernels.pack_lm_head(w)
+    fp32 = kernels.lm_head(x, packed, n_out, bias)
+    bf16 = kernels.lm_head(x, packed, n_out, bias, True)
+    want = x.double() @ w.double().T + bias.double()
+    assert torch.allclose(fp32.double(), want, rtol=1e-5, atol=1e-5)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.bfloat16())
+
+
+def test_kernel_packed_layer_product_matches_onednn_to_one_bf16_rounding():
+    # where the kernels run the mixed product on AVX-512 BF16, a bf16 engine's layer weights are packed for it
+    # (decoder.KernelWeight); both it and oneDNN's packed bf16 product sum exact bf16 products in fp32 and round
+    # once, so they differ by at most one bf16 step (2^-7 relative) of each output, plus the fp32 sums' order
+    kernels = _mixed_head_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    x = torch.randn(2, 5, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    packed = decoder.pack_weight(w, 8, kernels)
+    assert isinstance(packed, decoder.KernelWeight)
+    got = decoder.linear(x, packed, bias)
+    ref = decoder.linear(x, decoder.pack_weight(w, 8), bias)
+    exact = x.double() @ w.double().T + bias.double()
+    assert got.shape == (2, 5, 96) and got.dtype == torch.bfloat16
+    assert ((got.double() - ref.double()).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_bf16_engine_with_kernel_products_is_as_close_to_fp32_as_with_onednns():
+    kernels = _mixed_head_or_skip()
+    if kernels.mixed_product_isa() != "avx512_bf16":
+        pytest.skip(f"the kernels run the mixed product on {kernels.mixed_product_isa()}: oneDNN's products stay")
+    model = _model(3)  # Qwen2: biases on q, k and v
+    exact = _teacher_forced_logits(KVDecoder(model, torch.float32, 8, cpu_kernels="off"))
+    err = {}
+    for products in (True, False):
+        dec = KVDecoder(model, torch.bfloat16, 8, torch.float32, "on")
+        assert dec.kernel_products and isinstance(dec.layers[0].wqkv, decoder.KernelWeight)
+        if not products:
+            dec.kernel_products = False
+            dec.pack()
+            assert dec.layers[0].wqkv.is_mkldnn
+        err[products] = (_teacher_forced_logits(dec) - exact).abs()
+    assert err[False].max() > 1e-3  # the bf16 rounding is really there
+    assert err[True].mean() <= 1.1 * err[False].mean()
+    assert err[True].max() <= 1.5 * err[False].max()
+
+
 def test_mixed_head_removes_the_bf16_rounding_of_large_logits():
     # LM logits are large because hidden states align with their tokens' rows: w_n = noise + s_n x
     # gives logits ~ s_n |x|^2 (~30 here). A bf16 product rounds each to 8 bits (error up to
@@ -340,5 +396,5 @@ def test_the_avx512_bf16_head_passes_the_mixed_head_checks_where_the_cpu_has_it(
     cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if "avx512_bf16" not in cpu:
         pytest.skip("the CPU has no AVX-512 BF16: a Cooper Lake build would not run here")
-    _, done = _checks_built_for("cooperlake", tmp_path, "mixed_head")
+    _, done = _checks_built_for("cooperlake", tmp_path, "mixed_head or kernel_packed or kernel_products")
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

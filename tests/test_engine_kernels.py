@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime.engines import layer_ops
-from runtime.engines.decoder import KVDecoder, _linear, _pack_weight
+from runtime.engines.decoder import KVDecoder, linear, pack_weight
 from runtime.engines.sampling import sample
 from test_generation import PROMPTS, TOK, _model
 
@@ -27,13 +27,13 @@ def test_packed_product_equals_hand_computed(dtype):
     # W rows (1, 2), (3, 4), (5, 6); x rows (1, 1) and (2, -1):
     # x @ W.T = [[1+2, 3+4, 5+6], [2-2, 6-4, 10-6]] = [[3, 7, 11], [0, 2, 4]] (exact in bf16 too)
     w = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=dtype)
-    packed = _pack_weight(w, rows=4)
+    packed = pack_weight(w, rows=4)
     assert packed.is_mkldnn == _packs(dtype)
     x = torch.tensor([[1.0, 1.0], [2.0, -1.0]], dtype=dtype)
-    assert torch.equal(_linear(x, packed, None).float(), torch.tensor([[3.0, 7.0, 11.0], [0.0, 2.0, 4.0]]))
+    assert torch.equal(linear(x, packed, None).float(), torch.tensor([[3.0, 7.0, 11.0], [0.0, 2.0, 4.0]]))
     # one row in a [rows, T, in] input, bias (1, 0, -1): [3+1, 7+0, 11-1]
     bias = torch.tensor([1.0, 0.0, -1.0], dtype=dtype)
-    assert torch.equal(_linear(x[:1, None], packed, bias).float(), torch.tensor([[[4.0, 7.0, 10.0]]]))
+    assert torch.equal(linear(x[:1, None], packed, bias).float(), torch.tensor([[[4.0, 7.0, 10.0]]]))
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
@@ -45,7 +45,7 @@ def test_packed_product_equals_f_linear(dtype, tol, rows):
     w = torch.randn(96, 64, generator=gen).to(dtype)
     x = torch.randn(rows, 3, 64, generator=gen).to(dtype)
     ref = F.linear(x, w)
-    got = _linear(x, _pack_weight(w, rows=8), None)
+    got = linear(x, pack_weight(w, rows=8), None)
     assert got.shape == ref.shape == (rows, 3, 96) and got.dtype == dtype
     assert ((got.double() - ref.double()).abs() <= tol * ref.double().abs().max()).all()
 

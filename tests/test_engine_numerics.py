@@ -12,6 +12,7 @@ import torch
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
 from areal_flow.dtypes import cpu_has_bf16
 from runtime.engines import precision
+from runtime.engines.decoder import KernelWeight
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
 from test_generation import TOK, _full_recompute_greedy, _model, _req
@@ -19,8 +20,14 @@ from test_generation import TOK, _full_recompute_greedy, _model, _req
 torch.set_num_threads(1)
 
 
-def _dense(weight: torch.Tensor) -> torch.Tensor:
-    """A packed weight in plain layout (oneDNN-blocked ones are reordered back)."""
+def _dense(weight) -> torch.Tensor:
+    """A packed weight in plain layout: oneDNN-blocked ones reordered back; the CPU kernels' ``[blocks,
+    hidden/2, 16, 2]`` pairs (``decoder.KernelWeight``) put back in rows, those past ``out_features`` cut
+    (a hidden dim not a multiple of 32 would keep its zero padding)."""
+    if isinstance(weight, KernelWeight):
+        blocks, pairs = weight.packed.shape[:2]
+        rows = weight.packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+        return rows[:weight.out_features]
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
@@ -206,7 +213,7 @@ def test_lm_head_dtype_names_are_checked():
     with pytest.raises(ConfigError, match="gen.lm_head_dtype"):
         ExperimentConfig(gen=GenerationConfig(lm_head_dtype="half-ish"))
     engine = GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bfloat16", head_dtype="engine")
-    assert engine.head_dtype is torch.bfloat16 and engine._dec.head.dtype is torch.bfloat16
+    assert engine.head_dtype is torch.bfloat16 and _dense(engine._dec.head).dtype is torch.bfloat16
     assert GenerationEngine(_model(0), TOK, max_batch_size=2, dtype="bf16").head_dtype is torch.float32
     # auto (the default): the mixed head for a bf16 engine where its kernel runs (a CPU with AMX's
     # bf16 tiles or AVX-512 BF16, and a C++ compiler to build it), never for an fp32 one

@@ -1,5 +1,7 @@
 """The embedded engine's fused CPU kernels: builds ``csrc/*.cpp`` once per machine and loads them
-as ``torch.ops.areal_flow``: ``decode_attention``, ``add_rms_norm``, ``rope``, ``silu_mul``, ``sample``.
+as ``torch.ops.areal_flow``: ``decode_attention``, ``add_rms_norm``, ``rope``, ``silu_mul``, ``sample``,
+``pack_lm_head`` / ``lm_head`` (the mixed bf16 product: the LM head, and a bf16 engine's layers where it runs on
+AVX-512 BF16) and ``mixed_product_isa``.
 
 Owns building and loading; the decoder (``runtime.engines.decoder``) decides when to call them
 (``gen.cpu_kernels``). The build uses ``torch.utils.cpp_extension.load`` (ninja and the system

@@ -27,7 +27,10 @@ the layout inductor's freezing pass uses) and multiplied by ``torch.ops.mkldnn._
 products; fp32: oneDNN instead of MKL, the same sums in another order). Measured on this
 CPU (one thread, CPU time, 30 distinct ``[3072, 576]`` weights in turn as in a decode step),
 the packed product against ``F.linear``: bf16 1.28x (32 rows) and 1.59x (64 rows) as fast,
-fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``.
+fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``. A bf16 engine whose CPU kernels
+run their mixed product on AVX-512 BF16 (a CPU without AMX; ``gen.cpu_kernels``) packs its layers' and
+a bf16 head's weights for that product instead (:class:`KernelWeight`: 1.10-1.22x oneDNN's at 32-64
+rows there); with AMX, oneDNN's AMX products stay.
 
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention with the module's
@@ -41,6 +44,7 @@ cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,30 +91,49 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def _pack_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight [out, in]`` in oneDNN's blocked layout for products of about ``rows`` rows
-    (any row count works), or ``weight`` itself where oneDNN cannot hold it."""
+class KernelWeight(NamedTuple):
+    """A bf16 ``weight [out, in]`` packed for the CPU kernels' mixed product (``csrc/lm_head.cpp``,
+    ``torch.ops.areal_flow.lm_head`` with ``bf16_out``): exact bf16 products summed in fp32, the bias
+    added in fp32, each output rounded once to bf16, as oneDNN's bf16 product (its sums in another
+    order). Used where the kernels run that product on AVX-512 BF16 (``mixed_product_isa``); there it
+    was 1.10-1.22x oneDNN's packed product at 32-64 rows, the layer weights streaming from memory
+    (docs/PERFORMANCE.md)."""
+
+    packed: torch.Tensor
+    out_features: int
+    kernels: object
+
+
+def pack_weight(weight: torch.Tensor, rows: int, kernels=None) -> torch.Tensor | KernelWeight:
+    """``weight [out, in]`` packed for :func:`linear`: for the CPU kernels' product when ``kernels``
+    (``torch.ops.areal_flow``) is given and ``weight`` is bf16; else in oneDNN's blocked layout for
+    products of about ``rows`` rows (any row count works); else ``weight`` itself."""
+    if kernels is not None and weight.dtype == torch.bfloat16:
+        return KernelWeight(kernels.pack_lm_head(weight), weight.shape[0], kernels)
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if _onednn_packs(weight) else weight
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., in] @ weight.T + bias`` -> ``[..., out]``; ``weight`` from :func:`_pack_weight`."""
+def linear(x: torch.Tensor, weight: torch.Tensor | KernelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` in ``x``'s dtype; ``weight`` from :func:`pack_weight`."""
+    if isinstance(weight, KernelWeight):
+        out = weight.kernels.lm_head(x.reshape(-1, x.shape[-1]), weight.packed, weight.out_features, bias, True)
+        return out.view(*x.shape[:-1], weight.out_features)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class _Layer:
-    """One decoder layer's packed weights (engine dtype; matrices from :func:`_pack_weight`)."""
+    """One decoder layer's packed weights (engine dtype; matrices by ``pack``: :func:`pack_weight`)."""
 
-    def __init__(self, layer, dtype: torch.dtype, rows: int) -> None:
+    def __init__(self, layer, dtype: torch.dtype, pack_matrix) -> None:
         attn, mlp = layer.self_attn, layer.mlp
 
         def cast(t):
             return None if t is None else t.detach().to(dtype)
 
         def pack(t):
-            return _pack_weight(cast(t), rows)
+            return pack_matrix(cast(t))
 
         def bias(lin):
             return lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=lin.weight.device)
@@ -185,6 +208,9 @@ class KVDecoder:
         self.kernels = _cpu_kernels(cpu_kernels, model.lm_head.weight.device, dtype)
         self.ops = layer_ops if self.kernels is None else layer_ops.FusedOps(self.kernels)
         self.mixed_head = mixed_head is not False and self._mixed_head_runs(warn=mixed_head is True)
+        # the layers' bf16 products by the kernels where they run them on AVX-512 BF16 (on AMX oneDNN's stay)
+        self.kernel_products = (self.kernels is not None and dtype == torch.bfloat16
+                                and self.kernels.mixed_product_isa() == "avx512_bf16")
         self.pack()
 
     def _mixed_head_runs(self, warn: bool) -> bool:
@@ -210,9 +236,14 @@ class KVDecoder:
         reload against 2.60 GB building every layer first; 0.70 against 0.76 s)."""
         with torch.no_grad():
             layers = getattr(self, "layers", None) or [None] * len(self.base.layers)
+            products = self.kernels if self.kernel_products else None
+
+            def pack_matrix(weight):
+                return pack_weight(weight, self.max_rows, products)
+
             for i, layer in enumerate(self.base.layers):
                 layers[i] = None
-                layers[i] = _Layer(layer, self.dtype, self.max_rows)
+                layers[i] = _Layer(layer, self.dtype, pack_matrix)
             self.layers = layers
             self.embed = self.head = None
             self.embed = self.base.embed_tokens.weight.detach().to(self.dtype)
@@ -221,7 +252,7 @@ class KVDecoder:
             if self.mixed_head:
                 self.head = self.kernels.pack_lm_head(head.detach().to(torch.bfloat16))
             else:
-                self.head = _pack_weight(self.embed if same else head.detach().to(self.head_dtype), self.max_rows)
+                self.head = pack_matrix(self.embed if same else head.detach().to(self.head_dtype))
             bias = self.model.lm_head.bias
             self.head_bias = None if bias is None else bias.detach().to(self.head_dtype)
             self.norm = self.base.norm.weight.detach().to(self.head_dtype)
@@ -268,13 +299,13 @@ class KVDecoder:
         rows, t, _ = h.shape
         x = self.ops.rms_norm(h, self.layers[0].ln1, self.layers[0].eps1)
         for i, w in enumerate(self.layers):
-            qkv = _linear(x, w.wqkv, w.bqkv)
+            qkv = linear(x, w.wqkv, w.bqkv)
             q, k, v = self.ops.rope_split(qkv, cos, sin, self.n_heads, self.n_kv, w.qn, w.kn, w.qk_eps)
             o = attend(i, q, k, v, w.scaling)
-            attn_out = _linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
+            attn_out = linear(o.transpose(1, 2).reshape(rows, t, -1), w.wo, w.bo)
             h, x = self.ops.add_rms_norm(h, attn_out, w.ln2, w.eps2)
             if w.moe is None:
-                mlp_out = _linear(self.ops.silu_mul(_linear(x, w.wgu, w.bgu)), w.wd, w.bd)
+                mlp_out = linear(self.ops.silu_mul(linear(x, w.wgu, w.bgu)), w.wd, w.bd)
             else:  # in the block's own dtype (routing, top-k experts, weighted sum), back in the engine's
                 mlp_out = w.moe(x.to(w.moe.gate.weight.dtype)).to(x.dtype)
             # the residual add meets the next layer's input norm, or the final norm after the last layer
@@ -290,7 +321,7 @@ class KVDecoder:
         if self.mixed_head:
             logits = self.kernels.lm_head(x, self.head, self.vocab)
             return logits if self.head_bias is None else logits + self.head_bias
-        return _linear(x, self.head, self.head_bias).float()
+        return linear(x, self.head, self.head_bias).float()
 
     def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy the first ``length`` cached positions of rows ``src[i]`` into rows ``dst[i]``

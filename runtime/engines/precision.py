@@ -103,22 +103,38 @@ def _decode_step_seconds(model, device: str, rows: int, dtypes: tuple[torch.dtyp
 
 
 def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: tuple[torch.dtype, ...],
-                   repeats: int = 5) -> list[float]:
-    """Best-of-``repeats`` seconds of one pass ``x @ W.T`` over all ``weights`` (each
-    ``[n, k]``, ``x [rows, k]`` random), in each of ``dtypes``, timed interleaved (one pass
-    of each dtype per round) so load changes hit all alike."""
+                   repeats: int = 5, calls: int = 10) -> list[float]:
+    """Seconds of one pass ``x @ W.T`` over all ``weights`` (each ``[n, k]``, ``x [rows, k]``
+    random, the weights cache-resident: a compute rate), in each of ``dtypes``: the best of
+    ``repeats`` rounds of ``calls`` passes, divided by ``calls``, timed interleaved (one round of
+    each dtype and product in turn) so load changes hit all alike. Each dtype is timed with two
+    products and the faster counts: ``F.linear`` on the plain weight, and the decoder's
+    (``runtime.engines.decoder.linear``) on the weight packed once in oneDNN's blocked layout where
+    oneDNN holds that dtype (CPU fp32, or bf16 with bf16 units). The packed product is the one the
+    engine runs; ``F.linear`` reorders a bf16 weight on every call, so alone it understates what
+    the CPU can do (on an AMD EPYC with AVX-512 BF16, one thread, ``[32, 576] @ [576, 3072]``: 235
+    GFLOP/s timed one call at a time through it)."""
+    from runtime.engines.decoder import linear, pack_weight
+
     dev = torch.device(device)
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
-    sets = [(x.to(dev, d), [w.to(dev, d) for w in weights]) for d in dtypes]
+    variants = []  # (dtype index, x, weights) for every product of every dtype
+    for i, d in enumerate(dtypes):
+        plain = [w.to(dev, d) for w in weights]
+        variants.append((i, x.to(dev, d), plain))
+        packed = [pack_weight(w, rows) for w in plain]
+        if any(p is not w for p, w in zip(packed, plain)):
+            variants.append((i, x.to(dev, d), packed))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     best = [float("inf")] * len(dtypes)
     for round_ in range(repeats + 1):  # round 0 warms up (kernel choice, weight layout)
-        for i, (xd, ws) in enumerate(sets):
+        for i, xd, ws in variants:
             sync()
             start = time.perf_counter()
-            for w in ws:
-                torch.nn.functional.linear(xd, w)
+            for _ in range(calls):
+                for w in ws:
+                    linear(xd, w, None)
             sync()
             if round_:
-                best[i] = min(best[i], time.perf_counter() - start)
+                best[i] = min(best[i], (time.perf_counter() - start) / calls)
     return best
