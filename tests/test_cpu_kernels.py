@@ -31,14 +31,15 @@ def _kernels():
     return cpu_kernels.load()
 
 
-def _reference(q, keys, values, lens, scale):
-    """The formula row by row in float64: row r, KV head j, query i attends to positions 0 .. lens[r]."""
+def _reference(q, keys, values, lens, scale, cache_rows=None):
+    """The formula row by row in float64: row r, KV head j, query i attends to positions 0 .. lens[r] of
+    cache row ``cache_rows[r]`` (default r)."""
     rows, kv, g, hd = q.shape
     out = torch.zeros(rows, kv, g, hd, dtype=torch.float64)
     for r in range(rows):
-        n = int(lens[r]) + 1
+        n, c = int(lens[r]) + 1, r if cache_rows is None else int(cache_rows[r])
         for j in range(kv):
-            k, v = keys[r, j, :n].double(), values[r, j, :n].double()
+            k, v = keys[c, j, :n].double(), values[c, j, :n].double()
             weights = torch.softmax(q[r, j].double() @ k.T * scale, dim=-1)  # [g, n]
             out[r, j] = weights @ v
     return out
@@ -61,6 +62,10 @@ def test_kernel_equals_the_formula(dtype, tol, kv, g, hd):
     assert got.dtype == dtype and got.shape == q.shape
     # bf16: the fp32 result rounded once, so relative error <= 2^-9 of each output's size (+ tiny sums)
     assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
+    # a prefill's layout: rows reading other cache rows, two the same one up to different positions
+    cache_rows = torch.tensor([6, 0, 3, 3, 1])
+    got = op(q, keys, values, lens, scale, cache_rows)
+    assert torch.allclose(got.double(), _reference(q, keys, values, lens, scale, cache_rows), rtol=tol, atol=tol)
 
 
 def test_one_key_returns_its_value_and_equal_scores_average():
@@ -84,6 +89,8 @@ def test_kernel_errors_name_the_culprit():
         op(q.half(), cache.half(), cache.half(), torch.tensor([3, 3]), 1.0)
     with pytest.raises(RuntimeError, match="does not match q"):
         op(torch.zeros(2, 1, 1, 5), cache, cache, torch.tensor([3, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="row 0 reads cache row 2, outside 0 .. 1"):
+        op(q, cache, cache, torch.tensor([3, 3]), 1.0, torch.tensor([2, 0]))
 
 
 def test_add_rms_norm_kernel_equals_hand_computed_and_torch():

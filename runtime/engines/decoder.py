@@ -350,28 +350,40 @@ class KVDecoder:
         index = torch.tensor(rows, device=device)
         start = torch.tensor(starts or [0] * n, device=device)
         pos = start[:, None] + torch.arange(width, device=device)
-        if starts and any(starts):
+        prefix = bool(starts and any(starts))
+        if prefix:
             # each real token's flat index (row, kv head, position) in a [rows * kv * cap, hd] view of the cache
             cap, span = self.keys[0].shape[2], int((start + lengths).max())
             real = torch.arange(width, device=device)[None, :] < lengths[:, None]
             heads = index[:, None, None] * self.n_kv + torch.arange(self.n_kv, device=device)[None, None, :]
             flat = (heads * cap + pos[:, :, None])[real].reshape(-1)
             mask = (torch.arange(span, device=device)[None, None, :] <= pos[:, :, None])[:, None]
+        if self.kernels is not None:  # each (sequence, position) a decode-shaped problem over its row's cache
+            query_lens = torch.minimum(pos, (start + lengths - 1)[:, None]).reshape(-1)  # padding: as the last real
+            query_rows = index.repeat_interleave(width)
 
         def attend(i, q, k, v, scale):
             kc, vc = self.keys[i], self.values[i]
-            if not (starts and any(starts)):
+            if prefix:  # only real tokens are written (padding could run past the row's capacity)
+                kc.view(-1, self.head_dim).index_copy_(0, flat, k.transpose(1, 2)[real].reshape(-1, self.head_dim))
+                vc.view(-1, self.head_dim).index_copy_(0, flat, v.transpose(1, 2)[real].reshape(-1, self.head_dim))
+            else:
                 kc[index, :, :width] = k
                 vc[index, :, :width] = v
+            if self.kernels is not None:
+                # q [n, heads, T, hd] -> [n * T, kv, g, hd] (query head j * g + i is (j, i), as in decode); the
+                # query at position p of row r reads its cache row's keys 0 .. p, the prefix included
+                grouped = q.unflatten(1, (self.n_kv, -1)).permute(0, 3, 1, 2, 4).reshape(n * width, self.n_kv, -1,
+                                                                                          self.head_dim).contiguous()
+                out = self.kernels.decode_attention(grouped, kc, vc, query_lens, scale, query_rows)
+                return out.view(n, width, -1, self.head_dim).transpose(1, 2)
+            if not prefix:
                 # Causal alone is exact for the real tokens: with right padding, a query at position
                 # p < len_r sees keys 0..p, all real. Padding queries see padding keys; their outputs
                 # are never read and their cache entries lie at indices >= len_r, which decode
                 # overwrites before its mask (index <= length) admits them.
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            # only real tokens are written (padding could run past the row's capacity); a query sees
-            # its row's cached prefix and its own chunk up to itself; padding queries are never read
-            kc.view(-1, self.head_dim).index_copy_(0, flat, k.transpose(1, 2)[real].reshape(-1, self.head_dim))
-            vc.view(-1, self.head_dim).index_copy_(0, flat, v.transpose(1, 2)[real].reshape(-1, self.head_dim))
+            # a query sees its row's cached prefix and its own chunk up to itself; padding queries are never read
             return F.scaled_dot_product_attention(q, kc[index, :, :span], vc[index, :, :span], attn_mask=mask,
                                                   scale=scale, enable_gqa=True)
 

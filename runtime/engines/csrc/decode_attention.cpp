@@ -15,6 +15,9 @@
 //   keys   [cap_rows, kv_heads, cap, hd]  the decoder's cache; row r's positions 0 .. lens[r]
 //   values [cap_rows, kv_heads, cap, hd]
 //   lens   [rows] int64: row r attends to cache positions 0 .. lens[r] (inclusive)
+//   cache_rows [rows] int64, optional: the cache row each row reads (default: row r reads row r). A
+//          prefill passes one row per (sequence, position), each reading its sequence's cache row up to
+//          its own position: causal attention as rows x positions decode-shaped problems.
 //   out    [rows, kv_heads, g, hd]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -125,8 +128,13 @@ void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int
 #endif
 
 template <typename T>
-void attend(const T* q, const T* keys, const T* values, const int64_t* lens, T* out, int64_t rows,
-            int64_t kv, int64_t g, int64_t cap, int64_t hd, float scale) {
+void attend(const T* q, const T* keys, const T* values, const int64_t* lens, const int64_t* cache_rows, T* out,
+            int64_t rows, int64_t kv, int64_t g, int64_t cap, int64_t hd, float scale) {
+  // problem p = (row p / kv, head p % kv): the first key of its head in its cache row
+  const auto first_key = [&](int64_t p) {
+    const int64_t row = p / kv, head = p % kv;
+    return ((cache_rows == nullptr ? row : cache_rows[row]) * kv + head) * cap * hd;
+  };
 #ifdef AREAL_FLOW_AVX512
   const bool wide = hd <= 16 * kMaxChunks && g <= kMaxGroup;
 #else
@@ -137,10 +145,14 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lens, T* 
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n = lens[p / kv] + 1;
       s.resize(g * n);
-      const T *qp = q + p * g * hd, *kp = keys + p * cap * hd, *vp = values + p * cap * hd;
+      const T *qp = q + p * g * hd, *kp = keys + first_key(p), *vp = values + first_key(p);
       T* op = out + p * g * hd;
 #ifdef AREAL_FLOW_AVX512
       if (wide) {
+        if (p + 1 < end) {  // the next problem's first keys, whose lines the loop's own prefetch does not reach
+          const T* next = keys + first_key(p + 1);
+          for (int64_t t = 0; t < std::min<int64_t>(kAhead, lens[(p + 1) / kv] + 1); ++t) prefetch_row(next + t * hd, hd);
+        }
         problem_avx512(qp, kp, vp, op, n, g, hd, scale, s.data());
         continue;
       }
@@ -151,7 +163,7 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lens, T* 
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& lens, double scale) {
+                            const at::Tensor& lens, double scale, const c10::optional<at::Tensor>& cache_rows) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "decode_attention: q [rows, kv, g, hd], keys/values [cap_rows, kv, cap, hd]; got q ",
               q.sizes(), ", keys ", keys.sizes(), ", values ", values.sizes());
@@ -161,8 +173,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "decode_attention: q, keys and values must share a dtype");
   const int64_t rows = q.size(0), kv = q.size(1), g = q.size(2), hd = q.size(3), cap = keys.size(2);
-  TORCH_CHECK(keys.size(1) == kv && keys.size(3) == hd && keys.size(0) >= rows,
+  TORCH_CHECK(keys.size(1) == kv && keys.size(3) == hd && (cache_rows.has_value() || keys.size(0) >= rows),
               "decode_attention: cache ", keys.sizes(), " does not match q ", q.sizes());
+  at::Tensor rc;
+  if (cache_rows.has_value()) {
+    TORCH_CHECK(cache_rows->scalar_type() == at::kLong && cache_rows->numel() == rows,
+                "decode_attention: cache_rows [rows] int64");
+    rc = cache_rows->contiguous();
+    const int64_t* rp = rc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(rp[r] >= 0 && rp[r] < keys.size(0), "decode_attention: row ", r, " reads cache row ", rp[r],
+                  ", outside 0 .. ", keys.size(0) - 1);
+  }
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == rows, "decode_attention: lens [rows] int64");
   const at::Tensor lc = lens.contiguous();
   const int64_t* lp = lc.data_ptr<int64_t>();
@@ -176,8 +198,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp, out.data_ptr<T>(), rows, kv, g, cap,
-              hd, sc);
+    attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp,
+              cache_rows.has_value() ? rc.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), rows, kv, g, cap, hd, sc);
   });
   return out;
 }
@@ -195,6 +217,7 @@ int64_t simd_lanes() {
 
 TORCH_LIBRARY_FRAGMENT(areal_flow, m) {
   m.def("simd_lanes() -> int", TORCH_FN(simd_lanes));
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lens, float scale, Tensor? cache_rows=None) "
+        "-> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -229,8 +229,11 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab,
 #if defined(AREAL_FLOW_AVX512_BF16)
   const auto dims = check_lm_head(x, packed, vocab, bias);
   const int64_t rows = dims[0], hidden = dims[1], vb = dims[2], hp = dims[3];
-  at::Tensor a = at::zeros({rows, hp}, x.options().dtype(at::kBFloat16));
-  a.narrow(1, 0, hidden).copy_(x);
+  at::Tensor a = x;  // bf16 rows of hp: a layer's input mostly is; else rounded and zero-padded
+  if (x.scalar_type() != at::kBFloat16 || hidden != hp || !x.is_contiguous()) {
+    a = at::zeros({rows, hp}, x.options().dtype(at::kBFloat16));
+    a.narrow(1, 0, hidden).copy_(x);
+  }
   at::Tensor out = at::empty({rows, vocab}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const c10::BFloat16 *ap = a.data_ptr<c10::BFloat16>(), *bp = packed.data_ptr<c10::BFloat16>();
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
