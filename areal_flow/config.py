@@ -138,7 +138,7 @@ class GenerationConfig:
     bf16 and the last residual is cast up; logits and sampling are fp32 either way (measured: docs/PERFORMANCE.md,
     "bf16 engine" and "Fused CPU kernels")."""
     cpu_kernels: str = "auto"
-    """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode attention, residual add + RMSNorm, RoPE,
+    """Embedded engine's fused CPU kernels (runtime/engines/csrc: decode and prefill attention, residual add + RMSNorm, RoPE,
     SiLU gate, the draw, and on CPUs with AVX-512 BF16 but no AMX a bfloat16 engine's layer products; built once per
     machine with the system C++ compiler): auto (default: used where the engine
     runs on CPU in float32 or bfloat16 and the build works; otherwise PyTorch's ops, with a warning naming why if the

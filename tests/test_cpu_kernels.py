@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
-from runtime.engines import cpu_kernels, decoder, layer_ops
+from runtime.engines import cpu_kernels, layer_ops
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
@@ -256,130 +256,16 @@ def test_sample_kernel_follows_the_softmax_and_never_draws_a_zero_probability_to
     assert int(top) == 699
 
 
-def _mixed_head_or_skip():
-    kernels = _kernels()
-    try:
-        kernels.lm_head(torch.zeros(1, 32), kernels.pack_lm_head(torch.zeros(16, 32, dtype=torch.bfloat16)), 16)
-    except RuntimeError as e:
-        pytest.skip(f"no mixed LM head on this CPU (neither AMX nor AVX-512 BF16): {e}")
-    return kernels
-
-
-@pytest.mark.parametrize("rows, vocab, hidden", [(1, 16, 32), (17, 70, 40), (64, 1000, 64), (80, 333, 96),
-                                                (13, 50, 40), (23, 98, 64), (6, 90, 40)])
-def test_mixed_head_equals_the_exact_product_of_its_bf16_inputs(rows, vocab, hidden):
-    # partial row tiles (17, 80; AMX's are 16 rows), every row remainder after the AVX-512 BF16 path's blocks of
-    # 4 rows (13, 6, 23), vocabularies not a multiple of 16 whose last block is partial in a full group of 6 blocks
-    # (90), in a shorter last group (50, 70, 333, 1000) or alone (98), hidden dims padded to 32
-    kernels = _mixed_head_or_skip()
-    gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(vocab, hidden, generator=gen).bfloat16()
-    x = torch.randn(rows, hidden, generator=gen)
-    got = kernels.lm_head(x, kernels.pack_lm_head(w), vocab)
-    want = x.bfloat16().double() @ w.double().T  # bf16 products are exact; only the fp32 sums round
-    assert got.dtype == torch.float32 and got.shape == (rows, vocab)
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows, n_out, hidden", [(1, 16, 32), (13, 90, 40), (64, 200, 64)])
-def test_mixed_head_kernel_adds_the_bias_in_fp32_and_rounds_once_to_bf16(rows, n_out, hidden):
-    # the same product as the head's plus a bias: the fp32 output is the float64 sum of the bf16 products and
-    # the bias to fp32 precision, and the bf16 output (a layer's, bf16_out) is exactly that fp32 output rounded
-    # once to nearest even (Tensor.bfloat16); partial last blocks (13 rows, 90 columns) and padded hidden (40)
-    kernels = _mixed_head_or_skip()
-    gen = torch.Generator().manual_seed(hidden)
-    w = torch.randn(n_out, hidden, generator=gen).bfloat16()
-    x = torch.randn(rows, hidden, generator=gen).bfloat16()
-    bias = torch.randn(n_out, generator=gen).bfloat16()
-    packed = kernels.pack_lm_head(w)
-    fp32 = kernels.lm_head(x, packed, n_out, bias)
-    bf16 = kernels.lm_head(x, packed, n_out, bias, True)
-    want = x.double() @ w.double().T + bias.double()
-    assert torch.allclose(fp32.double(), want, rtol=1e-5, atol=1e-5)
-    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.bfloat16())
-
-
-def test_kernel_packed_layer_product_matches_onednn_to_one_bf16_rounding():
-    # where the kernels run the mixed product on AVX-512 BF16, a bf16 engine's layer weights are packed for it
-    # (decoder.KernelWeight); both it and oneDNN's packed bf16 product sum exact bf16 products in fp32 and round
-    # once, so they differ by at most one bf16 step (2^-7 relative) of each output, plus the fp32 sums' order
-    kernels = _mixed_head_or_skip()
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(96, 64, generator=gen).bfloat16()
-    x = torch.randn(2, 5, 64, generator=gen).bfloat16()
-    bias = torch.randn(96, generator=gen).bfloat16()
-    packed = decoder.pack_weight(w, 8, kernels)
-    assert isinstance(packed, decoder.KernelWeight)
-    got = decoder.linear(x, packed, bias)
-    ref = decoder.linear(x, decoder.pack_weight(w, 8), bias)
-    exact = x.double() @ w.double().T + bias.double()
-    assert got.shape == (2, 5, 96) and got.dtype == torch.bfloat16
-    assert ((got.double() - ref.double()).abs() <= exact.abs() * 2 ** -7 + 1e-6).all()
-
-
-def test_bf16_engine_with_kernel_products_is_as_close_to_fp32_as_with_onednns():
-    kernels = _mixed_head_or_skip()
-    if kernels.mixed_product_isa() != "avx512_bf16":
-        pytest.skip(f"the kernels run the mixed product on {kernels.mixed_product_isa()}: oneDNN's products stay")
-    model = _model(3)  # Qwen2: biases on q, k and v
-    exact = _teacher_forced_logits(KVDecoder(model, torch.float32, 8, cpu_kernels="off"))
-    err = {}
-    for products in (True, False):
-        dec = KVDecoder(model, torch.bfloat16, 8, torch.float32, "on")
-        assert dec.kernel_products and isinstance(dec.layers[0].wqkv, decoder.KernelWeight)
-        if not products:
-            dec.kernel_products = False
-            dec.pack()
-            assert dec.layers[0].wqkv.is_mkldnn
-        err[products] = (_teacher_forced_logits(dec) - exact).abs()
-    assert err[False].max() > 1e-3  # the bf16 rounding is really there
-    assert err[True].mean() <= 1.1 * err[False].mean()
-    assert err[True].max() <= 1.5 * err[False].max()
-
-
-def test_mixed_head_removes_the_bf16_rounding_of_large_logits():
-    # LM logits are large because hidden states align with their tokens' rows: w_n = noise + s_n x
-    # gives logits ~ s_n |x|^2 (~30 here). A bf16 product rounds each to 8 bits (error up to
-    # 2^-9 * 30 ~ 0.06); the mixed head rounds only x and w, whose errors in the sum are ~sqrt(576)
-    # products of size ~0.05 * 2^-9 each, ~20x smaller.
-    kernels = _mixed_head_or_skip()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 576, generator=gen)
-    w = 0.05 * torch.randn(2000, 576, generator=gen) + 0.05 * torch.randn(2000, 1, generator=gen) * x[:1]
-    exact = x.double() @ w.double().T
-    err_mixed = (kernels.lm_head(x, kernels.pack_lm_head(w.bfloat16()), 2000).double() - exact).abs().max()
-    err_bf16 = (torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).double() - exact).abs().max()
-    assert exact[0].abs().max() > 20 and err_bf16 > 0.03
-    assert err_mixed < err_bf16 / 3
-
-
-def test_engine_with_mixed_head_matches_the_fp32_head():
-    _mixed_head_or_skip()
-    model = _model(4)
-    logps = {}
-    for head in ("float32", "mixed"):
-        dec = GenerationEngine(model, TOK, max_batch_size=8, dtype="bfloat16", head_dtype=head)._dec
-        assert dec.mixed_head == (head == "mixed")
-        logps[head] = _teacher_forced_logits(dec)
-    assert (logps["mixed"] - logps["float32"]).abs().max() < 0.1  # bf16 rounding of the head's inputs only
-
-
-def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
-    model = _model(0)
-    with caplog.at_level("WARNING"):
-        dec = KVDecoder(model, torch.bfloat16, 4, torch.float32, cpu_kernels="off", mixed_head=True)
-    assert not dec.mixed_head and dec.head_dtype == torch.float32
-    assert "gen.lm_head_dtype=mixed: the mixed head cannot run here" in caplog.text
-
-
-def _checks_built_for(march: str, tmp_path, checks: str) -> tuple[dict, subprocess.CompletedProcess]:
-    """This file's tests selected by ``-k checks`` (slow ones left out), in a process of their own whose
-    kernels are built with ``-march=march`` (one build of the ops a process); returns that process's
+def _checks_built_for(march: str, tmp_path, checks: str | None, test_file: Path = Path(__file__)
+                      ) -> tuple[dict, subprocess.CompletedProcess]:
+    """``test_file``'s tests selected by ``-k checks`` (None: all; slow ones left out), in a process of their own
+    whose kernels are built with ``-march=march`` (one build of the ops a process); returns that process's
     environment and its finished pytest run, which must have passed."""
     _kernels()
     env = {**os.environ, cpu_kernels.MARCH_ENV: march, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", __file__, "-m", "not slow",
-                           "-k", checks], env=env, capture_output=True, text=True, timeout=600)
+    select = [] if checks is None else ["-k", checks]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", str(test_file), "-m",
+                           "not slow", *select], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     return env, done
 
@@ -398,10 +284,10 @@ def test_portable_paths_without_avx512_pass_the_same_checks(tmp_path):
 @pytest.mark.slow
 def test_the_avx512_bf16_head_passes_the_mixed_head_checks_where_the_cpu_has_it(tmp_path):
     # a CPU with AMX builds the AMX head natively; a build for Cooper Lake (AVX-512 BF16, no AMX) compiles the
-    # VDPBF16PS head instead (the native one on AMD Zen 4 / 5), checked in its own process against the same
-    # float64 product and rounding bounds as the native build's
+    # VDPBF16PS product instead (the native one on AMD Zen 4 / 5), checked in its own process by every test of
+    # test_mixed_product.py (float64 products, rounding bounds, the engine's error) as the native build is
     cpu = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if "avx512_bf16" not in cpu:
         pytest.skip("the CPU has no AVX-512 BF16: a Cooper Lake build would not run here")
-    _, done = _checks_built_for("cooperlake", tmp_path, "mixed_head or kernel_packed or kernel_products")
+    _, done = _checks_built_for("cooperlake", tmp_path, None, Path(__file__).with_name("test_mixed_product.py"))
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

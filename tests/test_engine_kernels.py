@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime.engines import layer_ops
-from runtime.engines.decoder import KVDecoder, linear, pack_weight
+from runtime.engines.decoder import KVDecoder
+from runtime.engines.products import linear, pack_weight
 from runtime.engines.sampling import sample
 from test_generation import PROMPTS, TOK, _model
 

@@ -12,7 +12,7 @@ import torch
 from areal_flow.config import ConfigError, ExperimentConfig, GenerationConfig
 from areal_flow.dtypes import cpu_has_bf16
 from runtime.engines import precision
-from runtime.engines.decoder import KernelWeight
+from runtime.engines.products import KernelWeight
 from runtime.engines.generation import GenerationEngine
 from runtime.engines.sampling import sample
 from test_generation import TOK, _full_recompute_greedy, _model, _req
@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 def _dense(weight) -> torch.Tensor:
     """A packed weight in plain layout: oneDNN-blocked ones reordered back; the CPU kernels' ``[blocks,
-    hidden/2, 16, 2]`` pairs (``decoder.KernelWeight``) put back in rows, those past ``out_features`` cut
+    hidden/2, 16, 2]`` pairs (``products.KernelWeight``) put back in rows, those past ``out_features`` cut
     (a hidden dim not a multiple of 32 would keep its zero padding)."""
     if isinstance(weight, KernelWeight):
         blocks, pairs = weight.packed.shape[:2]

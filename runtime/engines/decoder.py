@@ -20,22 +20,14 @@ prefix a mask over it: see ``prefill``; ``copy_rows`` gives a row another's pref
 each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
 sequence's row is filled by moving the last active row into it.
 
-Matrix products: on CPU with oneDNN, every packed weight (and the LM head) is reordered once
-at ``pack`` time into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
-the layout inductor's freezing pass uses) and multiplied by ``torch.ops.mkldnn._linear_pointwise``;
-``F.linear`` would reorder the weight again on every call (bf16: same kernel, bit-identical
-products; fp32: oneDNN instead of MKL, the same sums in another order). Measured on this
-CPU (one thread, CPU time, 30 distinct ``[3072, 576]`` weights in turn as in a decode step),
-the packed product against ``F.linear``: bf16 1.28x (32 rows) and 1.59x (64 rows) as fast,
-fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``. A bf16 engine whose CPU kernels
-run their mixed product on AVX-512 BF16 (a CPU without AMX; ``gen.cpu_kernels``) packs its layers' and
-a bf16 head's weights for that product instead (:class:`KernelWeight`: 1.10-1.22x oneDNN's at 32-64
-rows there); with AMX, oneDNN's AMX products stay.
+Matrix products: ``runtime.engines.products`` (oneDNN's packed weights, or the CPU kernels' mixed
+product for a bf16 engine on AVX-512 BF16), each weight packed once at ``pack`` time.
 
 Numerics as in ``transformers``: RMSNorm computed in fp32 (Zhang & Sennrich 2019, eq. 4), rotary
 embeddings from the model's own ``rotary_emb`` (Su et al. 2021, eq. 34), attention with the module's
-``scaling`` by ``F.scaled_dot_product_attention`` (prefill, and decode with ``gen.cpu_kernels=off``) or,
-in a CPU decode step, the fused kernel of ``runtime.engines.cpu_kernels`` (fp32 scores, softmax and sums); the
+``scaling`` by the fused kernel of ``runtime.engines.cpu_kernels`` on CPU (fp32 scores, softmax and sums; a
+prefill's every position a decode-shaped problem over its row's cache) or ``F.scaled_dot_product_attention``
+(``gen.cpu_kernels=off``, other devices); the
 elementwise parts by ``runtime.engines.layer_ops`` (PyTorch's ops, or its ``FusedOps``); the residual stream is
 kept in the engine dtype, the final norm and the LM head run in ``head_dtype`` (the last residual
 cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
@@ -44,13 +36,13 @@ cast to it; ``gen.lm_head_dtype``), logits are returned in fp32.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from areal_flow.config import CPU_KERNELS
 from runtime.engines import cpu_kernels, layer_ops
+from runtime.engines.products import linear, pack_weight
 
 log = logging.getLogger(__name__)
 
@@ -79,48 +71,6 @@ def _cpu_kernels(mode: str, device: torch.device, dtype: torch.dtype):
             raise ValueError(f"gen.cpu_kernels=on: {e}") from e
         log.warning("gen.cpu_kernels=auto: the fused CPU kernels are unavailable, using PyTorch's ops (%s)", e)
         return None
-
-
-def _onednn_packs(weight: torch.Tensor) -> bool:
-    """True when ``weight`` can be held in oneDNN's blocked layout: a CPU fp32 tensor, or bf16
-    where the CPU has bf16 units (``torch.ops.mkldnn._is_mkldnn_bf16_supported``)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32
-
-
-class KernelWeight(NamedTuple):
-    """A bf16 ``weight [out, in]`` packed for the CPU kernels' mixed product (``csrc/lm_head.cpp``,
-    ``torch.ops.areal_flow.lm_head`` with ``bf16_out``): exact bf16 products summed in fp32, the bias
-    added in fp32, each output rounded once to bf16, as oneDNN's bf16 product (its sums in another
-    order). Used where the kernels run that product on AVX-512 BF16 (``mixed_product_isa``); there it
-    was 1.10-1.22x oneDNN's packed product at 32-64 rows, the layer weights streaming from memory
-    (docs/PERFORMANCE.md)."""
-
-    packed: torch.Tensor
-    out_features: int
-    kernels: object
-
-
-def pack_weight(weight: torch.Tensor, rows: int, kernels=None) -> torch.Tensor | KernelWeight:
-    """``weight [out, in]`` packed for :func:`linear`: for the CPU kernels' product when ``kernels``
-    (``torch.ops.areal_flow``) is given and ``weight`` is bf16; else in oneDNN's blocked layout for
-    products of about ``rows`` rows (any row count works); else ``weight`` itself."""
-    if kernels is not None and weight.dtype == torch.bfloat16:
-        return KernelWeight(kernels.pack_lm_head(weight), weight.shape[0], kernels)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if _onednn_packs(weight) else weight
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | KernelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., in] @ weight.T + bias`` -> ``[..., out]`` in ``x``'s dtype; ``weight`` from :func:`pack_weight`."""
-    if isinstance(weight, KernelWeight):
-        out = weight.kernels.lm_head(x.reshape(-1, x.shape[-1]), weight.packed, weight.out_features, bias, True)
-        return out.view(*x.shape[:-1], weight.out_features)
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 class _Layer:
@@ -351,16 +301,18 @@ class KVDecoder:
         start = torch.tensor(starts or [0] * n, device=device)
         pos = start[:, None] + torch.arange(width, device=device)
         prefix = bool(starts and any(starts))
+        real = torch.arange(width, device=device)[None, :] < lengths[:, None]
         if prefix:
             # each real token's flat index (row, kv head, position) in a [rows * kv * cap, hd] view of the cache
-            cap, span = self.keys[0].shape[2], int((start + lengths).max())
-            real = torch.arange(width, device=device)[None, :] < lengths[:, None]
+            cap = self.keys[0].shape[2]
             heads = index[:, None, None] * self.n_kv + torch.arange(self.n_kv, device=device)[None, None, :]
             flat = (heads * cap + pos[:, :, None])[real].reshape(-1)
-            mask = (torch.arange(span, device=device)[None, None, :] <= pos[:, :, None])[:, None]
         if self.kernels is not None:  # each (sequence, position) a decode-shaped problem over its row's cache
-            query_lens = torch.minimum(pos, (start + lengths - 1)[:, None]).reshape(-1)  # padding: as the last real
+            query_lens = torch.where(real, pos, 0).reshape(-1)  # a padding query (never read) reads position 0 only
             query_rows = index.repeat_interleave(width)
+        elif prefix:
+            span = int((start + lengths).max())
+            mask = (torch.arange(span, device=device)[None, None, :] <= pos[:, :, None])[:, None]
 
         def attend(i, q, k, v, scale):
             kc, vc = self.keys[i], self.values[i]

@@ -107,16 +107,25 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
     """Seconds of one pass ``x @ W.T`` over all ``weights`` (each ``[n, k]``, ``x [rows, k]``
     random, the weights cache-resident: a compute rate), in each of ``dtypes``: the best of
     ``repeats`` rounds of ``calls`` passes, divided by ``calls``, timed interleaved (one round of
-    each dtype and product in turn) so load changes hit all alike. Each dtype is timed with two
-    products and the faster counts: ``F.linear`` on the plain weight, and the decoder's
-    (``runtime.engines.decoder.linear``) on the weight packed once in oneDNN's blocked layout where
-    oneDNN holds that dtype (CPU fp32, or bf16 with bf16 units). The packed product is the one the
-    engine runs; ``F.linear`` reorders a bf16 weight on every call, so alone it understates what
-    the CPU can do (on an AMD EPYC with AVX-512 BF16, one thread, ``[32, 576] @ [576, 3072]``: 235
-    GFLOP/s timed one call at a time through it)."""
-    from runtime.engines.decoder import linear, pack_weight
+    each dtype and product in turn) so load changes hit all alike. Each dtype is timed with every
+    product the engine could run it with and the fastest counts: ``F.linear`` on the plain weight;
+    ``runtime.engines.products.linear`` on the weight packed once in oneDNN's blocked layout where
+    oneDNN holds that dtype (CPU fp32, or bf16 with bf16 units); and for bf16, where the CPU
+    kernels run their mixed product on AVX-512 BF16, on the weight packed for it. ``F.linear``
+    reorders a bf16 weight on every call, so alone it understates what the CPU can do (on an AMD
+    EPYC with AVX-512 BF16, one thread, ``[32, 576] @ [576, 3072]``: 235 GFLOP/s timed one call at a
+    time through it, 411 packed)."""
+    from runtime.engines import cpu_kernels
+    from runtime.engines.products import linear, pack_weight
 
     dev = torch.device(device)
+    kernels = None
+    if dev.type == "cpu":
+        try:
+            kernels = cpu_kernels.load()
+        except RuntimeError:  # no compiler: oneDNN and F.linear only
+            pass
+    mixed = kernels is not None and kernels.mixed_product_isa() == "avx512_bf16"
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
     variants = []  # (dtype index, x, weights) for every product of every dtype
     for i, d in enumerate(dtypes):
@@ -125,6 +134,8 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
         packed = [pack_weight(w, rows) for w in plain]
         if any(p is not w for p, w in zip(packed, plain)):
             variants.append((i, x.to(dev, d), packed))
+        if mixed and d == torch.bfloat16:
+            variants.append((i, x.to(dev, d), [pack_weight(w, rows, kernels) for w in plain]))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     best = [float("inf")] * len(dtypes)
     for round_ in range(repeats + 1):  # round 0 warms up (kernel choice, weight layout)

@@ -1,5 +1,6 @@
-// One decode step's attention for the embedded engine on CPU: every (row, KV head) pair's g
-// grouped query heads against that head's first len+1 cached keys and values, in one call.
+// Attention for the embedded engine on CPU: every (row, KV head) pair's g grouped query heads against
+// that head's first len+1 cached keys and values, in one call: a decode step's rows, or a prefill's
+// (sequence, position) pairs each reading its sequence's cache row (cache_rows).
 //
 // Why a kernel: a decode step's attention is rows x kv_heads tiny problems (SmolLM2-135M at 32
 // rows: 96 problems a layer, each a 3-query x ~80-key product); ATen's SDPA and batched matmul
@@ -177,8 +178,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "decode_attention: cache ", keys.sizes(), " does not match q ", q.sizes());
   at::Tensor rc;
   if (cache_rows.has_value()) {
-    TORCH_CHECK(cache_rows->scalar_type() == at::kLong && cache_rows->numel() == rows,
-                "decode_attention: cache_rows [rows] int64");
+    TORCH_CHECK(cache_rows->scalar_type() == at::kLong && cache_rows->numel() == rows && cache_rows->device().is_cpu(),
+                "decode_attention: cache_rows [rows] int64 on CPU");
     rc = cache_rows->contiguous();
     const int64_t* rp = rc.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r)

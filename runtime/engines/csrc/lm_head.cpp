@@ -1,10 +1,11 @@
-// The embedded engine's LM head on CPUs with bf16 products (AMX, or AVX-512 BF16 without it): bf16
-// inputs and weights, fp32 accumulation and fp32 logits (``gen.lm_head_dtype=mixed``). PyTorch's
-// bf16 product rounds every logit to bf16 (an error of up to 2^-9 of a logit, ~0.06 nats at logit
-// 30); its fp32 product reads twice the bytes and runs on the FMA units. Here bf16 pairs are
-// multiplied exactly and summed in fp32 (Intel Architecture Instruction Set Extensions Programming
-// Reference, ch. 3: AMX's TDPBF16PS sums 16 x 16 tiles of logits over the hidden dim; AVX-512 BF16's
-// VDPBF16PS one pair of each of 16 logits per instruction) and the logits are stored in fp32.
+// The embedded engine's mixed bf16 product on CPUs with bf16 products (AMX, or AVX-512 BF16 without it):
+// bf16 inputs and weights, fp32 accumulation, fp32 outputs, or each output rounded once to bf16. It makes
+// the LM head's logits (``gen.lm_head_dtype=mixed``) and, where it runs on AVX-512 BF16, a bf16 engine's
+// layer products (runtime/engines/decoder.py's KernelWeight). PyTorch's bf16 product rounds every logit to
+// bf16 (an error of up to 2^-9 of a logit, ~0.06 nats at logit 30); its fp32 product reads twice the bytes
+// and runs on the FMA units. Here bf16 pairs are multiplied exactly and summed in fp32 (Intel Architecture
+// Instruction Set Extensions Programming Reference, ch. 3: AMX's TDPBF16PS sums 16 x 16 tiles of logits over
+// the hidden dim; AVX-512 BF16's VDPBF16PS one pair of each of 16 logits per instruction).
 //
 //   pack_lm_head(weight [vocab, hidden] bf16) -> packed [ceil(vocab/16), hidden_p/2, 16, 2] bf16
 //       (hidden_p: hidden rounded up to 32; zero padding): for each block of 16 vocabulary rows,
@@ -29,7 +30,7 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+#elif defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AREAL_FLOW_AVX512_BF16 1
 #include <immintrin.h>
 #endif
@@ -43,7 +44,7 @@ at::Tensor pack_lm_head(const at::Tensor& weight) {
   const int64_t vocab = weight.size(0), hidden = weight.size(1);
   const int64_t vb = (vocab + 15) / 16, hp = (hidden + 31) / 32 * 32;
   at::Tensor padded = weight.contiguous();
-  if (vb * 16 != vocab || hp != hidden) {
+  if (vb * 16 != vocab || hp != hidden || padded.storage_offset() % 2 != 0) {  // the int32 view needs an even offset
     padded = at::zeros({vb * 16, hp}, weight.options());
     padded.narrow(0, 0, vocab).narrow(1, 0, hidden).copy_(weight);
   }
@@ -176,23 +177,27 @@ void column_group(const c10::BFloat16* a, int64_t rows, int64_t hp, const c10::B
   }
 }
 
-// every group of kBlocks column blocks in [begin, end) in turn; the last group may hold fewer blocks
+constexpr int64_t kRowChunk = 64;  // rows of one task (a multiple of kRows): a prefill's rows split over threads too
+
+// tasks [begin, end) in turn, task = group * chunks + chunk: kBlocks column blocks (fewer in the last group) x
+// kRowChunk rows; a thread's consecutive tasks share their group's weights, which stay in L2
 template <typename TOut>
-void groups(const c10::BFloat16* a, int64_t rows, int64_t hp, const c10::BFloat16* bp, int64_t vb, TOut* out,
-            int64_t n_out, const float* bias, int64_t begin, int64_t end) {
-  static_assert(kBlocks == 6, "the switch covers 1 .. kBlocks blocks");
-  for (int64_t g = begin; g < end; ++g) {
-    const int64_t n = kBlocks * g, cols = std::min<int64_t>(16 * kBlocks, n_out - n * 16);
-    const c10::BFloat16* b = bp + n * (hp / 2) * 32;
+void tasks(const c10::BFloat16* a, int64_t rows, int64_t hp, const c10::BFloat16* bp, int64_t vb, TOut* out,
+           int64_t n_out, const float* bias, int64_t chunks, int64_t begin, int64_t end) {
+  static_assert(kBlocks == 6 && kRowChunk % kRows == 0, "the switch covers 1 .. kBlocks blocks");
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = kBlocks * (task / chunks), cols = std::min<int64_t>(16 * kBlocks, n_out - n * 16);
+    const int64_t r0 = task % chunks * kRowChunk, nr = std::min<int64_t>(kRowChunk, rows - r0);
+    const c10::BFloat16 *ar = a + r0 * hp, *b = bp + n * (hp / 2) * 32;
     const float* bg = bias == nullptr ? nullptr : bias + n * 16;
-    TOut* c = out + n * 16;
+    TOut* c = out + r0 * n_out + n * 16;
     switch (std::min<int64_t>(kBlocks, vb - n)) {
-      case 1: column_group<1>(a, rows, hp, b, c, n_out, cols, bg); break;
-      case 2: column_group<2>(a, rows, hp, b, c, n_out, cols, bg); break;
-      case 3: column_group<3>(a, rows, hp, b, c, n_out, cols, bg); break;
-      case 4: column_group<4>(a, rows, hp, b, c, n_out, cols, bg); break;
-      case 5: column_group<5>(a, rows, hp, b, c, n_out, cols, bg); break;
-      default: column_group<kBlocks>(a, rows, hp, b, c, n_out, cols, bg); break;
+      case 1: column_group<1>(ar, nr, hp, b, c, n_out, cols, bg); break;
+      case 2: column_group<2>(ar, nr, hp, b, c, n_out, cols, bg); break;
+      case 3: column_group<3>(ar, nr, hp, b, c, n_out, cols, bg); break;
+      case 4: column_group<4>(ar, nr, hp, b, c, n_out, cols, bg); break;
+      case 5: column_group<5>(ar, nr, hp, b, c, n_out, cols, bg); break;
+      default: column_group<kBlocks>(ar, nr, hp, b, c, n_out, cols, bg); break;
     }
   }
 }
@@ -238,14 +243,14 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& packed, int64_t vocab,
   const c10::BFloat16 *ap = a.data_ptr<c10::BFloat16>(), *bp = packed.data_ptr<c10::BFloat16>();
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* biasp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  // threads split the columns in groups of kBlocks column blocks; a group's weights (6 x hp/2 x 64
-  // bytes, 108 KB at hidden 576) stay in L2 while every row block reads them
-  const int64_t n_groups = (vb + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, n_groups, 16, [&](int64_t begin, int64_t end) {
+  // threads split the tasks: groups of kBlocks column blocks x chunks of rows; a group's weights (6 x hp/2 x 64
+  // bytes, 108 KB at hidden 576) stay in L2 while every row block of a chunk reads them
+  const int64_t chunks = std::max<int64_t>(1, (rows + kRowChunk - 1) / kRowChunk);
+  at::parallel_for(0, (vb + kBlocks - 1) / kBlocks * chunks, 1, [&](int64_t begin, int64_t end) {
     if (bf16_out)
-      groups(ap, rows, hp, bp, vb, out.data_ptr<c10::BFloat16>(), vocab, biasp, begin, end);
+      tasks(ap, rows, hp, bp, vb, out.data_ptr<c10::BFloat16>(), vocab, biasp, chunks, begin, end);
     else
-      groups(ap, rows, hp, bp, vb, out.data_ptr<float>(), vocab, biasp, begin, end);
+      tasks(ap, rows, hp, bp, vb, out.data_ptr<float>(), vocab, biasp, chunks, begin, end);
   });
   return out;
 #elif !defined(AREAL_FLOW_AMX)
