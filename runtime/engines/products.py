@@ -10,8 +10,8 @@ CPU (one thread, CPU time, 30 distinct ``[3072, 576]`` weights in turn as in a d
 the packed product against ``F.linear``: bf16 1.28x (32 rows) and 1.59x (64 rows) as fast,
 fp32 1.23x and 1.19x. Other devices and dtypes keep ``F.linear``. A bf16 engine whose CPU kernels
 run their mixed product on AVX-512 BF16 (a CPU without AMX; ``gen.cpu_kernels``) packs its layers' and
-a bf16 head's weights for that product instead (:class:`KernelWeight`: 1.10-1.22x oneDNN's at 32-64
-rows there); with AMX, oneDNN's AMX products stay.
+a bf16 head's weights for that product instead (:class:`KernelWeight`); with AMX, oneDNN's AMX
+products stay.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ class KernelWeight(NamedTuple):
     """A bf16 ``weight [out, in]`` packed for the CPU kernels' mixed product (``csrc/lm_head.cpp``,
     ``torch.ops.areal_flow.lm_head`` with ``bf16_out``): exact bf16 products summed in fp32, the bias
     added in fp32, each output rounded once to bf16, as oneDNN's bf16 product (its sums in another
-    order). Used where the kernels run that product on AVX-512 BF16 (``mixed_product_isa``); there it
-    was 1.10-1.22x oneDNN's packed product at 32-64 rows, the layer weights streaming from memory
-    (docs/PERFORMANCE.md)."""
+    order). Used where the kernels run that product on AVX-512 BF16 (``mixed_product_isa``); there,
+    SmolLM2-135M's layer products streaming from memory ran 1.07-1.22x (32 rows) and 1.03-1.10x (64
+    rows) as fast as oneDNN's packed product on one thread, and the whole ``generate`` call 1.10-1.13x on
+    two (docs/PERFORMANCE.md, "Layer products and prefill attention by the kernels")."""
 
     packed: torch.Tensor
     out_features: int
