@@ -130,3 +130,21 @@ def test_mixed_head_without_the_kernels_runs_the_fp32_head(caplog):
         dec = KVDecoder(model, torch.bfloat16, 4, torch.float32, cpu_kernels="off", mixed_head=True)
     assert not dec.mixed_head and dec.head_dtype == torch.float32
     assert "gen.lm_head_dtype=mixed: the mixed head cannot run here" in caplog.text
+
+
+def test_mixed_product_on_two_threads_equals_one_bit_for_bit():
+    # the work is split over column groups x 64-row chunks: 150 rows are three chunks, 200 columns three groups
+    # (the last partial); each output is one task's, summed in the same order whatever the thread count
+    kernels = _mixed_head_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 64, generator=gen).bfloat16()
+    x = torch.randn(150, 64, generator=gen).bfloat16()
+    packed = kernels.pack_lm_head(w)
+    one = kernels.lm_head(x, packed, 200, None, True)
+    torch.set_num_threads(2)
+    try:
+        two = kernels.lm_head(x, packed, 200, None, True)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+    assert torch.allclose(one.double(), x.double() @ w.double().T, rtol=2 ** -7, atol=1e-5)
