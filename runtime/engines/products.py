@@ -37,9 +37,9 @@ class KernelWeight(NamedTuple):
     ``torch.ops.areal_flow.lm_head`` with ``bf16_out``): exact bf16 products summed in fp32, the bias
     added in fp32, each output rounded once to bf16, as oneDNN's bf16 product (its sums in another
     order). Used where the kernels run that product on AVX-512 BF16 (``mixed_product_isa``); there,
-    SmolLM2-135M's layer products streaming from memory ran 1.07-1.22x (32 rows) and 1.03-1.10x (64
-    rows) as fast as oneDNN's packed product on one thread, and the whole ``generate`` call 1.10-1.13x on
-    two (docs/PERFORMANCE.md, "Layer products and prefill attention by the kernels")."""
+    SmolLM2-135M's layer products streaming from memory ran 1.31-1.33x (32 rows) and 1.16-1.18x (64
+    rows) as fast as oneDNN's packed product, one thread (docs/PERFORMANCE.md, "Layer products and
+    prefill attention by the kernels")."""
 
     packed: torch.Tensor
     out_features: int
