@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from areal_flow.config import CPU_KERNELS
 from runtime.engines import cpu_kernels, layer_ops
-from runtime.engines.products import linear, pack_weight
+from runtime.engines.products import kernel_products, linear, pack_weight
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +158,7 @@ class KVDecoder:
         self.kernels = _cpu_kernels(cpu_kernels, model.lm_head.weight.device, dtype)
         self.ops = layer_ops if self.kernels is None else layer_ops.FusedOps(self.kernels)
         self.mixed_head = mixed_head is not False and self._mixed_head_runs(warn=mixed_head is True)
-        # the layers' bf16 products by the kernels where they run them on AVX-512 BF16 (on AMX oneDNN's stay)
-        self.kernel_products = (self.kernels is not None and dtype == torch.bfloat16
-                                and self.kernels.mixed_product_isa() == "avx512_bf16")
+        self.kernel_products = kernel_products(self.kernels, dtype)  # the layers' matrices by the kernels' product
         self.pack()
 
     def _mixed_head_runs(self, warn: bool) -> bool:
@@ -268,9 +266,8 @@ class KVDecoder:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """LM head on the final-normed ``x [rows, hidden]`` -> fp32 logits ``[rows, vocab]``."""
-        if self.mixed_head:
-            logits = self.kernels.lm_head(x, self.head, self.vocab)
-            return logits if self.head_bias is None else logits + self.head_bias
+        if self.mixed_head:  # fp32 logits, the bias added to the fp32 sums
+            return self.kernels.lm_head(x, self.head, self.vocab, self.head_bias)
         return linear(x, self.head, self.head_bias).float()
 
     def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:

@@ -116,7 +116,7 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
     EPYC with AVX-512 BF16, one thread, ``[32, 576] @ [576, 3072]``: 235 GFLOP/s timed one call at a
     time through it, 411 packed)."""
     from runtime.engines import cpu_kernels
-    from runtime.engines.products import linear, pack_weight
+    from runtime.engines.products import kernel_products, linear, pack_weight
 
     dev = torch.device(device)
     kernels = None
@@ -125,7 +125,6 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
             kernels = cpu_kernels.load()
         except RuntimeError:  # no compiler: oneDNN and F.linear only
             pass
-    mixed = kernels is not None and kernels.mixed_product_isa() == "avx512_bf16"
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
     variants = []  # (dtype index, x, weights) for every product of every dtype
     for i, d in enumerate(dtypes):
@@ -134,7 +133,7 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
         packed = [pack_weight(w, rows) for w in plain]
         if any(p is not w for p, w in zip(packed, plain)):
             variants.append((i, x.to(dev, d), packed))
-        if mixed and d == torch.bfloat16:
+        if kernel_products(kernels, d):
             variants.append((i, x.to(dev, d), [pack_weight(w, rows, kernels) for w in plain]))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     best = [float("inf")] * len(dtypes)

@@ -46,6 +46,13 @@ class KernelWeight(NamedTuple):
     kernels: object
 
 
+def kernel_products(kernels, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` matrices are packed for the CPU kernels' mixed product (:class:`KernelWeight`):
+    bf16 where ``kernels`` (``torch.ops.areal_flow``, or None when not loaded) run it on AVX-512 BF16; with
+    AMX oneDNN's AMX products stay."""
+    return kernels is not None and dtype == torch.bfloat16 and kernels.mixed_product_isa() == "avx512_bf16"
+
+
 def pack_weight(weight: torch.Tensor, rows: int, kernels=None) -> torch.Tensor | KernelWeight:
     """``weight [out, in]`` packed for :func:`linear`: for the CPU kernels' product when ``kernels``
     (``torch.ops.areal_flow``) is given and ``weight`` is bf16; else in oneDNN's blocked layout for
