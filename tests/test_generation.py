@@ -239,3 +239,32 @@ def test_a_prompt_already_in_the_cache_is_copied_not_prefilled_again():
         with torch.no_grad():
             ref = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, -len(r.output_ids):]
         assert (torch.tensor(r.behavior_logprobs) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_distinct_prompts_compute_their_common_prefix_once_with_exact_logprobs(kernels):
+    """Prompts that begin with the same 40 tokens (a chat template's system turn): the first in
+    token order is prefilled whole, the others copy the 40 tokens and prefill only their own.
+    Behavior log-probs still equal a full recomputation of each sequence alone."""
+    model = _model(8)
+    engine = GenerationEngine(_model(8), TOK, max_batch_size=4, seed=1, cpu_kernels=kernels)
+    fed = []
+    real = engine._dec.prefill
+
+    def spy(seqs, rows, starts=None):
+        fed.append((len(seqs), sum(map(len, seqs)), starts))
+        return real(seqs, rows, starts)
+
+    engine._dec.prefill = spy
+    system = "1234567890" * 4
+    prompts = [system + tail for tail in ("12+5=", "3-1=", "305-47=", "9=")]
+    plen = [len(TOK.encode(p)) for p in prompts]
+    shared = len(TOK.encode(system))  # <bos> and the 40 characters
+    results = engine.generate([_req(i, p, temperature=1.0, max_new_tokens=6) for i, p in enumerate(prompts)])
+    # the root "12+5=" sorts first ("1" < "3" < "9"); each of the other three computes its own tail only
+    assert fed == [(1, plen[0], None), (3, sum(plen[1:]) - 3 * shared, [shared] * 3)]
+    for r in results:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, -6:]
+        assert (torch.tensor(r.behavior_logprobs) - ref).abs().max().item() < 1e-4

@@ -27,6 +27,7 @@ from areal_flow.config import LM_HEAD_WORDS
 from areal_flow.dtypes import torch_dtype
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import auto_speedup, engine_dtype
+from runtime.engines.prefill_plan import Copy, plan_prefill
 from runtime.engines.sampling import sample
 from runtime.weight_set import TensorSetError, check_tensor_set, tensor_set
 
@@ -279,45 +280,27 @@ class GenerationEngine:
         """Build the cache rows ``first_row ..`` of the stale sequences (new ones, and every one
         after a weight update) and return their next-token logits ``[len(stale), vocab]``.
 
-        Each distinct prompt is prefilled once, into the row of its first sequence, and copied
-        to the rows of the others (a GRPO group's samples share their prompt: a group of 8 costs
-        one prompt's forward, not 8, as vLLM's prefix caching gives; 2.7 s against 0.34 s for
-        SmolLM2's 32 rows of 48 tokens in fp32 on one core). A prompt that a cached row already
-        holds (a group admitted over several steps as slots free) is copied from that row up to
-        its last token, which is fed again for its logits. Sequences with tokens of their own
-        (re-prefilled after an update) then prefill those after their prompt; a new sequence
-        takes its prompt's logits."""
+        Rows that begin alike compute their common prefix once and copy it
+        (``runtime.engines.prefill_plan``): a GRPO group's prompt is prefilled once, as vLLM's
+        prefix caching gives (2.7 s against 0.34 s for SmolLM2's 32 rows of 48 tokens in fp32
+        on one core); distinct prompts share their chat template's system turn; a prompt a cached
+        row holds is copied from it."""
         stale = self._stale
         held = {}  # prompt -> a cached row holding it (valid under the current weights)
         for r, seq in enumerate(self._cached):
             held.setdefault(tuple(seq.request.prompt_ids), r)
-        groups: dict[tuple[int, ...], list[int]] = {}  # prompt -> its stale rows, in order
-        for r, seq in enumerate(stale):
-            groups.setdefault(tuple(seq.request.prompt_ids), []).append(r)
-        fresh = {p: rows for p, rows in groups.items() if p not in held}
-        shared = {r for p, rows in groups.items() if p in held for r in rows}
+        tokens = [seq.tokens() for seq in stale]
         logits = None
-        if fresh:
-            firsts = [rows[0] for rows in fresh.values()]
-            logits = self._dec.prefill([stale[r].request.prompt_ids for r in firsts], [first_row + r for r in firsts])
-            if len(firsts) < len(stale):  # each row its prompt's logits
-                self._dec.copy_rows([first_row + rows[0] for rows in fresh.values() for _ in rows[1:]],
-                                    [first_row + r for rows in fresh.values() for r in rows[1:]], max(map(len, fresh)))
-                which = torch.zeros(len(stale), dtype=torch.long)
-                for g, rows in enumerate(fresh.values()):
-                    which[rows] = g
-                logits = logits[which.to(logits.device)]  # rows of shared prompts are overwritten below
-        if shared:  # the prompt but its last token from the cached row; that token is fed again below
-            self._dec.copy_rows([held[tuple(stale[r].request.prompt_ids)] for r in shared],
-                                [first_row + r for r in shared], max(len(stale[r].request.prompt_ids) for r in shared))
-        grown = [r for r, seq in enumerate(stale) if seq.output_ids or r in shared]
-        if grown:
-            starts = [len(stale[r].request.prompt_ids) - (1 if r in shared else 0) for r in grown]
-            part = self._dec.prefill([stale[r].tokens()[start:] for r, start in zip(grown, starts)],
-                                     [first_row + r for r in grown], starts)
+        for step in plan_prefill(tokens, [len(seq.request.prompt_ids) for seq in stale], held, first_row):
+            if isinstance(step, Copy):
+                self._dec.copy_rows(step.src, step.dst, step.length)
+                continue
+            part = self._dec.prefill([tokens[r][a:b] for r, a, b in zip(step.rows, step.starts, step.ends)],
+                                     [first_row + r for r in step.rows], step.starts if any(step.starts) else None)
             if logits is None:
                 logits = part.new_empty(len(stale), part.shape[1])
-            logits[grown] = part
+            src = torch.tensor([i for i, rows in enumerate(step.targets) for _ in rows], device=part.device)
+            logits[[r for rows in step.targets for r in rows]] = part[src]
         return logits
 
     def _record(self, rows: list[_Sequence], ids: list[int], logps: list[float]) -> list[GenerationResult]:
