@@ -243,11 +243,12 @@ def test_a_prompt_already_in_the_cache_is_copied_not_prefilled_again():
 
 @pytest.mark.parametrize("kernels", ["auto", "off"])
 def test_distinct_prompts_compute_their_common_prefix_once_with_exact_logprobs(kernels):
-    """Prompts that begin with the same 40 tokens (a chat template's system turn): the first in
-    token order is prefilled whole, the others copy the 40 tokens and prefill only their own.
-    Behavior log-probs still equal a full recomputation of each sequence alone."""
-    model = _model(8)
-    engine = GenerationEngine(_model(8), TOK, max_batch_size=4, seed=1, cpu_kernels=kernels)
+    """Prompts that begin with the same 41 tokens (a chat template's system turn), two samples
+    each: the first prompt in token order is prefilled whole, the three others copy the 41 tokens
+    and prefill only their own; after a weight update the same again, then each row its own
+    tokens. Behavior log-probs equal a full recomputation under the version that drew each token."""
+    old, new = _model(8), _model(9)
+    engine = GenerationEngine(_model(8), TOK, max_batch_size=8, seed=1, cpu_kernels=kernels)
     fed = []
     real = engine._dec.prefill
 
@@ -260,11 +261,25 @@ def test_distinct_prompts_compute_their_common_prefix_once_with_exact_logprobs(k
     prompts = [system + tail for tail in ("12+5=", "3-1=", "305-47=", "9=")]
     plen = [len(TOK.encode(p)) for p in prompts]
     shared = len(TOK.encode(system))  # <bos> and the 40 characters
-    results = engine.generate([_req(i, p, temperature=1.0, max_new_tokens=6) for i, p in enumerate(prompts)])
-    # the root "12+5=" sorts first ("1" < "3" < "9"); each of the other three computes its own tail only
-    assert fed == [(1, plen[0], None), (3, sum(plen[1:]) - 3 * shared, [shared] * 3)]
+    for i in range(8):
+        engine.submit(_req(i, prompts[i % 4], temperature=1.0, max_new_tokens=6))
+    for _ in range(2):
+        assert engine.step() == []
+    # the root "12+5=" sorts first ("1" < "3" < "9"); each of the other three computes its tail only
+    prompts_once = [(1, plen[0], None), (3, sum(plen[1:]) - 3 * shared, [shared] * 3)]
+    assert fed == prompts_once
+    engine.update_weights(new.state_dict(), version=1)
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    assert fed[2:] == prompts_once + [(8, 8 * 2, [plen[i % 4] for i in range(8)])]
+    assert len(results) == 8
     for r in results:
         ids = torch.tensor([r.prompt_ids + r.output_ids])
         with torch.no_grad():
-            ref = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, -6:]
-        assert (torch.tensor(r.behavior_logprobs) - ref).abs().max().item() < 1e-4
+            ref_old = token_logprobs(old, ids, torch.ones_like(ids), temperature=1.0)[0, -6:]
+            ref_new = token_logprobs(new, ids, torch.ones_like(ids), temperature=1.0)[0, -6:]
+        got = torch.tensor(r.behavior_logprobs)
+        assert r.versions == [0] * 2 + [1] * 4
+        assert (got[:2] - ref_old[:2]).abs().max().item() < 1e-4
+        assert (got[2:] - ref_new[2:]).abs().max().item() < 1e-4
