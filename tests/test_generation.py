@@ -35,6 +35,19 @@ def _full_recompute_greedy(model, ids: list[int], n: int) -> list[int]:
     return ids[-n:] if n else []
 
 
+def _spy_prefill(engine) -> list:
+    """Record (sequences, tokens, starts) of every prefill call the engine makes, in order."""
+    fed = []
+    real = engine._dec.prefill
+
+    def spy(seqs, rows, starts=None):
+        fed.append((len(seqs), sum(map(len, seqs)), starts))
+        return real(seqs, rows, starts)
+
+    engine._dec.prefill = spy
+    return fed
+
+
 def _req(i, prompt, **params):
     params.setdefault("stop_at_eos", False)
     return GenerationRequest(f"r{i}", TOK.encode(prompt), SamplingParams(**params), meta={"i": i})
@@ -174,14 +187,7 @@ def test_a_group_prefills_its_prompt_once_and_keeps_exact_logprobs_across_an_upd
     still equal a full recomputation under the version that drew each token."""
     old, new = _model(5), _model(6)
     engine = GenerationEngine(_model(5), TOK, max_batch_size=8, seed=2)
-    fed = []  # (sequences, tokens, starts) of every prefill call
-    real = engine._dec.prefill
-
-    def spy(seqs, rows, starts=None):
-        fed.append((len(seqs), sum(map(len, seqs)), starts))
-        return real(seqs, rows, starts)
-
-    engine._dec.prefill = spy
+    fed = _spy_prefill(engine)
     prompts = ["12+5=", "305-47="]
     plen = [len(TOK.encode(p)) for p in prompts]
     for i in range(8):
@@ -215,14 +221,7 @@ def test_a_prompt_already_in_the_cache_is_copied_not_prefilled_again():
     behavior log-probs still equal a full recomputation."""
     model = _model(7)
     engine = GenerationEngine(_model(7), TOK, max_batch_size=3, seed=4)
-    fed = []
-    real = engine._dec.prefill
-
-    def spy(seqs, rows, starts=None):
-        fed.append((len(seqs), sum(map(len, seqs)), starts))
-        return real(seqs, rows, starts)
-
-    engine._dec.prefill = spy
+    fed = _spy_prefill(engine)
     prompt = TOK.encode("305-47=")
     reqs = [GenerationRequest(f"r{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=n, stop_at_eos=False))
             for i, n in enumerate((2, 6, 6, 5))]
@@ -249,14 +248,7 @@ def test_distinct_prompts_compute_their_common_prefix_once_with_exact_logprobs(k
     tokens. Behavior log-probs equal a full recomputation under the version that drew each token."""
     old, new = _model(8), _model(9)
     engine = GenerationEngine(_model(8), TOK, max_batch_size=8, seed=1, cpu_kernels=kernels)
-    fed = []
-    real = engine._dec.prefill
-
-    def spy(seqs, rows, starts=None):
-        fed.append((len(seqs), sum(map(len, seqs)), starts))
-        return real(seqs, rows, starts)
-
-    engine._dec.prefill = spy
+    fed = _spy_prefill(engine)
     system = "1234567890" * 4
     prompts = [system + tail for tail in ("12+5=", "3-1=", "305-47=", "9=")]
     plen = [len(TOK.encode(p)) for p in prompts]
