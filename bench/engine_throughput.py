@@ -8,8 +8,9 @@ prompt fills N rows, as an RL group does: the embedded engine prefills it once a
 cache, vLLM finds it in its prefix cache, HF ``generate`` prefills every row; prompts that only
 begin alike, as chat prompts do with their template's system turn, the embedded engine computes
 that beginning once, ``runtime.engines.prefill_plan``), a fresh set of prompts each round (the
-same for every engine), as each RL step brings new ones: no engine finds a round's prompts cached
-by an earlier round (vLLM's prefix cache would, in whole blocks), the same sampling
+same for every engine), as each RL step brings new ones: the embedded engine keeps nothing across
+calls, and vLLM's prefix cache finds a round's first 32-token block cached only where a prompt's
+first operand matches an earlier round's (a few of 64, which favours vLLM), the same sampling
 settings (temperature, top_p, ``max_new_tokens``; EOS ignored so every engine produces
 exactly ``batch * max_new_tokens`` tokens) and the same torch thread count. Tokens/s is
 generated tokens divided by wall-clock seconds of the whole ``generate`` call (prefill
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                 + ("" if share else ", prefixes unshared")
             if head == "auto" and engine.dtype == torch.bfloat16 and share:
                 print(f"{name}: LM head {'mixed' if engine._dec.mixed_head else 'fp32'}")
-            runs[name] = (lambda e=engine: e.generate(warm),
+            runs[name] = (lambda e=engine, share=share: _unshared(share, e.generate, warm),
                           lambda k, e=engine, share=share: _unshared(share, e.generate, requests[k]))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():

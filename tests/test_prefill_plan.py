@@ -25,7 +25,7 @@ def test_distinct_prompts_with_a_long_common_prefix_compute_it_once():
     ]
 
 
-def test_a_branch_keeps_its_last_token_and_a_prompt_that_is_a_prefix_of_another_is_its_branch():
+def test_a_prompt_that_is_a_prefix_of_the_others_is_their_root_and_each_branch_keeps_a_token():
     # sorted: sys (40) < sys+[1] (41): root sys whole, then sys+[1] shares 40; sys+[2]+[9] shares 40
     tokens = [SYSTEM + [2, 9], SYSTEM, SYSTEM + [1]]
     steps = plan_prefill(tokens, [42, 40, 41], {}, 0)
@@ -59,4 +59,20 @@ def test_after_an_update_a_group_recomputes_its_prompt_once_then_each_row_its_ow
         Forward([0], [0], [3], [[0, 1]]),
         Copy([0], [1], 3),
         Forward([0, 1], [3, 3], [4, 5], [[0], [1]]),
+    ]
+
+
+def test_two_clusters_each_branch_copies_from_its_own_root_as_much_as_it_shares():
+    # sorted: a+[1] (row 3), a+[2] (1), b+[1] (2), b+[1,5] (4), b+[2,3] (0); each one's common prefix
+    # with the one before: 40, 0, 41, 40. Two clusters, roots rows 3 and 2. Row 1 shares 40 with row 3;
+    # row 4 shares 41 with row 2 (all of b+[1], and keeps its last token); row 0 shares min(41, 40) = 40
+    # with row 2. One copy of the longest share (41) from each branch's own root; two forwards.
+    a, b = [1] * 40, [9] * 40
+    tokens = [b + [2, 3], a + [2], b + [1], a + [1], b + [1, 5]]
+    lens = [42, 41, 41, 41, 42]
+    # sorted: a+[1] (3), a+[2] (1), b+[1] (2), b+[1,5] (4), b+[2,3] (0); LCPs to the previous: 40, 0, 41, 40
+    assert plan_prefill(tokens, lens, {}, 10) == [
+        Forward([3, 2], [0, 0], [41, 41], [[3], [2]]),
+        Copy([13, 12, 12], [11, 14, 10], 41),
+        Forward([1, 4, 0], [40, 41, 40], [41, 42, 42], [[1], [4], [0]]),
     ]

@@ -8,14 +8,16 @@ prefix once and the others copy it (``KVDecoder.copy_rows``). :func:`plan_prefil
 
 1. Identical prompts: one row of each distinct prompt (its *first*) computes it; the group's
    other rows copy it and take its logits. A prompt that a cached row already holds (valid
-   under the current weights) is copied from that row but its last token, which is fed again
-   for the row's logits.
+   under the current weights) is copied whole from that row, and its last token is computed
+   again for the row's logits.
 2. Distinct prompts with a common prefix: the firsts are cut into clusters by
    :func:`areal_flow.algorithms.shared_prefix.share_prefixes` (the cut that computes the fewest
    tokens; the trainer's shared-prefix forward uses the same); a cluster's root computes its
    whole prompt, every other first (a *branch*) copies ``q`` tokens from its root and computes
-   the rest of its prompt. Only where branches skip at least :data:`MIN_SKIPPED` tokens: a
-   branch stage is one more forward, which reads every weight once more.
+   the rest of its prompt. Only among the prompts admitted in the same step, and only where
+   their branches skip at least :data:`MIN_SKIPPED` tokens: a branch stage is one more forward,
+   which reads every weight once more. A prompt admitted later (as slots free) copies from a
+   cached row only a whole prompt identical to its own (step 1), not a common beginning.
 3. Rows with tokens of their own (after an update, or a prompt copied from a held row) compute
    those after their prompt.
 
@@ -31,8 +33,9 @@ from areal_flow.algorithms.shared_prefix import share_prefixes
 
 MIN_SKIPPED = 64
 """Fewest prompt tokens the branches of step 2 must skip for the branch stage to run (tokens).
-Set from SmolLM2-135M bf16 on one core: a prefilled token costs ~0.6 ms in a batch of prompts,
-and a forward of a few rows ~15 ms (it streams the ~270 MB of weights once)."""
+A heuristic, set from SmolLM2-135M bf16 on one core: a prefilled token costs ~0.6 ms in a batch
+of prompts, and a forward of a few rows ~15 ms (it streams the ~270 MB of weights once), so the
+break-even is ~25 tokens; 64 leaves room for other models and thread counts."""
 
 
 @dataclass(frozen=True)
