@@ -275,3 +275,25 @@ def test_distinct_prompts_compute_their_common_prefix_once_with_exact_logprobs(k
         assert r.versions == [0] * 2 + [1] * 4
         assert (got[:2] - ref_old[:2]).abs().max().item() < 1e-4
         assert (got[2:] - ref_new[2:]).abs().max().item() < 1e-4
+
+
+def test_a_prompt_admitted_later_copies_the_system_turn_from_a_row_still_decoding():
+    """Two slots, three prompts beginning with the same 41 tokens: the first two are prefilled whole
+    (two prompts' branches would skip fewer than MIN_SKIPPED tokens); when the first finishes, the
+    third copies its 42-token beginning from the row still decoding and computes only its own. Behavior
+    log-probs equal a full recomputation."""
+    model = _model(10)
+    engine = GenerationEngine(_model(10), TOK, max_batch_size=2, seed=3)
+    fed = _spy_prefill(engine)
+    system = "1234567890" * 4
+    prompts = [system + tail for tail in ("12+5=", "3-1=", "305-47=")]
+    plen = [len(TOK.encode(p)) for p in prompts]
+    shared = len(TOK.encode(system + "3"))  # "305-47=" and "3-1=" (the row still decoding) share the "3" too
+    reqs = [_req(i, p, temperature=1.0, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, (2, 6, 5)))]
+    results = engine.generate(reqs)
+    assert fed == [(2, plen[0] + plen[1], None), (1, plen[2] - shared, [shared])]
+    for r in results:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0, -len(r.output_ids):]
+        assert (torch.tensor(r.behavior_logprobs) - ref).abs().max().item() < 1e-4

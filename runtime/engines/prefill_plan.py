@@ -7,35 +7,41 @@ and values depend only on the tokens before it, so rows that begin alike compute
 prefix once and the others copy it (``KVDecoder.copy_rows``). :func:`plan_prefill` orders:
 
 1. Identical prompts: one row of each distinct prompt (its *first*) computes it; the group's
-   other rows copy it and take its logits. A prompt that a cached row already holds (valid
-   under the current weights) is copied whole from that row, and its last token is computed
-   again for the row's logits.
-2. Distinct prompts with a common prefix: the firsts are cut into clusters by
+   other rows copy it and take its logits.
+2. From the cache: a distinct prompt whose beginning a cached row already holds (valid under the
+   current weights: a row decoding another sample of the group, or another prompt with the same
+   system turn) copies the longest such beginning, at least :data:`MIN_CACHED` tokens or the
+   whole prompt but its last token, and computes the rest.
+3. Among the distinct prompts of the step: they are cut into clusters by
    :func:`areal_flow.algorithms.shared_prefix.share_prefixes` (the cut that computes the fewest
    tokens; the trainer's shared-prefix forward uses the same); a cluster's root computes its
-   whole prompt, every other first (a *branch*) copies ``q`` tokens from its root and computes
-   the rest of its prompt. Only among the prompts admitted in the same step, and only where
-   their branches skip at least :data:`MIN_SKIPPED` tokens: a branch stage is one more forward,
-   which reads every weight once more. A prompt admitted later (as slots free) copies from a
-   cached row only a whole prompt identical to its own (step 1), not a common beginning.
-3. Rows with tokens of their own (after an update, or a prompt copied from a held row) compute
-   those after their prompt.
+   prompt (after what it copied from the cache), every other prompt (a *branch*) that shares
+   more with its root than with the cache copies ``q`` tokens from the root's row, once the root
+   is complete, and computes the rest. Only where these branches skip at least
+   :data:`MIN_SKIPPED` tokens more than the cache gives them: their stage is one more forward,
+   which reads every weight once more.
+4. Rows with tokens of their own (after an update) compute those after their prompt.
 
-vLLM reaches step 1 by its prefix cache, and step 2 where a block of a shared prefix was cached
-by an earlier request (whole blocks only: vLLM-CPU's default block is 128 tokens).
+vLLM reaches steps 1 and 2 by its prefix cache, in whole blocks (vLLM-CPU's are multiples of 32
+tokens, 128 by default), and step 3 where an earlier request cached those blocks.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
-from areal_flow.algorithms.shared_prefix import share_prefixes
+from areal_flow.algorithms.shared_prefix import common_prefix, share_prefixes
 
 MIN_SKIPPED = 64
-"""Fewest prompt tokens the branches of step 2 must skip for the branch stage to run (tokens).
+"""Fewest prompt tokens the branches of step 3 must skip for their stage to run (tokens).
 A heuristic, set from SmolLM2-135M bf16 on one core: a prefilled token costs ~0.6 ms in a batch
 of prompts, and a forward of a few rows ~15 ms (it streams the ~270 MB of weights once), so the
 break-even is ~25 tokens; 64 leaves room for other models and thread counts."""
+
+MIN_CACHED = 16
+"""Fewest tokens a prompt copies from a cached row (step 2) unless it is the whole prompt but its
+last token: a shorter common beginning (a BOS token, a chat turn's header) is not worth a copy."""
 
 
 @dataclass(frozen=True)
@@ -59,24 +65,24 @@ class Forward:
     targets: list[list[int]]
 
 
-def _branches(prompts: list[tuple[int, ...]]) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """``(roots, branches)`` of step 2: indices of ``prompts`` computed whole, and ``(branch, root,
-    q)`` for each prompt that copies its first ``q`` tokens from a root's row. All roots where
-    the branches would skip fewer than :data:`MIN_SKIPPED` tokens."""
-    order, shared = share_prefixes([list(p) for p in prompts])
-    roots, branches, root = [], [], -1
-    for i, q in zip(order, shared):
-        if q == 0:
-            root = i
-            roots.append(i)
-        else:
-            branches.append((i, root, q))
-    if sum(q for _, _, q in branches) < MIN_SKIPPED:
-        return list(range(len(prompts))), []
-    return roots, branches
+def _from_cache(prompts: list[tuple[int, ...]], cached: list[list[int]]) -> list[tuple[int, int]]:
+    """For each prompt, ``(cache row, q)``: the cached row holding its longest beginning and the
+    tokens it copies, ``q <= len - 1`` (``(-1, 0)``: none worth a copy, :data:`MIN_CACHED`). The
+    longest common beginning with a set of token lists is with a neighbour in sorted order."""
+    ranked = sorted((tuple(v), row) for row, v in enumerate(cached))
+    out = []
+    for p in prompts:
+        at = bisect_left(ranked, (p, -1))
+        row, q = -1, 0
+        for v, r in ranked[max(0, at - 1): at + 1]:
+            share = min(common_prefix(list(p), list(v)), len(p) - 1)
+            if share > q:
+                row, q = r, share
+        out.append((row, q) if q >= MIN_CACHED or (q and q == len(p) - 1) else (-1, 0))
+    return out
 
 
-def plan_prefill(tokens: list[list[int]], prompt_lens: list[int], held: dict[tuple[int, ...], int],
+def plan_prefill(tokens: list[list[int]], prompt_lens: list[int], cached: list[list[int]],
                  first_row: int) -> list[Copy | Forward]:
     """The copies and forwards, in order, that build the cache rows ``first_row ..`` of the
     stale rows and give each its next-token logits.
@@ -85,40 +91,50 @@ def plan_prefill(tokens: list[list[int]], prompt_lens: list[int], held: dict[tup
         tokens: each stale row's prompt + the tokens it generated so far (stale row ``r`` lives
             in cache row ``first_row + r``).
         prompt_lens: each stale row's prompt length, tokens.
-        held: prompt -> a cache row (below ``first_row``) that holds it under the current weights.
+        cached: the tokens each cache row ``0 .. first_row - 1`` holds at positions ``0 ..``,
+            valid under the current weights.
         first_row: the cache row of stale row 0.
 
     Returns:
-        Steps to run in order; every stale row is a target of exactly one last forward that
-        covers its last token (later forwards overwrite earlier targets).
+        Steps to run in order; every stale row is a target of a forward that covers its last
+        token, the last such (later forwards overwrite earlier targets).
     """
     prompts = [tuple(t[:n]) for t, n in zip(tokens, prompt_lens)]
     groups: dict[tuple[int, ...], list[int]] = {}  # prompt -> its stale rows, in order
     for r, p in enumerate(prompts):
         groups.setdefault(p, []).append(r)
-    fresh = [rows for p, rows in groups.items() if p not in held]
-    from_held = [r for p, rows in groups.items() if p in held for r in rows]
-    firsts = [rows[0] for rows in fresh]
+    distinct = list(groups)
+    firsts = [groups[p][0] for p in distinct]
+    source = _from_cache(distinct, cached)
+    root = {}  # branch -> (its root, tokens shared with it), step 3
+    order, shared = share_prefixes([list(p) for p in distinct])
+    top = -1  # the root of the cluster being read (its first row has q == 0)
+    for i, q in zip(order, shared):
+        top = i if q == 0 else top
+        if q > source[i][1]:  # more from its root than from the cache
+            root[i] = (top, q)
+    if sum(q - source[i][1] for i, (_, q) in root.items()) < MIN_SKIPPED:
+        root = {}
     steps: list[Copy | Forward] = []
-    roots, branches = _branches([prompts[r] for r in firsts]) if firsts else ([], [])
-    if roots:
-        steps.append(Forward([firsts[i] for i in roots], [0] * len(roots), [prompt_lens[firsts[i]] for i in roots],
-                             [fresh[i] for i in roots]))
-    if branches:
-        steps.append(Copy([first_row + firsts[root] for _, root, _ in branches],
-                          [first_row + firsts[b] for b, _, _ in branches], max(q for _, _, q in branches)))
-        steps.append(Forward([firsts[b] for b, _, _ in branches], [q for _, _, q in branches],
-                             [prompt_lens[firsts[b]] for b, _, _ in branches], [fresh[b] for b, _, _ in branches]))
-    members = [(rows[0], r) for rows in fresh for r in rows[1:]]
+    alone = [i for i in range(len(distinct)) if i not in root]
+    copied = [i for i in alone if source[i][1]]
+    if copied:
+        steps.append(Copy([source[i][0] for i in copied], [first_row + firsts[i] for i in copied],
+                          max(source[i][1] for i in copied)))
+    steps.append(Forward([firsts[i] for i in alone], [source[i][1] for i in alone],
+                         [len(distinct[i]) for i in alone], [groups[distinct[i]] for i in alone]))
+    if root:
+        branches = list(root)
+        steps.append(Copy([first_row + firsts[root[i][0]] for i in branches], [first_row + firsts[i] for i in branches],
+                          max(q for _, q in root.values())))
+        steps.append(Forward([firsts[i] for i in branches], [root[i][1] for i in branches],
+                             [len(distinct[i]) for i in branches], [groups[distinct[i]] for i in branches]))
+    members = [(rows[0], r) for rows in groups.values() for r in rows[1:]]
     if members:
         steps.append(Copy([first_row + a for a, _ in members], [first_row + b for _, b in members],
                           max(prompt_lens[a] for a, _ in members)))
-    if from_held:
-        steps.append(Copy([held[prompts[r]] for r in from_held], [first_row + r for r in from_held],
-                          max(prompt_lens[r] for r in from_held)))
-    again = set(from_held)  # a held prompt's last token is fed again, for the row's logits
-    grown = [r for r in range(len(tokens)) if len(tokens[r]) > prompt_lens[r] or r in again]
+    grown = [r for r in range(len(tokens)) if len(tokens[r]) > prompt_lens[r]]
     if grown:
-        steps.append(Forward(grown, [prompt_lens[r] - (r in again) for r in grown], [len(tokens[r]) for r in grown],
+        steps.append(Forward(grown, [prompt_lens[r] for r in grown], [len(tokens[r]) for r in grown],
                              [[r] for r in grown]))
     return steps
