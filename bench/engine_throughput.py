@@ -26,9 +26,9 @@ Roofline: the rate of a bf16 product ``[batch, hidden] @ [hidden, 2 * intermedia
 (a CPU without bf16 products, where oneDNN converts bf16 around each product); a token costs ``2 * parameters``
 FLOP (Kaplan et al. 2020, sec. 2.1, forward pass; attention over the short context is
 left out; so is the prefill, which an engine that computes less of it spends less time on), so
-``roofline tokens/s = rate / (2 * parameters)`` and each row prints its tokens/s as a fraction of it. vLLM is measured only when ``import vllm`` works in the
-running interpreter (it lives in ``.venv-vllm``, see ``make test-vllm``), in each dtype of
-``--vllm-dtypes`` and in vLLM-CPU's deployed configuration by default: compiled graphs
+``roofline tokens/s = rate / (2 * parameters)`` and each row prints its tokens/s as a fraction of
+it. vLLM is measured only when ``import vllm`` works in the running interpreter (it lives in
+``.venv-vllm``, see ``make test-vllm``), in each dtype of ``--vllm-dtypes`` and in vLLM-CPU's deployed configuration by default: compiled graphs
 (``--vllm-eager`` for ``enforce_eager``), the worker in its own process with its OpenMP
 threads pinned (``--vllm-bind``, ``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` gives a 2-core box's
 worker one core and keeps the other for the engine core), a 1 GiB KV cache in blocks of
@@ -101,14 +101,16 @@ def _interleaved_rates(runs: dict, n_tokens: int, repeats: int,
 
 
 def _unshared(share: bool, call, *args):
-    """``call(*args)``, with prompts that only begin alike prefilled whole unless ``share``."""
+    """``call(*args)``; unless ``share``, with prompts that only begin alike prefilled whole (no
+    beginning computed once for several, none copied from a cached row but a whole prompt)."""
     if share:
         return call(*args)
-    saved, prefill_plan.MIN_SKIPPED = prefill_plan.MIN_SKIPPED, 1 << 62
+    saved = prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED
+    prefill_plan.MIN_SKIPPED = prefill_plan.MIN_CACHED = 1 << 62
     try:
         return call(*args)
     finally:
-        prefill_plan.MIN_SKIPPED = saved
+        prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED = saved
 
 
 def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float,

@@ -136,7 +136,8 @@ def test_every_plan_builds_every_row_and_its_logits_on_random_batches():
                     for _ in range(rng.randrange(1, 6))]
         prompts = [rng.choice(distinct) for _ in range(rng.randrange(1, 9))]
         tokens = [p + [9] * rng.choice([0, 0, 0, 1, 3]) for p in prompts]
-        cached = [rng.choice(distinct + beginnings[:1])[: rng.randrange(1, 60)] + [10] for _ in range(rng.randrange(0, 3))]
+        cached = [rng.choice(distinct + beginnings[:1])[: rng.randrange(1, 60)] + [10]
+                  for _ in range(rng.randrange(0, 3))]
         first_row = len(cached)
         steps = plan_prefill(tokens, [len(p) for p in prompts], cached, first_row)
         branched += any(isinstance(s, Forward) and any(s.starts) for s in steps)
