@@ -69,7 +69,8 @@ def _from_cache(prompts: list[tuple[int, ...]], cached: list[list[int]]) -> list
     """For each prompt, ``(cache row, q)``: the cached row holding its longest beginning and the
     tokens it copies, ``q <= len - 1`` (``(-1, 0)``: none worth a copy, :data:`MIN_CACHED`). The
     longest common beginning with a set of token lists is with a neighbour in sorted order."""
-    ranked = sorted((tuple(v), row) for row, v in enumerate(cached))
+    limit = max(map(len, prompts), default=0)  # no prompt shares more than its length
+    ranked = sorted((tuple(v[:limit]), row) for row, v in enumerate(cached))
     out = []
     for p in prompts:
         at = bisect_left(ranked, (p, -1))
