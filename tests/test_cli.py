@@ -181,3 +181,21 @@ def test_eval_refuses_a_bad_count_before_any_work():
     assert out.returncode == 2 and "--n: 0 must be >= 1" in out.stderr, out.stderr
     out = _cli("eval", "graphs/arith_grpo.py", "--samples", "-1")
     assert out.returncode == 2 and "--samples: -1 must be >= 0" in out.stderr, out.stderr
+
+
+def test_a_preset_whose_weights_package_is_missing_is_one_line(tmp_path, monkeypatch, capsys):
+    """The GGUF weights come from a pip package; without it a run names the package and the pip
+    command in one line, exit 2, no traceback."""
+    import dataclasses
+
+    from areal_flow.cli import main
+    from areal_flow.models.presets import GGUF_PRESETS as PRESETS
+
+    monkeypatch.setenv("AREAL_FLOW_CACHE", str(tmp_path))  # nothing converted before
+    missing = dataclasses.replace(PRESETS["smollm2-135m"], package="no-such-package-areal-flow")
+    monkeypatch.setitem(PRESETS, "smollm2-135m", missing)
+    monkeypatch.chdir(ROOT)
+    assert main(["run", "graphs/arith_chat_grpo.py", "train.steps=1", f"out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "areal-flow: error: package 'no-such-package-areal-flow'" in err, err
+    assert "pip install --no-deps no-such-package-areal-flow" in err and "Traceback" not in err, err

