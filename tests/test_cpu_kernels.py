@@ -68,6 +68,34 @@ def test_kernel_equals_the_formula(dtype, tol, kv, g, hd):
     assert torch.allclose(got.double(), _reference(q, keys, values, lens, scale, cache_rows), rtol=tol, atol=tol)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_new_keys_and_values_are_written_at_each_rows_length(dtype):
+    op = _kernels().decode_attention
+    gen = torch.Generator().manual_seed(3)
+    rows, kv, g, hd, cap = 4, 3, 3, 64, 20
+    keys = torch.randn(rows + 1, kv, cap, hd, generator=gen).to(dtype)
+    values = torch.randn(rows + 1, kv, cap, hd, generator=gen).to(dtype)
+    q = torch.randn(rows, kv, g, hd, generator=gen).to(dtype)
+    lens = torch.tensor([0, 7, 19, 3])
+    packed = torch.randn(rows, 1, 2 * kv * hd, generator=gen).to(dtype)  # as a QKV product: k, then v
+    new_k = packed[..., : kv * hd].view(rows, kv, hd)
+    new_v = packed[..., kv * hd:].view(rows, 1, kv, hd).transpose(1, 2).reshape(rows, kv, hd)  # strided
+    want_k, want_v = keys.clone(), values.clone()
+    for r in range(rows):
+        want_k[r, :, int(lens[r])] = new_k[r]
+        want_v[r, :, int(lens[r])] = new_v[r]
+    got = op(q, keys, values, lens, 1 / 8, None, new_k, new_v)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # only those positions changed
+    assert torch.equal(got, op(q, want_k, want_v, lens, 1 / 8))  # then attends as over that cache
+    with pytest.raises(RuntimeError, match="new_keys and new_values come together"):
+        op(q, keys, values, lens, 1 / 8, None, new_k)
+    with pytest.raises(RuntimeError, match="new_keys and new_values come together"):
+        op(q, keys, values, lens, 1 / 8, torch.arange(rows), new_k, new_v)
+    with pytest.raises(RuntimeError, match=r"new_keys and new_values \[rows, kv, hd\] = \[4, 3, 64\]"):
+        op(q, keys, values, lens, 1 / 8, None, new_k[:, :2], new_v)
+
+
 def test_one_key_returns_its_value_and_equal_scores_average():
     op = _kernels().decode_attention
     keys = torch.zeros(1, 1, 4, 2)
