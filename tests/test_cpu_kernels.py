@@ -78,9 +78,9 @@ def test_a_decode_steps_new_keys_and_values_are_written_at_each_rows_length(dtyp
     values = torch.randn(rows + 1, kv, cap, hd, generator=gen).to(dtype)
     q = torch.randn(rows, kv, g, hd, generator=gen).to(dtype)
     lens = torch.tensor([0, 7, 19, 3])
-    packed = torch.randn(rows, 1, 2 * kv * hd, generator=gen).to(dtype)  # as a QKV product: k, then v
-    new_k = packed[..., : kv * hd].view(rows, kv, hd)
-    new_v = packed[..., kv * hd:].view(rows, 1, kv, hd).transpose(1, 2).reshape(rows, kv, hd)  # strided
+    new_k = torch.randn(rows, kv, hd, generator=gen).to(dtype)  # contiguous, as the rope kernel's keys
+    new_v = torch.randn(kv, rows, 2 * hd, generator=gen).to(dtype)[..., hd:].transpose(0, 1)  # other strides
+    assert new_v.stride() != new_k.stride() and new_v.stride(2) == 1
     want_k, want_v = keys.clone(), values.clone()
     for r in range(rows):
         want_k[r, :, int(lens[r])] = new_k[r]
@@ -92,8 +92,10 @@ def test_a_decode_steps_new_keys_and_values_are_written_at_each_rows_length(dtyp
         op(q, keys, values, lens, 1 / 8, None, new_k)
     with pytest.raises(RuntimeError, match="new_keys and new_values come together"):
         op(q, keys, values, lens, 1 / 8, torch.arange(rows), new_k, new_v)
-    with pytest.raises(RuntimeError, match=r"new_keys and new_values \[rows, kv, hd\] = \[4, 3, 64\]"):
-        op(q, keys, values, lens, 1 / 8, None, new_k[:, :2], new_v)
+    for bad_k in (new_k[:, :2], new_k.transpose(1, 2).contiguous().transpose(1, 2), new_k.half()):
+        with pytest.raises(RuntimeError, match=r"new_keys and new_values \[rows, kv, hd\] = \[4, 3, 64\]"):
+            op(q, keys, values, lens, 1 / 8, None, bad_k, new_v)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # a refused call wrote nothing
 
 
 def test_one_key_returns_its_value_and_equal_scores_average():

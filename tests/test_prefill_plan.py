@@ -2,7 +2,10 @@
 
 import random
 
-from runtime.engines.prefill_plan import MIN_SKIPPED, Copy, Forward, plan_prefill
+import pytest
+
+from areal_flow.algorithms.shared_prefix import common_prefix
+from runtime.engines.prefill_plan import MIN_CACHED, MIN_SKIPPED, Copy, Forward, _from_cache, plan_prefill
 
 SYSTEM = list(range(100, 140))  # a 40-token shared prefix, as a chat template's system turn
 
@@ -51,12 +54,14 @@ def test_a_prompt_a_cached_row_holds_is_copied_but_its_last_token():
     # (row 0 also two tokens of its own): the first copies 2 tokens and computes the last, row 1
     # copies the prompt from it, row 0 then computes its own two
     tokens = [[7, 8, 9, 1, 1], [7, 8, 9]]
-    assert plan_prefill(tokens, [3, 3], [[5], [5, 6], [7, 8, 9, 4]], 4) == [
-        Copy([2], [4], 2),
+    assert plan_prefill(tokens, [3, 3], [[5], [5, 6], [7, 8, 9, 4]], 3) == [
+        Copy([2], [3], 2),
         Forward([0], [2], [3], [[0, 1]]),
-        Copy([4], [5], 3),
+        Copy([3], [4], 3),
         Forward([0], [3], [5], [[0]]),
     ]
+    with pytest.raises(ValueError, match="3 cached rows lie below the first stale row 2"):
+        plan_prefill(tokens, [3, 3], [[5], [5, 6], [7, 8, 9, 4]], 2)
 
 
 def test_a_new_prompt_copies_the_system_turn_from_a_cached_row_of_another_prompt():
@@ -147,3 +152,22 @@ def test_every_plan_builds_every_row_and_its_logits_on_random_batches():
             assert all(cache[first_row + r][i] == tuple(t[: i + 1]) for i in range(len(t))), (case, r)
             assert logits[r] == tuple(t), (case, r)
     assert branched > 500 and from_cache > 300  # the batches do exercise copies and continued forwards
+
+
+def test_a_prompt_finds_the_cached_row_that_shares_the_most_of_its_beginning():
+    """Against every cached row tried in turn: the longest share, capped at the prompt's length - 1,
+    taken at MIN_CACHED tokens or more or when it is the whole prompt but its last token."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        stem = [rng.randrange(2) for _ in range(rng.randrange(0, 24))]
+        grow = lambda: stem[: rng.randrange(len(stem) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 6))]
+        cached = [grow() for _ in range(rng.randrange(0, 6))]
+        prompts = [tuple(p) for p in (grow() for _ in range(4)) if p]
+        for p, (row, q) in zip(prompts, _from_cache(prompts, cached)):
+            best = max((min(common_prefix(p, v), len(p) - 1) for v in cached), default=0)
+            taken = best if best >= MIN_CACHED or (best and best == len(p) - 1) else 0
+            assert q == taken, (p, cached, row, q)
+            if q:
+                assert min(common_prefix(p, cached[row]), len(p) - 1) == q
+            else:
+                assert row == -1

@@ -22,11 +22,13 @@ most :data:`MAX_CLUSTER` rows, which bounds the work at ``B x MAX_CLUSTER`` step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 MAX_CLUSTER = 256
 """Most rows one root serves (the dynamic program's window)."""
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Tokens the two token lists have in common from the start (their LCP), tokens."""
     n = min(len(a), len(b))
     i = 0

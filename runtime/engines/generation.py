@@ -287,7 +287,8 @@ class GenerationEngine:
         of its group, another prompt's system turn); distinct prompts admitted in the same step
         compute a common beginning once, where that skips enough tokens."""
         stale = self._stale
-        # what each cached row holds, valid under the current weights (its last token may not be fed yet)
+        # what each cached row holds, valid under the current weights (this step's decode has fed the last
+        # token too; one token short is enough)
         cached = [seq.tokens()[:-1] for seq in self._cached]
         tokens = [seq.tokens() for seq in stale]
         logits = None

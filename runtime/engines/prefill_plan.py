@@ -76,7 +76,7 @@ def _from_cache(prompts: list[tuple[int, ...]], cached: list[list[int]]) -> list
         at = bisect_left(ranked, (p, -1))
         row, q = -1, 0
         for v, r in ranked[max(0, at - 1): at + 1]:
-            share = min(common_prefix(list(p), list(v)), len(p) - 1)
+            share = min(common_prefix(p, v), len(p) - 1)
             if share > q:
                 row, q = r, share
         out.append((row, q) if q >= MIN_CACHED or (q and q == len(p) - 1) else (-1, 0))
@@ -99,7 +99,12 @@ def plan_prefill(tokens: list[list[int]], prompt_lens: list[int], cached: list[l
     Returns:
         Steps to run in order; every stale row is a target of a forward that covers its last
         token, the last such (later forwards overwrite earlier targets).
+
+    Raises:
+        ValueError: more cached rows than ``first_row`` (a copy could read a row being rebuilt).
     """
+    if len(cached) > first_row:
+        raise ValueError(f"plan_prefill: {len(cached)} cached rows lie below the first stale row {first_row}")
     prompts = [tuple(t[:n]) for t, n in zip(tokens, prompt_lens)]
     groups: dict[tuple[int, ...], list[int]] = {}  # prompt -> its stale rows, in order
     for r, p in enumerate(prompts):

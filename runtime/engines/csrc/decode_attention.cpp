@@ -19,9 +19,10 @@
 //   cache_rows [rows] int64, optional: the cache row each row reads (default: row r reads row r). A
 //          prefill passes one row per (sequence, position), each reading its sequence's cache row up to
 //          its own position: causal attention as rows x positions decode-shaped problems.
-//   new_keys, new_values [rows, kv_heads, hd], optional, any row and head strides: a decode step's own
-//          key and value, written into cache row r at position lens[r] before the attention reads it
-//          (a 128-byte copy each; torch's index_copy_ took ~29 us a layer for 64 rows).
+//   new_keys, new_values [rows, kv_heads, hd], optional, any row and head strides, not overlapping the
+//          cache: a decode step's own key and value, written into cache row r at position lens[r] before
+//          the attention reads it (a 128-byte copy each; torch's index_copy_ took ~29 us a layer for 64
+//          rows). Every check runs before this write, so a refused call leaves the cache as it was.
 //   out    [rows, kv_heads, g, hd]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -193,7 +194,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               q.sizes(), ", keys ", keys.sizes(), ", values ", values.sizes());
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(),
               "decode_attention: q, keys and values must be contiguous");
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "decode_attention: q, keys and values must share a dtype");
   const int64_t rows = q.size(0), kv = q.size(1), g = q.size(2), hd = q.size(3), cap = keys.size(2);
@@ -228,8 +232,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   }
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "decode_attention: fp32 or bf16 only; got ", q.scalar_type());
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp,
