@@ -7,8 +7,13 @@ policy starts out answering 45 of the 100 sums wrongly by greedy decoding while 
 answer is still in its samples. GRPO with the exact-answer reward must move that mass.
 Measured through this runtime with these settings (seeds 1-3, async k = 2): greedy
 accuracy 55 % -> 99 % each time; mean sampled reward of steps 0-9 0.57-0.63, of steps
-50-59 0.76-0.88. The margins asserted below are half those gains, and far outside the
-noise of a 10-step mean of 1,280 samples (a standard deviation of about 0.02).
+50-59 0.76-0.88. The reward margin asserted below is half that gain, far outside the noise
+of a 10-step mean of 1,280 samples (a standard deviation of about 0.02). Async runs are not
+bit-reproducible (what is k versions stale depends on timing), and on a 2-core AMD EPYC
+(2026-12-07) where almost every sample trained 2 versions stale, accuracy after RL ranged
+75-99 % over 11 runs of the current code and 77-91 % over 3 of an earlier one (b6a2c7d).
+The accuracy margin is half the smallest of those gains, 10 points: 2 standard deviations of
+an accuracy measured on 100 problems.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def test_grpo_reward_and_accuracy_rise(tmp_path, monkeypatch, max_staleness):
     first, last = mean_reward(range(0, 10)), mean_reward(range(50, 60))
     assert last > first + 0.1, (first, last)
     # 100 held-out sums; a carry-dropping start is wrong on about 45 of them
-    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.2, summary
+    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.1, summary
     # ... because it stopped dropping the carry: 45 of the 100 greedy answers before RL
     kinds_before, kinds_after = summary["answer_kinds_before"], summary["answer_kinds_after"]
     assert sum(kinds_before.values()) == sum(kinds_after.values()) == 100
