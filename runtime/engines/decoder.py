@@ -17,8 +17,8 @@ context). Row ``r`` holds its sequence's keys at cache indices ``0 .. len_r - 1`
 padding in between, so a token's position equals its cache index and the attention mask
 of row ``r`` is ``index < len_r`` (a prefill from an empty row needs causality only, one after a cached
 prefix a mask over it: see ``prefill``; ``copy_rows`` gives a row another's prefix). A decode step writes
-each row's new key in place (``index_copy_`` on a flat view; no ``torch.cat``); a finished
-sequence's row is filled by moving the last active row into it.
+each row's new key in place (the attention kernel's ``new_keys``, or ``index_copy_`` on a flat view; no
+``torch.cat``); a finished sequence's row is filled by moving the last active row into it.
 
 Matrix products: ``runtime.engines.products`` (oneDNN's packed weights, or the CPU kernels' mixed
 product for a bf16 engine on AVX-512 BF16), each weight packed once at ``pack`` time.

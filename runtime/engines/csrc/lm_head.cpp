@@ -1,7 +1,7 @@
 // The embedded engine's mixed bf16 product on CPUs with bf16 products (AMX, or AVX-512 BF16 without it):
 // bf16 inputs and weights, fp32 accumulation, fp32 outputs, or each output rounded once to bf16. It makes
 // the LM head's logits (``gen.lm_head_dtype=mixed``) and, where it runs on AVX-512 BF16, a bf16 engine's
-// layer products (runtime/engines/decoder.py's KernelWeight). PyTorch's bf16 product rounds every logit to
+// layer products (runtime/engines/products.py's KernelWeight). PyTorch's bf16 product rounds every logit to
 // bf16 (an error of up to 2^-9 of a logit, ~0.06 nats at logit 30); its fp32 product reads twice the bytes
 // and runs on the FMA units. Here bf16 pairs are multiplied exactly and summed in fp32 (Intel Architecture
 // Instruction Set Extensions Programming Reference, ch. 3: AMX's TDPBF16PS sums 16 x 16 tiles of logits over
@@ -14,7 +14,7 @@
 //   lm_head(x [rows, hidden] fp32 or bf16, packed, vocab, bias [vocab] or None, bf16_out) -> logits
 //       [rows, vocab]: fp32 sums plus the bias (in fp32), stored in fp32, or with bf16_out each rounded
 //       once to bf16 (nearest even). With bf16_out the same product serves a bf16 engine's layers
-//       (runtime/engines/decoder.py's KernelWeight: every [out, in] weight packed as a "vocabulary" of
+//       (runtime/engines/products.py's KernelWeight: every [out, in] weight packed as a "vocabulary" of
 //       out rows) where it runs on AVX-512 BF16; the AMX path gives fp32 and then adds and rounds.
 //   mixed_product_isa() -> "amx", "avx512_bf16" or "none": which path this build runs.
 #include <ATen/ATen.h>
