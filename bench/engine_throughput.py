@@ -41,6 +41,8 @@ embedded engine runs with its defaults (``gen.lm_head_dtype=auto``: a bf16 engin
 bf16 inputs and weights and fp32 sums and logits where the CPU has AMX or AVX-512 BF16, else in fp32, for
 accurate behavior log-probs; ``gen.cpu_kernels=auto``: the fused CPU kernels), then with one
 setting changed at a time: prompts that only begin alike prefilled whole (``prefixes unshared``),
+a copied beginning read by decode from each row's own copy, not from the row it was copied from
+(``prefixes read per row``),
 the head in fp32, the head in bf16 (fp32 logits rounded to bf16 first,
 as vLLM computes them), and the fused kernels off with the fp32 head (the engine before them); the
 fp32 engine also with the kernels off. ``--engine-dtypes float32`` runs only the fp32 engine (on a
@@ -75,7 +77,7 @@ from areal_flow.models.hf import load_model, resolve_folder  # noqa: E402
 from areal_flow.models.tiny import build_in_code  # noqa: E402
 from areal_flow.ops.generate import encode_prompt  # noqa: E402
 from areal_flow.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from runtime.engines import prefill_plan  # noqa: E402
+from runtime.engines import generation, prefill_plan  # noqa: E402
 from runtime.engines.generation import GenerationEngine, GenerationRequest, SamplingParams  # noqa: E402
 from runtime.engines.precision import matmul_seconds  # noqa: E402
 
@@ -100,17 +102,20 @@ def _interleaved_rates(runs: dict, n_tokens: int, repeats: int,
     return {name: (n_tokens / wall[name], n_tokens / cpu[name]) for name in runs}
 
 
-def _unshared(share: bool, call, *args):
-    """``call(*args)``; unless ``share``, with prompts that only begin alike prefilled whole (no
+def _sharing(mode: str, call, *args):
+    """``call(*args)`` with the engine's prompt sharing as ``mode`` says: ``"all"`` (the default),
+    ``"prefill"`` (copies as planned, but decode reads every row's own copy: no
+    ``prefill_plan.prefix_rows``), ``"none"`` (prompts that only begin alike prefilled whole: no
     beginning computed once for several, none copied from a cached row but a whole prompt)."""
-    if share:
-        return call(*args)
-    saved = prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED
-    prefill_plan.MIN_SKIPPED = prefill_plan.MIN_CACHED = 1 << 62
+    saved = prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED, generation.prefix_rows
+    if mode == "none":
+        prefill_plan.MIN_SKIPPED = prefill_plan.MIN_CACHED = 1 << 62
+    if mode == "prefill":
+        generation.prefix_rows = lambda rows: None
     try:
         return call(*args)
     finally:
-        prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED = saved
+        prefill_plan.MIN_SKIPPED, prefill_plan.MIN_CACHED, generation.prefix_rows = saved
 
 
 def _hf_call(model, prompts: list[list[int]], pad: int, n_new: int, temperature: float, top_p: float,
@@ -195,22 +200,24 @@ def main(argv: list[str] | None = None) -> None:
         # the LM head in fp32 is gen.lm_head_dtype's default; "bf16 head" runs it in bf16 as vLLM does
         # the defaults (gen.lm_head_dtype=auto: the mixed head for bf16 where AMX or AVX-512 BF16 runs it, gen.cpu_kernels=auto),
         # then one setting changed at a time; "CPU kernels off, fp32 head" is the engine before the kernels
-        # "prefixes unshared": every distinct prompt prefilled whole (no shared beginning computed once)
-        variants = (("float32", "auto", "auto", True), ("float32", "auto", "off", True),
-                    ("bfloat16", "auto", "auto", True), ("bfloat16", "auto", "auto", False),
-                    ("bfloat16", "float32", "auto", True), ("bfloat16", "engine", "auto", True),
-                    ("bfloat16", "float32", "off", True), ("auto", "auto", "auto", True))
+        # "prefixes unshared": every distinct prompt prefilled whole (no shared beginning computed once);
+        # "prefixes read per row": computed once and copied, but decode reads each row's own copy
+        variants = (("float32", "auto", "auto", "all"), ("float32", "auto", "off", "all"),
+                    ("bfloat16", "auto", "auto", "all"), ("bfloat16", "auto", "auto", "none"),
+                    ("bfloat16", "auto", "auto", "prefill"),
+                    ("bfloat16", "float32", "auto", "all"), ("bfloat16", "engine", "auto", "all"),
+                    ("bfloat16", "float32", "off", "all"), ("auto", "auto", "auto", "all"))
         for dtype, head, kernels, share in (v for v in variants if v[0] in args.engine_dtypes):
             engine = GenerationEngine(model, tokenizer, max_batch_size=batch, dtype=dtype, device=args.device,
                                       head_dtype=head, cpu_kernels=kernels)
             name = f"embedded {dtype}" + (f" (= {str(engine.dtype)[6:]})" if dtype == "auto" else "") \
                 + (", CPU kernels off" if kernels == "off" else "") \
                 + {"engine": ", bf16 head", "float32": ", fp32 head"}.get(head, "") \
-                + ("" if share else ", prefixes unshared")
-            if head == "auto" and engine.dtype == torch.bfloat16 and share:
+                + {"none": ", prefixes unshared", "prefill": ", prefixes read per row"}.get(share, "")
+            if head == "auto" and engine.dtype == torch.bfloat16 and share == "all":
                 print(f"{name}: LM head {'mixed' if engine._dec.mixed_head else 'fp32'}")
-            runs[name] = (lambda e=engine, share=share: _unshared(share, e.generate, warm),
-                          lambda k, e=engine, share=share: _unshared(share, e.generate, requests[k]))
+            runs[name] = (lambda e=engine, share=share: _sharing(share, e.generate, warm),
+                          lambda k, e=engine, share=share: _sharing(share, e.generate, requests[k]))
         hf = {"HF generate float32": model, **({"HF generate bfloat16": model_bf16} if model_bf16 is not None else {})}
         for name, m in hf.items():
             calls = [_hf_call(m, prompts, pad, args.max_new_tokens, args.temperature, args.top_p, args.device)
@@ -240,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{rates['embedded bfloat16'][0] / rates['HF generate bfloat16'][0]:.2f}x")
         like = [f"{ours} / {name}: {rates[ours][0] / rates[name][0]:.2f}x" for name in vllm_engines
                 for d, ours in (("bfloat16", "embedded bfloat16"), ("bfloat16", "embedded bfloat16, prefixes unshared"),
+                                ("bfloat16", "embedded bfloat16, prefixes read per row"),
                                 ("bfloat16", "embedded bfloat16, fp32 head"),
                                 ("bfloat16", "embedded bfloat16, bf16 head"),
                                 ("float32", "embedded float32")) if name.startswith(f"vLLM {d}") and ours in rates]

@@ -65,12 +65,19 @@ seed. The load average is printed at every run.
 
     python bench/vs_trl.py [--job main|chat] [--steps N] [--seeds 1,2,3] [--k 2,0,0h] [--gen-dtype float32,auto]
         [--trainer-dtype float32,bfloat16] [--lend 1,0] [--trl-threads 0,1] [--trl-bf16 0,1] [--trl-malloc 1,0]
-        [--repeats R] [--no-eval] [--curve N] [--areal-steps M] [key=value ...]
+        [--trl-rng 0,1] [--repeats R] [--no-eval] [--curve N] [--areal-steps M] [key=value ...]
 
 ``--curve N`` scores the held-out set every ``N`` optimizer steps on both sides and prints when
 each areal-flow run first reached each TRL run's final accuracy, at what training time, against
 TRL's own time (``bench/vs_trl_curve.py``); ``--areal-steps M`` lets the areal-flow runs go on
-past TRL's ``--steps`` (the same prompts in the same order, then more).
+past TRL's ``--steps`` (the same prompts in the same order, then more). ``--trl-rng 0,1`` adds a
+TRL *twin* per TRL variant: TRL's ``seed`` one higher, so only its samples differ (the policy,
+prompts in order and held-out set stay the seed's). With ``--curve`` the twin is timed against its
+rng-0 run by step (it runs TRL's code: as fast, but its loop time varies with its samples), and the
+run ends with a tally over seeds (``vs_trl_report.tally``): how often each runner reached the
+target's final accuracy within the target's time, and its mean best accuracy within that time less
+the target's final. The twin's count is the criterion's pass rate for a trainer exactly as good as
+TRL. Speed ratios are against the rng-0 runs only.
 
 ``--no-eval`` skips the held-out evaluations (speed only; the chat job's 100 problems x 24
 greedy tokens take minutes on 2 cores). Each run also prints its generation / training split:
@@ -102,7 +109,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from runtime.worker_env import CPU_MALLOC, started_with  # noqa: E402
 from vs_trl_curve import areal_points, score_snapshots, snapshots  # noqa: E402
-from vs_trl_report import before_accuracy, median, report, run_line  # noqa: E402
+from vs_trl_report import before_accuracy, median, report, run_line, tally  # noqa: E402
 from vs_trl_jobs import JOBS, SharedReward, Variant, shared_settings, trl_prompt, variants  # noqa: E402
 
 TRL_VERSION = "1.16.0"  # bench/peer_requirements.txt
@@ -122,7 +129,7 @@ def run_trl(folder: str, problems: list[dict], test: list[dict], task, knobs: di
     Args:
         knobs: ``steps``, ``batch_size`` (prompts per step), ``n_samples``, ``micro_batch`` (samples
             a forward/backward; the step's samples are its multiple), ``max_new_tokens``, ``lr``,
-            ``max_grad_norm``, ``temperature``, ``top_p``, ``seed``, ``threads`` (torch intra-op
+            ``max_grad_norm``, ``temperature``, ``top_p``, ``seed`` (TRL's, its sampling RNG), ``threads`` (torch intra-op
             threads; 0 = torch's default, every core), ``bf16`` (TRL's bf16 autocast), ``reward``
             (``REWARD_FNS`` name), ``chat_template`` (the generate node's), ``mask_truncated`` (the
             trainer's overlong filtering: TRL's ``mask_truncated_completions``), ``eval`` (score ``test``),
@@ -285,6 +292,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trl-bf16", help="TRL bf16 values, 0/1 (default: main 0, chat 0,1)")
     parser.add_argument("--trl-malloc", default="1", help="TRL's process with glibc malloc keeping what it frees "
                         "(runtime.worker_env.CPU_MALLOC, as areal-flow's CPU workers), 0/1")
+    parser.add_argument("--trl-rng", default="0", help="TRL sampling-seed offsets (0,1: a second TRL run per "
+                        "variant that differs only in its samples, the noise control of --curve's time to accuracy)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants per seed (order rotates)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations (speed only)")
     parser.add_argument("--curve", type=int, default=0, help="also score the held-out set every N optimizer steps "
@@ -308,7 +317,8 @@ def main(argv: list[str]) -> None:
                     [int(t) for t in split(args.trl_threads)],
                     [t == "1" for t in split(args.trl_bf16 if args.trl_bf16 is not None else job.trl_bf16)],
                     tuple(split(args.trainer_dtype)) or ("",), tuple(t == "1" for t in split(args.lend)) or (None,),
-                    tuple(t == "1" for t in split(args.trl_malloc)) or (True,))
+                    tuple(t == "1" for t in split(args.trl_malloc)) or (True,),
+                    tuple(int(r) for r in split(args.trl_rng)) or (0,))
     labels = [v.label for v in runs]
     results: dict[tuple[int, str], list[dict]] = {}
     print(f"vs_trl: job {args.job} ({job.graph}), {steps} steps, seeds {args.seeds}, variants {labels}, "
@@ -335,6 +345,8 @@ def main(argv: list[str]) -> None:
                     print(f"[seed {seed} round {round_ + 1}] {v.label:>16}: {run_line(v, r)}; {before} -> {load()}",
                           flush=True)
             report(seed, runs, results, before_accuracy(results, runs, seed, folder, task, test, shared, args.no_eval))
+    if args.curve:
+        tally(runs, results)
 
 
 def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str, problems, test, task, knobs: dict,
@@ -342,7 +354,7 @@ def run_variant(v: Variant, pool, graph: str, base: list[str], flow, folder: str
     """One run of ``v``: TRL in a fresh process of ``pool``, areal-flow in its own workers (scored
     at each checkpoint with ``knobs["curve"]``)."""
     if v.side == "trl":
-        knobs = {**knobs, "threads": v.threads, "bf16": v.bf16}
+        knobs = {**knobs, "threads": v.threads, "bf16": v.bf16, "seed": seed + v.rng}
         if not v.malloc:
             return pool.submit(run_trl, folder, problems, test, task, knobs).result()
         with started_with(CPU_MALLOC), ProcessPoolExecutor(**FRESH) as own:  # the env its process starts with

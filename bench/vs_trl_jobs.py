@@ -56,6 +56,9 @@ class Variant:
         bf16: TRL ``bf16`` (autocast of its forward passes to bf16 on CPU).
         malloc: TRL's process started with ``runtime.worker_env.CPU_MALLOC`` (glibc malloc
             keeping what it frees, as areal-flow's CPU workers).
+        rng: added to TRL's ``seed`` (its sampling RNG; the policy, prompts and held-out set stay
+            the run seed's): a TRL run that differs from the ``rng=0`` one only in its samples,
+            the noise control of the time-to-accuracy criterion.
     """
 
     label: str
@@ -67,19 +70,20 @@ class Variant:
     threads: int = 0
     bf16: bool = False
     malloc: bool = True
+    rng: int = 0
 
 
 def variants(ks: list[str], gen_dtypes: list[str], trl_threads: list[int], trl_bf16: list[bool],
              train_dtypes: tuple[str, ...] = ("",), lends: tuple[bool | None, ...] = (None,),
-             trl_mallocs: tuple[bool, ...] = (True,)) -> list[Variant]:
+             trl_mallocs: tuple[bool, ...] = (True,), trl_rngs: tuple[int, ...] = (0,)) -> list[Variant]:
     """Every areal-flow (k x gen.dtype x model.dtype x core lending) and TRL (threads x bf16 x
-    malloc setting) combination, areal-flow first.
+    malloc setting x sampling-seed offset) combination, areal-flow first.
 
     A dtype enters the label only when it is set (``"areal k=1 auto"``, ``"areal k=1 auto
     train=bfloat16"``; ``"areal k=2"`` runs the yaml's), core lending only when set (``"areal k=1
     lend=off"``), TRL's precision always and its malloc only when glibc's default (``"TRL bf16
-    glibc-malloc"``) (``"TRL fp32"``,
-    ``"TRL t=1 bf16"``).
+    glibc-malloc"``) and its sampling-seed offset only when not 0 (``"TRL fp32 rng+1"``)
+    (``"TRL fp32"``, ``"TRL t=1 bf16"``).
 
     Raises:
         ValueError: no variant at all.
@@ -87,8 +91,9 @@ def variants(ks: list[str], gen_dtypes: list[str], trl_threads: list[int], trl_b
     out = [Variant(f"areal k={k}" + (f" {d}" if d else "") + (f" train={t}" if t else "")
                    + ("" if lend is None else f" lend={'on' if lend else 'off'}"), "areal", k=k, gen_dtype=d,
                    train_dtype=t, lend=lend) for k in ks for d in gen_dtypes for t in train_dtypes for lend in lends]
-    out += [Variant("TRL" + (f" t={t}" if t else "") + (" bf16" if b else " fp32") + ("" if m else " glibc-malloc"),
-                    "trl", threads=t, bf16=b, malloc=m) for t in trl_threads for b in trl_bf16 for m in trl_mallocs]
+    out += [Variant("TRL" + (f" t={t}" if t else "") + (" bf16" if b else " fp32") + ("" if m else " glibc-malloc")
+                    + (f" rng+{r}" if r else ""), "trl", threads=t, bf16=b, malloc=m, rng=r)
+            for t in trl_threads for b in trl_bf16 for m in trl_mallocs for r in trl_rngs]
     if not out:
         raise ValueError("vs_trl: no variant to run (--k and --trl-threads both empty)")
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from vs_trl_curve import curve_text, reach_line
+from vs_trl_curve import curve_text, first_reaching, reach_line
 from vs_trl_jobs import Variant
 
 
@@ -47,9 +47,9 @@ def before_accuracy(results: dict, runs: list[Variant], seed: int, folder: str, 
 def report(seed: int, runs: list[Variant], results: dict, before: float | None) -> None:
     """The side-by-side table of one seed: medians over its rounds, speed ratios (samples/s of the
     loop, so runs of different lengths compare: ``--areal-steps``) against the fastest TRL variant
-    and against TRL of the same precision (fp32 with fp32 engines, bf16 with 16-bit ones,
+    (twins, ``--trl-rng`` > 0, left out) and against TRL of the same precision (fp32 with fp32 engines, bf16 with 16-bit ones,
     ``gen.dtype=auto`` by what the engine chose), generation's share of each loop."""
-    trls = [v for v in runs if v.side == "trl"]
+    trls = [v for v in runs if v.side == "trl" and v.rng == 0]  # a twin (rng > 0) is a control, not a peer
     loop = {v.label: median([r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
     rates = {v.label: median([r["samples"] / r["train_s"] for r in results[(seed, v.label)]]) for v in runs}
     fastest = max((rates[v.label] for v in trls), default=float("nan"))
@@ -79,9 +79,48 @@ def report(seed: int, runs: list[Variant], results: dict, before: float | None) 
         for i, r in enumerate(results[(seed, v.label)]):
             if r.get("curve"):
                 print(f"  curve {v.label} round {i + 1}: {curve_text(r['curve'])}")
-    for v in (v for v in runs if v.side == "areal"):
+    for v, t in reach_pairs(runs):
         for i, r in enumerate(results[(seed, v.label)]):
-            for t in trls:
-                peer = results[(seed, t.label)][i]
-                if r.get("curve") and peer.get("curve"):
-                    print(f"  round {i + 1}: " + reach_line(v.label, r["curve"], t.label, peer["curve"]))
+            peer = results[(seed, t.label)][i]
+            if r.get("curve") and peer.get("curve"):
+                print(f"  round {i + 1}: " + reach_line(v.label, r["curve"], t.label, peer["curve"]))
+
+
+def reach_pairs(runs: list[Variant]) -> list[tuple[Variant, Variant]]:
+    """``(runner, target)`` pairs whose time to accuracy is printed: each areal-flow variant against
+    each TRL variant of sampling offset 0, and each TRL variant of offset > 0 (the control: the same
+    trainer, other samples) against its offset-0 twin."""
+    base = [t for t in runs if t.side == "trl" and t.rng == 0]
+    pairs = [(v, t) for v in runs if v.side == "areal" for t in base]
+    return pairs + [(t, b) for t in runs if t.side == "trl" and t.rng for b in base
+                    if (b.threads, b.bf16, b.malloc) == (t.threads, t.bf16, t.malloc)]
+
+
+def tally(runs: list[Variant], results: dict) -> None:
+    """Across every seed and round run (``--curve``): for each pair of :func:`reach_pairs`, in how
+    many the runner reached the target's final held-out accuracy within the target's training time
+    (a TRL twin, as fast by construction: by the target's last step), and the mean over them of
+    the runner's best accuracy within that time less the target's final (points of accuracy). A
+    TRL-vs-TRL pair says how often the criterion passes by chance for a trainer as good and as fast."""
+    print("\ntime to accuracy over all seeds and rounds (reached within the target's training time, a TRL twin "
+          "by its last step; mean of the best accuracy within it minus the target's final):")
+    for v, t in reach_pairs(runs):
+        won, gaps, none = 0, [], 0
+        for (seed, label), rs in results.items():
+            if label != v.label:
+                continue
+            for r, peer in zip(rs, results[(seed, t.label)]):
+                if not (r.get("curve") and peer.get("curve")):
+                    continue
+                steps, limit, target = peer["curve"][-1]
+                inside = (lambda p: p[1] <= limit) if v.side == "areal" else (lambda p: p[0] <= steps)  # noqa: B023
+                hit = first_reaching(r["curve"], target)
+                won += hit is not None and inside(hit)
+                within = [p[2] for p in r["curve"] if inside(p)]
+                if within:
+                    gaps.append(max(within) - target)
+                none += not within
+        if gaps or none:
+            mean = f"{100 * statistics.fmean(gaps):+.1f} points on average" if gaps else "-"
+            print(f"  {v.label} -> {t.label}'s final: {won} of {len(gaps) + none}; best within its time {mean}"
+                  + (f" ({none} with no point within it, left out of the mean)" if none else ""))

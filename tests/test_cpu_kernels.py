@@ -31,15 +31,18 @@ def _kernels():
     return cpu_kernels.load()
 
 
-def _reference(q, keys, values, lens, scale, cache_rows=None):
+def _reference(q, keys, values, lens, scale, cache_rows=None, prefix_rows=None, prefix_lens=None):
     """The formula row by row in float64: row r, KV head j, query i attends to positions 0 .. lens[r] of
-    cache row ``cache_rows[r]`` (default r)."""
+    cache row ``cache_rows[r]`` (default r), positions below ``prefix_lens[r]`` taken from cache row
+    ``prefix_rows[r]`` instead."""
     rows, kv, g, hd = q.shape
     out = torch.zeros(rows, kv, g, hd, dtype=torch.float64)
     for r in range(rows):
         n, c = int(lens[r]) + 1, r if cache_rows is None else int(cache_rows[r])
+        m, pre = (0, c) if prefix_rows is None else (int(prefix_lens[r]), int(prefix_rows[r]))
         for j in range(kv):
-            k, v = keys[c, j, :n].double(), values[c, j, :n].double()
+            k = torch.cat([keys[pre, j, :m], keys[c, j, m:n]]).double()
+            v = torch.cat([values[pre, j, :m], values[c, j, m:n]]).double()
             weights = torch.softmax(q[r, j].double() @ k.T * scale, dim=-1)  # [g, n]
             out[r, j] = weights @ v
     return out
@@ -66,6 +69,20 @@ def test_kernel_equals_the_formula(dtype, tol, kv, g, hd):
     cache_rows = torch.tensor([6, 0, 3, 3, 1])
     got = op(q, keys, values, lens, scale, cache_rows)
     assert torch.allclose(got.double(), _reference(q, keys, values, lens, scale, cache_rows), rtol=tol, atol=tol)
+    # a decode step whose rows read their first positions from other rows (here rows of other contents:
+    # the formula over the spliced keys); none, one, a block edge (16), the whole length but its last
+    prefix_rows, prefix_lens = torch.tensor([2, 6, 3, 5, 3]), torch.tensor([0, 1, 16, 39, 9])
+    got = op(q, keys, values, lens, scale, None, None, None, prefix_rows, prefix_lens)
+    want = _reference(q, keys, values, lens, scale, None, prefix_rows, prefix_lens)
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
+    assert not torch.allclose(got.double(), _reference(q, keys, values, lens, scale), rtol=tol, atol=tol)
+    # where the other row holds a copy of those positions, the same bits as reading its own
+    for r, (src, n) in enumerate(zip(prefix_rows.tolist(), prefix_lens.tolist())):
+        if src >= rows:  # a row without a query of its own: may take the copy
+            keys[src, :, :n], values[src, :, :n] = keys[r, :, :n], values[r, :, :n]
+    mine = torch.tensor([src if src >= rows else r for r, src in enumerate(prefix_rows.tolist())])
+    copied = op(q, keys, values, lens, scale, None, None, None, mine, prefix_lens)
+    assert torch.equal(copied, op(q, keys, values, lens, scale))
 
 
 
@@ -96,6 +113,19 @@ def test_a_decode_steps_new_keys_and_values_are_written_at_each_rows_length(dtyp
         with pytest.raises(RuntimeError, match=r"new_keys and new_values \[rows, kv, hd\] = \[4, 3, 64\]"):
             op(q, keys, values, lens, 1 / 8, None, bad_k, new_v)
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # a refused call wrote nothing
+    # the engine's call: this step's keys written and rows reading their first positions from another row. Row 0
+    # holds no position before its new key (length 0), so row 1 may not read 5 from it; refused before any write
+    with pytest.raises(RuntimeError, match="row 1 reads 5 positions from row 0, which holds 0 before"):
+        op(q, keys, values, lens, 1 / 8, None, new_k, new_v, torch.tensor([0, 0, 2, 3]), torch.tensor([0, 5, 0, 0]))
+    with pytest.raises(RuntimeError, match=r"prefix_rows and prefix_lens \[rows\] int64"):
+        op(q, keys, values, lens, 1 / 8, None, new_k, new_v, torch.tensor([0, 2, 2, 2], dtype=torch.int32),
+           torch.tensor([0, 5, 0, 3]))
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    src, n = torch.tensor([0, 2, 2, 2]), torch.tensor([0, 5, 0, 3])
+    got = op(q, keys, values, lens, 1 / 8, None, new_k, new_v, src, n)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # the same writes at each row's length
+    assert torch.allclose(got.double(), _reference(q, want_k, want_v, lens, 1 / 8, None, src, n), rtol=2 ** -8,
+                          atol=2 ** -8)
 
 
 def test_one_key_returns_its_value_and_equal_scores_average():
@@ -121,6 +151,13 @@ def test_kernel_errors_name_the_culprit():
         op(torch.zeros(2, 1, 1, 5), cache, cache, torch.tensor([3, 3]), 1.0)
     with pytest.raises(RuntimeError, match="row 0 reads cache row 2, outside 0 .. 1"):
         op(q, cache, cache, torch.tensor([3, 3]), 1.0, torch.tensor([2, 0]))
+    both = torch.tensor([3, 3])
+    with pytest.raises(RuntimeError, match="prefix_rows and prefix_lens come together"):
+        op(q, cache, cache, both, 1.0, None, None, None, torch.tensor([1, 0]))
+    with pytest.raises(RuntimeError, match="row 1 reads its prefix from cache row 2, outside 0 .. 1"):
+        op(q, cache, cache, both, 1.0, None, None, None, torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match="row 0's prefix of 4 positions is outside 0 .. 3"):
+        op(q, cache, cache, both, 1.0, None, None, None, torch.tensor([1, 0]), torch.tensor([4, 0]))
 
 
 def test_add_rms_norm_kernel_equals_hand_computed_and_torch():
@@ -183,6 +220,44 @@ def test_engine_with_kernel_generates_what_sdpa_generates():
     for a, b in zip(runs["on"], runs["off"]):
         assert a.output_ids == b.output_ids and len(a.output_ids) > 10
         assert max(abs(x - y) for x, y in zip(a.behavior_logprobs, b.behavior_logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_read_their_copied_prompt_from_its_source_row_and_draw_the_same_bits(dtype, monkeypatch):
+    """Groups sharing a prompt and a system turn, admitted over several steps (rows finish and free
+    their slots, so some sources die before the rows that copied from them), a weight update
+    midway: decode reading each row's copied beginning from its source row draws the same tokens
+    and the same log-probs, bit for bit, as each row reading its own copy."""
+    _kernels()
+    from runtime.engines import generation, prefill_plan
+
+    system = "1234567890" * 4
+    prompts = [system + t for t in ("12+5=", "3-1=")] + ["305-47="]
+    reqs = [_req(i, prompts[i % 3], temperature=1.0, max_new_tokens=3 + (5 * i) % 7) for i in range(14)]
+    seen = {"shared_steps": 0, "orphans": 0}
+
+    def spy(rows):
+        live = {id(seq) for seq in rows}
+        seen["orphans"] += sum(seq.prefix is not None and id(seq.prefix[0]) not in live for seq in rows)
+        out = prefill_plan.prefix_rows(rows)
+        seen["shared_steps"] += out is not None
+        return out
+
+    runs = {}
+    for mode in ("shared", "own"):
+        monkeypatch.setattr(generation, "prefix_rows", spy if mode == "shared" else (lambda rows: None))
+        engine = GenerationEngine(_model(11), TOK, max_batch_size=6, seed=5, dtype=dtype, cpu_kernels="on")
+        for r in reqs:
+            engine.submit(r)
+        results = [res for _ in range(4) for res in engine.step()]
+        engine.update_weights(_model(12).state_dict(), version=1)
+        while engine.has_work():
+            results += engine.step()
+        runs[mode] = sorted(results, key=lambda r: r.request_id)
+    assert seen["shared_steps"] >= 8 and seen["orphans"] > 0  # reads shared, and some sources did finish first
+    assert len(runs["shared"]) == len(reqs)
+    for a, b in zip(runs["shared"], runs["own"]):
+        assert a.output_ids == b.output_ids and a.behavior_logprobs == b.behavior_logprobs and a.versions == b.versions
 
 
 def _teacher_forced_logits(dec: KVDecoder, steps: int = 8) -> torch.Tensor:

@@ -15,7 +15,7 @@ def test_a_group_computes_its_prompt_once_and_the_others_copy_it():
     tokens = [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
     assert plan_prefill(tokens, [3, 3, 2, 2], [], 0) == [
         Forward([0, 2], [0, 0], [3, 2], [[0, 1], [2, 3]]),
-        Copy([0, 2], [1, 3], 3),
+        Copy([0, 2], [1, 3], [3, 2]),
     ]
 
 
@@ -25,7 +25,7 @@ def test_distinct_prompts_with_a_long_common_prefix_compute_it_once():
     assert 2 * 40 >= MIN_SKIPPED
     assert plan_prefill(tokens, [42, 41, 43], [], 5) == [
         Forward([0], [0], [42], [[0]]),
-        Copy([5, 5], [6, 7], 40),
+        Copy([5, 5], [6, 7], [40, 40]),
         Forward([1, 2], [40, 40], [41, 43], [[1], [2]]),
     ]
 
@@ -36,7 +36,7 @@ def test_a_prompt_that_is_a_prefix_of_the_others_is_their_root_and_each_branch_k
     steps = plan_prefill(tokens, [42, 40, 41], [], 0)
     assert steps == [
         Forward([1], [0], [40], [[1]]),
-        Copy([1, 1], [2, 0], 40),
+        Copy([1, 1], [2, 0], [40, 40]),
         Forward([2, 0], [40, 40], [41, 42], [[2], [0]]),
     ]
 
@@ -55,9 +55,9 @@ def test_a_prompt_a_cached_row_holds_is_copied_but_its_last_token():
     # copies the prompt from it, row 0 then computes its own two
     tokens = [[7, 8, 9, 1, 1], [7, 8, 9]]
     assert plan_prefill(tokens, [3, 3], [[5], [5, 6], [7, 8, 9, 4]], 3) == [
-        Copy([2], [3], 2),
+        Copy([2], [3], [2]),
         Forward([0], [2], [3], [[0, 1]]),
-        Copy([3], [4], 3),
+        Copy([3], [4], [3]),
         Forward([0], [3], [5], [[0]]),
     ]
     with pytest.raises(ValueError, match="3 cached rows lie below the first stale row 2"):
@@ -69,7 +69,7 @@ def test_a_new_prompt_copies_the_system_turn_from_a_cached_row_of_another_prompt
     # shared tokens, more than MIN_CACHED, and computes 2; a beginning of 10 tokens is not copied
     tokens = [SYSTEM + [5, 6], SYSTEM[:10] + [7, 7]]
     assert plan_prefill(tokens, [42, 12], [[3] * 5, SYSTEM + [1, 2, 3, 3, 3]], 2) == [
-        Copy([1], [2], 40),
+        Copy([1], [2], [40]),
         Forward([0, 1], [40, 0], [42, 12], [[0], [1]]),
     ]
 
@@ -78,7 +78,7 @@ def test_after_an_update_a_group_recomputes_its_prompt_once_then_each_row_its_ow
     tokens = [[7, 8, 9, 4], [7, 8, 9, 5, 6]]
     assert plan_prefill(tokens, [3, 3], [], 0) == [
         Forward([0], [0], [3], [[0, 1]]),
-        Copy([0], [1], 3),
+        Copy([0], [1], [3]),
         Forward([0, 1], [3, 3], [4, 5], [[0], [1]]),
     ]
 
@@ -95,22 +95,26 @@ def test_two_clusters_each_branch_copies_from_its_own_root_as_much_as_it_shares(
     # sorted: a+[1] (3), a+[2] (1), b+[1] (2), b+[1,5] (4), b+[2,3] (0); LCPs to the previous: 40, 0, 41, 40
     assert plan_prefill(tokens, lens, [], 10) == [
         Forward([2, 3], [0, 0], [41, 41], [[2], [3]]),
-        Copy([13, 12, 12], [11, 14, 10], 41),
+        Copy([13, 12, 12], [11, 14, 10], [40, 41, 40]),
         Forward([1, 4, 0], [40, 41, 40], [41, 42, 42], [[1], [4], [0]]),
     ]
 
 
 def _replay(steps, tokens: list[list[int]], cached: list[list[int]], first_row: int):
-    """Run a plan on a symbolic cache: position i of a row holds the token prefix its key/value is a
-    function of (``None``: garbage). A forward must find every position before its start valid;
-    returns the cache rows and each stale row's logits (the prefix they are a function of)."""
+    """Run a plan on a symbolic cache: position i of a row holds ``(prefix, origin)``: the token
+    prefix its key/value is a function of (``("garbage",)``: none) and which forward and row wrote
+    it (a copy keeps the origin, so equal origins mean the same bits). A forward must find every
+    position before its start valid; returns the cache rows and each stale row's logits (the
+    prefix they are a function of)."""
     width = first_row + len(tokens)
-    cache = [[tuple(v[: i + 1]) for i in range(len(v))] + [None] * 200 for v in cached]
-    cache += [[("garbage",)] * 250 for _ in range(len(tokens))]
+    cache = [[(tuple(v[: i + 1]), ("cached", c)) for i in range(len(v))] + [(None, None)] * 200
+             for c, v in enumerate(cached)]
+    cache += [[(("garbage",), None)] * 250 for _ in range(len(tokens))]
     logits = [None] * len(tokens)
-    for step in steps:
+    for n, step in enumerate(steps):
         if isinstance(step, Copy):
             assert len(set(step.src) & set(step.dst)) == 0 and all(first_row <= d < width for d in step.dst)
+            assert all(k > 0 for k in step.lengths)
             taken = [list(cache[s][: step.length]) for s in step.src]
             for d, values in zip(step.dst, taken):
                 cache[d][: step.length] = values
@@ -118,21 +122,32 @@ def _replay(steps, tokens: list[list[int]], cached: list[list[int]], first_row: 
         padded = max(e - s for s, e in zip(step.starts, step.ends))
         for r, start, end, targets in zip(step.rows, step.starts, step.ends, step.targets):
             row = cache[first_row + r]
-            assert all(row[i] == tuple(tokens[r][: i + 1]) for i in range(start)), (r, start)
+            assert all(row[i][0] == tuple(tokens[r][: i + 1]) for i in range(start)), (r, start)
             for p in range(start, end):
-                row[p] = tuple(tokens[r][: p + 1])
+                row[p] = (tuple(tokens[r][: p + 1]), ("forward", n, r))
             if not any(step.starts):  # the whole-prompt path writes the padding too
                 for p in range(end, padded):
-                    row[p] = ("padding",)
+                    row[p] = (("padding",), ("forward", n, r))
             for t in targets:
                 logits[t] = tuple(tokens[r][:end])
     return cache, logits
 
 
+def _kept_copies_are_the_sources_bits(steps, cache, tokens, first_row) -> None:
+    """Every copied pair's ``lengths[i]`` positions lie within the destination's tokens (so they
+    are checked valid with the rest) and end as the source row's, origin and all: the decode
+    attention may read them from either row."""
+    for step in steps:
+        if isinstance(step, Copy):
+            for s, d, k in zip(step.src, step.dst, step.lengths):
+                assert k <= len(tokens[d - first_row]) and cache[d][:k] == cache[s][:k], (s, d, k)
+
+
 def test_every_plan_builds_every_row_and_its_logits_on_random_batches():
     """Random batches: groups, prompts that begin alike, prompts that are prefixes of others, rows
     with tokens of their own, cached rows holding some prompts or their beginnings. Replayed on a
-    symbolic cache, every stale row ends with all its positions right and its last token's logits."""
+    symbolic cache, every stale row ends with all its positions right and its last token's logits,
+    and every row keeps the positions a copy claims, bit for bit the source's."""
     rng = random.Random(0)
     beginnings = [[1] * 40, [2] * 30 + [3] * 10, [4] * 5, []]
     branched = from_cache = 0
@@ -149,8 +164,9 @@ def test_every_plan_builds_every_row_and_its_logits_on_random_batches():
         from_cache += any(isinstance(s, Copy) and min(s.src) < first_row for s in steps)
         cache, logits = _replay(steps, tokens, cached, first_row)
         for r, t in enumerate(tokens):
-            assert all(cache[first_row + r][i] == tuple(t[: i + 1]) for i in range(len(t))), (case, r)
+            assert all(cache[first_row + r][i][0] == tuple(t[: i + 1]) for i in range(len(t))), (case, r)
             assert logits[r] == tuple(t), (case, r)
+        _kept_copies_are_the_sources_bits(steps, cache, tokens, first_row)
     assert branched > 500 and from_cache > 300  # the batches do exercise copies and continued forwards
 
 

@@ -86,3 +86,9 @@ def test_core_lending_and_trls_malloc_multiply_their_sides_and_name_themselves()
                                        "TRL bf16 glibc-malloc"]
     assert [v.lend for v in runs[:2]] == [True, False] and [v.malloc for v in runs[2:]] == [True, False]
     assert variants(["1"], [""], [0], [True])[0].lend is None  # not set: the default, no override
+
+
+def test_trls_sampling_offset_multiplies_its_variants_and_names_itself():
+    runs = variants(["2"], [""], [0], [False], trl_rngs=(0, 1))
+    assert [v.label for v in runs] == ["areal k=2", "TRL fp32", "TRL fp32 rng+1"]
+    assert [v.rng for v in runs] == [0, 0, 1]

@@ -339,9 +339,13 @@ class KVDecoder:
         x = self._layers(F.embedding(ids, self.embed), pos, attend)
         return self._logits(x[torch.arange(n, device=device), lengths - 1])
 
-    def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def decode(self, last_ids: torch.Tensor, lengths: torch.Tensor,
+               prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Feed ``last_ids [A]`` (cache rows ``0 .. A-1``) at positions ``lengths [A]``,
         writing their keys/values in place (capacity must exceed ``lengths.max()``).
+        ``prefix``: ``(rows [A], lens [A])`` int64 on CPU, row r's first ``lens[r]`` positions
+        read from cache row ``rows[r]``, which holds the same bits (``decode_attention``'s
+        ``prefix_rows``; used by the CPU kernels only, where it saves memory traffic).
         Returns logits ``[A, vocab]`` fp32."""
         a = last_ids.shape[0]
         cap = self.keys[0].shape[2]
@@ -362,7 +366,7 @@ class KVDecoder:
             if self.kernels is not None:  # writes the step's keys/values at lengths, then all rows x kv heads
                 out = self.kernels.decode_attention(grouped.contiguous(), kc, vc, lengths, scale, None,
                                                     k.reshape(a, self.n_kv, self.head_dim),
-                                                    v.reshape(a, self.n_kv, self.head_dim))
+                                                    v.reshape(a, self.n_kv, self.head_dim), *(prefix or (None, None)))
             else:
                 kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
                 vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))

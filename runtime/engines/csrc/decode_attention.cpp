@@ -23,6 +23,13 @@
 //          cache: a decode step's own key and value, written into cache row r at position lens[r] before
 //          the attention reads it (a 128-byte copy each; torch's index_copy_ took ~29 us a layer for 64
 //          rows). Every check runs before this write, so a refused call leaves the cache as it was.
+//   prefix_rows, prefix_lens [rows] int64, optional, together: row r reads its cache positions
+//          0 .. prefix_lens[r] - 1 from cache row prefix_rows[r] instead of its own, which holds a copy of
+//          them (a GRPO group's prompt, prefilled once and copied to its rows: prefill_plan.py). The rows
+//          of a group then read one copy of their common beginning, which stays in the core's caches
+//          across them, instead of a copy each from memory (cascade attention's saving, without its
+//          second softmax pass: Juravsky et al. 2024, "Hydragen", sec. 3, split the same way). The result
+//          is the same bits when the two copies are the same bits.
 //   out    [rows, kv_heads, g, hd]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,16 +46,27 @@ namespace {
 
 using namespace areal_flow;
 
+// Where a problem's keys and values lie: positions t < npre in the prefix row's head (kpre, vpre),
+// the rest in its own (k, v); every row hd elements.
+template <typename T>
+struct Span {
+  const T *kpre, *vpre, *k, *v;
+  int64_t npre, hd;
+  const T* key(int64_t t) const { return (t < npre ? kpre : k) + t * hd; }
+  const T* value(int64_t t) const { return (t < npre ? vpre : v) + t * hd; }
+};
+
 // One (row, KV head) problem: n keys, g queries, head dim hd. s is scratch of g * n floats.
 template <typename T>
-void problem_portable(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t g, int64_t hd, float scale,
+void problem_portable(const T* qp, const Span<T>& kv, T* op, int64_t n, int64_t g, int64_t hd, float scale,
                       float* s) {
   std::vector<float> qf(g * hd), acc(g * hd, 0.f);
   for (int64_t e = 0; e < g * hd; ++e) qf[e] = widen(qp[e]) * scale;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t i = 0; i < g; ++i) {
+      const T* kt = kv.key(t);
       float dot = 0.f;
-      for (int64_t d = 0; d < hd; ++d) dot += qf[i * hd + d] * widen(kp[t * hd + d]);
+      for (int64_t d = 0; d < hd; ++d) dot += qf[i * hd + d] * widen(kt[d]);
       s[i * n + t] = dot;
     }
   for (int64_t i = 0; i < g; ++i) {
@@ -60,7 +78,7 @@ void problem_portable(const T* qp, const T* kp, const T* vp, T* op, int64_t n, i
   }
   for (int64_t t = 0; t < n; ++t)
     for (int64_t i = 0; i < g; ++i)
-      for (int64_t d = 0; d < hd; ++d) acc[i * hd + d] += s[i * n + t] * widen(vp[t * hd + d]);
+      for (int64_t d = 0; d < hd; ++d) acc[i * hd + d] += s[i * n + t] * widen(kv.value(t)[d]);
   for (int64_t e = 0; e < g * hd; ++e) op[e] = narrow<T>(acc[e]);
 }
 
@@ -77,7 +95,7 @@ inline void prefetch_row(const T* p, int64_t hd) {
 }
 
 template <typename T>
-void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t g, int64_t hd, float scale,
+void problem_avx512(const T* qp, const Span<T>& kv, T* op, int64_t n, int64_t g, int64_t hd, float scale,
                     float* s) {
   const int64_t chunks = (hd + 15) / 16;
   __m512 q[kMaxGroup][kMaxChunks], acc[kMaxGroup][kMaxChunks];
@@ -88,10 +106,11 @@ void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int
       acc[i][c] = _mm512_setzero_ps();
     }
   for (int64_t t = 0; t < n; ++t) {  // scores: one key row loaded once for the g queries
-    prefetch_row(kp + std::min(t + kAhead, n - 1) * hd, hd);  // the cache streams from memory: ~1.5x with these
-    prefetch_row(vp + t * hd, hd);
+    prefetch_row(kv.key(std::min(t + kAhead, n - 1)), hd);  // the cache streams from memory: ~1.5x with these
+    prefetch_row(kv.value(t), hd);
+    const T* kt = kv.key(t);
     __m512 k[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kp + t * hd + c * 16, chunk_mask(c, hd));
+    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kt + c * 16, chunk_mask(c, hd));
     for (int64_t i = 0; i < g; ++i) {
       __m512 dot = _mm512_mul_ps(q[i][0], k[0]);
       for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[i][c], k[c], dot);
@@ -120,9 +139,10 @@ void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int
     }
   }
   for (int64_t t = 0; t < n; ++t) {  // weighted sum of the value rows
-    prefetch_row(vp + std::min(t + kAhead, n - 1) * hd, hd);
+    prefetch_row(kv.value(std::min(t + kAhead, n - 1)), hd);
+    const T* vt = kv.value(t);
     __m512 v[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(vp + t * hd + c * 16, chunk_mask(c, hd));
+    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(vt + c * 16, chunk_mask(c, hd));
     for (int64_t i = 0; i < g; ++i) {
       const __m512 w = _mm512_set1_ps(s[i * n + t]);
       for (int64_t c = 0; c < chunks; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
@@ -133,13 +153,26 @@ void problem_avx512(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int
 }
 #endif
 
+// The optional per-row index arrays of a call (nullptr: absent).
+struct RowMaps {
+  const int64_t* cache_rows;   // the cache row each row reads (default: its own)
+  const int64_t* prefix_rows;  // the row its first prefix_lens[r] positions are read from
+  const int64_t* prefix_lens;
+};
+
 template <typename T>
-void attend(const T* q, const T* keys, const T* values, const int64_t* lens, const int64_t* cache_rows, T* out,
+void attend(const T* q, const T* keys, const T* values, const int64_t* lens, const RowMaps& maps, T* out,
             int64_t rows, int64_t kv, int64_t g, int64_t cap, int64_t hd, float scale) {
   // problem p = (row p / kv, head p % kv): the first key of its head in its cache row
   const auto first_key = [&](int64_t p) {
     const int64_t row = p / kv, head = p % kv;
-    return ((cache_rows == nullptr ? row : cache_rows[row]) * kv + head) * cap * hd;
+    return ((maps.cache_rows == nullptr ? row : maps.cache_rows[row]) * kv + head) * cap * hd;
+  };
+  const auto span = [&](int64_t p) {
+    const int64_t own = first_key(p);
+    if (maps.prefix_rows == nullptr) return Span<T>{keys + own, values + own, keys + own, values + own, 0, hd};
+    const int64_t pre = (maps.prefix_rows[p / kv] * kv + p % kv) * cap * hd;
+    return Span<T>{keys + pre, values + pre, keys + own, values + own, maps.prefix_lens[p / kv], hd};
   };
 #ifdef AREAL_FLOW_AVX512
   const bool wide = hd <= 16 * kMaxChunks && g <= kMaxGroup;
@@ -151,19 +184,20 @@ void attend(const T* q, const T* keys, const T* values, const int64_t* lens, con
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n = lens[p / kv] + 1;
       s.resize(g * n);
-      const T *qp = q + p * g * hd, *kp = keys + first_key(p), *vp = values + first_key(p);
+      const T* qp = q + p * g * hd;
+      const Span<T> at = span(p);
       T* op = out + p * g * hd;
 #ifdef AREAL_FLOW_AVX512
       if (wide) {
         if (p + 1 < end) {  // the next problem's first keys, whose lines the loop's own prefetch does not reach
-          const T* next = keys + first_key(p + 1);
-          for (int64_t t = 0; t < std::min<int64_t>(kAhead, lens[(p + 1) / kv] + 1); ++t) prefetch_row(next + t * hd, hd);
+          const Span<T> next = span(p + 1);
+          for (int64_t t = 0; t < std::min<int64_t>(kAhead, lens[(p + 1) / kv] + 1); ++t) prefetch_row(next.key(t), hd);
         }
-        problem_avx512(qp, kp, vp, op, n, g, hd, scale, s.data());
+        problem_avx512(qp, at, op, n, g, hd, scale, s.data());
         continue;
       }
 #endif
-      problem_portable(qp, kp, vp, op, n, g, hd, scale, s.data());
+      problem_portable(qp, at, op, n, g, hd, scale, s.data());
     }
   });
 }
@@ -188,7 +222,8 @@ void write_new(const at::Tensor& keys, const at::Tensor& values, const at::Tenso
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& lens, double scale, const c10::optional<at::Tensor>& cache_rows,
-                            const c10::optional<at::Tensor>& new_keys, const c10::optional<at::Tensor>& new_values) {
+                            const c10::optional<at::Tensor>& new_keys, const c10::optional<at::Tensor>& new_values,
+                            const c10::optional<at::Tensor>& prefix_rows, const c10::optional<at::Tensor>& prefix_lens) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "decode_attention: q [rows, kv, g, hd], keys/values [cap_rows, kv, cap, hd]; got q ",
               q.sizes(), ", keys ", keys.sizes(), ", values ", values.sizes());
@@ -220,6 +255,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     TORCH_CHECK(lp[r] >= 0 && lp[r] < cap, "decode_attention: row ", r, "'s length ", lp[r], " is outside 0 .. ",
                 cap - 1, " (the cache's capacity)");
   }
+  at::Tensor pr, pl;
+  if (prefix_rows.has_value() || prefix_lens.has_value()) {
+    TORCH_CHECK(prefix_rows.has_value() && prefix_lens.has_value(), "decode_attention: prefix_rows and prefix_lens "
+                "come together");
+    for (const at::Tensor& t : {*prefix_rows, *prefix_lens})
+      TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == rows && t.device().is_cpu(),
+                  "decode_attention: prefix_rows and prefix_lens [rows] int64 on CPU; got ", t.sizes(), " ",
+                  t.scalar_type());
+    pr = prefix_rows->contiguous();
+    pl = prefix_lens->contiguous();
+    const int64_t *rp = pr.data_ptr<int64_t>(), *np = pl.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(rp[r] >= 0 && rp[r] < keys.size(0), "decode_attention: row ", r, " reads its prefix from cache row ",
+                  rp[r], ", outside 0 .. ", keys.size(0) - 1);
+      TORCH_CHECK(np[r] >= 0 && np[r] <= lp[r], "decode_attention: row ", r, "'s prefix of ", np[r],
+                  " positions is outside 0 .. ", lp[r], " (its length: its own key at position ", lp[r],
+                  " is never read from another row)");
+      TORCH_CHECK(cache_rows.has_value() || rp[r] >= rows || np[r] <= lp[rp[r]], "decode_attention: row ", r,
+                  " reads ", np[r], " positions from row ", rp[r], ", which holds ", lp[rp[r]],
+                  " before this step's key");
+    }
+  }
   if (new_keys.has_value() || new_values.has_value()) {
     TORCH_CHECK(new_keys.has_value() && new_values.has_value() && !cache_rows.has_value(),
                 "decode_attention: new_keys and new_values come together, in a decode step (no cache_rows)");
@@ -234,8 +291,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const float sc = static_cast<float>(scale);
   dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp,
-              cache_rows.has_value() ? rc.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), rows, kv, g, cap, hd, sc);
+    const RowMaps maps{cache_rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
+                       pr.defined() ? pr.data_ptr<int64_t>() : nullptr, pl.defined() ? pl.data_ptr<int64_t>() : nullptr};
+    attend<T>(q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), lp, maps, out.data_ptr<T>(), rows, kv, g, cap,
+              hd, sc);
   });
   return out;
 }
@@ -254,6 +313,7 @@ int64_t simd_lanes() {
 TORCH_LIBRARY_FRAGMENT(areal_flow, m) {
   m.def("simd_lanes() -> int", TORCH_FN(simd_lanes));
   m.def("decode_attention(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor lens, float scale, "
-        "Tensor? cache_rows=None, Tensor? new_keys=None, Tensor? new_values=None) -> Tensor");
+        "Tensor? cache_rows=None, Tensor? new_keys=None, Tensor? new_values=None, Tensor? prefix_rows=None, "
+        "Tensor? prefix_lens=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }
