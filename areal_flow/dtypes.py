@@ -17,8 +17,14 @@ HALF = ("bfloat16", "float16")
 """The 16-bit dtype names."""
 
 AUTO = "auto"
-"""``model.dtype=auto``: bfloat16 where the device multiplies bf16 in hardware, else float32
-(:func:`model_dtype`)."""
+"""``model.dtype=auto``: bfloat16 where the device multiplies bf16 in hardware (on CPU: and
+faster than fp32, where the caller measures it), else float32 (:func:`model_dtype`)."""
+
+MIN_BF16_SPEEDUP = 1.3
+"""``model.dtype=auto`` on a CPU with bf16 instructions picks bfloat16 only where the caller's
+measured bf16 products are this many times faster than fp32's (as ``gen.dtype=auto``'s
+``MIN_SPEEDUP``): an Intel Xeon whose flags list AVX-512 BF16 but not AMX ran them at 0.5-0.7x
+fp32's (docs/PERFORMANCE.md)."""
 
 ENGINE = "engine"
 """The ``weights_dtype`` that defers to the engine: each generation replica announces the dtype
@@ -130,7 +136,7 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
     return any(f in flags for f in BF16_CPU_FLAGS)
 
 
-def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -> str:
+def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None, bf16_speedup=None) -> str:
     """``model.dtype`` (any spelling, or :data:`AUTO`) as the torch dtype name the trainer's autocast
     and the engines' source weights use on ``device_type``.
 
@@ -141,12 +147,18 @@ def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -
     to fp32 around each product: 30 against 149 GFLOP/s at 256 x 576 x 1,536 and 28 against 88-98
     at decode shapes on one core of an AVX-512 CPU without them, docs/PERFORMANCE.md), and float32
     where the flags cannot be read (also an ARM CPU, whose ``/proc/cpuinfo`` lists ``Features``).
-    The choice depends on the machine, not on timing; a multi-rank trainer's other ranks follow rank
-    0's, and a generator whose engine dtype differs announces it (:data:`ENGINE`).
+    The instructions are not enough: an Intel Xeon without AMX that lists AVX-512 BF16 multiplied bf16
+    at 0.5-0.7x fp32's rate (oneDNN's ``avx512_core_bf16`` kernels; docs/PERFORMANCE.md), so where
+    the caller passes ``bf16_speedup`` bfloat16 also needs it to return >= :data:`MIN_BF16_SPEEDUP`
+    (the runtime passes ``runtime.engines.precision.autocast_bf16_speedup``, a product timed once a
+    process). A multi-rank trainer's other ranks follow rank 0's, and a generator whose engine dtype
+    differs announces it (:data:`ENGINE`).
 
     Args:
         name: the configured value. device_type: ``cpu`` or ``cuda`` (the plan's device type).
         cpuinfo: ``/proc/cpuinfo``'s text (tests); default read now.
+        bf16_speedup: a callable returning fp32 seconds / bf16 seconds of the CPU's products, called
+            only for ``auto`` on a CPU with bf16 instructions; None: the instructions decide.
 
     Raises:
         ValueError: an unknown name, naming ``model.dtype``.
@@ -158,4 +170,6 @@ def model_dtype(name, device_type: str = "cpu", *, cpuinfo: str | None = None) -
         import torch
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0) else "float32"
-    return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
+    if not cpu_has_bf16(cpuinfo):
+        return "float32"
+    return "bfloat16" if bf16_speedup is None or bf16_speedup() >= MIN_BF16_SPEEDUP else "float32"

@@ -72,9 +72,9 @@ each areal-flow run first reached each TRL run's final accuracy, at what trainin
 TRL's own time (``bench/vs_trl_curve.py``); ``--areal-steps M`` lets the areal-flow runs go on
 past TRL's ``--steps`` (the same prompts in the same order, then more). ``--trl-rng 0,1`` adds a
 TRL *twin* per TRL variant: TRL's ``seed`` one higher, so only its samples differ (the policy,
-prompts in order and held-out set stay the seed's). With ``--curve`` the twin is timed against its
-rng-0 run by step (it runs TRL's code: as fast, but its loop time varies with its samples), and the
-run ends with a tally over seeds (``vs_trl_report.tally``): how often each runner reached the
+prompts in order and held-out set stay the seed's). With ``--curve`` each seed's lines give the
+twin's time to its rng-0 run's final accuracy too, and the run ends with a tally over seeds that
+counts the twin by step (it runs TRL's code: as fast, but its loop time varies with its samples) (``vs_trl_report.tally``): how often each runner reached the
 target's final accuracy within the target's time, and its mean best accuracy within that time less
 the target's final. The twin's count is the criterion's pass rate for a trainer exactly as good as
 TRL. Speed ratios are against the rng-0 runs only.
@@ -275,7 +275,7 @@ def shared_inputs(graph: str, overrides: list[str]):
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=sorted(JOBS), default="main", help="main: graphs/arith_grpo; chat: "
                         "graphs/arith_chat_grpo (SmolLM2-135M-Instruct)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: main 40, chat 6)")
@@ -302,10 +302,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--areal-steps", type=int, help="optimizer steps of the areal-flow runs (default: --steps); "
                         "with --curve, time to TRL's final accuracy beyond TRL's steps")
     args, rest = parser.parse_known_args(argv)
+    if "0" not in args.trl_rng.split(",") and args.trl_threads:
+        parser.error("--trl-rng needs 0 in its list: a twin (rng > 0) is compared with the rng-0 run")
     if args.curve and args.no_eval:  # checkpoints that nothing scores would only slow the areal-flow loop
         parser.error("--curve scores the held-out set: it cannot go with --no-eval")
-    import trl
-
+    try:
+        import trl
+    except ModuleNotFoundError:
+        parser.exit(2, f"vs_trl: needs TRL {TRL_VERSION}, which the project does not install: "
+                       "pip install -r bench/peer_requirements.txt (or pip install -e '.[peer]')\n")
     if trl.__version__ != TRL_VERSION:
         print(f"vs_trl: trl {trl.__version__} installed, the figures in docs/PERFORMANCE.md are of {TRL_VERSION} "
               "(bench/peer_requirements.txt)", flush=True)

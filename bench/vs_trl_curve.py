@@ -1,6 +1,6 @@
 """Time to accuracy for ``bench/vs_trl.py --curve N``: held-out accuracy every ``N`` optimizer
-steps on both sides, each point at the training time it was reached, and when each areal-flow
-run first reached a TRL run's final accuracy.
+steps on both sides, each point at the training time it was reached, and when each runner (an
+areal-flow run, or a TRL twin of ``--trl-rng``) first reached a TRL run's final accuracy.
 
 * TRL: :class:`Snapshots`, a ``TrainerCallback`` that copies the policy's ``state_dict`` every
   ``N`` steps (and at the last) with the time since ``train()`` began; the copying is timed
@@ -105,7 +105,7 @@ def curve_text(points: list[Point]) -> str:
 
 def reach_line(label: str, points: list[Point], trl_label: str, trl_points: list[Point]) -> str:
     """How soon ``label``'s run reached ``trl_label``'s final accuracy, against TRL's own time to it:
-    the ratio of TRL's training time at its last point to the first areal-flow point at or above it."""
+    the ratio of TRL's training time at its last point to the runner's first point at or above it."""
     steps, trl_s, target = trl_points[-1]
     hit = first_reaching(points, target)
     if hit is None:

@@ -75,7 +75,7 @@ def report(seed: int, runs: list[Variant], results: dict, before: float | None) 
         same = f"{rate / max(peer):.2f}x" if peer else "-"
         print(f"{v.label:>16} | {loop[v.label]:7.1f} | {rate:9.1f} | {share:9.0%} | {acc} | "
               f"{rate / fastest:13.2f}x | {same}")
-    for v in runs:  # --curve: every round's points, and time to each TRL run's final accuracy
+    for v in runs:  # --curve: every round's points, and each runner's time to its target's final accuracy
         for i, r in enumerate(results[(seed, v.label)]):
             if r.get("curve"):
                 print(f"  curve {v.label} round {i + 1}: {curve_text(r['curve'])}")

@@ -51,9 +51,11 @@ class WorkerContext:
         ``areal_flow.dtypes.model_dtype``): the trainer's autocast dtype and the generation engine's
         source weights' dtype."""
         from areal_flow.dtypes import model_dtype, torch_dtype
+        from runtime.engines.precision import autocast_bf16_speedup
 
         if self._dtype is None:
-            self._dtype = torch_dtype(model_dtype(self.plan.run.get("dtype", "float32"), self.plan.device_type))
+            self._dtype = torch_dtype(model_dtype(self.plan.run.get("dtype", "float32"), self.plan.device_type,
+                                                  bf16_speedup=autocast_bf16_speedup))
         return self._dtype
 
     @property

@@ -199,13 +199,14 @@ def evaluate_model(folder: str | Path, task, *, model: str, n: int = 500, sample
             training (``areal_flow.tasks.held_out.check_held_out``); OSError: the folder cannot be loaded.
     """
     from areal_flow.tasks.held_out import check_held_out
+    from runtime.engines.precision import autocast_bf16_speedup
     from runtime.model_source import load_pretrained
 
     if n < 1 or samples < 0:
         raise ValueError(f"--n must be >= 1 and --samples >= 0, got n={n}, samples={samples}")
     check_held_out(task.name, n, "--n (or eval.n_test)")
     start = time.perf_counter()
-    model_, tokenizer = load_pretrained(folder, model_dtype(dtype, "cpu"))
+    model_, tokenizer = load_pretrained(folder, model_dtype(dtype, "cpu", bf16_speedup=autocast_bf16_speedup))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     engine = GenerationEngine(model_, tokenizer, max_batch_size=max_batch_size)

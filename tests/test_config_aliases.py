@@ -174,6 +174,16 @@ def test_model_dtype_auto_is_bf16_only_where_the_device_multiplies_bf16():
     assert model_dtype("FP32", "cuda") == "float32"
     with pytest.raises(ValueError, match="model.dtype='int4': expected auto or one of"):
         model_dtype("int4")
+    # the instructions are not enough where the caller measures: bf16 products must be >= 1.3x fp32's
+    assert model_dtype("auto", "cpu", cpuinfo=amx, bf16_speedup=lambda: 2.0) == "bfloat16"
+    assert model_dtype("auto", "cpu", cpuinfo=amx, bf16_speedup=lambda: 1.3) == "bfloat16"
+    assert model_dtype("auto", "cpu", cpuinfo=amx, bf16_speedup=lambda: 0.6) == "float32"  # the Xeon of 2026-12-08
+
+    def never() -> float:
+        raise AssertionError("timed where the flags already say no, or the user chose")
+
+    assert model_dtype("auto", "cpu", cpuinfo=icelake, bf16_speedup=never) == "float32"
+    assert model_dtype("bf16", "cpu", cpuinfo=amx, bf16_speedup=never) == "bfloat16"
 
 
 @pytest.mark.parametrize("capability, chosen", [((7, 0), "float32"), ((7, 5), "float32"), ((8, 0), "bfloat16"),
@@ -190,22 +200,29 @@ def test_model_dtype_auto_on_cuda_wants_compute_capability_8(monkeypatch, capabi
     assert model_dtype("auto", "cuda") == chosen
 
 
-@pytest.mark.parametrize("has_bf16, chosen", [(True, "bfloat16"), (False, "float32")])
-def test_the_trainer_resolves_model_dtype_auto_and_says_so(tmp_path, monkeypatch, capsys, has_bf16, chosen):
-    """A CPU trainer with model.dtype=auto autocasts in bf16 only where the CPU has bf16 products,
-    and prints its choice at start; an explicit bfloat16 there warns instead."""
+@pytest.mark.parametrize("has_bf16, speedup, chosen, hardware", [
+    (True, 2.0, "bfloat16", "bf16 products in hardware"),
+    (True, 0.61, "float32", "its bf16 products 0.61x fp32's, 1.3x needed"),
+    (False, None, "float32", "none of avx512_bf16, amx_bf16 in /proc/cpuinfo")])
+def test_the_trainer_resolves_model_dtype_auto_and_says_so(tmp_path, monkeypatch, capsys, has_bf16, speedup, chosen,
+                                                          hardware):
+    """A CPU trainer with model.dtype=auto autocasts in bf16 only where the CPU has bf16 products and
+    they run faster than fp32's (timed), and prints its choice at start; an explicit bfloat16 on a
+    CPU without them warns instead."""
     import torch
 
     import areal_flow.dtypes
+    import runtime.engines.precision
     import runtime.executors.train
     from test_nonfinite import _train_executor
 
     for module in (areal_flow.dtypes, runtime.executors.train):
         monkeypatch.setattr(module, "cpu_has_bf16", lambda cpuinfo=None: has_bf16)
+    for module in (runtime.engines.precision, runtime.executors.train):
+        monkeypatch.setattr(module, "autocast_bf16_speedup", lambda: speedup)
     executor, _ = _train_executor(tmp_path, "model.dtype=auto")
     assert executor.ctx.dtype == getattr(torch, chosen)
     out = capsys.readouterr()
-    hardware = "bf16 products in hardware" if has_bf16 else "none of avx512_bf16, amx_bf16 in /proc/cpuinfo"
     assert f"train_step 'train_step': model.dtype=auto chose {chosen} on cpu ({hardware})" in out.out
     assert "areal-flow:" not in out.err
     executor, _ = _train_executor(tmp_path / "explicit", "model.dtype=bfloat16")

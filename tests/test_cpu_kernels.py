@@ -115,12 +115,13 @@ def test_a_decode_steps_new_keys_and_values_are_written_at_each_rows_length(dtyp
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # a refused call wrote nothing
     # the engine's call: this step's keys written and rows reading their first positions from another row. Row 0
     # holds no position before its new key (length 0), so row 1 may not read 5 from it; refused before any write
+    other_k, other_v = torch.randn_like(new_k.float()).to(dtype), torch.randn_like(new_k.float()).to(dtype)
     with pytest.raises(RuntimeError, match="row 1 reads 5 positions from row 0, which holds 0 before"):
-        op(q, keys, values, lens, 1 / 8, None, new_k, new_v, torch.tensor([0, 0, 2, 3]), torch.tensor([0, 5, 0, 0]))
+        op(q, keys, values, lens, 1 / 8, None, other_k, other_v, torch.tensor([0, 0, 2, 3]), torch.tensor([0, 5, 0, 0]))
     with pytest.raises(RuntimeError, match=r"prefix_rows and prefix_lens \[rows\] int64"):
-        op(q, keys, values, lens, 1 / 8, None, new_k, new_v, torch.tensor([0, 2, 2, 2], dtype=torch.int32),
+        op(q, keys, values, lens, 1 / 8, None, other_k, other_v, torch.tensor([0, 2, 2, 2], dtype=torch.int32),
            torch.tensor([0, 5, 0, 3]))
-    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # other keys refused: not written
     src, n = torch.tensor([0, 2, 2, 2]), torch.tensor([0, 5, 0, 3])
     got = op(q, keys, values, lens, 1 / 8, None, new_k, new_v, src, n)
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # the same writes at each row's length

@@ -4,6 +4,7 @@ measured), weight repacking after updates, and the two-level inverse-CDF draw.""
 import math
 import os
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,18 @@ def test_auto_takes_bf16_only_when_measured_faster_and_caches(monkeypatch, fp32_
 def test_auto_measures_real_decode_steps():
     fp32_s, bf16_s = precision._decode_step_seconds(_model(0), "cpu", 4, (torch.float32, torch.bfloat16))
     assert 0 < fp32_s < 1 and 0 < bf16_s < 1
+
+
+def test_the_autocast_check_times_both_products_once_per_thread_count(monkeypatch):
+    """model.dtype=auto's timing (areal_flow.dtypes.model_dtype): best fp32 over best bf16 seconds of
+    one product, after a warm-up round, measured once per thread count."""
+    monkeypatch.setattr(precision, "_AUTOCAST_SPEEDUP", {})
+    # the readings, fp32 then bf16 each round: the warm-up reads only its starts; then start/end pairs,
+    # fp32 3 s and 4 s, bf16 1 s and 2 s: best 3 / best 1 = 3.0
+    clock = iter([0.0, 0.0, 0.0, 3.0, 3.0, 4.0, 4.0, 8.0, 8.0, 10.0])
+    monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert precision.autocast_bf16_speedup(rows=4, size=8, rounds=2) == 3.0
+    assert precision.autocast_bf16_speedup(rows=4, size=8, rounds=2) == 3.0  # cached: no clock left to read
 
 
 def test_bf16_engine_repacks_on_update_and_tags_versions():

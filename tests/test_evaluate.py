@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from areal_flow.config import ExperimentConfig
+from areal_flow.models.tiny import build_model
+from areal_flow.models.tokenizer import build_char_tokenizer
 from areal_flow.tasks.arithmetic import ArithmeticTask
 from runtime.evaluate import eval_task, pass_at_k
 
@@ -133,6 +135,30 @@ def test_eval_of_a_graph_starts_from_the_model_its_run_starts_from(monkeypatch, 
         assert folder == Path("/nowhere/warm") and kw["n"] == 3 and kw["dtype"] == "float32"
         assert task.test_set(3) == ArithmeticTask(seed=1, max_digits=2).test_set(3)
     assert "note: no --config" not in capsys.readouterr().err
+
+
+def test_eval_of_a_run_folders_model_reads_the_runs_config(monkeypatch, capsys, tmp_path):
+    """``areal-flow eval runs/<name>/model`` scores under ``runs/<name>/config.yaml`` (the run's task:
+    2-digit problems here, not the defaults' 3) and says so; another folder without --config gets the
+    defaults and a note naming what they set."""
+    from areal_flow.cli import main
+
+    monkeypatch.chdir(ROOT)
+    _, evals = _record_warm_starts(monkeypatch)
+    run = tmp_path / "runs" / "mine"
+    tokenizer = build_char_tokenizer()
+    for folder in (run / "model", tmp_path / "loose"):  # two transformers folders, one in a run
+        build_model("tiny-s", len(tokenizer)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    (run / "config.yaml").write_text("seed: 1\ndataset:\n  name: arithmetic\n  max_digits: 2\neval:\n  n_test: 4\n")
+    assert main(["eval", str(run / "model")]) == 0
+    err = capsys.readouterr().err
+    assert f"is scored under its run's config, {run / 'config.yaml'}" in err
+    folder, task, kw = evals[-1]
+    assert folder == run / "model" and kw["n"] == 4
+    assert task.test_set(4) == ArithmeticTask(seed=1, max_digits=2).test_set(4)
+    assert main(["eval", str(tmp_path / "loose"), "--n", "2"]) == 0
+    assert "note: no --config: the defaults set the task (dataset.*) and the decoding (gen.*)" in capsys.readouterr().err
 
 
 def test_eval_help_says_which_model_it_evaluates():

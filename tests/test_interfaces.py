@@ -215,7 +215,10 @@ def test_gen_vllm_compile_reaches_vllm_engine_args(monkeypatch, tmp_path):
     import areal_flow.dtypes
     from runtime.context import WorkerContext
 
+    import runtime.engines.precision
+
     monkeypatch.setattr(areal_flow.dtypes, "cpu_has_bf16", lambda cpuinfo=None: True)  # an AMX / AVX-512 BF16 CPU
+    monkeypatch.setattr(runtime.engines.precision, "autocast_bf16_speedup", lambda: 3.0)  # bf16 products as on AMX
     plan = SimpleNamespace(run={"dtype": "auto", "seed": 0}, device_type="cpu")
     ctx = WorkerContext(plan, {node.model: str(tmp_path)}, tmp_path, _tokenizer=TOK)
     node.attrs["engine"] = "vllm"

@@ -32,9 +32,14 @@ def test_tally_counts_reaching_in_time_for_areal_and_by_the_last_step_for_a_twin
         results[(seed, "areal k=2")] = [{"curve": areal[seed]}]
         results[(seed, "TRL fp32")] = [{"curve": trl[seed]}]
         results[(seed, "TRL fp32 rng+1")] = [{"curve": twin[seed]}]
+    results[(3, "areal k=2")] = [{"curve": [(200, 50.0, 0.95)]}]  # its only point after TRL's 40 s
+    results[(3, "TRL fp32")] = [{"curve": trl[1]}]
+    results[(3, "TRL fp32 rng+1")] = [{"curve": twin[1]}]
     tally(runs, results)
     out = capsys.readouterr().out
+    # seed 3: areal reached 0.90 only after TRL's time (not counted) and has no point within it (left out)
+    assert "areal k=2 -> TRL fp32's final: 1 of 3; best within its time -0.5 points on average (1 with no point " \
+        "within it, left out of the mean)" in out
     # areal: seed 1 best within 40 s is 0.91 (+1 point), seed 2 0.83 (-2 points): mean -0.5
-    assert "areal k=2 -> TRL fp32's final: 1 of 2; best within its time -0.5 points" in out
-    # twin, by step (<= 400): seed 1 best 0.92 (+2 points), seed 2 0.84 (-1): mean +0.5
-    assert "TRL fp32 rng+1 -> TRL fp32's final: 1 of 2; best within its time +0.5 points" in out
+    # twin, by step (<= 400): seed 1 best 0.92 (+2 points), seed 2 0.84 (-1), seed 3 as seed 1 (+2): mean +1.0
+    assert "TRL fp32 rng+1 -> TRL fp32's final: 2 of 3; best within its time +1.0 points" in out

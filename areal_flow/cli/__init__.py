@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the pass@k samples")
     p.add_argument("--out", help="also write the JSON result here")
     p.add_argument("--config", help="YAML config of the run to match: seed, model.dtype, warm_start, dataset.* "
-                   "(default: the .yaml beside a graph file; for a model, none: the defaults, as a run without one)")
+                   "(default: the .yaml beside a graph file; for runs/<name>/model, runs/<name>/config.yaml; for "
+                   "another model, none: the defaults, as a run without one)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, as the run's, e.g. seed=2 "
                    "dataset.max_digits=3")
     p.set_defaults(func=_cmd_eval)

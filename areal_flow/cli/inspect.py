@@ -18,7 +18,8 @@ def eval_command(args: argparse.Namespace) -> int:
     """``areal-flow eval``: greedy accuracy and pass@k, as JSON, of the model a graph's run starts
     from (a ``.py`` graph file: compiled with its config as ``run`` does,
     ``runtime.evaluate.start_of_run``) or of a model spec under ``--config`` on the task
-    ``--task`` (default: the config's ``dataset.name``; ``eval_task``).
+    ``--task`` (default: the config's ``dataset.name``; ``eval_task``). Without ``--config``, a run's
+    model folder (``runs/<name>/model``) is scored under that run's ``config.yaml``.
 
     Raises:
         CLIError: the ``--out`` folder is missing, ``--task`` differs from a graph's dataset, or the
@@ -45,15 +46,18 @@ def eval_command(args: argparse.Namespace) -> int:
             from areal_flow.models.names import resolve_name
             from runtime.model_source import prepare_initial_model
 
-            cfg = load_config(args.config, args.overrides)
+            config = args.config if args.config is not None else _run_config(args.model)
+            cfg = load_config(config, args.overrides)
             cfg.dataset.name = args.task or cfg.dataset.name
             task = eval_task(cfg)
             cfg.model.path = args.model
-            if args.config is None and resolve_name(args.model).kind == "tiny":
-                print(f"areal-flow eval: note: no --config: {args.model} is warm-started under the default config "
-                      "(as a run without a YAML starts); give a graph file, e.g. graphs/arith_grpo.py, for the model "
-                      "its run starts from", file=sys.stderr)
             folder, chat_template = prepare_initial_model(cfg, task, progress=True), None
+            if config is None:
+                tiny = resolve_name(args.model).kind == "tiny"
+                print(f"areal-flow eval: note: no --config: the defaults set the task (dataset.*) and the decoding "
+                      f"(gen.*){f', and {args.model} is warm-started under them' if tiny else ''}; give the run's "
+                      "config (--config runs/<name>/config.yaml) or a graph file (graphs/arith_grpo.py) to match "
+                      "a run", file=sys.stderr)
         result = evaluate_model(folder, task, model=args.model, n=args.n or cfg.eval.n_test, samples=args.samples,
                                 temperature=args.temperature, dtype=cfg.model.dtype, chat_template=chat_template)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
@@ -63,6 +67,17 @@ def eval_command(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     return 0
+
+
+def _run_config(model: str) -> str | None:
+    """The config of the run a model folder came from (``runs/<name>/model`` ->
+    ``runs/<name>/config.yaml``, which every run writes), said on stderr; None for anything else."""
+    beside = Path(model).parent / "config.yaml"
+    if not (Path(model).is_dir() and beside.is_file()):
+        return None
+    print(f"areal-flow eval: note: {model} is scored under its run's config, {beside} (--config picks another)",
+          file=sys.stderr)
+    return str(beside)
 
 
 def _run_folder(path: str) -> Path:

@@ -27,6 +27,9 @@ from areal_flow.dtypes import torch_dtype
 MIN_SPEEDUP = 1.3
 """``auto`` picks the 16-bit type only when its decode step is this many times faster than fp32."""
 
+_AUTOCAST_SPEEDUP: dict[int, float] = {}
+"""Per torch thread count: :func:`autocast_bf16_speedup`'s measurement."""
+
 _CHOICES: dict[tuple, tuple[torch.dtype, float]] = {}
 """Per (device, rows, model shape): ``auto``'s choice and its measured speedup (below)."""
 
@@ -64,6 +67,29 @@ def auto_speedup(device: str, rows: int, model: torch.nn.Module, cpu_kernels: st
     :func:`engine_dtype` has not measured it in this process (e.g. ``gen.dtype`` forced)."""
     choice = _CHOICES.get(_key(device, rows, model, cpu_kernels))
     return None if choice is None else choice[1]
+
+
+def autocast_bf16_speedup(rows: int = 512, size: int = 1024, rounds: int = 5) -> float:
+    """fp32 seconds / bf16 seconds of ``F.linear`` of ``[rows, size]`` by ``[size, size]`` on the CPU
+    at torch's current threads: the product a trainer's bf16 autocast runs (a fresh bf16 weight,
+    no pre-packed layout), timed interleaved, best of ``rounds`` after a warm-up (~0.1 s at 150
+    GFLOP/s). ``model.dtype=auto`` takes bf16 only where this is >= ``MIN_BF16_SPEEDUP``
+    (``areal_flow.dtypes.model_dtype``). Cached per thread count in the process."""
+    threads = torch.get_num_threads()
+    if threads not in _AUTOCAST_SPEEDUP:
+        gen = torch.Generator().manual_seed(0)
+        pairs = {d: (torch.randn(rows, size, generator=gen).to(d), torch.randn(size, size, generator=gen).to(d))
+                 for d in (torch.float32, torch.bfloat16)}
+        best = dict.fromkeys(pairs, float("inf"))
+        with torch.inference_mode():
+            for round_ in range(rounds + 1):
+                for d, (x, w) in pairs.items():
+                    start = time.perf_counter()
+                    torch.nn.functional.linear(x, w)
+                    if round_:
+                        best[d] = min(best[d], time.perf_counter() - start)
+        _AUTOCAST_SPEEDUP[threads] = best[torch.float32] / best[torch.bfloat16]
+    return _AUTOCAST_SPEEDUP[threads]
 
 
 def _key(device: str, rows: int, model: torch.nn.Module, cpu_kernels: str) -> tuple:

@@ -63,8 +63,8 @@ class Copy:
 
     @property
     def length(self) -> int:
-        """Positions to copy in one slice for every pair (the longest; a row's forward
-        overwrites what it copied past its own length)."""
+        """Positions to copy in one slice for every pair (the longest; what a row gets past its
+        own ``lengths[i]`` is overwritten by its forward, or by decode before decode reads it)."""
         return max(self.lengths)
 
 

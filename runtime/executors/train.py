@@ -30,9 +30,10 @@ from areal_flow.algorithms.critic_update import critic_update
 from areal_flow.algorithms.dapo import overlong_filter
 from areal_flow.algorithms.loss_scale import LossScaler, fp16_autocast
 from areal_flow.algorithms.lr_schedule import set_lr
-from areal_flow.dtypes import AUTO, BF16_CPU_FLAGS, cpu_has_bf16
+from areal_flow.dtypes import AUTO, BF16_CPU_FLAGS, MIN_BF16_SPEEDUP, cpu_has_bf16
 from areal_flow.models.quiet import no_progress_bars
 from areal_flow.values import Advantages, Stats, Weights
+from runtime.engines.precision import autocast_bf16_speedup
 from runtime.nonfinite import NonFiniteGuard
 from runtime.rank_commands import broadcast_command
 from runtime.executors.train_settings import TrainSettings, micro_batch_size
@@ -116,7 +117,8 @@ class TrainStepExecutor:
         no_bf16_cpu = has_bf16 is False
         hardware = (f"none of {', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo" if no_bf16_cpu else
                     "bf16 products in hardware" if chosen == "bfloat16" else
-                    "no CPU flags to read" if self.device == "cpu" else "compute capability below 8.0")
+                    f"its bf16 products {autocast_bf16_speedup():.2f}x fp32's, {MIN_BF16_SPEEDUP}x needed" if has_bf16
+                    else "no CPU flags to read" if self.device == "cpu" else "compute capability below 8.0")
         if configured == AUTO and self.ctx.rank == 0:
             print(f"{node.op} '{node.name}': model.dtype=auto chose {chosen} on {self.device} ({hardware})", flush=True)
         elif chosen == "bfloat16" and no_bf16_cpu:
