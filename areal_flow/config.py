@@ -46,7 +46,7 @@ class ModelConfig:
     dtype: str = "float32"
     """float32 (fp32), bfloat16 (bf16), float16 (fp16) or auto; spellings are normalised to the torch name; auto is
     bfloat16 where the device multiplies bf16 in hardware (CUDA compute capability >= 8.0; a CPU with AVX-512 BF16 or
-    AMX) and float32 elsewhere, decided by each worker (areal_flow.dtypes.model_dtype; the trainer prints its choice). The
+    AMX whose timed bf16 product runs >= 1.3x fp32's) and float32 elsewhere, decided by each worker (areal_flow.dtypes.model_dtype; the trainer prints its choice). The
     generation engine loads the policy in it (and decodes in gen.dtype); trainers keep fp32 master weights and optimizer state and run
     forward/backward under torch.autocast in it (fp16 with dynamic loss scaling: algorithms/loss_scale.py); log-softmax
     and the importance ratio stay fp32 (on CPU the packed attention too: torch's bf16 CPU attention backward is ~3x

@@ -33,7 +33,7 @@ trainer and optimizer fp32; TRL ``bf16=False``: everything fp32) and each side's
 (areal-flow ``gen.dtype=auto``, the chat yaml's: the engine decodes in bf16 with the final norm +
 LM head fp32 when its bf16 step is >= 1.3x fp32's at start-up, else fp32, it prints which; the
 trainer as ``model.dtype`` says: the chat yaml's ``auto``, bf16 autocast over fp32 master weights
-and AdamW where the CPU has bf16 products (AMX / AVX-512 BF16), else fp32; or as ``--trainer-dtype``
+and AdamW where the CPU has bf16 products (AMX / AVX-512 BF16, timed >= 1.3x fp32's), else fp32; or as ``--trainer-dtype``
 sets it; TRL
 ``bf16=True``: weights, gradients and AdamW fp32, every forward, generation included, under
 ``torch.autocast("cpu", bfloat16)`` through accelerate's wrapped ``forward``, the backward in the
@@ -302,7 +302,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--areal-steps", type=int, help="optimizer steps of the areal-flow runs (default: --steps); "
                         "with --curve, time to TRL's final accuracy beyond TRL's steps")
     args, rest = parser.parse_known_args(argv)
-    if "0" not in args.trl_rng.split(",") and args.trl_threads:
+    if 0 not in ([int(r) for r in args.trl_rng.split(",") if r.strip()] or [0]) and args.trl_threads:
         parser.error("--trl-rng needs 0 in its list: a twin (rng > 0) is compared with the rng-0 run")
     if args.curve and args.no_eval:  # checkpoints that nothing scores would only slow the areal-flow loop
         parser.error("--curve scores the held-out set: it cannot go with --no-eval")

@@ -228,3 +228,11 @@ def test_the_trainer_resolves_model_dtype_auto_and_says_so(tmp_path, monkeypatch
     executor, _ = _train_executor(tmp_path / "explicit", "model.dtype=bfloat16")
     assert executor.ctx.dtype == torch.bfloat16
     assert ("without bf16 hardware" in capsys.readouterr().err) is not has_bf16
+
+    def never() -> float:
+        raise AssertionError("timed for a dtype the user chose")
+
+    for module in (runtime.engines.precision, runtime.executors.train):
+        monkeypatch.setattr(module, "autocast_bf16_speedup", never)
+    executor, _ = _train_executor(tmp_path / "fp32", "model.dtype=float32")
+    assert executor.ctx.dtype == torch.float32

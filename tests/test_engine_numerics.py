@@ -91,6 +91,7 @@ def test_the_autocast_check_times_both_products_once_per_thread_count(monkeypatc
     monkeypatch.setattr(precision, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     assert precision.autocast_bf16_speedup(rows=4, size=8, rounds=2) == 3.0
     assert precision.autocast_bf16_speedup(rows=4, size=8, rounds=2) == 3.0  # cached: no clock left to read
+    assert precision._AUTOCAST_SPEEDUP == {torch.get_num_threads(): 3.0}  # kept under this thread count
 
 
 def test_bf16_engine_repacks_on_update_and_tags_versions():

@@ -151,6 +151,7 @@ def test_eval_of_a_run_folders_model_reads_the_runs_config(monkeypatch, capsys, 
         build_model("tiny-s", len(tokenizer)).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     (run / "config.yaml").write_text("seed: 1\ndataset:\n  name: arithmetic\n  max_digits: 2\neval:\n  n_test: 4\n")
+    (run / "plan.json").write_text("{}")  # what makes the folder a run's
     assert main(["eval", str(run / "model")]) == 0
     err = capsys.readouterr().err
     assert f"is scored under its run's config, {run / 'config.yaml'}" in err
@@ -159,6 +160,10 @@ def test_eval_of_a_run_folders_model_reads_the_runs_config(monkeypatch, capsys, 
     assert task.test_set(4) == ArithmeticTask(seed=1, max_digits=2).test_set(4)
     assert main(["eval", str(tmp_path / "loose"), "--n", "2"]) == 0
     assert "note: no --config: the defaults set the task (dataset.*) and the decoding (gen.*)" in capsys.readouterr().err
+    (run / "config.yaml").write_text("seed: 1\ntrain:\n  stepz: 3\n")  # an older run's key, or a typo
+    assert main(["eval", str(run / "model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stepz" in err and "(--config FILE scores under another config)" in err
 
 
 def test_eval_help_says_which_model_it_evaluates():

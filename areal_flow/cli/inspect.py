@@ -47,7 +47,10 @@ def eval_command(args: argparse.Namespace) -> int:
             from runtime.model_source import prepare_initial_model
 
             config = args.config if args.config is not None else _run_config(args.model)
-            cfg = load_config(config, args.overrides)
+            try:
+                cfg = load_config(config, args.overrides)
+            except ValueError as exc:  # ConfigError too: an older run's keys, a bad override
+                raise CLIError(f"{str(exc).splitlines()[0]} (--config FILE scores under another config)") from None
             cfg.dataset.name = args.task or cfg.dataset.name
             task = eval_task(cfg)
             cfg.model.path = args.model
@@ -71,9 +74,11 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def _run_config(model: str) -> str | None:
     """The config of the run a model folder came from (``runs/<name>/model`` ->
-    ``runs/<name>/config.yaml``, which every run writes), said on stderr; None for anything else."""
-    beside = Path(model).parent / "config.yaml"
-    if not (Path(model).is_dir() and beside.is_file()):
+    ``runs/<name>/config.yaml``, which every run writes beside its ``plan.json``), said on stderr;
+    None for anything else."""
+    run = Path(model).parent
+    beside = run / "config.yaml"
+    if not (Path(model).is_dir() and beside.is_file() and (run / "plan.json").is_file()):
         return None
     print(f"areal-flow eval: note: {model} is scored under its run's config, {beside} (--config picks another)",
           file=sys.stderr)

@@ -1,7 +1,11 @@
 """The embedded engine's dtype: forced by config (``gen.dtype``) or chosen by a measured
-check; and the matrix-product timing the throughput benchmark uses as the roofline.
+check; the trainer's autocast check for ``model.dtype=auto`` (:func:`autocast_bf16_speedup`); and
+the matrix-product timing the throughput benchmark uses as the roofline.
 
-Owns the choice only; the decoder (``runtime.engines.decoder``) casts to it.
+Owns the choices only; the decoder (``runtime.engines.decoder``) and the trainer cast to them.
+The trainer's check times one product, not a step: a training step is a few large products
+(hundreds of tokens a row), which a cache-resident product predicts, where a decode step (below)
+is memory- and overhead-bound.
 
 ``auto`` builds the engine's decoder in fp32 and in the device's 16-bit type (bf16 on
 CPU, where AMX / AVX-512-BF16 units make it fast and plain AVX-512 makes it slower; fp16
