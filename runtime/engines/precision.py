@@ -82,18 +82,28 @@ def autocast_bf16_speedup(rows: int = 512, size: int = 1024, rounds: int = 5) ->
     threads = torch.get_num_threads()
     if threads not in _AUTOCAST_SPEEDUP:
         gen = torch.Generator().manual_seed(0)
-        pairs = {d: (torch.randn(rows, size, generator=gen).to(d), torch.randn(size, size, generator=gen).to(d))
-                 for d in (torch.float32, torch.bfloat16)}
-        best = dict.fromkeys(pairs, float("inf"))
+        pairs = [(torch.randn(rows, size, generator=gen).to(d), torch.randn(size, size, generator=gen).to(d))
+                 for d in (torch.float32, torch.bfloat16)]
         with torch.inference_mode():
-            for round_ in range(rounds + 1):
-                for d, (x, w) in pairs.items():
-                    start = time.perf_counter()
-                    torch.nn.functional.linear(x, w)
-                    if round_:
-                        best[d] = min(best[d], time.perf_counter() - start)
-        _AUTOCAST_SPEEDUP[threads] = best[torch.float32] / best[torch.bfloat16]
+            fp32_s, bf16_s = _interleaved_best([lambda x=x, w=w: torch.nn.functional.linear(x, w) for x, w in pairs],
+                                               rounds)
+        _AUTOCAST_SPEEDUP[threads] = fp32_s / bf16_s
     return _AUTOCAST_SPEEDUP[threads]
+
+
+def _interleaved_best(calls: list, rounds: int, sync=lambda: None) -> list[float]:
+    """Best seconds of each of ``calls`` over ``rounds`` rounds of one call of each in turn, after
+    a warm-up round (kernel choice, weight layout); ``sync`` waits for the device around each."""
+    best = [float("inf")] * len(calls)
+    for round_ in range(rounds + 1):
+        for i, call in enumerate(calls):
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def _key(device: str, rows: int, model: torch.nn.Module, cpu_kernels: str) -> tuple:
@@ -166,15 +176,14 @@ def matmul_seconds(device: str, rows: int, weights: list[torch.Tensor], dtypes: 
         if kernel_products(kernels, d):
             variants.append((i, x.to(dev, d), [pack_weight(w, rows, kernels) for w in plain]))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def passes(xd, ws):
+        for _ in range(calls):
+            for w in ws:
+                linear(xd, w, None)
+
+    seconds = _interleaved_best([lambda xd=xd, ws=ws: passes(xd, ws) for _, xd, ws in variants], repeats, sync)
     best = [float("inf")] * len(dtypes)
-    for round_ in range(repeats + 1):  # round 0 warms up (kernel choice, weight layout)
-        for i, xd, ws in variants:
-            sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                for w in ws:
-                    linear(xd, w, None)
-            sync()
-            if round_:
-                best[i] = min(best[i], (time.perf_counter() - start) / calls)
+    for (i, _, _), s in zip(variants, seconds):  # a dtype's fastest product
+        best[i] = min(best[i], s / calls)
     return best

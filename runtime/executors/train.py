@@ -114,18 +114,24 @@ class TrainStepExecutor:
         configured = str(self.ctx.plan.run.get("dtype", "float32")).lower()
         chosen = str(self.ctx.dtype).removeprefix("torch.")
         has_bf16 = cpu_has_bf16() if self.device == "cpu" else None
-        no_bf16_cpu = has_bf16 is False
-        hardware = lambda: (f"none of {', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo" if no_bf16_cpu else  # noqa: E731
-                            "bf16 products in hardware" if chosen == "bfloat16" else
-                            f"its bf16 products {autocast_bf16_speedup():.2f}x fp32's, {MIN_BF16_SPEEDUP}x needed"
-                            if has_bf16 else "no CPU flags to read" if self.device == "cpu" else
-                            "compute capability below 8.0")  # auto's reason; an explicit dtype times nothing
         if configured == AUTO and self.ctx.rank == 0:
-            print(f"{node.op} '{node.name}': model.dtype=auto chose {chosen} on {self.device} ({hardware()})", flush=True)
-        elif chosen == "bfloat16" and no_bf16_cpu:
+            print(f"{node.op} '{node.name}': model.dtype=auto chose {chosen} on {self.device} "
+                  f"({self._dtype_reason(chosen, has_bf16)})", flush=True)
+        elif chosen == "bfloat16" and has_bf16 is False:
             print(f"areal-flow: {node.op} '{node.name}': model.dtype=bfloat16 on a CPU without bf16 hardware "
-                  f"({hardware()}): its autocast step runs slower than float32 here; pass model.dtype=auto or float32",
-                  file=sys.stderr, flush=True)
+                  f"({self._dtype_reason(chosen, has_bf16)}): its autocast step runs slower than float32 here; pass "
+                  "model.dtype=auto or float32", file=sys.stderr, flush=True)
+
+    def _dtype_reason(self, chosen: str, has_bf16: bool | None) -> str:
+        """Why the device gives ``chosen``: the CPU flags, or (bf16 instructions, fp32 chosen) the
+        timed bf16 product ``model.dtype=auto`` measured; only auto's choice is ever timed."""
+        if has_bf16 is False:
+            return f"none of {', '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo"
+        if chosen == "bfloat16":
+            return "bf16 products in hardware"
+        if has_bf16:
+            return f"its bf16 products {autocast_bf16_speedup():.2f}x fp32's, {MIN_BF16_SPEEDUP}x needed"
+        return "no CPU flags to read" if self.device == "cpu" else "compute capability below 8.0"
 
     def run(self, inputs: dict, info: dict) -> dict:
         adv: Advantages = inputs[self.port]
